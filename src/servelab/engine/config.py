@@ -1,0 +1,36 @@
+"""Engine configuration: the scheduling and KV-cache knobs (vLLM's names where they exist)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Scheduling and cache limits.
+
+    ``num_kv_blocks`` None means "size the pool from ``kv_cache_memory_gb``" (the
+    runner knows the bytes per block); the simulator sets it directly.
+    """
+
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 64  # cap on sequences in one step
+    max_model_len: int | None = None  # None: the model's context length
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_queue: int | None = None  # waiting requests beyond which the server answers 429
+
+    def validate(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")

@@ -1,0 +1,262 @@
+"""The one vocabulary of servelab (see DESIGN.md, "One vocabulary").
+
+Every part -- engine, server, benchmark client, analysis, report, simulator -- speaks
+in these names. This module imports nothing heavy (no torch, no numpy) so that any
+layer can use it.
+
+Clocks: every timestamp is seconds from ``time.monotonic()``. On Linux that clock is
+system-wide, so a server timeline and a client record taken on the same host can be
+joined exactly by request id. Across hosts only durations are comparable.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class Phase(str, enum.Enum):
+    """Server-side request lifecycle: QUEUED -> PREFILL (chunks) -> DECODE -> FINISHED.
+
+    A preempted request goes back to QUEUED and its KV cache is recomputed.
+    """
+
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the context is full
+    ABORT = "abort"  # the client went away or the request was cancelled
+    ERROR = "error"  # the engine failed the request
+
+
+@dataclass
+class PrefillChunk:
+    """One prefill chunk of one request, as executed in one engine step."""
+
+    step_id: int
+    start: float  # step start
+    end: float  # step end
+    tokens: int  # prompt tokens computed in this chunk
+    cached_tokens: int = 0  # prompt tokens skipped thanks to the prefix cache (first chunk only)
+
+
+@dataclass
+class SpecRecord:
+    """Speculative tokens for one request in one step."""
+
+    step_id: int
+    proposed: int
+    accepted: int
+
+
+@dataclass
+class RequestTimeline:
+    """What happened to one request inside the server.
+
+    ``queued`` holds every time the request entered the waiting queue: arrival,
+    and again after each preemption. ``token_times`` holds one entry per emitted
+    output token (several tokens of one step share a timestamp).
+    """
+
+    request_id: str
+    arrival: float
+    priority: int = 0
+    prompt_tokens: int = 0
+    queued: list[float] = field(default_factory=list)
+    scheduled: list[float] = field(default_factory=list)  # each admission from the queue
+    chunks: list[PrefillChunk] = field(default_factory=list)
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: list[float] = field(default_factory=list)
+    spec: list[SpecRecord] = field(default_factory=list)
+    finished: float | None = None
+    finish_reason: FinishReason | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (sum over admissions)
+    error: str | None = None
+
+    # Derived phase durations (seconds). Defined here once.
+    @property
+    def queue_time(self) -> float:
+        """Arrival to the first admission (vLLM's request_queue_time_seconds)."""
+        return (self.scheduled[0] - self.arrival) if self.scheduled else 0.0
+
+    @property
+    def prefill_time(self) -> float:
+        """First admission to the first token (vLLM's request_prefill_time_seconds)."""
+        if not self.scheduled or self.first_token is None:
+            return 0.0
+        return self.first_token - self.scheduled[0]
+
+    @property
+    def decode_time(self) -> float:
+        """First token to finish (vLLM's request_decode_time_seconds)."""
+        if self.first_token is None or self.finished is None:
+            return 0.0
+        return self.finished - self.first_token
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["finish_reason"] = self.finish_reason.value if self.finish_reason else None
+        d["queue_time"] = self.queue_time
+        d["prefill_time"] = self.prefill_time
+        d["decode_time"] = self.decode_time
+        return d
+
+    def summary(self) -> dict[str, Any]:
+        """The compact phase timings returned to the client in the final chunk/response."""
+        return {
+            "request_id": self.request_id,
+            "arrival": self.arrival,
+            "queue_time": self.queue_time,
+            "prefill_time": self.prefill_time,
+            "decode_time": self.decode_time,
+            "prefill_chunks": [[c.tokens, c.cached_tokens, c.end - c.start] for c in self.chunks],
+            "cached_prompt_tokens": self.cached_tokens,
+            "preemptions": len(self.preemptions),
+            "finish_reason": self.finish_reason.value if self.finish_reason else None,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RequestTimeline:
+        d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        d["chunks"] = [PrefillChunk(**c) for c in d.get("chunks", [])]
+        d["spec"] = [SpecRecord(**s) for s in d.get("spec", [])]
+        if d.get("finish_reason") is not None:
+            d["finish_reason"] = FinishReason(d["finish_reason"])
+        return cls(**d)
+
+
+@dataclass
+class StepRecord:
+    """One engine step: what ran together, and how long it took.
+
+    ``prefill`` maps request id -> prompt tokens computed in this step;
+    ``decode`` lists the request ids that took a decode token.
+    """
+
+    step_id: int
+    start: float
+    end: float
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    prefill: dict[str, int] = field(default_factory=dict)
+    decode: list[str] = field(default_factory=list)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_waiting: int = 0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepRecord:
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class ClientRecord:
+    """What the benchmark client saw of one request. One line of ``requests.jsonl``.
+
+    Times are ``time.monotonic()`` seconds. ``chunk_times[i]`` is when the i-th
+    token-bearing chunk arrived and ``chunk_tokens[i]`` how many output tokens it
+    carried (several with speculative decoding). Chunks without tokens (role-only,
+    usage-only) are not listed.
+    """
+
+    request_id: str
+    workload_class: str
+    intended_send: float
+    actual_send: float
+    input_tokens: int = 0
+    output_tokens: int = 0
+    token_source: str = "usage"  # "usage" (server) or "client" (re-count)
+    client_output_tokens: int | None = None  # client re-count, for the disagreement check
+    requested_output_tokens: int | None = None
+    stream: bool = True
+    first_byte: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    done: float | None = None
+    status: int | None = None  # HTTP status
+    error: str | None = None  # None means success
+    session_id: str | None = None
+    turn: int = 0
+    prefix_group: str | None = None
+    stage: str | None = None  # sweep stage label
+    server_timeline: dict[str, Any] | None = None  # the summary the server returned, if any
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    # --- metric definitions (DESIGN.md "Metrics"); matched to vLLM's bench definitions ---
+
+    @property
+    def ttft(self) -> float | None:
+        """TTFT: actual send -> first chunk carrying an output token."""
+        if not self.chunk_times:
+            return None
+        return self.chunk_times[0] - self.actual_send
+
+    @property
+    def ttft_intended(self) -> float | None:
+        """TTFT from the intended send time: exposes the client's own queueing."""
+        if not self.chunk_times:
+            return None
+        return self.chunk_times[0] - self.intended_send
+
+    @property
+    def send_lag(self) -> float:
+        """How late the client sent the request compared with the arrival schedule."""
+        return self.actual_send - self.intended_send
+
+    @property
+    def itls(self) -> list[float]:
+        """ITL: gaps between consecutive token-bearing chunks (vLLM's definition)."""
+        t = self.chunk_times
+        return [t[i + 1] - t[i] for i in range(len(t) - 1)]
+
+    @property
+    def e2e(self) -> float | None:
+        """E2E: actual send -> last byte."""
+        if self.done is None:
+            return None
+        return self.done - self.actual_send
+
+    @property
+    def tpot(self) -> float | None:
+        """TPOT: (e2e - ttft) / (output_tokens - 1)."""
+        if self.e2e is None or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ClientRecord:
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+# Metric names as used in metrics.json, tables and the report.
+LATENCY_METRICS = ("ttft", "ttft_intended", "itl", "tpot", "e2e")
+PERCENTILES = (50, 90, 95, 99)
+
+
+def finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
