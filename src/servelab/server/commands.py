@@ -1,9 +1,97 @@
-"""CLI commands of this subsystem (registered by servelab.cli). No heavy imports at module level."""
+"""`servelab serve`: the OpenAI-compatible server. No heavy imports at module level."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
+
+from servelab.server.args import API_KEY_ENV, DEFAULT_MODEL, ServerArgs
+
+
+def serve(
+    model: str = typer.Option(
+        DEFAULT_MODEL, help="Model short name, HF directory or .gguf file."
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, help="Port to bind; 0 picks a free one."),
+    api_key: Optional[str] = typer.Option(  # noqa: UP007 (typer needs Optional on py3.10)
+        None,
+        envvar=API_KEY_ENV,
+        show_default=False,
+        help=f"Require 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_ENV}).",
+    ),
+    served_model_name: Optional[str] = typer.Option(  # noqa: UP007
+        None, help="Name clients pass as 'model' (default: --model)."
+    ),
+    max_num_batched_tokens: Optional[int] = typer.Option(  # noqa: UP007
+        None, help="Token budget of one engine step."
+    ),
+    max_num_seqs: Optional[int] = typer.Option(  # noqa: UP007
+        None, help="Most sequences in one engine step."
+    ),
+    max_model_len: Optional[int] = typer.Option(  # noqa: UP007
+        None, help="Context length (default: the model's)."
+    ),
+    enable_chunked_prefill: bool = typer.Option(
+        True, "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prefills."
+    ),
+    enable_prefix_caching: bool = typer.Option(
+        True, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse cached prompt blocks."
+    ),
+    num_gpu_blocks_override: Optional[int] = typer.Option(  # noqa: UP007
+        None, help="KV cache size in blocks (overrides --kv-cache-memory)."
+    ),
+    kv_cache_memory: Optional[str] = typer.Option(  # noqa: UP007
+        None, help="KV cache size, e.g. 2G or 512MiB (a bare number is GiB; default 2)."
+    ),
+    block_size: Optional[int] = typer.Option(None, help="Tokens per KV block."),  # noqa: UP007
+    max_queue: Optional[int] = typer.Option(  # noqa: UP007
+        None, help="Waiting requests beyond which new ones get 429 with Retry-After."
+    ),
+    device: Optional[str] = typer.Option(  # noqa: UP007
+        None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)."
+    ),
+    threads: Optional[int] = typer.Option(  # noqa: UP007
+        None, help="Torch threads of the engine core (default: usable CPUs - 1, at least 1)."
+    ),
+    shutdown_timeout: float = typer.Option(
+        30.0, help="On SIGTERM, seconds to let in-flight requests finish before aborting them."
+    ),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
+    args = ServerArgs(
+        model=model,
+        host=host,
+        port=port,
+        api_key=api_key,
+        served_model_name=served_model_name,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        enable_prefix_caching=enable_prefix_caching,
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        kv_cache_memory=kv_cache_memory,
+        block_size=block_size,
+        max_queue=max_queue,
+        device=device,
+        threads=threads,
+        shutdown_timeout=shutdown_timeout,
+        log_level=log_level,
+    )
+    try:
+        args.validate()
+    except ValueError as e:
+        typer.echo(f"servelab serve: error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+    from servelab.server.main import run_server
+
+    raise typer.Exit(run_server(args))
 
 
 def register(app: typer.Typer) -> None:
-    """Add this subsystem's commands to the `servelab` app."""
+    """Add `servelab serve` to the `servelab` app."""
+    app.command("serve")(serve)

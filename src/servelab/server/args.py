@@ -1,0 +1,132 @@
+"""Server arguments: `servelab serve` flags, validated, and the engine-core config they imply.
+
+Imports nothing heavy: the CLI validates flags before any process or model is started.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from servelab.engine.config import EngineConfig
+
+DEFAULT_MODEL = "smollm2-135m"
+API_KEY_ENV = "SERVELAB_API_KEY"
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1024**3, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_size_gb(text: str) -> float:
+    """Parse a KV-cache size such as ``2``, ``2G``, ``512MiB`` or ``1.5GB`` into GiB.
+
+    A bare number means GiB. Units are binary (K, M, G, T; the ``iB``/``B`` suffix is optional).
+    Raises ValueError with an example of what works.
+    """
+    m = _SIZE_RE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"--kv-cache-memory {text!r} is not a size: use a positive number of GiB "
+            "or a number with a unit, e.g. 2, 2G, 512MiB"
+        )
+    return float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()] / 1024**3
+
+
+def default_threads() -> int:
+    """Torch threads for the engine core: every CPU this process may use but one.
+
+    The spared CPU runs the API process (HTTP, tokenisation, SSE); with a single CPU the two
+    processes share it. ``os.sched_getaffinity`` honours ``taskset``.
+    """
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        ncpu = os.cpu_count() or 1
+    return max(1, ncpu - 1)
+
+
+@dataclass
+class ServerArgs:
+    """Everything `servelab serve` was asked for (vLLM's flag names).
+
+    ``api_key`` stays in the API process: it is never sent to the engine core nor logged.
+    """
+
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)
+    served_model_name: str | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory: str | None = None
+    block_size: int | None = None
+    max_queue: int | None = None
+    device: str | None = None
+    threads: int | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in ``model`` and /v1/models lists."""
+        return self.served_model_name or self.model
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag and saying what works."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is out of range: use 0-65535 (0 picks a free port)")
+        positive = {
+            "--max-num-batched-tokens": self.max_num_batched_tokens,
+            "--max-num-seqs": self.max_num_seqs,
+            "--max-model-len": self.max_model_len,
+            "--num-gpu-blocks-override": self.num_gpu_blocks_override,
+            "--block-size": self.block_size,
+            "--threads": self.threads,
+        }
+        for flag, value in positive.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value}")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0 (0 refuses queueing), got {self.max_queue}")
+        if self.kv_cache_memory is not None:
+            parse_size_gb(self.kv_cache_memory)
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError(f"--api-key (or ${API_KEY_ENV}) is empty: give a key or leave it unset")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"--log-level {self.log_level!r}: use debug, info, warning or error")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
+            raise ValueError(f"--device {self.device!r} is not known: use cpu, cuda or cuda:N")
+        self.engine_config().validate()
+
+    def engine_config(self) -> EngineConfig:
+        """The engine config these flags ask for (unset flags keep the engine's defaults)."""
+        cfg = EngineConfig(
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_queue=self.max_queue,
+        )
+        if self.max_num_batched_tokens is not None:
+            cfg.max_num_batched_tokens = self.max_num_batched_tokens
+        if self.max_num_seqs is not None:
+            cfg.max_num_seqs = self.max_num_seqs
+        if self.max_model_len is not None:
+            cfg.max_model_len = self.max_model_len
+        if self.block_size is not None:
+            cfg.block_size = self.block_size
+        if self.num_gpu_blocks_override is not None:
+            cfg.num_kv_blocks = self.num_gpu_blocks_override
+        if self.kv_cache_memory is not None:
+            cfg.kv_cache_memory_gb = parse_size_gb(self.kv_cache_memory)
+        return cfg
+
+    @property
+    def torch_threads(self) -> int:
+        return self.threads or default_threads()
