@@ -1,0 +1,584 @@
+"""Aggregate client records into the numbers a benchmark reports. Pure functions.
+
+Public API (the benchmark, the analysis commands and the simulator call these):
+
+- ``SLO`` / ``SLO.parse("ttft=2s,itl=250ms")``: per-request latency limits; ``slo.met(record)``.
+- ``Trim.parse("10s" | "20" | "5%")``: a warm-up or cool-down exclusion rule.
+- ``measured_window(records, warmup, cooldown) -> Window``: the measured time window.
+- ``describe(values, groups=None) -> Stat``: p50/p90/p95/p99/mean/max with bootstrap CIs.
+- ``summarize(records, slos=..., warmup=..., cooldown=...) -> dict``: the whole ``metrics.json``
+  body: window, counts, and for ``overall`` / ``by_class`` / ``by_input_bucket`` the throughput,
+  goodput and latency statistics.
+
+Definitions (DESIGN.md "Metrics"; docs/metrics.md says which peer each one matches):
+
+- Latency metrics come from ``ClientRecord`` properties: ``ttft``, ``ttft_intended``, ``itl``
+  (pooled gaps between token-bearing chunks), ``tpot``, ``e2e``. Only successful requests
+  contribute latencies; failed ones are counted separately and never meet an SLO.
+- The *measured window* is ``[start, end]``: by default from the first actual send to the last
+  byte; warm-up moves ``start`` later, cool-down moves ``end`` earlier. Latency statistics and
+  goodput fractions use the requests *sent* inside the window; rates (requests/s, tokens/s,
+  goodput/s) count *events* inside the window (completions, and output tokens by the arrival
+  time of the chunk that carried them) divided by the window's length.
+- Percentile point estimates use numpy's default (linear interpolation, as vLLM does). The
+  confidence interval is a percentile bootstrap; pooled ITL is resampled by request (a cluster
+  bootstrap), because the gaps of one request are correlated.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from servelab.vocab import LATENCY_METRICS, PERCENTILES, ClientRecord
+
+DEFAULT_BUCKET_EDGES: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_N_BOOT = 1000
+DEFAULT_CONFIDENCE = 0.95
+
+_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "min": 60.0}
+_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zµ]+)\s*$")
+
+
+def parse_duration(text: str, *, what: str = "duration") -> float:
+    """``"250ms"`` -> 0.25. A unit is required (s, ms, us, min): bare numbers are ambiguous."""
+    m = _DURATION_RE.match(str(text))
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(
+            f"bad {what} {text!r}: write a number with a unit, e.g. 250ms, 2s, 1.5min "
+            f"(units: {', '.join(_UNITS)})"
+        )
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+# --------------------------------------------------------------------------- SLOs
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Per-request latency limits in seconds; ``None`` means no limit on that metric.
+
+    A request meets the SLO when it succeeded and every limit holds: ``ttft``,
+    ``ttft_intended`` and ``e2e`` against the request's value, ``tpot`` against its
+    TPOT (requests with one output token have none and pass), and ``itl`` against the
+    request's *largest* inter-token gap (a user sees the worst stall, not the mean).
+    """
+
+    ttft: float | None = None
+    ttft_intended: float | None = None
+    itl: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+
+    KEYS = ("ttft", "ttft_intended", "itl", "tpot", "e2e")
+
+    @classmethod
+    def parse(cls, text: str | None) -> SLO:
+        """Parse ``"ttft=2s,itl=250ms"``. Empty or None gives an SLO with no limits."""
+        if not text or not text.strip():
+            return cls()
+        limits: dict[str, float] = {}
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            key, sep, value = part.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in cls.KEYS:
+                raise ValueError(
+                    f"bad SLO item {part.strip()!r}: write METRIC=LIMIT items separated by commas, "
+                    f"e.g. ttft=2s,itl=250ms; metrics: {', '.join(cls.KEYS)}"
+                )
+            limits[key] = parse_duration(value, what=f"SLO limit for {key}")
+        return cls(**limits)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SLO:
+        """From ``{"ttft": "2s", "itl": 0.25}`` (strings need units, numbers are seconds)."""
+        if not d:
+            return cls()
+        unknown = set(d) - set(cls.KEYS)
+        if unknown:
+            raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use {', '.join(cls.KEYS)}")
+        return cls(
+            **{
+                k: (
+                    parse_duration(v, what=f"SLO limit for {k}") if isinstance(v, str) else float(v)
+                )
+                for k, v in d.items()
+                if v is not None
+            }
+        )
+
+    def merged(self, override: SLO) -> SLO:
+        """This SLO with every limit that ``override`` sets replaced by the override's."""
+        return SLO(
+            **{
+                k: getattr(override, k) if getattr(override, k) is not None else getattr(self, k)
+                for k in self.KEYS
+            }
+        )
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, k) is None for k in self.KEYS)
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.KEYS if getattr(self, k) is not None}
+
+    def met(self, r: ClientRecord) -> bool:
+        if not r.ok:
+            return False
+        checks: list[tuple[float | None, float | None]] = [
+            (self.ttft, r.ttft),
+            (self.ttft_intended, r.ttft_intended),
+            (self.e2e, r.e2e),
+        ]
+        for limit, value in checks:
+            if limit is not None and (value is None or value > limit):
+                return False
+        if self.tpot is not None and r.tpot is not None and r.tpot > self.tpot:
+            return False
+        if self.itl is not None:
+            gaps = r.itls
+            if gaps and max(gaps) > self.itl:
+                return False
+        return True
+
+
+# --------------------------------------------------------------------------- window
+
+
+@dataclass(frozen=True)
+class Trim:
+    """A warm-up or cool-down rule: ``seconds``, a number of ``requests``, or a ``percent`` of them."""
+
+    kind: str = "none"  # "none" | "seconds" | "requests" | "percent"
+    value: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str | float | None) -> Trim:
+        """``None``/``"0"`` -> none; ``"10s"`` -> seconds; ``"20"`` -> requests; ``"5%"`` -> percent."""
+        if text is None:
+            return cls()
+        s = str(text).strip()
+        if s in ("", "0", "none"):
+            return cls()
+        try:
+            if s.endswith("%"):
+                v = float(s[:-1])
+                if not 0 <= v < 100:
+                    raise ValueError
+                return cls("percent", v)
+            if s.isdigit():
+                return cls("requests", float(int(s)))
+            return cls("seconds", parse_duration(s))
+        except ValueError:
+            raise ValueError(
+                f"bad warm-up/cool-down {text!r}: give seconds with a unit (10s), "
+                "a number of requests (20) or a percentage of them (5%)"
+            ) from None
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "seconds":
+            return f"{self.value:g}s"
+        if self.kind == "requests":
+            return f"{int(self.value)} requests"
+        return f"{self.value:g}% of requests"
+
+
+@dataclass(frozen=True)
+class Window:
+    """The measured window ``[start, end]`` (monotonic seconds) and how it was chosen."""
+
+    start: float
+    end: float
+    warmup: str = "none"
+    cooldown: str = "none"
+
+    @property
+    def duration(self) -> float:
+        return max(0.0, self.end - self.start)
+
+    def contains(self, t: float | None) -> bool:
+        return t is not None and self.start <= t <= self.end
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "end": self.end,
+            "duration_s": self.duration,
+            "warmup": self.warmup,
+            "cooldown": self.cooldown,
+            "rule": "latencies and fractions: requests sent in the window; "
+            "rates: completions and output tokens that arrived in the window / its length",
+        }
+
+
+def _last_time(r: ClientRecord) -> float:
+    if r.done is not None:
+        return r.done
+    if r.chunk_times:
+        return r.chunk_times[-1]
+    return r.actual_send
+
+
+def measured_window(
+    records: Sequence[ClientRecord],
+    warmup: Trim | str | None = None,
+    cooldown: Trim | str | None = None,
+) -> Window:
+    """The window from the first send to the last byte, less warm-up and cool-down.
+
+    ``requests``/``percent`` rules move the start to the send time of the first request
+    kept, and the end to the send time of the first request dropped at the tail (so the
+    drain after the last kept send is excluded too). Raises ValueError when nothing is left.
+    """
+    if not records:
+        raise ValueError("no client records to summarise: did any request get sent?")
+    w = warmup if isinstance(warmup, Trim) else Trim.parse(warmup)
+    c = cooldown if isinstance(cooldown, Trim) else Trim.parse(cooldown)
+    sends = sorted(r.actual_send for r in records)
+    start, end = sends[0], max(_last_time(r) for r in records)
+    n = len(sends)
+
+    def count(t: Trim) -> int:
+        return int(t.value) if t.kind == "requests" else math.floor(n * t.value / 100.0)
+
+    if w.kind == "seconds":
+        start += w.value
+    elif w.kind in ("requests", "percent"):
+        k = count(w)
+        if k >= n:
+            raise ValueError(f"warm-up {w.describe()} excludes all {n} requests; use a smaller one")
+        start = sends[k]
+    if c.kind == "seconds":
+        end -= c.value
+    elif c.kind in ("requests", "percent"):
+        k = count(c)
+        if k > 0:
+            if k >= n:
+                raise ValueError(f"cool-down {c.describe()} excludes all {n} requests")
+            end = sends[n - k]
+    if end <= start:
+        raise ValueError(
+            f"warm-up ({w.describe()}) and cool-down ({c.describe()}) leave no measured window "
+            f"in a run whose sends span {sends[-1] - sends[0]:.3g}s; use smaller ones"
+        )
+    return Window(start, end, w.describe(), c.describe())
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class Stat:
+    """Distribution summary of one metric: ``n``, mean, max, p50/p90/p95/p99 and their CIs.
+
+    ``ci[name] = (low, high)`` for name in ``p50, p90, p95, p99, mean``; all values None
+    when ``n == 0``.
+    """
+
+    n: int = 0
+    mean: float | None = None
+    max: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    ci: dict[str, tuple[float, float]] = field(default_factory=dict)
+    confidence: float = DEFAULT_CONFIDENCE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "n": self.n,
+            "mean": self.mean,
+            "max": self.max,
+            **{f"p{p}": getattr(self, f"p{p}") for p in PERCENTILES},
+            "ci": {k: list(v) for k, v in self.ci.items()},
+            "confidence": self.confidence,
+        }
+
+
+def describe(
+    values: Sequence[float] | np.ndarray,
+    groups: Sequence[int] | np.ndarray | None = None,
+    *,
+    confidence: float = DEFAULT_CONFIDENCE,
+    n_boot: int = DEFAULT_N_BOOT,
+    seed: int = 0,
+) -> Stat:
+    """Percentiles, mean and max of ``values`` with percentile-bootstrap confidence intervals.
+
+    ``groups[i]`` names the cluster (request) of ``values[i]``; with groups, the bootstrap
+    resamples whole clusters. Deterministic for a given ``seed``. ``n_boot=0`` skips CIs.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    keep = np.isfinite(v)
+    v = v[keep]
+    if groups is not None:
+        groups = np.asarray(groups)[keep]
+    if v.size == 0:
+        return Stat(confidence=confidence)
+    stat = Stat(
+        n=int(v.size),
+        mean=float(v.mean()),
+        max=float(v.max()),
+        confidence=confidence,
+        **{f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES},
+    )
+    if n_boot > 0 and v.size > 1:
+        stat.ci = _bootstrap(v, groups, confidence, n_boot, seed)
+    return stat
+
+
+def _bootstrap(
+    v: np.ndarray,
+    groups: Sequence[int] | np.ndarray | None,
+    confidence: float,
+    n_boot: int,
+    seed: int,
+) -> dict[str, tuple[float, float]]:
+    # Resampling with replacement == giving each cluster a multinomial count; a weighted
+    # quantile over the values sorted once then needs no copying of resampled arrays.
+    order = np.argsort(v, kind="stable")
+    vs = v[order]
+    if groups is None:
+        g = np.arange(v.size)
+    else:
+        _, g = np.unique(np.asarray(groups)[order], return_inverse=True)
+    n_groups = int(g.max()) + 1
+    rng = np.random.default_rng(seed)
+    qs = [p / 100.0 for p in PERCENTILES]
+    out: dict[str, list[float]] = {f"p{p}": [] for p in PERCENTILES}
+    out["mean"] = []
+    batch = max(1, int(4_000_000 // vs.size))
+    done = 0
+    while done < n_boot:
+        b = min(batch, n_boot - done)
+        counts = rng.multinomial(n_groups, np.full(n_groups, 1.0 / n_groups), size=b)
+        w = counts[:, g]
+        cw = np.cumsum(w, axis=1)
+        total = cw[:, -1:]
+        for p, q in zip(PERCENTILES, qs):
+            idx = np.argmax(cw >= q * total, axis=1)
+            out[f"p{p}"].extend(vs[idx].tolist())
+        out["mean"].extend(((w * vs).sum(axis=1) / total[:, 0]).tolist())
+        done += b
+    alpha = (1.0 - confidence) / 2.0
+    return {
+        k: (float(np.quantile(s, alpha)), float(np.quantile(s, 1.0 - alpha)))
+        for k, s in out.items()
+    }
+
+
+# --------------------------------------------------------------------------- grouping
+
+
+def bucket_label(input_tokens: int, edges: Sequence[int] = DEFAULT_BUCKET_EDGES) -> str:
+    """The input-length bucket of a request, e.g. ``"512-1023"`` or ``">=8192"``."""
+    lo = 0
+    for hi in edges:
+        if input_tokens < hi:
+            return f"{lo}-{hi - 1}"
+        lo = hi
+    return f">={lo}"
+
+
+def _metric_values(
+    records: Sequence[ClientRecord], metric: str
+) -> tuple[list[float], list[int] | None]:
+    if metric == "itl":
+        vals: list[float] = []
+        grp: list[int] = []
+        for i, r in enumerate(records):
+            gaps = r.itls
+            vals.extend(gaps)
+            grp.extend([i] * len(gaps))
+        return vals, grp
+    values = (getattr(r, metric) for r in records)
+    return [x for x in values if x is not None and math.isfinite(x)], None
+
+
+def _tokens_in_window(r: ClientRecord, window: Window) -> float:
+    """Output tokens of ``r`` that arrived inside the window (by the chunk that carried them)."""
+    if r.chunk_times:
+        carried = sum(r.chunk_tokens) or len(r.chunk_times)
+        scale = r.output_tokens / carried if r.output_tokens else 1.0
+        inside = sum(
+            (r.chunk_tokens[i] if i < len(r.chunk_tokens) else 1)
+            for i, t in enumerate(r.chunk_times)
+            if window.contains(t)
+        )
+        return inside * scale
+    return float(r.output_tokens) if window.contains(r.done) else 0.0
+
+
+def summarize_group(
+    records: Sequence[ClientRecord],
+    window: Window,
+    slo: SLO | dict[str, SLO] | Callable[[ClientRecord], SLO] | None = None,
+    *,
+    n_boot: int = DEFAULT_N_BOOT,
+    seed: int = 0,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> dict[str, Any]:
+    """Counts, throughput, goodput and latency statistics of one group of records.
+
+    ``slo`` is one SLO for all records, ``{workload_class: SLO}``, or a function giving
+    each record's SLO.
+    """
+    slo_of = _slo_lookup(slo)
+    sent = [r for r in records if window.contains(r.actual_send)]
+    ok = [r for r in sent if r.ok]
+    good = [r for r in sent if slo_of(r).met(r)]
+    completed = [r for r in records if r.ok and window.contains(r.done)]
+    good_completed = [r for r in completed if slo_of(r).met(r)]
+    dur = window.duration
+
+    def rate(x: float) -> float | None:
+        return x / dur if dur > 0 else None
+
+    out_tokens = sum(_tokens_in_window(r, window) for r in records)
+    in_tokens = sum(r.input_tokens for r in completed)
+    latency = {}
+    for metric in LATENCY_METRICS:
+        vals, grp = _metric_values(ok, metric)
+        latency[metric] = describe(
+            vals, grp, confidence=confidence, n_boot=n_boot, seed=seed
+        ).to_dict()
+    return {
+        "requests": {
+            "sent": len(sent),
+            "ok": len(ok),
+            "failed": len(sent) - len(ok),
+            "errors": _error_kinds(sent),
+        },
+        "throughput": {
+            "requests_per_s": rate(len(completed)),
+            "input_tokens_per_s": rate(in_tokens),
+            "output_tokens_per_s": rate(out_tokens),
+            "total_tokens_per_s": rate(in_tokens + out_tokens),
+        },
+        "goodput": {
+            "requests_per_s": rate(len(good_completed)),
+            "fraction": (len(good) / len(sent)) if sent else None,
+            "met": len(good),
+        },
+        "latency": latency,
+    }
+
+
+def _slo_lookup(
+    slo: SLO | dict[str, SLO] | Callable[[ClientRecord], SLO] | None,
+) -> Callable[[ClientRecord], SLO]:
+    """Normalise "no SLO", one SLO, ``{class: SLO}`` or a function into a function."""
+    if slo is None:
+        return lambda r: SLO()
+    if isinstance(slo, SLO):
+        return lambda r: slo
+    if isinstance(slo, dict):
+        return lambda r: slo.get(r.workload_class, SLO())
+    return slo
+
+
+def _error_kinds(records: Iterable[ClientRecord]) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for r in records:
+        if r.error is not None:
+            kind = r.error.split(":", 1)[0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def token_checks(records: Sequence[ClientRecord]) -> dict[str, Any]:
+    """Server-vs-client token count disagreements and whether exact output lengths held."""
+    recount = [r for r in records if r.ok and r.client_output_tokens is not None]
+    disagree = [r for r in recount if r.client_output_tokens != r.output_tokens]
+    asked = [r for r in records if r.ok and r.requested_output_tokens is not None]
+    short = [r for r in asked if r.output_tokens != r.requested_output_tokens]
+    return {
+        "recounted": len(recount),
+        "usage_vs_client_disagreements": len(disagree),
+        "disagreement_examples": [
+            {"request_id": r.request_id, "usage": r.output_tokens, "client": r.client_output_tokens}
+            for r in disagree[:5]
+        ],
+        "output_length_requested": len(asked),
+        "output_length_not_honoured": len(short),
+        "token_source": _count_by(records, lambda r: r.token_source),
+    }
+
+
+def _count_by(
+    records: Iterable[ClientRecord], key: Callable[[ClientRecord], str]
+) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        k = key(r)
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def summarize(
+    records: Sequence[ClientRecord],
+    *,
+    slos: SLO | dict[str, SLO] | None = None,
+    warmup: Trim | str | None = None,
+    cooldown: Trim | str | None = None,
+    window: Window | None = None,
+    bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES,
+    n_boot: int = DEFAULT_N_BOOT,
+    seed: int = 0,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> dict[str, Any]:
+    """The body of ``metrics.json`` for a set of client records.
+
+    ``slos`` is one SLO for every request or ``{workload_class: SLO}`` (classes absent
+    from the dict have no limits). ``window`` overrides ``warmup``/``cooldown``.
+
+    Returns ``{"window", "counts", "tokens", "slos", "overall", "by_class",
+    "by_input_bucket"}``; each of the last three holds ``summarize_group`` dicts.
+    """
+    if window is None:
+        window = measured_window(records, warmup, cooldown)
+    slo_of = _slo_lookup(slos)
+    if isinstance(slos, dict):
+        slo_dump = {k: v.to_dict() for k, v in slos.items()}
+    else:
+        slo_dump = {"*": (slos or SLO()).to_dict()}
+    kw = {"n_boot": n_boot, "seed": seed, "confidence": confidence}
+    by_class: dict[str, list[ClientRecord]] = {}
+    by_bucket: dict[str, list[ClientRecord]] = {}
+    for r in records:
+        by_class.setdefault(r.workload_class, []).append(r)
+        by_bucket.setdefault(bucket_label(r.input_tokens, bucket_edges), []).append(r)
+    bucket_order = [bucket_label(e - 1, bucket_edges) for e in bucket_edges] + [
+        bucket_label(bucket_edges[-1], bucket_edges)
+    ]
+    return {
+        "window": window.to_dict(),
+        "counts": {
+            "records": len(records),
+            "sent_in_window": sum(window.contains(r.actual_send) for r in records),
+            "ok": sum(r.ok for r in records),
+            "failed": sum(not r.ok for r in records),
+        },
+        "tokens": token_checks(records),
+        "slos": slo_dump,
+        "overall": summarize_group(records, window, slo_of, **kw),
+        "by_class": {
+            k: summarize_group(v, window, slo_of, **kw) for k, v in sorted(by_class.items())
+        },
+        "by_input_bucket": {
+            k: summarize_group(by_bucket[k], window, slo_of, **kw)
+            for k in bucket_order
+            if k in by_bucket
+        },
+    }
