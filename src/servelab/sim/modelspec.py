@@ -1,0 +1,168 @@
+"""Llama-family model shapes for the cost models: parameter counts and KV bytes per token.
+
+A :class:`ModelSpec` comes from a preset name, from an HF ``config.json`` (a file or a
+directory holding one), or from a GGUF file's metadata. Only shapes matter here: no
+weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shapes of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM).
+
+    ``qkv_bias`` adds the q/k/v biases Qwen2 has. Parameter counts include norms.
+    """
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    max_model_len: int
+    qkv_bias: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer: attention projections, gated MLP, two RMSNorms."""
+        h = self.hidden
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.qkv_bias:
+            attn += self.q_dim + 2 * self.kv_dim
+        mlp = 3 * h * self.intermediate
+        return attn + mlp + 2 * h
+
+    @property
+    def linear_params_per_token(self) -> int:
+        """Weights every token multiplies through: all layers' matrices (not the LM head)."""
+        return self.layers * self.layer_params
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def num_params(self) -> int:
+        """Total parameters: embedding, layers, final norm, and the LM head unless tied."""
+        emb = self.vocab * self.hidden
+        head = 0 if self.tied_embeddings else self.lm_head_params
+        return emb + self.layers * self.layer_params + self.hidden + head
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.layers * self.kv_dim * dtype_bytes
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        return self.num_params * dtype_bytes
+
+
+PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        # Shapes from each model's published config.json on the Hugging Face hub.
+        ModelSpec("llama-3.1-8b", 4096, 32, 32, 8, 128, 14336, 128256, False, 131072),
+        ModelSpec("llama-3.1-70b", 8192, 80, 64, 8, 128, 28672, 128256, False, 131072),
+        ModelSpec("qwen2.5-7b", 3584, 28, 28, 4, 128, 18944, 152064, False, 32768, qkv_bias=True),
+        ModelSpec("qwen2.5-32b", 5120, 64, 40, 8, 128, 27648, 152064, False, 32768, qkv_bias=True),
+        ModelSpec("smollm2-135m", 576, 30, 9, 3, 64, 1536, 49152, True, 8192),
+    )
+}
+
+
+def _from_hf_config(cfg: dict, name: str) -> ModelSpec:
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        return ModelSpec(
+            name=name,
+            hidden=hidden,
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate=int(cfg["intermediate_size"]),
+            vocab=int(cfg["vocab_size"]),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_model_len=int(cfg.get("max_position_embeddings", 4096)),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        )
+    except KeyError as e:
+        raise ValueError(
+            f"config.json of {name!r} lacks {e.args[0]!r}; a Llama-family config.json "
+            "(hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, "
+            "vocab_size) is required"
+        ) from None
+
+
+def _from_gguf(path: Path) -> ModelSpec:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        if f is None:
+            return None
+        return f.parts[f.data[0]].tolist()[0] if f.data else None
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    names = {t.name for t in reader.tensors}
+    return ModelSpec(
+        name=path.stem,
+        hidden=hidden,
+        layers=field(f"{arch}.block_count"),
+        heads=heads,
+        kv_heads=field(f"{arch}.attention.head_count_kv") or heads,
+        head_dim=field(f"{arch}.attention.key_length") or hidden // heads,
+        intermediate=field(f"{arch}.feed_forward_length"),
+        vocab=len(tokens.data) if tokens is not None else field(f"{arch}.vocab_size"),
+        tied_embeddings="output.weight" not in names,
+        max_model_len=field(f"{arch}.context_length") or 4096,
+        qkv_bias="blk.0.attn_q.bias" in names,
+    )
+
+
+def load_model_spec(name_or_path: str) -> ModelSpec:
+    """A preset name, an HF ``config.json`` (or its directory), or a ``.gguf`` file.
+
+    Raises ValueError naming the presets when nothing matches.
+    """
+    key = name_or_path.strip().lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".gguf" and path.is_file():
+        return _from_gguf(path)
+    if path.suffix == ".json" and path.is_file():
+        name = path.parent.name if path.name == "config.json" else path.stem
+        return _from_hf_config(json.loads(path.read_text()), name)
+    raise ValueError(
+        f"unknown model {name_or_path!r}; presets: {', '.join(sorted(PRESETS))}. "
+        "Or pass an HF config.json, a directory holding one, or a .gguf file."
+    )
+
+
+def with_max_len(spec: ModelSpec, max_model_len: int) -> ModelSpec:
+    return replace(spec, max_model_len=max_model_len)

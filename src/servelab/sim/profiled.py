@@ -1,0 +1,177 @@
+"""Profiled cost model: step times measured on this machine, interpolated.
+
+A :class:`ProfileTable` is a JSON file of measured steps (each a :class:`StepWork`
+and its median time), from ``servelab profile`` (a grid of batch shapes run on the
+real engine) or from the steps of real runs. The model fitted to it is::
+
+    time = g(tokens) + a * attn_pairs + b * kv_read + c * seqs + d * logits
+
+where ``g`` is piecewise linear in the step's token count with one knot per profiled
+token count (linear interpolation between knots, the last slope beyond them). ``g``
+carries the weight-bound matmuls, whose cost is far from linear at small row counts
+on this CPU (ANCHORS.md); the linear terms carry attention, per-sequence work and the
+LM head. Every coefficient is non-negative (non-negative least squares, relative
+error weighting), so predictions grow with work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from bisect import bisect_right
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from servelab.sim.work import StepWork
+
+LINEAR_TERMS = ("attn_pairs", "kv_read", "seqs", "logits")
+
+
+@dataclass
+class ProfileSample:
+    work: StepWork
+    time: float  # median seconds over ``repeats``
+    repeats: int = 1
+
+    def to_dict(self) -> dict:
+        return {**asdict(self.work), "time": self.time, "repeats": self.repeats}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ProfileSample:
+        fields = StepWork.__dataclass_fields__
+        return cls(
+            work=StepWork(**{k: d[k] for k in fields if k in d}),
+            time=float(d["time"]),
+            repeats=int(d.get("repeats", 1)),
+        )
+
+
+@dataclass
+class ProfileTable:
+    """Measured steps plus what they were measured on."""
+
+    model: str
+    device: str
+    samples: list[ProfileSample]
+    meta: dict = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "format": "servelab-profile/1",
+            "model": self.model,
+            "device": self.device,
+            "meta": self.meta,
+            "samples": [s.to_dict() for s in self.samples],
+        }
+        path.write_text(json.dumps(doc, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ProfileTable:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"no profile table at {path}; create one with `servelab profile`")
+        doc = json.loads(path.read_text())
+        if doc.get("format") != "servelab-profile/1":
+            raise ValueError(f"{path} is not a servelab profile table (format servelab-profile/1)")
+        return cls(
+            model=doc["model"],
+            device=doc["device"],
+            samples=[ProfileSample.from_dict(s) for s in doc["samples"]],
+            meta=doc.get("meta", {}),
+        )
+
+
+def _knots(token_counts: list[int], max_knots: int = 24) -> list[float]:
+    """Distinct token counts, thinned geometrically when there are many (run-derived tables)."""
+    values = sorted(set(token_counts))
+    if len(values) <= max_knots:
+        return [float(v) for v in values]
+    lo, hi = values[0], values[-1]
+    ratio = (hi / lo) ** (1 / (max_knots - 1))
+    picks = sorted({min(values, key=lambda v: abs(v - lo * ratio**i)) for i in range(max_knots)})
+    return [float(v) for v in picks]
+
+
+def _hat(knots: list[float], x: float) -> list[tuple[int, float]]:
+    """Weights of the piecewise-linear basis at x: interpolation inside, last slope beyond."""
+    k = len(knots)
+    if k == 1:
+        return [(0, x / knots[0] if knots[0] else 1.0)]
+    if x <= knots[0]:
+        return [(0, 1.0)]
+    i = bisect_right(knots, x) - 1
+    if i >= k - 1:
+        i = k - 2  # extrapolate along the last segment
+    x0, x1 = knots[i], knots[i + 1]
+    t = (x - x0) / (x1 - x0)
+    return [(i, 1.0 - t), (i + 1, t)]
+
+
+class ProfiledCostModel:
+    """Interpolates a :class:`ProfileTable` (see the module docstring for the form).
+
+    ``fit_error`` is the median absolute relative error on the table's own samples.
+    """
+
+    def __init__(self, table: ProfileTable) -> None:
+        import numpy as np
+        from scipy.optimize import nnls
+
+        if len(table.samples) < 3:
+            raise ValueError(
+                f"the profile table has {len(table.samples)} samples; at least 3 are needed "
+                "(re-run `servelab profile`)"
+            )
+        self.table = table
+        self.knots = _knots([s.work.tokens for s in table.samples])
+        rows, y = [], []
+        for s in table.samples:
+            row = [0.0] * (len(self.knots) + len(LINEAR_TERMS))
+            for i, wt in _hat(self.knots, s.work.tokens):
+                row[i] += wt
+            for j, term in enumerate(LINEAR_TERMS):
+                row[len(self.knots) + j] = float(getattr(s.work, term))
+            # Relative weighting: a 1 ms step matters as much as a 1 s one.
+            scale = 1.0 / max(s.time, 1e-6)
+            rows.append([v * scale for v in row])
+            y.append(s.time * scale)
+        a, b = np.asarray(rows), np.asarray(y)
+        # Column scaling keeps NNLS well conditioned (attn_pairs reach 1e6, seqs 1e1).
+        col = np.maximum(np.abs(a).max(axis=0), 1e-12)
+        coef, _ = nnls(a / col, b, maxiter=50 * a.shape[1])
+        coef = coef / col
+        k = len(self.knots)
+        self.g = [float(c) for c in coef[:k]]
+        self.coef = {t: float(c) for t, c in zip(LINEAR_TERMS, coef[k:])}
+        errs = [abs(self.predict(s.work) - s.time) / s.time for s in table.samples if s.time > 0]
+        self.fit_error = float(np.median(errs)) if errs else math.nan
+        self.name = f"profile:{table.device}:{table.model}"
+
+    def predict(self, w: StepWork) -> float:
+        t = 0.0
+        for i, wt in _hat(self.knots, w.tokens):
+            t += wt * self.g[i]
+        c = self.coef
+        t += (
+            c["attn_pairs"] * w.attn_pairs
+            + c["kv_read"] * w.kv_read
+            + c["seqs"] * w.seqs
+            + c["logits"] * w.logits
+        )
+        return max(t, 0.0)
+
+    def describe(self) -> dict:
+        return {
+            "kind": "profile",
+            "model": self.table.model,
+            "device": self.table.device,
+            "samples": len(self.table.samples),
+            "knots": self.knots,
+            "g": self.g,
+            "coef": self.coef,
+            "fit_error_median": self.fit_error,
+            "meta": self.table.meta,
+        }

@@ -1,0 +1,188 @@
+"""Roofline cost model: step time from FLOPs and bytes of a Llama-family step.
+
+Per step (per device, tensor parallel degree ``tp``)::
+
+    flops = 2 * layer_params * tokens            # q/k/v/o projections and the gated MLP
+          + 4 * layers * heads * head_dim * attn_pairs   # QK^T and PV over causal pairs
+          + 2 * hidden * vocab * logits          # LM head, only where a token is sampled
+    bytes = weights + kv_bytes_per_token * (kv_read + tokens)   # weights once; KV read + write
+    time  = max(flops / (peak * mfu), bytes / (bandwidth * mbu))
+          + 2 * layers * allreduce(tokens * hidden)            # tensor parallel, ring
+          + step_overhead + layers * layer_overhead + seqs * seq_overhead
+
+FLOPs and bytes divide by ``tp`` (heads and MLP columns split; KV heads replicated
+when fewer than ``tp``). The efficiencies and fixed costs are stated, adjustable
+parameters (:class:`Efficiency`); ``servelab.sim.calibrate`` fits them to a measured run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from servelab.sim.hardware import Hardware
+from servelab.sim.modelspec import ModelSpec
+from servelab.sim.work import StepWork
+
+
+@dataclass
+class Efficiency:
+    """How far below the hardware peaks a real engine runs, plus fixed costs (seconds).
+
+    Defaults are typical of a well-tuned GPU engine with CUDA graphs: about half the
+    dense peak in large GEMMs and three quarters of the bandwidth in decode.
+    """
+
+    mfu: float = 0.5
+    mbu: float = 0.75
+    step_overhead: float = 1.0e-3
+    layer_overhead: float = 5e-6
+    seq_overhead: float = 0.0
+
+    def validate(self) -> None:
+        if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1):
+            raise ValueError(f"mfu and mbu must be in (0, 1], got {self.mfu}, {self.mbu}")
+        if min(self.step_overhead, self.layer_overhead, self.seq_overhead) < 0:
+            raise ValueError("fixed costs must be >= 0 seconds")
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass
+class StepCost:
+    """The terms of one predicted step (seconds, FLOPs, bytes), for explanation and tests."""
+
+    flops: float
+    bytes: float
+    compute_time: float
+    memory_time: float
+    comm_time: float
+    fixed_time: float
+
+    @property
+    def time(self) -> float:
+        return max(self.compute_time, self.memory_time) + self.comm_time + self.fixed_time
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_time >= self.memory_time else "memory"
+
+
+class RooflineCostModel:
+    """Predicts step times of ``model`` on ``tp`` devices of ``hardware``.
+
+    ``weight_bytes``/``kv_bytes`` default to the hardware's datatype (bf16 on GPUs,
+    fp32 on this CPU); pass 1 for fp8.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: Hardware,
+        tp: int = 1,
+        efficiency: Efficiency | None = None,
+        weight_bytes: int | None = None,
+        kv_bytes: int | None = None,
+    ) -> None:
+        if tp < 1:
+            raise ValueError(f"tensor parallel degree must be >= 1, got {tp}")
+        self.model = model
+        self.hardware = hardware
+        self.tp = tp
+        self.efficiency = efficiency or Efficiency()
+        self.efficiency.validate()
+        self.weight_dtype_bytes = weight_bytes or hardware.dtype_bytes
+        self.kv_dtype_bytes = kv_bytes or hardware.dtype_bytes
+        m = model
+        # Per-device constants, computed once: the simulator calls predict() per step.
+        self._lin_flops_per_token = 2.0 * m.linear_params_per_token / tp
+        self._attn_flops_per_pair = 4.0 * m.layers * m.heads * m.head_dim / tp
+        self._head_flops_per_logit = 2.0 * m.lm_head_params / tp
+        self._weight_bytes_per_device = m.weight_bytes(self.weight_dtype_bytes) / tp
+        self._kv_per_token = self.kv_bytes_per_token_per_device
+        self._act_bytes_per_token = m.hidden * hardware.dtype_bytes
+
+    @property
+    def name(self) -> str:
+        return f"roofline:{self.hardware.name}:{self.model.name}:tp{self.tp}"
+
+    @property
+    def kv_bytes_per_token_per_device(self) -> float:
+        """KV bytes one device holds per token: KV heads split over ``tp``, at least one each."""
+        m = self.model
+        kv_heads = max(1.0, m.kv_heads / self.tp)
+        return 2 * m.layers * kv_heads * m.head_dim * self.kv_dtype_bytes
+
+    def allreduce_time(self, nbytes: float) -> float:
+        """Ring all-reduce of ``nbytes`` over ``tp`` devices (0 without tensor parallelism)."""
+        if self.tp == 1:
+            return 0.0
+        hw = self.hardware
+        return 2 * (self.tp - 1) / self.tp * nbytes / hw.link_bw + hw.link_latency
+
+    def cost(self, w: StepWork) -> StepCost:
+        e, hw = self.efficiency, self.hardware
+        flops = (
+            self._lin_flops_per_token * w.tokens
+            + self._attn_flops_per_pair * w.attn_pairs
+            + self._head_flops_per_logit * w.logits
+        )
+        nbytes = self._weight_bytes_per_device + self._kv_per_token * (w.kv_read + w.tokens)
+        comm = 2 * self.model.layers * self.allreduce_time(w.tokens * self._act_bytes_per_token)
+        return StepCost(
+            flops=flops,
+            bytes=nbytes,
+            compute_time=flops / (hw.peak_flops * e.mfu),
+            memory_time=nbytes / (hw.mem_bw * e.mbu),
+            comm_time=comm,
+            fixed_time=e.step_overhead
+            + self.model.layers * e.layer_overhead
+            + w.seqs * e.seq_overhead,
+        )
+
+    def predict(self, w: StepWork) -> float:
+        """Step time in seconds."""
+        return self.cost(w).time
+
+    def kv_capacity_tokens(
+        self, gpu_memory_utilization: float = 0.9, activation_reserve_bytes: float = 1e9
+    ) -> int:
+        """KV tokens that fit per replica: (memory * utilization - weights - reserve) / KV bytes.
+
+        Raises ValueError when the weights do not fit, naming what to change.
+        """
+        free = self.kv_memory_bytes(gpu_memory_utilization, activation_reserve_bytes)
+        return int(free // self._kv_per_token)
+
+    def kv_memory_bytes(
+        self, gpu_memory_utilization: float = 0.9, activation_reserve_bytes: float = 1e9
+    ) -> float:
+        """Per-device bytes left for the KV cache."""
+        mem = self.hardware.memory_bytes
+        if mem is None:
+            raise ValueError(
+                f"{self.hardware.name} has no fixed memory size; size the KV cache with "
+                "--engine-args 'kv_cache_memory_gb=...' instead"
+            )
+        free = (
+            mem * gpu_memory_utilization - self._weight_bytes_per_device - activation_reserve_bytes
+        )
+        if free <= 0:
+            raise ValueError(
+                f"{self.model.name} ({self._weight_bytes_per_device / 1e9:.1f} GB of weights per "
+                f"device) does not fit on {self.hardware.name} "
+                f"({mem / 1e9:.0f} GB) at tp={self.tp}; raise --tp or pick larger hardware"
+            )
+        return free
+
+    def describe(self) -> dict:
+        return {
+            "kind": "roofline",
+            "hardware": self.hardware.name,
+            "hardware_source": self.hardware.source,
+            "model": self.model.name,
+            "tp": self.tp,
+            "weight_dtype_bytes": self.weight_dtype_bytes,
+            "kv_dtype_bytes": self.kv_dtype_bytes,
+            "efficiency": self.efficiency.to_dict(),
+        }

@@ -1,0 +1,72 @@
+"""The work of one engine step, reduced to the sums every cost model needs.
+
+A :class:`StepWork` is built from a :class:`~servelab.engine.plan.BatchPlan` (in the
+simulator) or from a recorded step (calibration). It is plain arithmetic so that the
+simulator spends microseconds per step on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.engine.plan import BatchPlan
+
+
+@dataclass
+class StepWork:
+    """Sums over the sequences of one step.
+
+    - ``tokens``: tokens computed (prompt chunks, decode inputs, draft tokens);
+    - ``prefill_tokens`` / ``decode_seqs``: the split the step records use;
+    - ``seqs``: sequences in the step;
+    - ``logits``: positions whose logits are computed (one per sampled sequence, plus
+      its draft tokens);
+    - ``attn_pairs``: causal (query, key) pairs, sum of ``n*s + n*(n+1)/2`` for a
+      chunk of ``n`` new tokens after ``s`` cached ones;
+    - ``kv_read``: context tokens whose K/V are read, sum of ``s + n``.
+    """
+
+    tokens: int = 0
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    seqs: int = 0
+    logits: int = 0
+    attn_pairs: float = 0.0
+    kv_read: int = 0
+
+    def add(self, new_tokens: int, context_before: int, logits: int) -> None:
+        """Account one sequence computing ``new_tokens`` after ``context_before`` tokens.
+
+        It is a decode when every computed position yields logits (one token, or one
+        plus its drafts), else a prefill chunk.
+        """
+        n, s = new_tokens, context_before
+        self.tokens += n
+        self.seqs += 1
+        self.logits += logits
+        self.attn_pairs += n * s + n * (n + 1) / 2
+        self.kv_read += s + n
+        if logits == n:
+            self.decode_seqs += 1
+        else:
+            self.prefill_tokens += n
+
+
+def work_of_plan(plan: BatchPlan, imported: set[str] | frozenset = frozenset()) -> StepWork:
+    """The work of a batch plan.
+
+    Sequences in ``imported`` had their prompt KV delivered by a transfer (disaggregated
+    decode): their prompt chunk costs nothing, and the chunk that samples costs one
+    decode token at its full context.
+    """
+    w = StepWork()
+    for s in plan.seqs:
+        n = len(s.token_ids) + len(s.draft_token_ids)
+        logits = (1 + len(s.draft_token_ids)) if s.sample else 0
+        if imported and s.request_id in imported:
+            if not s.sample:
+                continue
+            w.add(1, s.start_pos + n - 1, 1)
+            continue
+        w.add(n, s.start_pos, logits)
+    return w

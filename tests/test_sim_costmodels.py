@@ -1,0 +1,189 @@
+"""Cost models of the simulator: hand-computed roofline cases, presets, profile interpolation."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from servelab.sim.hardware import HARDWARE, get_hardware
+from servelab.sim.modelspec import PRESETS, load_model_spec
+from servelab.sim.profiled import ProfiledCostModel, ProfileSample, ProfileTable
+from servelab.sim.roofline import Efficiency, RooflineCostModel
+from servelab.sim.work import StepWork
+
+GGUF = "smollm2-135m"
+
+
+def test_llama_8b_parameter_count_and_kv_bytes():
+    m = PRESETS["llama-3.1-8b"]
+    assert m.num_params == pytest.approx(8.03e9, rel=0.002)
+    assert m.kv_bytes_per_token(2) == 2 * 32 * 8 * 128 * 2 == 131072
+
+
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("llama-3.1-70b", 70.55e9),
+        ("qwen2.5-7b", 7.62e9),
+        ("qwen2.5-32b", 32.76e9),
+        ("smollm2-135m", 134.5e6),
+    ],
+)
+def test_preset_parameter_counts_match_published_sizes(name, params):
+    assert PRESETS[name].num_params == pytest.approx(params, rel=0.005)
+
+
+def test_hf_config_json_and_gguf_give_the_same_shapes(tmp_path):
+    cfg = {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "model_type": "llama",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    from_json = load_model_spec(str(tmp_path))
+    assert from_json.num_params == PRESETS["smollm2-135m"].num_params
+    from servelab.model.registry import resolve_model
+
+    from_gguf = load_model_spec(str(resolve_model(GGUF)))
+    assert from_gguf.num_params == PRESETS["smollm2-135m"].num_params
+    assert from_gguf.kv_bytes_per_token(4) == 46080  # ANCHORS.md: about 46 KB per token in fp32
+
+
+def test_unknown_names_say_what_exists():
+    with pytest.raises(ValueError, match="llama-3.1-8b"):
+        load_model_spec("gpt-17")
+    with pytest.raises(ValueError, match="h200"):
+        get_hardware("tpu-v9")
+    assert get_hardware("H100_SXM") is HARDWARE["h100"]
+
+
+def test_every_hardware_entry_cites_a_source():
+    for hw in HARDWARE.values():
+        assert len(hw.source) > 20 and hw.peak_flops > 0 and hw.mem_bw > 0
+
+
+def _decode(batch: int, ctx: int) -> StepWork:
+    w = StepWork()
+    for _ in range(batch):
+        w.add(1, ctx, 1)
+    return w
+
+
+def test_roofline_decode_is_memory_bound_hand_computed():
+    m, hw = PRESETS["llama-3.1-8b"], HARDWARE["h100"]
+    eff = Efficiency(mfu=0.5, mbu=0.75, step_overhead=1e-3, layer_overhead=5e-6)
+    rm = RooflineCostModel(m, hw, efficiency=eff)
+    c = rm.cost(_decode(1, 1023))
+    weights = 8_030_261_248 * 2
+    kv = 131072 * (1024 + 1)  # read 1024 positions, write 1
+    assert c.bytes == pytest.approx(weights + kv)
+    assert c.bound == "memory"
+    expected = (weights + kv) / (3.35e12 * 0.75) + 1e-3 + 32 * 5e-6
+    assert rm.predict(_decode(1, 1023)) == pytest.approx(expected)
+    # About 6.6 ms + 1.2 ms: a batch-1 Llama-8B token on an H100 at 75% of HBM bandwidth.
+    assert 7e-3 < expected < 9e-3
+
+
+def test_roofline_prefill_is_compute_bound_hand_computed():
+    m, hw = PRESETS["llama-3.1-8b"], HARDWARE["h200"]
+    rm = RooflineCostModel(m, hw, efficiency=Efficiency(mfu=0.5, step_overhead=0, layer_overhead=0))
+    w = StepWork()
+    w.add(2048, 0, 1)
+    lin = 2 * 32 * (4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) * 2048
+    attn = 4 * 32 * 32 * 128 * (2048 * 2049 / 2)
+    head = 2 * 4096 * 128256
+    c = rm.cost(w)
+    assert c.flops == pytest.approx(lin + attn + head)
+    assert c.bound == "compute"
+    assert rm.predict(w) == pytest.approx((lin + attn + head) / (989e12 * 0.5))
+
+
+def test_tensor_parallel_splits_work_and_adds_communication():
+    m, hw = PRESETS["llama-3.1-70b"], HARDWARE["h100"]
+    w = _decode(32, 2000)
+    one = RooflineCostModel(m, hw, tp=1).cost(w)
+    four = RooflineCostModel(m, hw, tp=4).cost(w)
+    assert four.memory_time == pytest.approx(one.memory_time / 4)
+    assert one.comm_time == 0 and four.comm_time > 0
+    # 2 all-reduces per layer of 32 tokens * 8192 * 2 B, ring over 4 devices.
+    ar = 2 * 3 / 4 * (32 * 8192 * 2) / hw.link_bw + hw.link_latency
+    assert four.comm_time == pytest.approx(2 * 80 * ar)
+
+
+def test_kv_capacity_is_memory_minus_weights_over_kv_bytes():
+    rm = RooflineCostModel(PRESETS["llama-3.1-8b"], HARDWARE["h100"])
+    expected = (80e9 * 0.9 - 8_030_261_248 * 2 - 1e9) // 131072
+    assert rm.kv_capacity_tokens() == expected
+    with pytest.raises(ValueError, match="tp"):
+        RooflineCostModel(PRESETS["llama-3.1-70b"], HARDWARE["h100"]).kv_capacity_tokens()
+    assert (
+        RooflineCostModel(PRESETS["llama-3.1-70b"], HARDWARE["h100"], tp=4).kv_capacity_tokens() > 0
+    )
+
+
+def test_roofline_sanity_against_a_published_measurement():
+    # johnmusgrave.com "vLLM throughput-latency sweep on NVIDIA A100": Llama-3.1-8B-Instruct
+    # bf16 on an A100 40GB, vLLM 0.23, 1024 in / 128 out, one request: ~75 tok/s (13.3 ms).
+    rm = RooflineCostModel(PRESETS["llama-3.1-8b"], HARDWARE["a100-40gb"])
+    t = rm.predict(_decode(1, 1024 + 64))
+    assert t == pytest.approx(1 / 75, rel=0.15)
+
+
+def _synthetic_truth(w: StepWork) -> float:
+    # A weight-bound base with a bump at small batches (MKL's 4-16 row pathology) + attention.
+    base = 0.060 + 0.0009 * w.tokens + max(0.0, 0.02 * (1 - abs(w.tokens - 8) / 8))
+    return base + 2e-9 * w.attn_pairs + 4e-7 * w.kv_read + 1e-4 * w.seqs
+
+
+def _grid() -> list[StepWork]:
+    shapes = []
+    for d in (1, 2, 4, 8, 16, 32, 64):
+        for ctx in (64, 512, 2048):
+            shapes.append(_decode(d, ctx))
+    for p in (16, 64, 256, 1024):
+        for pre in (0, 1024):
+            w = StepWork()
+            w.add(p, pre, 1)
+            shapes.append(w)
+    return shapes
+
+
+def test_profiled_model_interpolates_a_known_surface():
+    table = ProfileTable("toy", "cpu", [ProfileSample(w, _synthetic_truth(w)) for w in _grid()])
+    pm = ProfiledCostModel(table)
+    assert pm.fit_error < 0.01
+    rng = random.Random(0)
+    errs = []
+    for _ in range(200):  # held-out mixed steps at shapes never profiled
+        w = StepWork()
+        for _ in range(rng.randint(1, 40)):
+            w.add(1, rng.randint(10, 2000), 1)
+        if rng.random() < 0.5:
+            w.add(rng.randint(20, 900), rng.choice([0, 300]), 1)
+        errs.append(abs(pm.predict(w) - _synthetic_truth(w)) / _synthetic_truth(w))
+    errs.sort()
+    assert errs[len(errs) // 2] < 0.05 and errs[int(len(errs) * 0.95)] < 0.15
+
+
+def test_profile_table_round_trips_and_rejects_foreign_files(tmp_path):
+    table = ProfileTable(
+        "toy", "cpu", [ProfileSample(w, _synthetic_truth(w)) for w in _grid()], meta={"threads": 1}
+    )
+    path = table.save(tmp_path / "p.json")
+    again = ProfileTable.load(path)
+    assert ProfiledCostModel(again).predict(_decode(3, 100)) == pytest.approx(
+        ProfiledCostModel(table).predict(_decode(3, 100))
+    )
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="servelab profile"):
+        ProfileTable.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="servelab profile"):
+        ProfileTable.load(tmp_path / "missing.json")
