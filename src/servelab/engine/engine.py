@@ -1,0 +1,362 @@
+"""The engine: requests in, one step at a time, tokens and timelines out.
+
+``LLMEngine`` ties the scheduler and KV-cache policy to an executor (the torch model runner,
+or the simulator's cost model). It validates requests, runs steps, decides when each request
+is finished (EOS, stop ids, stop strings, max_tokens, the context limit), detokenizes
+incrementally, and keeps every request's timeline and every step's record.
+
+Clock: every timestamp comes from ``clock()`` (the simulator passes a virtual clock that its
+executor advances inside ``execute``); nothing here reads the wall clock itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from servelab.engine.config import EngineConfig
+from servelab.engine.detokenizer import Detokenizer
+from servelab.engine.executor import Executor
+from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.request import Request
+from servelab.engine.sampling_params import SamplingParams
+from servelab.engine.scheduler import Scheduler, SchedulerOutput
+from servelab.engine.stats import EngineStats
+from servelab.vocab import FinishReason, RequestTimeline, StepRecord
+
+if TYPE_CHECKING:
+    from servelab.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens produced this step (several with speculative decoding)
+    new_text: str  # detokenized text for them ("" without a tokenizer); stop strings trimmed
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    timeline: RequestTimeline  # complete once finished
+
+
+@dataclass
+class EngineStepResult:
+    outputs: list[RequestOutput]
+    record: StepRecord | None  # None when nothing ran
+
+
+class LLMEngine:
+    """A continuous-batching engine over an ``Executor``.
+
+    Contract:
+    - ``add_request`` validates (clear ``ValueError``s) and queues; ``step`` runs one batch and
+      returns an output for every request that got tokens or finished in it; ``abort`` frees a
+      request's KV blocks at once.
+    - Finished requests' timelines and every step record are kept in bounded deques
+      (``finished_timelines``, ``step_records``, newest last) for ``/v1/timelines``.
+    - Once no request is unfinished, every KV block has reference count 0.
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        history: int = 10_000,
+    ) -> None:
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.config = _resolve_config(config, executor)
+        self.kv_cache = KVCacheManager(
+            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.kv_cache)
+        executor.allocate_kv(self.config.num_kv_blocks, self.config.block_size)
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self._eos = list(executor.eos_token_ids)
+        self._vocab_size: int | None = getattr(executor, "vocab_size", None) or (
+            tokenizer.vocab_size if tokenizer is not None else None
+        )
+        self.finished_timelines: deque[RequestTimeline] = deque(maxlen=history)
+        self.step_records: deque[StepRecord] = deque(maxlen=history)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: str = "smollm2-135m",
+        config: EngineConfig | None = None,
+        device: str | None = None,
+    ) -> LLMEngine:
+        """Load a model (short name, .gguf or HF directory) and build an engine on it."""
+        from servelab.model.loader import load_model
+        from servelab.model.runner import TorchModelRunner
+
+        loaded = load_model(model, device=device)
+        runner = TorchModelRunner(loaded, device=device)
+        return cls(runner, config or EngineConfig(), tokenizer=loaded.tokenizer)
+
+    # ---- requests ----
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. ``prompt_token_ids`` win over ``prompt`` when both are given.
+
+        Raises ValueError: duplicate id, empty prompt, bad token ids, stop strings without a
+        tokenizer, or prompt + max_tokens beyond the context or the KV pool.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use; use a unique id")
+        sp = sampling_params or SamplingParams()
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        self._check_lengths(len(ids), sp)
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        now = self.clock() if arrival_time is None else arrival_time
+        req = Request(request_id, ids, sp, self._eos, now, priority)
+        self._requests[request_id] = req
+        if self.tokenizer is not None:
+            self._detok[request_id] = Detokenizer(self.tokenizer, ids, sp.stop)
+        self.scheduler.add_request(req)
+
+    def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt (text) or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt_token_ids instead")
+            # Like vLLM's completions: the tokenizer adds BOS only if the model asks for it.
+            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        limit = self._vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or (limit and t >= limit)]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains invalid ids {bad[:5]}; ids must be integers in "
+                f"[0, {limit if limit else 'vocab size'})"
+            )
+        return ids
+
+    def _check_lengths(self, num_prompt: int, sp: SamplingParams) -> None:
+        limit = self.config.max_model_len
+        if num_prompt >= limit:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but the context is {limit} tokens "
+                f"(max_model_len), leaving no room to generate; shorten the prompt to at most "
+                f"{limit - 1} tokens"
+            )
+        if num_prompt + sp.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({sp.max_tokens}) = "
+                f"{num_prompt + sp.max_tokens} exceeds the context of {limit} tokens "
+                f"(max_model_len); lower max_tokens to at most {limit - num_prompt} or shorten "
+                "the prompt"
+            )
+        # The last sampled token never needs K/V, hence the - 1.
+        blocks = self.kv_cache.blocks_needed(num_prompt + sp.max_tokens - 1)
+        if blocks > self.config.num_kv_blocks:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({sp.max_tokens}) needs {blocks} KV "
+                f"blocks but the pool has {self.config.num_kv_blocks}; raise num_kv_blocks "
+                "(or kv_cache_memory_gb), or lower max_tokens"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Finish the request with ABORT and free its KV blocks now; False if unknown/finished."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, FinishReason.ABORT, self.clock())
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live state of an unfinished request (read it, do not change it)."""
+        return self._requests.get(request_id)
+
+    def get_timeline(self, request_id: str) -> RequestTimeline | None:
+        """The live timeline of an unfinished request, or a kept finished one."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            return req.timeline
+        return next(
+            (t for t in reversed(self.finished_timelines) if t.request_id == request_id), None
+        )
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_cache
+        return EngineStats(
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_blocks,
+            kv_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            evictions=kv.evictions,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache.reset_prefix_cache()
+
+    # ---- stepping ----
+
+    def step(self) -> EngineStepResult:
+        """Schedule and run one batch; return the outputs and the step record."""
+        if not self.scheduler.has_unfinished():
+            return EngineStepResult([], None)
+        start = self.clock()
+        out = self.scheduler.schedule(start)
+        if not out.entries:
+            return EngineStepResult([], None)
+        kv_used = self.kv_cache.num_used_blocks
+        try:
+            result = self.executor.execute(out.plan)
+        except Exception as e:  # fail this batch's requests, keep serving
+            log.exception("step %d failed", out.plan.step_id)
+            return EngineStepResult(self._fail_batch(out, e), None)
+        end = self.clock()
+        new_tokens = self.scheduler.update_from_output(out, result, start, end)
+        outputs = [
+            self._emit(self._requests[rid], tokens, end) for rid, tokens in new_tokens.items()
+        ]
+        record = StepRecord(
+            step_id=out.plan.step_id,
+            start=start,
+            end=end,
+            prefill_tokens=sum(out.prefill.values()),
+            decode_seqs=len(out.decode),
+            prefill=out.prefill,
+            decode=out.decode,
+            kv_blocks_used=kv_used,
+            kv_blocks_total=self.kv_cache.num_blocks,
+            num_waiting=self.num_waiting,
+            preempted=list(out.preempted),
+        )
+        self.step_records.append(record)
+        return EngineStepResult(outputs, record)
+
+    def _emit(self, req: Request, tokens: list[int], now: float) -> RequestOutput:
+        """Apply the stop rules to this step's new tokens and build the request's output."""
+        sp = req.sampling_params
+        detok = self._detok.get(req.request_id)
+        before = req.num_output_tokens - len(tokens)
+        reason: FinishReason | None = None
+        kept = 0
+        for tok in tokens:
+            kept += 1
+            n_out = before + kept
+            check = n_out >= sp.min_tokens  # vLLM: no stop rule applies before min_tokens
+            if check and (tok in sp.stop_token_ids or (tok in self._eos and not sp.ignore_eos)):
+                reason = FinishReason.STOP  # the stop token's text is not output
+                break
+            if detok is not None and detok.add(tok, check):
+                reason = FinishReason.STOP
+                break
+            if n_out >= sp.max_tokens or req.num_prompt_tokens + n_out >= self.config.max_model_len:
+                reason = FinishReason.LENGTH
+                break
+        if kept < len(tokens):  # tokens after a stop (speculative decoding) are dropped
+            drop = len(tokens) - kept
+            del req.token_ids[-drop:]
+            del req.timeline.token_times[-drop:]
+            tokens = tokens[:kept]
+        text = detok.take(final=reason is not None) if detok is not None else ""
+        if reason is not None:
+            self._finish(req, reason, now)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=list(tokens),
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            timeline=req.timeline,
+        )
+
+    def _fail_batch(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        now = self.clock()
+        outputs = []
+        for e in out.entries:
+            req = e.request
+            req.timeline.error = f"{type(error).__name__}: {error}"
+            self._finish(req, FinishReason.ERROR, now)
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason=FinishReason.ERROR,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_output_tokens=req.num_output_tokens,
+                    timeline=req.timeline,
+                )
+            )
+        return outputs
+
+    def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        self.scheduler.finish_request(req, reason, now)
+        del self._requests[req.request_id]
+        self._detok.pop(req.request_id, None)
+        self.finished_timelines.append(req.timeline)
+
+
+def _resolve_config(config: EngineConfig, executor: Executor) -> EngineConfig:
+    """Fill in max_model_len and num_kv_blocks from the executor; validate."""
+    config = dataclasses.replace(config)
+    config.validate()
+    model_len = executor.max_model_len
+    if config.max_model_len is None:
+        config.max_model_len = model_len
+    elif config.max_model_len > model_len:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's context of {model_len} "
+            "tokens; leave it unset or lower it"
+        )
+    if config.num_kv_blocks is None:
+        per_block = executor.kv_block_bytes(config.block_size)
+        budget_blocks = int(config.kv_cache_memory_gb * 1e9) // per_block
+        # More blocks than max_num_seqs full contexts can never be in use at once; the cap keeps
+        # a tiny model from allocating gigabytes.
+        useful = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+        config.num_kv_blocks = min(budget_blocks, useful)
+        if config.num_kv_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no KV block of "
+                f"{per_block} bytes; raise it"
+            )
+    return config

@@ -1,0 +1,87 @@
+"""A request as the engine's policy layer sees it. Pure Python (the simulator reuses it).
+
+Contract:
+- ``token_ids`` is the prompt followed by every output token so far; ``num_computed_tokens``
+  of them have K/V in the paged cache. The pending tokens ``token_ids[num_computed_tokens:]``
+  are what the next step must compute: the rest of the prompt during prefill, the last
+  sampled token during decode, everything again after a preemption (recompute).
+- ``phase`` is the DESIGN.md lifecycle: QUEUED until admitted, PREFILL until the step that
+  samples, then DECODE; a preemption sends it back to QUEUED with its output kept.
+- ``admit_seq`` orders admissions (larger = admitted more recently); the scheduler preempts
+  the lowest priority first, then the most recently admitted.
+"""
+
+from __future__ import annotations
+
+from servelab.engine.sampling_params import SamplingParams
+from servelab.vocab import FinishReason, Phase, RequestTimeline
+
+
+class Request:
+    """One generation request: its tokens, progress, phase and timeline."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: list[int],
+        arrival_time: float,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = list(eos_token_ids)
+        self.priority = priority
+        self.num_computed_tokens = 0
+        self.phase = Phase.QUEUED
+        self.admit_seq = -1
+        # Prompt tokens served from the prefix cache at the latest admission; reported with
+        # the first prefill chunk after that admission, then cleared.
+        self.pending_cached_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self.timeline = RequestTimeline(
+            request_id=request_id,
+            arrival=arrival_time,
+            priority=priority,
+            prompt_tokens=len(prompt_token_ids),
+            queued=[arrival_time],
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    def banned_token_ids(self) -> list[int]:
+        """Ids the next sample must not take: EOS (unless ignored) and stop ids before min_tokens."""
+        sp = self.sampling_params
+        if self.num_output_tokens >= sp.min_tokens:
+            return []
+        banned = list(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            banned += self.eos_token_ids
+        return banned
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, phase={self.phase.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, priority={self.priority})"
+        )

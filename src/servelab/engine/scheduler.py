@@ -1,0 +1,342 @@
+"""The step scheduler: which requests run in the next step, and how many tokens each.
+
+Pure Python, no torch: the simulator runs it unchanged against a cost model.
+
+Policy (docs/design/scheduler.md has the reasoning):
+- One token budget per step (``max_num_batched_tokens``) and a cap on running sequences
+  (``max_num_seqs``).
+- Running requests first, in admission order: a decode takes 1 token, an unfinished prefill
+  takes the rest of its prompt up to the remaining budget (a chunk).
+- Then waiting requests are admitted in priority order (lower value first, FCFS within a
+  class), each after a prefix-cache lookup, while budget, cap and KV blocks allow. The queue
+  is strict: if the head cannot be admitted, nothing behind it is.
+- Out of KV blocks while serving running requests: preempt by recompute -- the lowest
+  priority first, then the most recently admitted -- until the request fits or is itself the
+  victim. No request is admitted in a step that preempted.
+- A waiting request that cannot get blocks may preempt running requests of a strictly lower
+  priority (``preempt_for_priority``).
+- Chunked prefill off: a prompt is computed whole in one step. One whose uncached part is
+  larger than the whole budget runs alone in a step (running decodes pause for that step),
+  so any prompt the context allows is admissible.
+- A preempted request returns to the front of its priority class, keeps its output, and is
+  recomputed as a prefill of prompt + output (the prefix cache often still holds most of it).
+
+Contract with the engine: ``schedule(now)`` -> ``SchedulerOutput`` (the ``BatchPlan`` to run
+plus what it means for each request); after the executor ran it, ``update_from_output``
+advances the requests and records their timelines; the engine decides when a request is
+finished and calls ``finish_request``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from servelab.engine.config import EngineConfig
+from servelab.engine.kv_cache import KVCacheManager, PrefixHit
+from servelab.engine.plan import BatchPlan, ScheduledSeq, StepOutput
+from servelab.engine.request import Request
+from servelab.vocab import FinishReason, Phase, PrefillChunk
+
+
+class WaitingQueue:
+    """Priority classes (lower value first), FCFS within a class; preempted go to the front."""
+
+    def __init__(self) -> None:
+        self._classes: dict[int, deque[Request]] = {}
+        self._len = 0
+
+    def push_back(self, req: Request) -> None:
+        self._classes.setdefault(req.priority, deque()).append(req)
+        self._len += 1
+
+    def push_front(self, req: Request) -> None:
+        self._classes.setdefault(req.priority, deque()).appendleft(req)
+        self._len += 1
+
+    def peek(self) -> Request:
+        return self._classes[min(self._classes)][0]
+
+    def pop(self) -> Request:
+        prio = min(self._classes)
+        q = self._classes[prio]
+        req = q.popleft()
+        if not q:
+            del self._classes[prio]
+        self._len -= 1
+        return req
+
+    def remove(self, req: Request) -> bool:
+        q = self._classes.get(req.priority)
+        if q is None or req not in q:
+            return False
+        q.remove(req)
+        if not q:
+            del self._classes[req.priority]
+        self._len -= 1
+        return True
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        for prio in sorted(self._classes):
+            yield from self._classes[prio]
+
+
+@dataclass
+class ScheduledEntry:
+    """One request's share of a step, as decided by the scheduler."""
+
+    request: Request
+    num_tokens: int  # tokens computed this step
+    is_prefill: bool  # a prefill chunk (prompt or recompute) rather than a decode
+    cached_tokens: int = 0  # prefix-cache tokens skipped at the admission this chunk starts
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step and its meaning per request."""
+
+    plan: BatchPlan
+    entries: list[ScheduledEntry]
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def prefill(self) -> dict[str, int]:
+        return {e.request.request_id: e.num_tokens for e in self.entries if e.is_prefill}
+
+    @property
+    def decode(self) -> list[str]:
+        return [e.request.request_id for e in self.entries if not e.is_prefill]
+
+
+class _Step:
+    """Decisions being made for one step."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: dict[str, ScheduledEntry] = {}
+        self.admitted: list[str] = []
+        self.preempted: list[str] = []
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        self.entries[req.request_id] = ScheduledEntry(
+            req, num_tokens, req.phase is Phase.PREFILL, req.pending_cached_tokens
+        )
+        req.pending_cached_tokens = 0
+        self.budget -= num_tokens
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting queue and the running list."""
+
+    def __init__(
+        self, config: EngineConfig, kv_cache: KVCacheManager, preempt_for_priority: bool = True
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.preempt_for_priority = preempt_for_priority
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+        self._next_step_id = 0
+        self._admissions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def add_request(self, req: Request) -> None:
+        req.phase = Phase.QUEUED
+        self.waiting.push_back(req)
+
+    def finish_request(self, req: Request, reason: FinishReason, now: float) -> None:
+        """Remove the request from the queues, free its KV blocks, close its timeline."""
+        if req.finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv_cache.free(req.request_id)
+        req.phase = Phase.FINISHED
+        req.finish_reason = reason
+        req.timeline.finished = now
+        req.timeline.finish_reason = reason
+        req.timeline.output_tokens = req.num_output_tokens
+
+    # ---- scheduling ----
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Choose the next step's batch (see the module docstring); ``now`` stamps timelines."""
+        step = _Step(self.config.max_num_batched_tokens)
+        if not self._admit_oversized_alone(step, now):
+            self._schedule_running(step, now)
+            if not step.preempted:
+                self._admit_waiting(step, now)
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        entries = list(step.entries.values())
+        plan = BatchPlan(step_id, [self._scheduled_seq(e) for e in entries])
+        return SchedulerOutput(plan, entries, step.admitted, step.preempted)
+
+    def _schedule_running(self, step: _Step, now: float) -> None:
+        for req in list(self.running):
+            if step.budget <= 0:
+                break
+            if req.phase is Phase.QUEUED:  # preempted earlier in this loop
+                continue
+            pending = req.num_tokens - req.num_computed_tokens
+            n = min(pending, step.budget)
+            if n < pending and not self.config.enable_chunked_prefill:
+                continue
+            while not self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = max(self.running, key=_preemption_order)
+                self._preempt(victim, step, now)
+                if victim is req:
+                    break
+            else:
+                step.add(req, n)
+
+    def _admit_waiting(self, step: _Step, now: float) -> None:
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            hit = self.kv_cache.lookup(req.request_id, req.token_ids)
+            pending = req.num_tokens - hit.num_tokens
+            if self.config.enable_chunked_prefill:
+                n = min(pending, step.budget)
+            elif pending <= step.budget:
+                n = pending
+            else:
+                return
+            if not self._allocate_for_admission(req, hit, n, step, now):
+                return
+            self._admit(req, hit, n, step, now)
+
+    def _admit_oversized_alone(self, step: _Step, now: float) -> bool:
+        """Chunking off: run a head-of-queue prompt larger than the whole budget by itself."""
+        if self.config.enable_chunked_prefill or not self.waiting:
+            return False
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        req = self.waiting.peek()
+        hit = self.kv_cache.lookup(req.request_id, req.token_ids)
+        n = req.num_tokens - hit.num_tokens
+        if n <= step.budget or not self._allocate_for_admission(req, hit, n, step, now):
+            return False
+        self._admit(req, hit, n, step, now)
+        return True
+
+    def _allocate_for_admission(
+        self, req: Request, hit: PrefixHit, n: int, step: _Step, now: float
+    ) -> bool:
+        kv = self.kv_cache
+        if kv.allocate(req.request_id, hit.num_tokens + n, hit):
+            return True
+        lower = [r for r in self.running if r.priority > req.priority]
+        if not self.preempt_for_priority or not lower:
+            return False
+        # Preempt only if evicting every lower-priority request could make room at all.
+        reclaimable = kv.num_free_blocks + sum(len(kv.block_table(r.request_id)) for r in lower)
+        if kv.blocks_needed(hit.num_tokens + n) > reclaimable:
+            return False
+        while not kv.allocate(req.request_id, hit.num_tokens + n, hit):
+            if not lower:
+                return False
+            victim = max(lower, key=_preemption_order)
+            lower.remove(victim)
+            self._preempt(victim, step, now)
+        return True
+
+    def _admit(self, req: Request, hit: PrefixHit, n: int, step: _Step, now: float) -> None:
+        self.waiting.pop()
+        self.running.append(req)
+        req.phase = Phase.PREFILL
+        req.admit_seq = self._admissions
+        self._admissions += 1
+        req.num_computed_tokens = hit.num_tokens
+        req.pending_cached_tokens = hit.num_tokens
+        req.timeline.scheduled.append(now)
+        req.timeline.cached_tokens += hit.num_tokens
+        step.admitted.append(req.request_id)
+        step.add(req, n)
+
+    def _preempt(self, victim: Request, step: _Step, now: float) -> None:
+        self.running.remove(victim)
+        self.kv_cache.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.pending_cached_tokens = 0
+        victim.phase = Phase.QUEUED
+        victim.timeline.preemptions.append(now)
+        victim.timeline.queued.append(now)
+        self.waiting.push_front(victim)
+        self.num_preemptions += 1
+        step.preempted.append(victim.request_id)
+        undone = step.entries.pop(victim.request_id, None)
+        if undone is not None:
+            step.budget += undone.num_tokens
+
+    def _scheduled_seq(self, e: ScheduledEntry) -> ScheduledSeq:
+        req = e.request
+        start = req.num_computed_tokens
+        sample = start + e.num_tokens == req.num_tokens
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.token_ids[start : start + e.num_tokens],
+            start_pos=start,
+            block_table=list(self.kv_cache.block_table(req.request_id)),
+            sample=sample,
+            sampling=req.sampling_params,
+            num_output_tokens=req.num_output_tokens,
+            banned_token_ids=req.banned_token_ids() if sample else [],
+        )
+
+    # ---- after the step ----
+
+    def update_from_output(
+        self, out: SchedulerOutput, result: StepOutput, start: float, end: float
+    ) -> dict[str, list[int]]:
+        """Advance the scheduled requests; return the new tokens per request (plan order).
+
+        Records each prefill chunk and each token time (the step's end) in the timelines and
+        registers newly computed full blocks in the prefix cache.
+        """
+        new_tokens: dict[str, list[int]] = {}
+        for e in out.entries:
+            req = e.request
+            rid = req.request_id
+            if e.is_prefill:
+                req.timeline.chunks.append(
+                    PrefillChunk(out.plan.step_id, start, end, e.num_tokens, e.cached_tokens)
+                )
+            req.num_computed_tokens += e.num_tokens
+            self.kv_cache.cache_blocks(rid, req.token_ids, req.num_computed_tokens)
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a chunk that did not reach the end of the prompt
+            tokens = result.sampled.get(rid)
+            if not tokens:
+                raise RuntimeError(f"the executor returned no sampled token for request {rid!r}")
+            req.token_ids.extend(tokens)
+            req.phase = Phase.DECODE
+            tl = req.timeline
+            if tl.first_token is None:
+                tl.first_token = end
+            tl.token_times.extend([end] * len(tokens))
+            tl.output_tokens = req.num_output_tokens
+            new_tokens[rid] = tokens
+        return new_tokens
+
+
+def _preemption_order(req: Request) -> tuple[int, int]:
+    """Larger = preempted first: the lowest priority (largest value), then the latest admitted."""
+    return (req.priority, req.admit_seq)
