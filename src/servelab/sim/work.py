@@ -59,14 +59,26 @@ def work_of_plan(plan: BatchPlan, imported: set[str] | frozenset = frozenset()) 
     decode): their prompt chunk costs nothing, and the chunk that samples costs one
     decode token at its full context.
     """
-    w = StepWork()
+    # Inlined StepWork.add: this runs once per sequence per simulated step.
+    tokens = prefill = decode = seqs = logits = kv_read = 0
+    pairs = 0.0
     for s in plan.seqs:
-        n = len(s.token_ids) + len(s.draft_token_ids)
-        logits = (1 + len(s.draft_token_ids)) if s.sample else 0
+        n = len(s.token_ids)
+        start = s.start_pos
+        if s.draft_token_ids:
+            n += len(s.draft_token_ids)
         if imported and s.request_id in imported:
             if not s.sample:
                 continue
-            w.add(1, s.start_pos + n - 1, 1)
-            continue
-        w.add(n, s.start_pos, logits)
-    return w
+            start, n = start + n - 1, 1
+        lg = (1 + len(s.draft_token_ids)) if s.sample else 0
+        tokens += n
+        seqs += 1
+        logits += lg
+        pairs += n * start + n * (n + 1) / 2
+        kv_read += start + n
+        if lg == n:
+            decode += 1
+        else:
+            prefill += n
+    return StepWork(tokens, prefill, decode, seqs, logits, pairs, kv_read)

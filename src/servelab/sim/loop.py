@@ -1,0 +1,418 @@
+"""The discrete-event loop: clients, a network, a router and engine replicas in virtual time.
+
+Each replica is the engine's own ``LLMEngine`` (its scheduler and KV cache unchanged)
+over a :class:`~servelab.sim.executor.SimExecutor` with its own virtual clock. The loop
+always advances whichever comes first: the next client/network event, or the step of
+the busy replica whose clock is furthest behind. So every replica sees requests at the
+moment they reach it, and a router sees the replicas as of that moment.
+
+Invariants:
+- Client times = server times + the one-way ``network_delay`` (each way); the client
+  sends at its intended time unless ``max_concurrency`` requests are in flight, then
+  when one finishes (closed loop).
+- A request that the engine rejects (``add_request`` raises ValueError) becomes a
+  client record with status 400 and the engine's message, as a real server answers.
+- Disaggregated: a request is prefilled on a prefill replica (``max_tokens=1``; the
+  client gets that first token), its KV crosses ``link`` (``prompt tokens x KV bytes``
+  per device), then a decode replica, whose executor is told the prompt's KV is
+  already there, produces the rest. The two server timelines are merged into one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from servelab.engine.sampling_params import SamplingParams
+from servelab.sim.executor import SimExecutor, VirtualClock
+from servelab.sim.links import Link
+from servelab.sim.router import Router, make_router
+from servelab.vocab import ClientRecord, FinishReason, RequestTimeline, StepRecord
+
+# Virtual time starts here rather than at 0, so that no timestamp is falsy.
+T0 = 1000.0
+
+
+@dataclass
+class SimRequest:
+    """One request of the simulated client.
+
+    ``send_time`` is the intended send, seconds from the start of the run. With
+    ``after`` (a multi-turn session), the request is sent ``think_time`` after that
+    request's last byte, or at ``send_time`` if that is later.
+    """
+
+    request_id: str
+    send_time: float
+    prompt_token_ids: list[int]
+    max_tokens: int
+    workload_class: str = "default"
+    priority: int = 0
+    session_id: str | None = None
+    turn: int = 0
+    prefix_group: str | None = None
+    stage: str | None = None
+    after: str | None = None
+    think_time: float = 0.0
+
+
+@dataclass
+class Topology:
+    """How many replicas and how requests reach them.
+
+    ``prefill`` and ``decode`` > 0 make the deployment disaggregated (``replicas`` is then
+    ignored) with KV moving over ``link``.
+    """
+
+    replicas: int = 1
+    router: str = "round-robin"
+    prefill: int = 0
+    decode: int = 0
+    link: Link | None = None
+    decode_router: str = "least-loaded"
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill > 0 or self.decode > 0
+
+    def validate(self) -> None:
+        if self.disaggregated:
+            if self.prefill < 1 or self.decode < 1:
+                raise ValueError(
+                    f"a disaggregated deployment needs at least one prefill and one decode "
+                    f"replica, got {self.prefill}P:{self.decode}D"
+                )
+            if self.link is None:
+                raise ValueError(
+                    "a disaggregated deployment needs a KV link (--link nvlink|ib|...)"
+                )
+        elif self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+
+    def describe(self) -> str:
+        if self.disaggregated:
+            return f"{self.prefill}P:{self.decode}D over {self.link.name if self.link else '?'}"
+        return f"{self.replicas} replica(s), {self.router}"
+
+
+# Builds one replica: (engine, executor) on the given clock. ``seed`` varies per replica.
+EngineFactory = Callable[[VirtualClock, int], tuple[Any, SimExecutor]]
+
+
+@dataclass
+class Replica:
+    index: int
+    role: str  # "mixed", "prefill" or "decode"
+    engine: Any
+    executor: SimExecutor
+    clock: VirtualClock
+    outstanding: int = 0
+
+
+@dataclass
+class SimResult:
+    records: list[ClientRecord]
+    timelines: list[RequestTimeline]
+    steps: list[dict[str, Any]]
+    replicas: list[dict[str, Any]]
+    topology: Topology
+    num_steps: int = 0
+    sim_duration: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Client:
+    req: SimRequest
+    record: ClientRecord
+    replica: Replica | None = None
+    prefill_timeline: RequestTimeline | None = None
+
+
+_SEND, _ARRIVE, _TRANSFER, _DONE = range(4)
+_STEP_FIELDS = tuple(StepRecord.__dataclass_fields__)
+
+
+class Simulation:
+    """One simulated run. Build it, then call :meth:`run` once."""
+
+    def __init__(
+        self,
+        factory: EngineFactory,
+        requests: list[SimRequest],
+        topology: Topology | None = None,
+        network_delay: float = 0.0,
+        max_concurrency: int | None = None,
+        kv_bytes_per_token: float = 0.0,
+        step_sink: Callable[[dict[str, Any]], None] | None = None,
+        keep_steps: bool = True,
+        block_size: int = 16,
+    ) -> None:
+        self.topology = topology or Topology()
+        self.topology.validate()
+        if network_delay < 0:
+            raise ValueError("network_delay must be >= 0 seconds")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+        self.requests = requests
+        self.delay = network_delay
+        self.limit = max_concurrency
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.step_sink = step_sink
+        self.keep_steps = keep_steps
+        self.steps: list[dict[str, Any]] = []
+        self.num_steps = 0
+        topo = self.topology
+        seeds = itertools.count()
+
+        def make(role: str, n: int) -> list[Replica]:
+            out = []
+            for i in range(n):
+                clock = VirtualClock(T0)
+                engine, ex = factory(clock, next(seeds))
+                out.append(Replica(i, role, engine, ex, clock))
+            return out
+
+        if topo.disaggregated:
+            self.front = make("prefill", topo.prefill)
+            self.back = make("decode", topo.decode)
+            self.back_router: Router | None = make_router(
+                topo.decode_router, topo.decode, block_size
+            )
+        else:
+            self.front = make("mixed", topo.replicas)
+            self.back = []
+            self.back_router = None
+        self.front_router = make_router(topo.router, len(self.front), block_size)
+        self.replicas = self.front + self.back
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._clients: dict[str, _Client] = {}
+        self._children: dict[str, list[SimRequest]] = {}
+        self._ready: list[tuple[float, int, SimRequest]] = []  # (intended, seq, req)
+        self._in_flight = 0
+        self._timelines: list[RequestTimeline] = []
+
+    # ---- events ----
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def _make_ready(self, req: SimRequest, intended: float) -> None:
+        heapq.heappush(self._ready, (intended, next(self._seq), req))
+
+    def _pump(self, now: float) -> None:
+        """Send every ready request the concurrency limit allows (at its time, or now)."""
+        while self._ready and (self.limit is None or self._in_flight < self.limit):
+            intended, _, req = heapq.heappop(self._ready)
+            self._in_flight += 1
+            self._push(max(intended, now), _SEND, (req, intended))
+
+    def _send(self, t: float, req: SimRequest, intended: float) -> None:
+        rec = ClientRecord(
+            request_id=req.request_id,
+            workload_class=req.workload_class,
+            intended_send=intended,
+            actual_send=t,
+            input_tokens=len(req.prompt_token_ids),
+            requested_output_tokens=req.max_tokens,
+            session_id=req.session_id,
+            turn=req.turn,
+            prefix_group=req.prefix_group,
+            stage=req.stage,
+        )
+        self._clients[req.request_id] = _Client(req, rec)
+        self._push(t + self.delay, _ARRIVE, req.request_id)
+
+    def _add(
+        self, replica: Replica, c: _Client, t: float, prompt: list[int], max_tokens: int
+    ) -> bool:
+        replica.clock.advance_to(t)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        try:
+            replica.engine.add_request(
+                c.req.request_id,
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                priority=c.req.priority,
+                arrival_time=t,
+            )
+        except ValueError as e:
+            c.record.status = 400
+            c.record.error = str(e)
+            c.record.first_byte = t + self.delay
+            self._push(t + self.delay, _DONE, c.req.request_id)
+            return False
+        replica.outstanding += 1
+        c.replica = replica
+        return True
+
+    def _arrive(self, t: float, rid: str) -> None:
+        c = self._clients[rid]
+        c.record.first_byte = t + self.delay  # response headers go out on arrival
+        pool, router = self.front, self.front_router
+        idx = router.route(c.req.prompt_token_ids, [r.outstanding for r in pool])
+        max_tokens = 1 if self.back else c.req.max_tokens
+        self._add(pool[idx], c, t, c.req.prompt_token_ids, max_tokens)
+
+    def _transfer_done(self, t: float, rid: str) -> None:
+        c = self._clients[rid]
+        assert self.back_router is not None
+        prompt = c.req.prompt_token_ids + [0]  # the first token came from the prefill replica
+        idx = self.back_router.route(prompt, [r.outstanding for r in self.back])
+        replica = self.back[idx]
+        replica.executor.imported.add(rid)
+        if not self._add(replica, c, t, prompt, c.req.max_tokens - 1):
+            replica.executor.forget(rid)
+
+    def _finish_client(self, t: float, rid: str) -> None:
+        c = self._clients[rid]
+        if c.record.done is None:
+            c.record.done = t
+        self._in_flight -= 1
+        for child in self._children.pop(rid, []):
+            self._make_ready(child, max(T0 + child.send_time, t + child.think_time))
+        self._pump(t)
+
+    # ---- steps ----
+
+    def _step(self, replica: Replica) -> None:
+        before = replica.clock.now
+        result = replica.engine.step()
+        end = replica.clock.now
+        self.num_steps += 1
+        rec = result.record
+        if rec is not None and (self.keep_steps or self.step_sink is not None):
+            # Shallow: asdict's deep copy costs more than the rest of the step here.
+            d = {k: getattr(rec, k) for k in _STEP_FIELDS}
+            d["replica"] = replica.index
+            d["role"] = replica.role
+            if self.step_sink is not None:
+                self.step_sink(d)
+            if self.keep_steps:
+                self.steps.append(d)
+        if not result.outputs and end == before:
+            raise RuntimeError(
+                f"replica {replica.index} made no progress at t={end:.6f} with "
+                f"{replica.engine.num_waiting} waiting and {replica.engine.num_running} running; "
+                "the KV pool may be too small for a request (raise num_kv_blocks)"
+            )
+        client_t = end + self.delay
+        for out in result.outputs:
+            c = self._clients[out.request_id]
+            rec_c = c.record
+            if out.new_token_ids:
+                rec_c.chunk_times.append(client_t)
+                rec_c.chunk_tokens.append(len(out.new_token_ids))
+            if not out.finished:
+                continue
+            replica.outstanding -= 1
+            replica.executor.forget(out.request_id)
+            tl = out.timeline
+            if replica.role == "prefill" and out.finish_reason is not FinishReason.ERROR:
+                rec_c.output_tokens = 1
+                if c.req.max_tokens > 1:
+                    c.prefill_timeline = tl
+                    nbytes = len(c.req.prompt_token_ids) * self.kv_bytes_per_token
+                    assert self.topology.link is not None
+                    self._push(
+                        end + self.topology.link.transfer_time(nbytes), _TRANSFER, out.request_id
+                    )
+                    continue
+            else:
+                rec_c.output_tokens = (1 if c.prefill_timeline else 0) + out.num_output_tokens
+            if c.prefill_timeline is not None:
+                tl = _merge(c.prefill_timeline, tl)
+            if out.finish_reason is FinishReason.ERROR:
+                rec_c.error = tl.error or "engine error"
+                rec_c.status = 500
+            else:
+                rec_c.status = 200
+            rec_c.server_timeline = tl.summary()
+            self._timelines.append(tl)
+            self._push(client_t, _DONE, out.request_id)
+
+    # ---- main loop ----
+
+    def run(self) -> SimResult:
+        for req in sorted(self.requests, key=lambda r: r.send_time):
+            if req.after is not None:
+                self._children.setdefault(req.after, []).append(req)
+            else:
+                self._make_ready(req, T0 + req.send_time)
+        known = {r.request_id for r in self.requests}
+        orphans = [p for p in self._children if p not in known]
+        if orphans:
+            raise ValueError(f"requests wait for unknown request ids: {orphans[:3]}")
+        self._pump(T0)
+        replicas = self.replicas
+        events = self._events
+        while True:
+            busy = None
+            for r in replicas:
+                if r.engine.has_unfinished() and (busy is None or r.clock.now < busy.clock.now):
+                    busy = r
+            t_ev = events[0][0] if events else math.inf
+            t_busy = busy.clock.now if busy is not None else math.inf
+            if t_ev == math.inf and t_busy == math.inf:
+                break
+            if t_ev <= t_busy:
+                t, _, kind, payload = heapq.heappop(events)
+                if kind == _SEND:
+                    self._send(t, *payload)
+                elif kind == _ARRIVE:
+                    self._arrive(t, payload)
+                elif kind == _TRANSFER:
+                    self._transfer_done(t, payload)
+                else:
+                    self._finish_client(t, payload)
+            else:
+                assert busy is not None
+                self._step(busy)
+        records = [
+            self._clients[r.request_id].record
+            for r in self.requests
+            if r.request_id in self._clients
+        ]
+        ends = [r.clock.now for r in replicas]
+        return SimResult(
+            records=records,
+            timelines=self._timelines,
+            steps=self.steps,
+            replicas=[self._replica_summary(r) for r in replicas],
+            topology=self.topology,
+            num_steps=self.num_steps,
+            sim_duration=max([*ends, *(r.done or T0 for r in records)]) - T0,
+        )
+
+    def _replica_summary(self, r: Replica) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {
+            "index": r.index,
+            "role": r.role,
+            "steps": r.executor.steps,
+            "busy_time": r.executor.busy_time,
+            "stats": asdict(r.engine.stats()),
+        }
+
+
+def _merge(prefill: RequestTimeline, decode: RequestTimeline) -> RequestTimeline:
+    """One timeline for a disaggregated request: prefill side, then the decode side's tokens."""
+    return replace(
+        prefill,
+        token_times=prefill.token_times + decode.token_times,
+        preemptions=prefill.preemptions + decode.preemptions,
+        spec=prefill.spec + decode.spec,
+        finished=decode.finished,
+        finish_reason=decode.finish_reason,
+        output_tokens=prefill.output_tokens + decode.output_tokens,
+        error=decode.error,
+    )

@@ -1,0 +1,139 @@
+"""What is simulated: a cost model plus the engine settings and model facts around it.
+
+A :class:`SimTarget` builds replicas for :class:`~servelab.sim.loop.Simulation`: each is
+the engine's own ``LLMEngine`` over a :class:`SimExecutor` on a virtual clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.engine.config import EngineConfig
+from servelab.sim.executor import CostModel, SimExecutor, VirtualClock
+from servelab.sim.hardware import Hardware, get_hardware
+from servelab.sim.modelspec import ModelSpec, load_model_spec
+from servelab.sim.profiled import ProfiledCostModel, ProfileTable
+from servelab.sim.roofline import Efficiency, RooflineCostModel
+
+
+@dataclass
+class SimTarget:
+    """One replica's cost model, engine config and model facts.
+
+    ``kv_bytes_per_token`` is per device: it sizes the KV pool (through the engine's own
+    ``kv_cache_memory_gb`` rule) and the disaggregated KV transfer.
+    """
+
+    cost_model: CostModel
+    engine_config: EngineConfig
+    max_model_len: int
+    kv_bytes_per_token: float
+    label: str
+    eos_token_ids: list[int] = field(default_factory=list)
+    placeholder_ids: list[int] = field(default_factory=lambda: [1000])
+    spec_acceptance: float = 0.7
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def make_executor(self, clock: VirtualClock, seed: int = 0) -> SimExecutor:
+        return SimExecutor(
+            self.cost_model,
+            clock,
+            max_model_len=self.max_model_len,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            eos_token_ids=self.eos_token_ids,
+            placeholder_ids=self.placeholder_ids,
+            spec_acceptance=self.spec_acceptance,
+            seed=seed,
+        )
+
+    def factory(self, clock: VirtualClock, seed: int) -> tuple[Any, SimExecutor]:
+        """An engine replica on ``clock`` (the ``EngineFactory`` of the simulation loop)."""
+        from servelab.engine.engine import LLMEngine
+
+        ex = self.make_executor(clock, seed)
+        return LLMEngine(ex, self.engine_config, tokenizer=None, clock=clock), ex
+
+    def with_engine_args(self, **kwargs: Any) -> SimTarget:
+        """The same target with some EngineConfig fields changed (a sweep point)."""
+        return dataclasses.replace(
+            self, engine_config=dataclasses.replace(self.engine_config, **kwargs)
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "cost_model": self.cost_model.describe(),
+            "engine_config": dataclasses.asdict(self.engine_config),
+            "max_model_len": self.max_model_len,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            **self.info,
+        }
+
+
+def roofline_target(
+    hardware: str | Hardware,
+    model: str | ModelSpec,
+    tp: int = 1,
+    efficiency: Efficiency | None = None,
+    engine_config: EngineConfig | None = None,
+    gpu_memory_utilization: float = 0.9,
+    weight_bytes: int | None = None,
+    kv_bytes: int | None = None,
+) -> SimTarget:
+    """A roofline replica of ``model`` on ``tp`` devices of ``hardware``.
+
+    Unless the config fixes ``num_kv_blocks``, the KV pool is what the memory leaves after
+    the weights (:meth:`RooflineCostModel.kv_memory_bytes`); on hardware without a fixed
+    memory size (this CPU) the config's ``kv_cache_memory_gb`` decides, as in the real engine.
+    """
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    spec = load_model_spec(model) if isinstance(model, str) else model
+    rm = RooflineCostModel(
+        spec, hw, tp=tp, efficiency=efficiency, weight_bytes=weight_bytes, kv_bytes=kv_bytes
+    )
+    cfg = dataclasses.replace(engine_config or EngineConfig())
+    if cfg.num_kv_blocks is None and hw.memory_bytes is not None:
+        cfg.kv_cache_memory_gb = rm.kv_memory_bytes(gpu_memory_utilization) / 1e9
+    return SimTarget(
+        cost_model=rm,
+        engine_config=cfg,
+        max_model_len=spec.max_model_len,
+        kv_bytes_per_token=rm.kv_bytes_per_token_per_device,
+        label=f"{hw.name}:{spec.name}" + (f":tp{tp}" if tp > 1 else ""),
+        info={
+            "hardware": hw.name,
+            "model": spec.name,
+            "tp": tp,
+            "gpu_memory_utilization": gpu_memory_utilization,
+        },
+    )
+
+
+def profile_target(
+    table: str | ProfileTable, engine_config: EngineConfig | None = None
+) -> SimTarget:
+    """A replica that replays a measured profile (``servelab profile``) of this machine.
+
+    The KV bytes per token, context length and EOS ids are those the real runner reported
+    when the profile was taken, so the engine sizes its pool exactly as the real one did.
+    """
+    t = ProfileTable.load(table) if isinstance(table, str) else table
+    meta = t.meta
+    if "kv_bytes_per_token" in meta:
+        kv = float(meta["kv_bytes_per_token"])
+        max_len = int(meta["max_model_len"])
+    else:
+        spec = load_model_spec(t.model)
+        kv, max_len = spec.kv_bytes_per_token(4), spec.max_model_len
+    cfg = engine_config or EngineConfig(**meta.get("engine_config", {}))
+    return SimTarget(
+        cost_model=ProfiledCostModel(t),
+        engine_config=cfg,
+        max_model_len=max_len,
+        kv_bytes_per_token=kv,
+        label=f"profile:{t.device}:{t.model}",
+        eos_token_ids=list(meta.get("eos_token_ids", [])),
+        info={"profile_device": t.device, "model": t.model},
+    )
