@@ -1,0 +1,400 @@
+"""Per-request attribution: where each request's TTFT went, and what caused each ITL stall.
+
+TTFT from the intended send splits into parts that add up exactly:
+
+    ttft_intended = client_lag + network_http + queue + prefill + interference
+                    + preemption + overhead
+
+- client_lag: intended -> actual send (the client's own lateness).
+- network_http: client TTFT minus the server's arrival -> first token (HTTP, parsing,
+  tokenisation, IPC and delivery of the first chunk, both ways).
+- queue: arrival -> first admission.
+- prefill: this request's share of the engine steps that computed its prompt.
+- interference: the rest of those steps (other requests' prefill and decode in the same
+  batch) and steps it sat out while admitted.
+- preemption: waiting again after a preemption, and the work thrown away by it.
+- overhead: gaps between engine steps while admitted (scheduling, sampling, detokenising).
+
+``source`` says how the figures were obtained: "exact" (server timelines and steps of
+a servelab target), "summary" (only the phase summary the server returned: interference
+stays inside prefill), or "client" (another server: only client_lag is per request;
+see promscrape for run-level estimates).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from servelab.analyze.rundir import Run
+from servelab.analyze.stats import StepCost, fit_step_cost
+from servelab.vocab import ClientRecord, RequestTimeline, StepRecord
+
+# A gap is a stall when it exceeds the request's median gap by this factor and by
+# STALL_MIN_EXCESS seconds (the floor keeps scheduler jitter on fast servers out).
+STALL_FACTOR = 3.0
+STALL_MIN_EXCESS = 0.010
+MIN_GAPS_FOR_STALLS = 4
+
+TTFT_PARTS = (
+    "client_lag",
+    "network_http",
+    "queue",
+    "prefill",
+    "interference",
+    "preemption",
+    "overhead",
+)
+
+
+@dataclass
+class TTFTBreakdown:
+    request_id: str
+    workload_class: str
+    input_tokens: int
+    ttft: float  # actual send -> first token chunk
+    client_lag: float
+    network_http: float | None = None
+    queue: float | None = None
+    prefill: float | None = None
+    interference: float | None = None
+    preemption: float | None = None
+    overhead: float | None = None
+    cached_tokens: int = 0
+    cache_saved: float | None = None  # estimated prefill seconds the prefix cache saved
+    queue_depth: int = 0  # requests ahead in the waiting queue at arrival
+    queue_reason: str | None = None  # "kv" | "max_num_seqs" | "budget" while it waited
+    source: str = "client"
+
+    def parts(self) -> dict[str, float]:
+        """The known parts of ttft_intended (missing ones omitted)."""
+        return {k: getattr(self, k) for k in TTFT_PARTS if getattr(self, k) is not None}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Stall:
+    request_id: str
+    workload_class: str
+    at: float  # client time of the chunk before the gap
+    gap: float
+    median_gap: float
+    cause: str  # prefill | preemption | batch_growth | client | server | unknown
+    detail: str = ""
+    server_gap: float | None = None
+    evidence: dict = field(default_factory=dict)
+
+    @property
+    def excess(self) -> float:
+        return self.gap - self.median_gap
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"excess": self.excess}
+
+
+@dataclass
+class Attribution:
+    ttft: list[TTFTBreakdown]
+    stalls: list[Stall]
+    cost: StepCost | None
+    source: str
+
+
+class _StepIndex:
+    """Steps sorted by start, with lookups by time and by request."""
+
+    def __init__(self, steps: list[StepRecord]):
+        self.steps = steps
+        self.starts = [s.start for s in steps]
+        self.ends = [s.end for s in steps]
+        self.decode_batches: dict[str, list[int]] = {}
+        for s in steps:
+            for rid in s.decode:
+                self.decode_batches.setdefault(rid, []).append(s.decode_seqs)
+
+    def overlapping(self, a: float, b: float) -> list[StepRecord]:
+        lo = bisect.bisect_right(self.ends, a)
+        hi = bisect.bisect_left(self.starts, b)
+        return self.steps[lo:hi]
+
+    def ending_in(self, a: float, b: float, eps: float = 1e-9) -> list[StepRecord]:
+        """Steps that ended in (a, b]: the work done between two token emissions."""
+        lo = bisect.bisect_right(self.ends, a + eps)
+        hi = bisect.bisect_right(self.ends, b + eps)
+        return [s for s in self.steps[lo:hi]]
+
+    def at(self, t: float) -> StepRecord | None:
+        i = bisect.bisect_right(self.starts, t) - 1
+        return self.steps[i] if i >= 0 else None
+
+
+def attribute(run: Run) -> Attribution:
+    """Attribute TTFT and ITL stalls for every successful streamed request of ``run``."""
+    idx = _StepIndex(run.steps)
+    cost = fit_step_cost(run.steps)
+    max_seqs = run.engine_config.get("max_num_seqs")
+    ok = [r for r in run.records if r.ok and r.chunk_times]
+    breakdowns = []
+    for rec in ok:
+        tl = run.timeline_for(rec)
+        if tl is not None and tl.first_token is not None and tl.scheduled and run.steps:
+            breakdowns.append(_exact(rec, tl, idx, cost, max_seqs))
+        elif _summary_usable(rec):
+            breakdowns.append(_from_summary(rec))
+        else:
+            breakdowns.append(_client_only(rec))
+    _fill_queue_depth(run, ok, breakdowns)
+    stalls = []
+    for rec in ok:
+        tl = run.timeline_for(rec)
+        stalls.extend(_stalls(rec, tl if run.steps else None, idx, cost, ok))
+    sources = {b.source for b in breakdowns}
+    source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
+    return Attribution(breakdowns, stalls, cost, source)
+
+
+def _base(rec: ClientRecord) -> TTFTBreakdown:
+    return TTFTBreakdown(
+        request_id=rec.request_id,
+        workload_class=rec.workload_class,
+        input_tokens=rec.input_tokens,
+        ttft=rec.ttft or 0.0,
+        client_lag=rec.send_lag,
+    )
+
+
+def _client_only(rec: ClientRecord) -> TTFTBreakdown:
+    return _base(rec)
+
+
+def _summary_usable(rec: ClientRecord) -> bool:
+    s = rec.server_timeline or {}
+    return s.get("queue_time") is not None and s.get("prefill_time") is not None
+
+
+def _from_summary(rec: ClientRecord) -> TTFTBreakdown:
+    s = rec.server_timeline or {}
+    b = _base(rec)
+    b.queue = float(s["queue_time"])
+    b.prefill = float(s["prefill_time"])
+    b.network_http = b.ttft - b.queue - b.prefill
+    b.cached_tokens = int(s.get("cached_prompt_tokens") or 0)
+    b.source = "summary"
+    return b
+
+
+def _exact(
+    rec: ClientRecord,
+    tl: RequestTimeline,
+    idx: _StepIndex,
+    cost: StepCost | None,
+    max_seqs: int | None,
+) -> TTFTBreakdown:
+    b = _base(rec)
+    b.source = "exact"
+    ft = tl.first_token
+    assert ft is not None
+    b.network_http = b.ttft - (ft - tl.arrival)
+    parts = dict.fromkeys(("queue", "prefill", "interference", "preemption", "overhead"), 0.0)
+    admissions = [s for s in tl.scheduled if s < ft]
+    reasons: dict[str, float] = {}
+    for k, adm in enumerate(admissions):
+        entered = tl.queued[k] if k < len(tl.queued) else adm
+        parts["queue" if k == 0 else "preemption"] += adm - entered
+        if k == 0:
+            _queue_reasons(idx, entered, adm, max_seqs, reasons)
+        ends_in_preemption = k < len(admissions) - 1
+        stop = tl.preemptions[k] if ends_in_preemption and k < len(tl.preemptions) else ft
+        if ends_in_preemption:
+            parts["preemption"] += stop - adm
+            continue
+        _split_admitted(tl.request_id, adm, stop, idx, cost, parts)
+    for k, v in parts.items():
+        setattr(b, k, v)
+    b.cached_tokens = tl.cached_tokens
+    if cost is not None:
+        b.cache_saved = tl.cached_tokens * cost.prefill_per_token
+    if reasons:
+        b.queue_reason = max(reasons, key=reasons.__getitem__)
+    return b
+
+
+def _split_admitted(
+    rid: str,
+    a: float,
+    b: float,
+    idx: _StepIndex,
+    cost: StepCost | None,
+    parts: dict[str, float],
+) -> None:
+    """Split [a, b] (admitted, before the first token) into prefill, interference, overhead."""
+    covered = 0.0
+    for s in idx.overlapping(a, b):
+        ov = min(s.end, b) - max(s.start, a)
+        if ov <= 0:
+            continue
+        covered += ov
+        own = s.prefill.get(rid, 0)
+        if not own:
+            parts["interference"] += ov
+            continue
+        share = _own_share(own, s, cost)
+        parts["prefill"] += ov * share
+        parts["interference"] += ov * (1.0 - share)
+    parts["overhead"] += max(0.0, (b - a) - covered)
+
+
+def _own_share(own_tokens: int, s: StepRecord, cost: StepCost | None) -> float:
+    """This request's fraction of a step's time, by the cost model (else by tokens)."""
+    tokens = s.prefill_tokens + s.decode_seqs
+    if tokens <= 0:
+        return 1.0
+    if cost is None:
+        return own_tokens / tokens
+    total = cost.predict(s.prefill_tokens, s.decode_seqs)
+    if total <= 0:
+        return own_tokens / tokens
+    own = cost.prefill_per_token * own_tokens + cost.overhead * own_tokens / tokens
+    return min(1.0, own / total)
+
+
+def _queue_reasons(
+    idx: _StepIndex, a: float, b: float, max_seqs: int | None, acc: dict[str, float]
+) -> None:
+    """Why the queue did not move during [a, b]: KV full, sequence cap, or token budget."""
+    for s in idx.overlapping(a, b):
+        ov = min(s.end, b) - max(s.start, a)
+        if ov <= 0:
+            continue
+        running = len(s.decode) + len(s.prefill)
+        if s.preempted or (s.kv_blocks_total and s.kv_blocks_used >= 0.9 * s.kv_blocks_total):
+            reason = "kv"
+        elif max_seqs and running >= max_seqs:
+            reason = "max_num_seqs"
+        else:
+            reason = "budget"
+        acc[reason] = acc.get(reason, 0.0) + ov
+
+
+def _fill_queue_depth(run: Run, ok: list[ClientRecord], out: list[TTFTBreakdown]) -> None:
+    """Queue depth at arrival: requests waiting (server) or awaiting a first token (client).
+
+    A span (enter, leave) contains t when enter < t < leave; since enter <= leave, that
+    count is #(enter < t) - #(leave < t), up to spans leaving exactly at t.
+    """
+    if run.timelines:
+        tls = [run.timeline_for(r) for r in ok]
+        spans = [(t.arrival, t.scheduled[0]) for t in tls if t is not None and t.scheduled]
+        at = [t.arrival if t is not None else None for t in tls]
+    else:
+        spans = [(r.actual_send, r.chunk_times[0]) for r in ok]
+        at = [r.actual_send for r in ok]
+    enters = sorted(s for s, _ in spans)
+    leaves = sorted(e for _, e in spans)
+    for b, t in zip(out, at):
+        if t is not None:
+            b.queue_depth = bisect.bisect_left(enters, t) - bisect.bisect_left(leaves, t)
+
+
+def _stalls(
+    rec: ClientRecord,
+    tl: RequestTimeline | None,
+    idx: _StepIndex,
+    cost: StepCost | None,
+    others: list[ClientRecord],
+) -> list[Stall]:
+    gaps = rec.itls
+    if len(gaps) < MIN_GAPS_FOR_STALLS:
+        return []
+    med = statistics.median(gaps)
+    out = []
+    cum = []
+    n = 0
+    for k in rec.chunk_tokens or [1] * len(rec.chunk_times):
+        n += k
+        cum.append(n)
+    matched = tl is not None and len(tl.token_times) == n
+    for i, g in enumerate(gaps):
+        if g <= STALL_FACTOR * med or g - med <= STALL_MIN_EXCESS:
+            continue
+        stall = Stall(rec.request_id, rec.workload_class, rec.chunk_times[i], g, med, "unknown")
+        if tl is not None and matched:
+            sa, sb = tl.token_times[cum[i] - 1], tl.token_times[cum[i + 1] - 1]
+            stall.server_gap = sb - sa
+            if g - stall.server_gap > 0.5 * (g - med):
+                stall.cause = "client"
+                stall.detail = (
+                    f"the server sent the token {stall.server_gap * 1e3:.0f} ms after the "
+                    f"previous one; it reached the client {g * 1e3:.0f} ms after"
+                )
+            else:
+                _server_cause(stall, rec.request_id, tl, sa, sb, idx, cost, med)
+        elif tl is None:
+            _estimate_cause(stall, rec, others)
+        out.append(stall)
+    return out
+
+
+def _server_cause(
+    stall: Stall,
+    rid: str,
+    tl: RequestTimeline,
+    sa: float,
+    sb: float,
+    idx: _StepIndex,
+    cost: StepCost | None,
+    med: float,
+) -> None:
+    steps = idx.ending_in(sa, sb)
+    excess = (stall.server_gap or stall.gap) - med
+    if any(sa < p <= sb for p in tl.preemptions) or any(rid in s.preempted for s in steps):
+        stall.cause = "preemption"
+        stall.detail = "the request was preempted and its KV cache recomputed"
+        return
+    foreign = {}
+    for s in steps:
+        for other, n in s.prefill.items():
+            if other != rid:
+                foreign[other] = foreign.get(other, 0) + n
+    ptok = sum(foreign.values())
+    prefill_time = cost.prefill_per_token * ptok if cost else None
+    stall.evidence = {"steps": len(steps), "prefill_tokens": ptok}
+    if ptok and (prefill_time is None or prefill_time >= 0.5 * excess):
+        top = max(foreign, key=foreign.__getitem__)
+        stall.cause = "prefill"
+        stall.detail = f"co-scheduled with {ptok} prefill tokens ({top}: {foreign[top]})"
+        if prefill_time is not None:
+            stall.evidence["prefill_seconds"] = prefill_time
+        return
+    usual = statistics.median(idx.decode_batches.get(rid) or [1])
+    batch = max((s.decode_seqs for s in steps), default=0)
+    stall.evidence["decode_batch"] = batch
+    stall.evidence["usual_decode_batch"] = usual
+    if batch >= 1.5 * usual and (
+        cost is None or cost.decode_per_seq * (batch - usual) >= 0.5 * excess
+    ):
+        stall.cause = "batch_growth"
+        stall.detail = f"the decode batch grew from {usual:.0f} to {batch} sequences"
+        return
+    stall.cause = "server"
+    stall.detail = f"{len(steps)} engine step(s) with no prefill or batch growth to explain it"
+
+
+def _estimate_cause(stall: Stall, rec: ClientRecord, others: list[ClientRecord]) -> None:
+    """No server timeline: a long prompt in prefill during the gap is the likely cause."""
+    a, b = stall.at, stall.at + stall.gap
+    inputs = sorted(r.input_tokens for r in others)
+    typical = inputs[len(inputs) // 2] if inputs else 0
+    for o in others:
+        if o is rec or not o.chunk_times:
+            continue
+        if o.actual_send < b and o.chunk_times[0] > a and o.input_tokens >= 4 * max(typical, 1):
+            stall.cause = "prefill?"
+            stall.detail = (
+                f"{o.request_id} ({o.input_tokens} input tokens) was in prefill during the gap "
+                "(estimate: no server timeline)"
+            )
+            return

@@ -1,0 +1,493 @@
+"""Findings: causes the data supports, each with numeric evidence and a confidence.
+
+Each detector looks at one cause and returns a `Finding` or None. A detector fires only
+when the cause is both present and large enough to move a percentile, so a clean run
+yields no findings. ``exact`` is False when the evidence rests on estimates (another
+server's /metrics, or the client side alone).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from servelab.analyze.attribution import Attribution, TTFTBreakdown
+from servelab.analyze.promscrape import ServerEstimates
+from servelab.analyze.rundir import Run
+from servelab.analyze.stats import confidence_label, spearman
+
+# Thresholds, in one place so the docs can quote them.
+MIN_REQUESTS = 10
+PREFILL_RHO = 0.6  # rank correlation input length -> TTFT
+PREFILL_SPREAD = 4.0  # p90 / p10 of input lengths
+PREFILL_SHARE = 0.5  # prefill share of TTFT in the longest-input quartile
+QUEUE_RHO = 0.5  # rank correlation queue depth at arrival -> TTFT
+QUEUE_SHARE = 0.3  # queue share of mean TTFT
+BIG_STALL = 5.0  # an ITL spike is "long" at this multiple of the request's median gap
+STALL_SHARE = 0.03  # share of all decode time lost to such spikes
+KV_HIGH = 0.95
+REUSE_MIN_REQUESTS = 10
+REUSE_HIT_FRACTION = 0.5
+DECODE_SHARE = 0.8
+DECODE_LONG_OUTPUT = 128
+CLIENT_LAG_LIMIT = 0.001  # the benchmark's own accuracy target (ANCHORS.md)
+CLIENT_LAG_SHARE = 0.05  # lag that distorts TTFT p50 by this much matters
+NETWORK_SHARE = 0.3
+NETWORK_MIN = 0.020
+
+
+@dataclass
+class Finding:
+    id: str
+    title: str
+    summary: str
+    evidence: dict[str, Any]
+    confidence: float
+    exact: bool
+    levers: list[str] = field(default_factory=list)
+
+    @property
+    def confidence_label(self) -> str:
+        return confidence_label(self.confidence)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"confidence_label": self.confidence_label}
+
+
+@dataclass
+class Context:
+    run: Run
+    attr: Attribution
+    est: ServerEstimates | None
+
+    @property
+    def ok(self) -> list[TTFTBreakdown]:
+        return self.attr.ttft
+
+    @property
+    def server_exact(self) -> bool:
+        return self.attr.source in ("exact", "summary")
+
+    def config(self, key: str, default: Any = None) -> Any:
+        return self.run.engine_config.get(key, default)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 1)
+
+
+def _clip(x: float) -> float:
+    return float(min(1.0, max(0.0, x)))
+
+
+def prefill_bound(c: Context) -> Finding | None:
+    b = c.ok
+    if len(b) < MIN_REQUESTS:
+        return None
+    inputs = np.array([x.input_tokens for x in b], dtype=float)
+    ttft = np.array([x.ttft for x in b])
+    p10, p90 = np.percentile(inputs, [10, 90])
+    spread = p90 / max(p10, 1.0)
+    rho = spearman(inputs, ttft)
+    if spread < PREFILL_SPREAD or rho < PREFILL_RHO:
+        return None
+    slope = float(np.polyfit(inputs, ttft, 1)[0])
+    ev: dict[str, Any] = {
+        "spearman_input_vs_ttft": round(rho, 3),
+        "ttft_ms_per_1k_input_tokens": round(slope * 1e6, 1),
+        "input_tokens_p10": int(p10),
+        "input_tokens_p90": int(p90),
+    }
+    share = None
+    if c.server_exact:
+        top = [x for x in b if x.input_tokens >= np.percentile(inputs, 75)]
+        share = sum(x.prefill or 0.0 for x in top) / max(sum(x.ttft for x in top), 1e-9)
+        ev["prefill_share_of_ttft_longest_quartile"] = round(share, 3)
+        if share < PREFILL_SHARE:
+            return None
+    if c.attr.cost is not None:
+        ev["prefill_ms_per_token"] = round(c.attr.cost.prefill_per_token * 1e3, 4)
+    levers = ["prefix_caching"] if _has_shared_prefixes(c.run) else []
+    if c.config("enable_chunked_prefill") and (share is not None) and _long_prompts_chunked(c):
+        levers.append("batch_budget_up")
+    conf = _clip((rho - 0.4) / 0.5) * (1.0 if c.server_exact else 0.7)
+    return Finding(
+        "prefill_bound",
+        "TTFT grows with input length (prefill-bound)",
+        f"TTFT rises {slope * 1e6:.0f} ms per 1k input tokens (Spearman {rho:.2f}); "
+        + (
+            f"prefill compute is {share:.0%} of TTFT for the longest prompts."
+            if share
+            else "the server-side split is not available for this target."
+        ),
+        ev,
+        conf,
+        c.server_exact,
+        levers,
+    )
+
+
+def _has_shared_prefixes(run: Run) -> bool:
+    groups: dict[str, int] = {}
+    for r in run.records:
+        if r.prefix_group:
+            groups[r.prefix_group] = groups.get(r.prefix_group, 0) + 1
+    return any(n > 1 for n in groups.values())
+
+
+def _long_prompts_chunked(c: Context) -> bool:
+    budget = c.config("max_num_batched_tokens")
+    return bool(budget) and any(x.input_tokens > budget for x in c.ok)
+
+
+def queue_bound(c: Context) -> Finding | None:
+    b = c.ok
+    if len(b) < MIN_REQUESTS:
+        return None
+    depth = [x.queue_depth for x in b]
+    ttft = [x.ttft for x in b]
+    rho = spearman(depth, ttft)
+    if rho < QUEUE_RHO or max(depth) < 2:
+        return None
+    ev: dict[str, Any] = {"spearman_depth_vs_ttft": round(rho, 3), "max_queue_depth": max(depth)}
+    if c.server_exact:
+        q = [x.queue or 0.0 for x in b]
+        share = sum(q) / max(sum(ttft), 1e-9)
+        ev |= {
+            "queue_share_of_ttft": round(share, 3),
+            "queue_ms_mean": _ms(statistics.fmean(q)),
+            "queue_ms_p90": _ms(float(np.percentile(q, 90))),
+        }
+        if share < QUEUE_SHARE:
+            return None
+        reasons = _queue_reason_shares(b)
+        ev |= {f"queue_time_waiting_on_{k}": round(v, 3) for k, v in reasons.items()}
+        if reasons.get("kv", 0.0) >= 0.5:
+            return None  # waiting on KV blocks: reported by kv_pressure
+    elif c.est is not None and (q_est := c.est.mean("queue")) is not None:
+        ev["queue_ms_mean_estimate"] = _ms(q_est)
+        if q_est < QUEUE_SHARE * statistics.fmean(ttft):
+            return None
+    kind, kind_ev = _burst_or_capacity(c)
+    ev |= kind_ev
+    levers = []
+    if ev.get("queue_time_waiting_on_max_num_seqs", 0.0) >= 0.5:
+        levers.append("max_num_seqs_up")
+    if len(c.run.classes) > 1:
+        levers.append("priorities")
+    levers.append("capacity")
+    conf = _clip((rho - 0.3) / 0.5) * (1.0 if c.server_exact else 0.7)
+    return Finding(
+        "queue_bound",
+        f"TTFT grows with queue depth at arrival ({kind})",
+        f"Requests that arrived behind a longer queue waited longer (Spearman {rho:.2f}, "
+        f"up to {max(depth)} waiting)"
+        + (f"; queueing is {ev['queue_share_of_ttft']:.0%} of TTFT." if c.server_exact else "."),
+        ev,
+        conf,
+        c.server_exact,
+        levers,
+    )
+
+
+def _queue_reason_shares(b: list[TTFTBreakdown]) -> dict[str, float]:
+    tot: dict[str, float] = {}
+    for x in b:
+        if x.queue_reason and x.queue:
+            tot[x.queue_reason] = tot.get(x.queue_reason, 0.0) + x.queue
+    s = sum(tot.values())
+    return {k: v / s for k, v in tot.items()} if s > 0 else {}
+
+
+def _burst_or_capacity(c: Context) -> tuple[str, dict[str, Any]]:
+    """Bursty arrivals (CV of inter-arrival gaps > 1.5) or a queue that grows with time."""
+    sends = sorted(r.intended_send for r in c.run.records)
+    gaps = np.diff(sends)
+    cv = float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else 0.0
+    b = sorted(c.ok, key=lambda x: x.request_id)
+    by_id = {r.request_id: r.intended_send for r in c.run.records}
+    trend = spearman([by_id[x.request_id] for x in b], [x.ttft for x in b])
+    span = sends[-1] - sends[0] if sends else 0.0
+    ev = {"arrival_gap_cv": round(cv, 2), "spearman_arrival_time_vs_ttft": round(trend, 3)}
+    if cv > 1.5 or span < 0.05 * max(x.ttft for x in c.ok):
+        return "bursty arrivals", ev
+    if trend >= 0.5:
+        return "capacity-bound: the queue grew through the run", ev
+    return "capacity-bound at peaks", ev
+
+
+def itl_prefill_interference(c: Context) -> Finding | None:
+    gaps_total = sum(sum(r.itls) for r in c.run.records if r.ok)
+    if gaps_total <= 0:
+        return None
+    big = [
+        s
+        for s in c.attr.stalls
+        if s.cause in ("prefill", "prefill?") and s.gap >= BIG_STALL * s.median_gap
+    ]
+    excess = sum(s.excess for s in big)
+    share = excess / gaps_total
+    if len(big) < 3 or share < STALL_SHARE:
+        return None
+    exact = all(s.cause == "prefill" for s in big)
+    itls = [g for r in c.run.records if r.ok for g in r.itls]
+    ev: dict[str, Any] = {
+        "long_prefill_stalls": len(big),
+        "share_of_decode_time_lost": round(share, 3),
+        "stall_ms_max": _ms(max(s.gap for s in big)),
+        "itl_ms_p50": _ms(float(np.median(itls))),
+        "itl_ms_p99": _ms(float(np.percentile(itls, 99))),
+        "chunked_prefill": c.config("enable_chunked_prefill"),
+        "max_num_batched_tokens": c.config("max_num_batched_tokens"),
+    }
+    if exact:
+        ev["co_scheduled_prefill_tokens_mean"] = round(
+            statistics.fmean(s.evidence.get("prefill_tokens", 0) for s in big), 1
+        )
+    chunked = c.config("enable_chunked_prefill")
+    levers = ["chunked_prefill"] if chunked is False else ["batch_budget_down"]
+    levers.append("disaggregation")
+    conf = _clip(0.5 + share * 5) * (1.0 if exact else 0.6)
+    return Finding(
+        "itl_prefill_interference",
+        "ITL spikes line up with long prefills"
+        + (
+            " (chunked prefill would help)"
+            if chunked is False
+            else " (a smaller chunk budget would help)"
+        ),
+        f"{len(big)} inter-token gaps of {BIG_STALL:.0f}x the request's median or more ran beside "
+        f"another request's prefill; they cost {share:.1%} of all decode time "
+        f"(worst {ev['stall_ms_max']} ms vs a {ev['itl_ms_p50']} ms median).",
+        ev,
+        conf,
+        exact,
+        levers,
+    )
+
+
+def kv_pressure(c: Context) -> Finding | None:
+    ev: dict[str, Any] = {}
+    exact = True
+    if c.run.timelines:
+        preempted = [t for t in c.run.timelines.values() if t.preemptions]
+        n_pre = sum(len(t.preemptions) for t in preempted)
+        ev["preemptions"] = n_pre
+        ev["requests_preempted"] = len(preempted)
+        usage = [s.kv_blocks_used / s.kv_blocks_total for s in c.run.steps if s.kv_blocks_total]
+        if usage:
+            ev["kv_usage_max"] = round(max(usage), 3)
+            ev["steps_with_kv_above_90pct"] = round(sum(u >= 0.9 for u in usage) / len(usage), 3)
+        shares = _queue_reason_shares(c.ok)
+        if shares.get("kv"):
+            ev["queue_time_waiting_on_kv"] = round(shares["kv"], 3)
+        lost = sum(x.preemption or 0.0 for x in c.ok)
+        lost += sum(s.excess for s in c.attr.stalls if s.cause == "preemption")
+        ev["seconds_lost_to_preemption"] = round(lost, 3)
+    elif c.est is not None:
+        exact = False
+        if "preemptions" in c.est.counters:
+            n_pre = int(c.est.counters["preemptions"])
+            ev["preemptions"] = n_pre
+        if "kv_usage" in c.est.gauges_max:
+            ev["kv_usage_max"] = round(c.est.gauges_max["kv_usage"], 3)
+    else:
+        return None
+    if not ev.get("preemptions") and ev.get("kv_usage_max", 0.0) < KV_HIGH:
+        return None
+    levers = ["kv_memory", "max_num_seqs_down"]
+    if _has_shared_prefixes(c.run):
+        levers.append("prefix_caching")
+    if len(c.run.classes) > 1:
+        levers.append("priorities")
+    conf = 0.9 if ev.get("preemptions") else 0.5
+    return Finding(
+        "kv_pressure",
+        "KV cache pressure" + (" and preemptions" if ev.get("preemptions") else ""),
+        f"{ev.get('preemptions', 0)} preemption(s); KV usage peaked at "
+        f"{ev.get('kv_usage_max', float('nan')):.0%}"
+        + (
+            f"; {ev['seconds_lost_to_preemption']:.2f} s of request time was lost to recompute "
+            "and re-queueing."
+            if "seconds_lost_to_preemption" in ev
+            else "."
+        ),
+        ev,
+        conf if exact else conf * 0.7,
+        exact,
+        levers,
+    )
+
+
+def low_prefix_reuse(c: Context) -> Finding | None:
+    groups: dict[str, list] = {}
+    for r in sorted(c.run.records, key=lambda r: r.actual_send):
+        if r.prefix_group and r.ok:
+            groups.setdefault(r.prefix_group, []).append(r)
+    reusable = [r for g in groups.values() for r in g[1:]]
+    if len(reusable) < REUSE_MIN_REQUESTS:
+        return None
+    caching = c.config("enable_prefix_caching")
+    ev: dict[str, Any] = {
+        "prefix_groups": len(groups),
+        "requests_that_could_reuse": len(reusable),
+        "prefix_caching": caching,
+    }
+    if c.run.timelines:
+        hits = 0
+        cached = 0
+        for r in reusable:
+            tl = c.run.timeline_for(r)
+            if tl is not None and tl.cached_tokens > 0:
+                hits += 1
+                cached += tl.cached_tokens
+        frac = hits / len(reusable)
+        ev["fraction_with_cache_hits"] = round(frac, 3)
+        ev["cached_tokens_share"] = round(cached / max(sum(r.input_tokens for r in reusable), 1), 3)
+        exact = True
+    elif c.est is not None and c.est.counters.get("prefix_cache_queries"):
+        frac = c.est.counters.get("prefix_cache_hits", 0.0) / c.est.counters["prefix_cache_queries"]
+        ev["prefix_cache_hit_rate_estimate"] = round(frac, 3)
+        exact = False
+    else:
+        return None
+    if frac >= REUSE_HIT_FRACTION:
+        return None
+    why = (
+        "prefix caching is off"
+        if caching is False
+        else "cached blocks were evicted or the shared part is not an identical prefix"
+    )
+    return Finding(
+        "low_prefix_reuse",
+        "Low prefix reuse despite shared prompts",
+        f"{len(reusable)} requests share a prompt prefix with an earlier one, but only "
+        f"{frac:.0%} reused cached KV ({why}).",
+        ev,
+        0.9 if exact else 0.6,
+        exact,
+        ["prefix_caching"],
+    )
+
+
+def decode_bound(c: Context) -> Finding | None:
+    recs = [r for r in c.run.records if r.ok and r.e2e and r.ttft is not None]
+    if len(recs) < MIN_REQUESTS:
+        return None
+    e2e = sum(r.e2e or 0.0 for r in recs)
+    dec = sum((r.e2e or 0.0) - (r.ttft or 0.0) for r in recs)
+    share = dec / e2e if e2e > 0 else 0.0
+    out_med = statistics.median(r.output_tokens for r in recs)
+    if share < DECODE_SHARE or out_med < DECODE_LONG_OUTPUT:
+        return None
+    tpots = [r.tpot for r in recs if r.tpot is not None]
+    ev: dict[str, Any] = {
+        "decode_share_of_e2e": round(share, 3),
+        "output_tokens_p50": out_med,
+        "tpot_ms_p50": _ms(statistics.median(tpots)) if tpots else None,
+    }
+    batches = [s.decode_seqs for s in c.run.steps if s.decode_seqs]
+    if batches:
+        ev["decode_batch_mean"] = round(statistics.fmean(batches), 1)
+    small_batch = ev.get("decode_batch_mean", 1.0) <= 4
+    levers = (
+        ["speculative_decoding"] if small_batch else ["max_num_seqs_down", "speculative_decoding"]
+    )
+    return Finding(
+        "decode_bound",
+        "Decode-bound: long outputs dominate latency",
+        f"Decode is {share:.0%} of end-to-end time with a median of {out_med:.0f} output tokens; "
+        f"TPOT p50 {ev['tpot_ms_p50']} ms.",
+        ev,
+        _clip((share - 0.6) / 0.3),
+        True,
+        levers,
+    )
+
+
+def client_bottleneck(c: Context) -> Finding | None:
+    recs = [r for r in c.run.records if r.chunk_times]
+    if not recs:
+        return None
+    lag = np.array([r.send_lag for r in recs])
+    p99 = float(np.percentile(lag, 99))
+    ttft_p50 = float(np.median([r.ttft for r in recs]))
+    gaps_total = sum(sum(r.itls) for r in recs)
+    client_stalls = [s for s in c.attr.stalls if s.cause == "client"]
+    stall_share = sum(s.excess for s in client_stalls) / gaps_total if gaps_total > 0 else 0.0
+    lag_matters = p99 > CLIENT_LAG_LIMIT and p99 >= CLIENT_LAG_SHARE * ttft_p50
+    stalls_matter = len(client_stalls) >= 3 and stall_share >= STALL_SHARE
+    if c.run.valid and not lag_matters and not stalls_matter:
+        return None
+    ev: dict[str, Any] = {
+        "send_lag_ms_p50": _ms(float(np.median(lag))),
+        "send_lag_ms_p99": _ms(p99),
+        "send_lag_ms_max": _ms(float(lag.max())),
+        "client_side_itl_stalls": len(client_stalls),
+        "share_of_decode_time_lost_in_client": round(stall_share, 3),
+        "run_valid": c.run.valid,
+    }
+    if c.run.invalid_reason:
+        ev["invalid_reason"] = c.run.invalid_reason
+    parts = []
+    if lag_matters:
+        parts.append(
+            f"requests left the client up to {p99 * 1e3:.0f} ms (p99) after their intended time"
+        )
+    if stalls_matter:
+        parts.append(
+            f"{len(client_stalls)} token gaps were stretched after the server had sent the token"
+        )
+    if not c.run.valid:
+        parts.append(f"the benchmark marked the run invalid: {c.run.invalid_reason}")
+    return Finding(
+        "client_bottleneck",
+        "The client was the bottleneck: this run is not a valid measurement of the server",
+        "; ".join(parts) + ". Latencies from the intended send time include the client's delay.",
+        ev,
+        0.95 if (lag_matters or not c.run.valid) else 0.7,
+        True,
+        ["client"],
+    )
+
+
+def network_overhead(c: Context) -> Finding | None:
+    net = [x.network_http for x in c.ok if x.network_http is not None]
+    if len(net) < MIN_REQUESTS:
+        return None
+    med = statistics.median(net)
+    ttft_med = statistics.median(x.ttft for x in c.ok)
+    if med < NETWORK_MIN or med < NETWORK_SHARE * ttft_med:
+        return None
+    return Finding(
+        "network_overhead",
+        "HTTP, tokenisation and delivery take a large share of TTFT",
+        f"Outside the engine, each request spent a median {med * 1e3:.0f} ms "
+        f"({med / ttft_med:.0%} of TTFT p50) in HTTP handling, tokenisation and streaming.",
+        {"network_http_ms_p50": _ms(med), "ttft_ms_p50": _ms(ttft_med)},
+        0.8 if c.server_exact else 0.5,
+        c.attr.source == "exact",
+        ["api_process"],
+    )
+
+
+DETECTORS: tuple[Callable[[Context], Finding | None], ...] = (
+    client_bottleneck,
+    queue_bound,
+    prefill_bound,
+    itl_prefill_interference,
+    kv_pressure,
+    low_prefix_reuse,
+    decode_bound,
+    network_overhead,
+)
+
+
+def find_all(c: Context) -> list[Finding]:
+    """Every finding the data supports, most confident first."""
+    out = [f for det in DETECTORS if (f := det(c)) is not None]
+    return sorted(out, key=lambda f: -f.confidence)

@@ -1,0 +1,324 @@
+"""Recommendations: DESIGN.md's levers, each tied to the findings that call for it.
+
+Every recommendation states the action (engine arguments where servelab has them), the
+expected gain (quantified from this run's step cost model and evidence when possible),
+its cost, the operational complexity, and when it is NOT worth doing. Gains are
+first-order estimates from the fitted step cost model, never promises: the way to
+confirm one is `servelab bench --matrix` with and without it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from servelab.analyze.findings import Context, Finding
+
+# KV bytes per token of the default model in fp32 (ANCHORS.md): the transfer
+# disaggregation adds per prompt token.
+DEFAULT_KV_BYTES_PER_TOKEN = 46 * 1024
+
+
+@dataclass
+class Recommendation:
+    lever: str
+    title: str
+    action: str
+    expected_gain: str
+    cost: str
+    complexity: str  # low | medium | high
+    not_worth_it_when: str
+    because: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _cfg(c: Context, key: str, default: Any) -> Any:
+    v = c.config(key)
+    return default if v is None else v
+
+
+def _decode_step(c: Context) -> float | None:
+    """Typical decode-only step time under this run's batch sizes."""
+    cost = c.attr.cost
+    batches = [s.decode_seqs for s in c.run.steps if s.decode_seqs and not s.prefill_tokens]
+    if cost is None or not batches:
+        return None
+    return cost.predict(0, statistics.median(batches))
+
+
+def chunked_prefill(c: Context, f: Finding) -> Recommendation:
+    budget = _cfg(c, "max_num_batched_tokens", 2048)
+    gain = "long prefills no longer stall running decodes for a whole prompt"
+    cost = c.attr.cost
+    step = _decode_step(c)
+    if cost is not None and step is not None:
+        bound = step + cost.prefill_per_token * budget
+        gain = (
+            f"worst ITL from {f.evidence['stall_ms_max']:.0f} ms to about {bound * 1e3:.0f} ms "
+            f"(a decode step plus one {budget}-token chunk); "
+            f"{f.evidence['share_of_decode_time_lost']:.1%} of decode time recovered"
+        )
+    return Recommendation(
+        "chunked_prefill",
+        "Turn chunked prefill on",
+        f"--engine-args enable_chunked_prefill=true,max_num_batched_tokens={budget}",
+        gain,
+        "a long prompt takes several steps, so its own TTFT grows by one step overhead and one "
+        "decode batch per extra chunk",
+        "low",
+        "prompts are short (they fit one chunk anyway) or no decodes run beside long prompts "
+        "(offline batch jobs that only care about throughput)",
+    )
+
+
+def batch_budget_down(c: Context, f: Finding) -> Recommendation:
+    budget = _cfg(c, "max_num_batched_tokens", 2048)
+    cost = c.attr.cost
+    step = _decode_step(c)
+    target = max(64, budget // 4)
+    gain = "shorter prefill chunks beside each decode step, so smaller ITL spikes"
+    if cost is not None and step is not None and cost.prefill_per_token > 0:
+        # Keep a step with a chunk within ~2x a decode step.
+        target = int(max(64, min(budget // 2, step / cost.prefill_per_token) // 64 * 64))
+        gain = (
+            f"worst ITL from {f.evidence['stall_ms_max']:.0f} ms to about "
+            f"{(step + cost.prefill_per_token * target) * 1e3:.0f} ms"
+        )
+    return Recommendation(
+        "batch_budget_down",
+        "Lower the chunked-prefill token budget",
+        f"--engine-args max_num_batched_tokens={target} (now {budget})",
+        gain,
+        "long prompts need more steps, so their TTFT rises; throughput falls slightly as each "
+        "step's fixed overhead is shared by fewer tokens",
+        "low",
+        "TTFT of long prompts matters more than smooth streaming, or the spikes come from "
+        "preemption or the client rather than prefill",
+    )
+
+
+def batch_budget_up(c: Context, f: Finding) -> Recommendation:
+    budget = _cfg(c, "max_num_batched_tokens", 2048)
+    return Recommendation(
+        "batch_budget_up",
+        "Raise the chunked-prefill token budget",
+        f"--engine-args max_num_batched_tokens={budget * 2} (now {budget})",
+        "long prompts finish prefill in half the steps, saving one step overhead and one "
+        "co-scheduled decode batch per chunk saved",
+        "bigger chunks make larger ITL spikes for the requests decoding beside them",
+        "low",
+        "streaming smoothness (ITL p99) is the tighter SLO, or prompts already fit one chunk",
+    )
+
+
+def prefix_caching(c: Context, f: Finding) -> Recommendation:
+    cost = c.attr.cost
+    on = c.config("enable_prefix_caching")
+    gain = "shared prompt prefixes are computed once instead of per request"
+    if cost is not None:
+        groups: dict[str, list[int]] = {}
+        for r in c.run.records:
+            if r.prefix_group:
+                groups.setdefault(r.prefix_group, []).append(r.input_tokens)
+        # Upper bound: the shared part cannot be longer than the group's shortest prompt.
+        saved = [min(v) * cost.prefill_per_token for v in groups.values() if len(v) > 1]
+        if saved:
+            gain = (
+                f"up to {statistics.fmean(saved) * 1e3:.0f} ms less prefill per request that "
+                "reuses a prefix (upper bound: the shared part is at most the shortest prompt)"
+            )
+    return Recommendation(
+        "prefix_caching",
+        "Use prefix caching" if on is False else "Make prefixes reusable",
+        "--engine-args enable_prefix_caching=true"
+        if on is False
+        else "put the shared text first and keep it byte-identical; give the cache KV room "
+        "(kv_cache_memory_gb) so shared blocks are not evicted",
+        gain,
+        "hashing per block, and cached blocks hold KV memory that running requests could use",
+        "low",
+        "prompts share nothing, or the shared part is shorter than one KV block",
+    )
+
+
+def max_num_seqs_up(c: Context, f: Finding) -> Recommendation:
+    n = _cfg(c, "max_num_seqs", 64)
+    cost = c.attr.cost
+    extra = ""
+    if cost is not None:
+        extra = f"; each extra sequence adds about {cost.decode_per_seq * 1e3:.1f} ms to every step"
+    return Recommendation(
+        "max_num_seqs_up",
+        "Admit more sequences per step",
+        f"--engine-args max_num_seqs={n * 2} (now {n})",
+        f"queueing behind the sequence cap ({f.evidence.get('queue_ms_mean', '?')} ms mean) "
+        "shrinks while the KV cache has room",
+        "larger decode batches raise TPOT" + extra,
+        "low",
+        "the KV cache is already near full (more sequences will preempt) or TPOT is the tight SLO",
+    )
+
+
+def max_num_seqs_down(c: Context, f: Finding) -> Recommendation:
+    n = _cfg(c, "max_num_seqs", 64)
+    return Recommendation(
+        "max_num_seqs_down",
+        "Cap the batch lower",
+        f"--engine-args max_num_seqs={max(1, n // 2)} (now {n})",
+        "fewer sequences share each step: lower TPOT and no preemption from KV overcommit",
+        "lower throughput; requests wait in the queue instead (TTFT rises under load)",
+        "low",
+        "throughput is the goal and TPOT already meets its SLO",
+    )
+
+
+def kv_memory(c: Context, f: Finding) -> Recommendation:
+    gb = _cfg(c, "kv_cache_memory_gb", 2.0)
+    lost = f.evidence.get("seconds_lost_to_preemption")
+    gain = "no preemption: preempted requests no longer recompute their prompt and output"
+    if lost:
+        gain += f" ({lost:.2f} s of request time in this run)"
+    return Recommendation(
+        "kv_memory",
+        "Give the KV cache more memory",
+        f"--engine-args kv_cache_memory_gb={gb * 2:g} (now {gb:g})",
+        gain,
+        "memory taken from the host or GPU",
+        "low",
+        "the machine has no memory to spare; then cap max_num_seqs instead",
+    )
+
+
+def priorities(c: Context, f: Finding) -> Recommendation:
+    by_class: dict[str, list[float]] = {}
+    for x in c.ok:
+        by_class.setdefault(x.workload_class, []).append(x.queue or 0.0)
+    means = {k: statistics.fmean(v) for k, v in by_class.items() if v}
+    worst = max(means, key=means.__getitem__) if means else "interactive"
+    return Recommendation(
+        "priorities",
+        "Serve the latency-sensitive class first",
+        "send the interactive class with a lower `priority` value (vLLM's convention: lower is "
+        "served first) and batch work with a higher one",
+        f"that class skips the queue: its queueing ({means.get(worst, 0.0) * 1e3:.0f} ms mean for "
+        f"'{worst}' here) drops toward zero",
+        "the other classes wait longer by about the same total; under preemption, low-priority "
+        "requests are the ones recomputed",
+        "medium",
+        "all classes have the same SLO, or the queue is empty most of the time",
+    )
+
+
+def speculative_decoding(c: Context, f: Finding) -> Recommendation:
+    return Recommendation(
+        "speculative_decoding",
+        "Speculative decoding",
+        "enable speculation with a small draft (n-gram or draft model), 2-4 proposed tokens",
+        "at small batch (memory-bound decode) each step can emit several tokens: with 3 drafts "
+        "and 60% acceptance about 1.8 tokens per step, so TPOT nearly halves",
+        "extra compute per step for drafting and verification; acceptance varies with the text",
+        "medium",
+        f"batches are large (decode is compute-bound: batch mean "
+        f"{f.evidence.get('decode_batch_mean', '?')} here) or sampling is at high temperature "
+        "(few drafts are accepted)",
+    )
+
+
+def disaggregation(c: Context, f: Finding) -> Recommendation:
+    interf = sum(x.interference or 0.0 for x in c.ok)
+    ttft = sum(x.ttft for x in c.ok)
+    share = interf / ttft if ttft > 0 else 0.0
+    sustained = share >= 0.25 and f.evidence.get("share_of_decode_time_lost", 0.0) >= 0.10
+    kv_bytes = c.run.server.get("kv_bytes_per_token") or DEFAULT_KV_BYTES_PER_TOKEN
+    inputs = [x.input_tokens for x in c.ok]
+    mean_in = statistics.fmean(inputs) if inputs else 0.0
+    verdict = (
+        "phase contention is sustained here"
+        if sustained
+        else f"not indicated here: interference is {share:.0%} of TTFT; fix chunking first"
+    )
+    return Recommendation(
+        "disaggregation",
+        "Disaggregate prefill and decode",
+        "run prefill and decode on separate workers and hand the KV cache over",
+        f"decode never waits for a prefill and prefill never shares a step ({verdict})",
+        f"a KV transfer per request (about {mean_in * kv_bytes / 1e6:.0f} MB for a mean "
+        f"{mean_in:.0f}-token prompt), two workers' worth of hardware",
+        "high",
+        "contention is bursty rather than sustained, chunked prefill already bounds the spikes, "
+        "or the KV transfer costs more than the interference it removes",
+    )
+
+
+def capacity(c: Context, f: Finding) -> Recommendation:
+    return Recommendation(
+        "capacity",
+        "Add capacity or shape the load",
+        "more replicas behind a load balancer, or admission control (--engine-args max_queue=N "
+        "answers 429 instead of queueing without bound)",
+        "queueing falls in proportion to the capacity added; bursts are absorbed",
+        "hardware, or rejected requests with admission control",
+        "medium",
+        "the queue only forms in rare bursts that an SLO tolerates",
+    )
+
+
+def client(c: Context, f: Finding) -> Recommendation:
+    return Recommendation(
+        "client",
+        "Fix the client before reading the server's numbers",
+        "rerun with a lower request rate or more client workers (Ray) and keep the client off "
+        "the server's cores",
+        "a valid measurement: TTFT and ITL then describe the server, not the client",
+        "a second machine or core for the client",
+        "low",
+        "never: a lagging client makes every server figure of this run suspect",
+    )
+
+
+def api_process(c: Context, f: Finding) -> Recommendation:
+    return Recommendation(
+        "api_process",
+        "Look at the API process, not the engine",
+        "profile the HTTP process: tokenisation, chat template, JSON encoding per chunk; keep it "
+        "on its own core",
+        f"up to {f.evidence['network_http_ms_p50']} ms of TTFT per request",
+        "engineering time",
+        "medium",
+        "the overhead is a small share of TTFT",
+    )
+
+
+LEVERS: dict[str, Callable[[Context, Finding], Recommendation]] = {
+    "chunked_prefill": chunked_prefill,
+    "batch_budget_down": batch_budget_down,
+    "batch_budget_up": batch_budget_up,
+    "prefix_caching": prefix_caching,
+    "max_num_seqs_up": max_num_seqs_up,
+    "max_num_seqs_down": max_num_seqs_down,
+    "kv_memory": kv_memory,
+    "priorities": priorities,
+    "speculative_decoding": speculative_decoding,
+    "disaggregation": disaggregation,
+    "capacity": capacity,
+    "client": client,
+    "api_process": api_process,
+}
+
+
+def recommend(c: Context, findings: list[Finding]) -> list[Recommendation]:
+    """One recommendation per lever, built from the first (most confident) finding naming it."""
+    out: dict[str, Recommendation] = {}
+    for f in findings:
+        for lever in f.levers:
+            if lever in out:
+                out[lever].because.append(f.id)
+                continue
+            rec = LEVERS[lever](c, f)
+            rec.because.append(f.id)
+            out[lever] = rec
+    return list(out.values())

@@ -1,0 +1,154 @@
+"""Diagnosis on synthetic run directories: each planted cause is found, nothing else is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import rundirs
+
+from servelab.analyze.attribution import TTFT_PARTS, attribute
+from servelab.analyze.diagnose import diagnose
+from servelab.analyze.rundir import RunDirError, load_run
+
+PLANTED = {
+    "calm": set(),
+    "burst": {"queue_bound"},
+    "prefill_bound": {"prefill_bound"},
+    "unchunked_stalls": {"itl_prefill_interference"},
+    "preemptions": {"kv_pressure"},
+    "lagging_client": {"client_bottleneck"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    return {name: load_run(getattr(rundirs, name)(base / name)) for name in PLANTED}
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_finds_the_planted_cause_and_nothing_else(runs, name):
+    d = diagnose(runs[name])
+    assert {f.id for f in d.findings} == PLANTED[name]
+    for f in d.findings:
+        assert f.exact, "a servelab target's findings rest on exact timelines"
+        assert f.evidence and all(v is not None for v in f.evidence.values())
+        assert 0.0 <= f.confidence <= 1.0
+    # Every finding maps to at least one recommendation that names it.
+    for f in d.findings:
+        assert any(f.id in r.because for r in d.recommendations)
+
+
+def test_ttft_parts_add_up_exactly(runs):
+    for run in runs.values():
+        for b in attribute(run).ttft:
+            assert b.source == "exact"
+            assert set(b.parts()) == set(TTFT_PARTS)
+            assert sum(b.parts().values()) == pytest.approx(b.ttft + b.client_lag, abs=1e-9)
+            assert min(b.parts().values()) >= -1e-9
+
+
+def test_burst_queueing_is_attributed_to_the_sequence_cap(runs):
+    d = diagnose(runs["burst"])
+    assert d.overall.shares["queue"] > 0.8
+    (f,) = d.findings
+    assert f.evidence["queue_time_waiting_on_max_num_seqs"] > 0.5
+    assert "bursty" in f.title
+    assert "max_num_seqs_up" in {r.lever for r in d.recommendations}
+
+
+def test_unchunked_stalls_name_the_long_prompts(runs):
+    stalls = [s for s in attribute(runs["unchunked_stalls"]).stalls if s.gap > 0.2]
+    assert stalls and all(s.cause == "prefill" for s in stalls)
+    assert all(s.request_id.startswith("c") for s in stalls)  # the chats stall...
+    assert all("(d" in s.detail for s in stalls)  # ...behind a long document prompt
+    d = diagnose(runs["unchunked_stalls"])
+    rec = {r.lever: r for r in d.recommendations}["chunked_prefill"]
+    assert "enable_chunked_prefill=true" in rec.action
+    assert rec.not_worth_it_when and rec.cost and rec.complexity == "low"
+    dis = {r.lever: r for r in d.recommendations}["disaggregation"]
+    assert "KV transfer" in dis.cost
+
+
+def test_preemption_stalls_and_queueing_on_kv(runs):
+    d = diagnose(runs["preemptions"])
+    assert d.stalls_by_cause["preemption"]["count"] > 0
+    (f,) = d.findings
+    assert f.evidence["preemptions"] > 0 and f.evidence["queue_time_waiting_on_kv"] > 0.5
+
+
+def test_lagging_client_stalls_are_blamed_on_the_client(runs):
+    a = attribute(runs["lagging_client"])
+    assert a.stalls and {s.cause for s in a.stalls} == {"client"}
+    assert diagnose(runs["lagging_client"]).overall.shares["client_lag"] > 0.5
+
+
+def test_prefix_reuse_found_only_when_caching_is_off(tmp_path):
+    off = diagnose(load_run(rundirs.shared_prefix(tmp_path / "off", caching=False)))
+    on = diagnose(load_run(rundirs.shared_prefix(tmp_path / "on", caching=True)))
+    assert "low_prefix_reuse" in {f.id for f in off.findings}
+    assert "low_prefix_reuse" not in {f.id for f in on.findings}
+    assert on.overall.parts["prefill"] < 0.5 * off.overall.parts["prefill"]
+    saved = [b.cache_saved for b in on.attribution.ttft if b.cached_tokens]
+    assert saved and min(saved) > 0
+
+
+def test_other_target_uses_metrics_estimates_and_says_so(tmp_path):
+    run = load_run(rundirs.as_other_target(rundirs.burst(tmp_path / "b")))
+    d = diagnose(run)
+    assert d.target_kind == "other" and d.source == "client"
+    assert d.part_sources["client_lag"] == "exact"
+    assert d.part_sources["queue"].startswith("estimate")
+    assert "estimate" in " ".join(d.notes)
+    exact = diagnose(load_run(rundirs.burst(tmp_path / "exact")))
+    assert d.overall.parts["queue"] == pytest.approx(exact.overall.parts["queue"], rel=1e-6)
+    (f,) = d.findings
+    assert f.id == "queue_bound" and not f.exact
+
+
+def test_other_target_kv_pressure_from_preemption_counter(tmp_path):
+    run = load_run(rundirs.as_other_target(rundirs.preemptions(tmp_path / "p")))
+    f = {f.id: f for f in diagnose(run).findings}["kv_pressure"]
+    assert f.evidence["preemptions"] > 0 and not f.exact
+
+
+def test_other_target_without_scrapes_attributes_only_the_client(tmp_path):
+    run = load_run(rundirs.as_other_target(rundirs.calm(tmp_path / "c"), scrape=False))
+    d = diagnose(run)
+    assert list(d.overall.parts) == ["client_lag"]
+    assert "No server timelines" in d.notes[0]
+
+
+def test_invalid_manifest_is_a_finding(tmp_path):
+    run = load_run(rundirs.calm(tmp_path / "c", valid=False, invalid_reason="send lag 40 ms"))
+    (f,) = diagnose(run).findings
+    assert f.id == "client_bottleneck" and "send lag 40 ms" in f.summary
+
+
+def test_json_is_serialisable(runs):
+    d = diagnose(runs["unchunked_stalls"]).to_dict()
+    back = json.loads(json.dumps(d))
+    assert back["findings"][0]["id"] == "itl_prefill_interference"
+    assert back["ttft_attribution"]["overall"]["parts"]["queue"] >= 0
+
+
+def test_load_run_errors_say_what_to_do(tmp_path):
+    with pytest.raises(RunDirError, match="servelab bench"):
+        load_run(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunDirError, match="requests.jsonl"):
+        load_run(tmp_path / "empty")
+
+
+def test_truncated_last_line_is_skipped(tmp_path):
+    p = rundirs.calm(tmp_path / "c")
+    with open(p / "requests.jsonl", "a") as f:
+        f.write('{"request_id": "cut')
+    run = load_run(p)
+    assert run.skipped_lines == 1 and len(run.records) == 80
+    lines = (p / "requests.jsonl").read_text().splitlines()
+    lines.insert(3, "{not json")
+    (p / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(RunDirError, match="requests.jsonl:4"):
+        load_run(p)
