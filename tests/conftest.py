@@ -109,7 +109,10 @@ def write_tiny_llama(out: Path, seed: int = 0, **overrides: Any) -> Path:
     hd = cfg["head_dim"]
     nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     qkv_bias = cfg["attention_bias"] or cfg["model_type"] == "qwen2"
-    tensors = {"model.embed_tokens.weight": rand(vocab, h, std=1.0), "model.norm.weight": 1 + rand(h)}
+    tensors = {
+        "model.embed_tokens.weight": rand(vocab, h, std=1.0),
+        "model.norm.weight": 1 + rand(h),
+    }
     if not cfg["tie_word_embeddings"]:
         tensors["lm_head.weight"] = rand(vocab, h)
     for i in range(cfg["num_hidden_layers"]):

@@ -67,7 +67,9 @@ def _read_cached(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     data = Path(path).read_bytes() if size < (1 << 20) else _read_header(path)
     cur = _Cursor(data)
     if cur.unpack("<I") != 0x46554747:  # b"GGUF" little-endian
-        raise ValueError(f"{path} is not a GGUF file (bad magic); give a .gguf file or an HF directory")
+        raise ValueError(
+            f"{path} is not a GGUF file (bad magic); give a .gguf file or an HF directory"
+        )
     version = cur.unpack("<I")
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version} is not supported (only v2 and v3)")

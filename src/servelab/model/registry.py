@@ -26,7 +26,9 @@ def _package_file(package: str, filename: str) -> Callable[[], Path]:
             )
         path = Path(next(iter(spec.submodule_search_locations))) / filename
         if not path.is_file():
-            raise ValueError(f"{path} is missing from the installed package {package!r}; reinstall it")
+            raise ValueError(
+                f"{path} is missing from the installed package {package!r}; reinstall it"
+            )
         return path
 
     return find

@@ -1,0 +1,207 @@
+"""A Llama-family decoder (Llama, Mistral, SmolLM, Qwen2) over a flattened token batch.
+
+One forward runs any mix of sequences: prefill chunks and decode tokens, each with any
+number of query tokens. The caller (the runner) describes the batch in a
+``ForwardBatch``: token ids and positions, where each token's K/V goes in the paged
+cache (``slot_mapping``), how attention is grouped, and which rows need logits.
+
+Layout choices (all internal; weights load from and export to the HF layout):
+- q/k/v are one fused weight, gate/up another: fewer, larger matrix products.
+- Q and K rows are permuted so each head's rotary pairs (i, i + head_dim/2) are adjacent;
+  RoPE is then one complex multiply over q and k together. Dot products q.k are unchanged
+  because both sides carry the same permutation; the KV cache holds K in this layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelab.model.config import ModelConfig
+from servelab.model.linear import linear
+from servelab.model.rope import rope_table
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences whose attention is computed in one SDPA call.
+
+    ``fresh``: one sequence whose query tokens ``tokens`` (a slice of the batch) start at
+    position 0, so it attends causally to its own new K/V and reads no cache.
+    Otherwise (paged): ``q_index`` [B, max_q] are batch token indices (padding repeats a
+    valid index), ``kv_index`` [B, max_ctx] are cache slots of positions 0..ctx-1
+    (padding points at slot 0), ``mask`` [B, 1, max_q, max_ctx] says which key each query
+    sees (None: all), and ``q_valid`` [B, max_q] marks real queries (None: all real).
+    """
+
+    fresh: bool
+    tokens: slice | None = None
+    q_index: torch.Tensor | None = None
+    kv_index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    q_valid: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward pass. ``sample_index`` None means logits for every token."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    groups: list[AttentionGroup]
+    slot_mapping: torch.Tensor | None = None  # [T] long: cache slot of each token's K/V
+    sample_index: torch.Tensor | None = None  # [S] long: rows that need logits
+
+
+def to_interleaved_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the rows of a Q/K weight (or bias) so rotary pairs of each head are adjacent."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.contiguous(), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        nq, nkv = cfg.num_heads, cfg.num_kv_heads
+        q = to_interleaved_rotary(w[prefix + "self_attn.q_proj.weight"], nq)
+        k = to_interleaved_rotary(w[prefix + "self_attn.k_proj.weight"], nkv)
+        v = w[prefix + "self_attn.v_proj.weight"]
+        self.qkv_w = _param(torch.cat([q, k, v]))
+        self.qkv_b: nn.Parameter | None = None
+        if cfg.qkv_bias:
+            qb = to_interleaved_rotary(w[prefix + "self_attn.q_proj.bias"], nq)
+            kb = to_interleaved_rotary(w[prefix + "self_attn.k_proj.bias"], nkv)
+            self.qkv_b = _param(torch.cat([qb, kb, w[prefix + "self_attn.v_proj.bias"]]))
+        self.o_w = _param(w[prefix + "self_attn.o_proj.weight"])
+        self.gate_up_w = _param(
+            torch.cat([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]])
+        )
+        self.down_w = _param(w[prefix + "mlp.down_proj.weight"])
+        self.ln1 = _param(w[prefix + "input_layernorm.weight"])
+        self.ln2 = _param(w[prefix + "post_attention_layernorm.weight"])
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        batch: ForwardBatch,
+        kv: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        n_tok, nq, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = F.rms_norm(x, (cfg.hidden_size,), self.ln1, cfg.rms_norm_eps)
+        qkv = linear(h, self.qkv_w, self.qkv_b)
+        qk_width = (nq + nkv) * hd
+        qk = torch.view_as_complex(qkv[:, :qk_width].view(n_tok, nq + nkv, hd // 2, 2))
+        qk = torch.view_as_real(qk * rope).view(n_tok, nq + nkv, hd)
+        q, k = qk[:, :nq], qk[:, nq:]
+        v = qkv[:, qk_width:].view(n_tok, nkv, hd)
+        k_flat = v_flat = None
+        if kv is not None:
+            k_flat, v_flat = kv[0].view(-1, nkv, hd), kv[1].view(-1, nkv, hd)
+            k_flat.index_copy_(0, batch.slot_mapping, k)
+            v_flat.index_copy_(0, batch.slot_mapping, v)
+        attn = _attention(q, k, v, batch.groups, k_flat, v_flat)
+        x = x + linear(attn.view(n_tok, nq * hd), self.o_w)
+        h = F.rms_norm(x, (cfg.hidden_size,), self.ln2, cfg.rms_norm_eps)
+        gate_up = linear(h, self.gate_up_w)
+        inter = cfg.intermediate_size
+        x += linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down_w)
+        return x
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: list[AttentionGroup],
+    k_flat: torch.Tensor | None,
+    v_flat: torch.Tensor | None,
+) -> torch.Tensor:
+    """[T, nq, hd] attention output for every query token of the batch."""
+    out = q.new_empty(q.shape) if len(groups) > 1 or not groups[0].fresh else None
+    for g in groups:
+        if g.fresh:
+            s = g.tokens
+            o = F.scaled_dot_product_attention(
+                q[s].transpose(0, 1).unsqueeze(0),
+                k[s].transpose(0, 1).unsqueeze(0),
+                v[s].transpose(0, 1).unsqueeze(0),
+                is_causal=True,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+            if out is None:
+                return o
+            out[s] = o
+            continue
+        if k_flat is None or v_flat is None:
+            raise ValueError("a paged attention group needs the KV cache")
+        o = F.scaled_dot_product_attention(
+            q[g.q_index].transpose(1, 2),
+            k_flat[g.kv_index].transpose(1, 2),
+            v_flat[g.kv_index].transpose(1, 2),
+            attn_mask=g.mask,
+            enable_gqa=True,
+        ).transpose(1, 2)  # [B, max_q, nq, hd]
+        if g.q_valid is None:
+            out[g.q_index.reshape(-1)] = o.reshape(-1, *o.shape[2:])
+        else:
+            out[g.q_index[g.q_valid]] = o[g.q_valid]
+    return out
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder with its embedding and LM head. ``forward`` returns logits [S, vocab]."""
+
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = _param(weights["model.embed_tokens.weight"])
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, weights, f"model.layers.{i}.") for i in range(cfg.num_layers)
+        )
+        self.norm = _param(weights["model.norm.weight"])
+        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = _param(weights["lm_head.weight"])
+        self.to(device)
+        self.register_buffer("rope", rope_table(cfg, cfg.max_model_len, device), persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        x = F.embedding(batch.input_ids, self.embed)
+        rope = self.rope[batch.positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, batch, kv_caches[i] if kv_caches is not None else None)
+        if batch.sample_index is not None:
+            x = x[batch.sample_index]
+        x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return linear(x, self.lm_head)
+
+
+def causal_batch(token_ids: list[list[int]], device: torch.device | str = "cpu") -> ForwardBatch:
+    """A cache-free batch: each sequence prefilled from position 0, logits at every token."""
+    ids, pos, groups, start = [], [], [], 0
+    for seq in token_ids:
+        ids += seq
+        pos += range(len(seq))
+        groups.append(AttentionGroup(fresh=True, tokens=slice(start, start + len(seq))))
+        start += len(seq)
+    as_long = {"dtype": torch.long, "device": device}
+    return ForwardBatch(torch.tensor(ids, **as_long), torch.tensor(pos, **as_long), groups)

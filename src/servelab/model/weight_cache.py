@@ -1,0 +1,59 @@
+"""The dequantised-weight cache: a GGUF file -> an HF directory of fp32 safetensors.
+
+Dequantising the default model takes several seconds; loading fp32 safetensors takes
+well under one. The cache lives under ``$SERVELAB_CACHE_DIR`` (default
+``~/.cache/servelab``) in ``weights/<gguf stem>-<key>/``, where the key hashes the GGUF's
+resolved path, size and mtime, so a changed file gets a new entry. An entry is written
+into a temporary directory and renamed into place, so a crash never leaves a partial
+entry behind and concurrent loaders do not clash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_FORMAT = "1"  # bump when the cached layout changes
+
+
+def cache_root() -> Path:
+    """``$SERVELAB_CACHE_DIR`` or ``~/.cache/servelab``."""
+    env = os.environ.get("SERVELAB_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "servelab"
+
+
+def cache_entry(gguf_path: Path) -> Path:
+    """Where the dequantised weights of ``gguf_path`` live (whether or not written yet)."""
+    resolved = gguf_path.resolve()
+    st = resolved.stat()
+    key = hashlib.sha256(f"{resolved}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT}".encode()).hexdigest()
+    return cache_root() / "weights" / f"{resolved.stem}-{key[:16]}"
+
+
+def cached_hf_dir(gguf_path: Path) -> Path:
+    """The HF directory holding ``gguf_path``'s dequantised weights; writes it on a miss."""
+    from servelab.model.export import export_hf
+
+    entry = cache_entry(gguf_path)
+    if (entry / "config.json").is_file() and (entry / "model.safetensors").is_file():
+        log.info("loading dequantised weights of %s from cache %s", gguf_path.name, entry)
+        return entry
+    log.info("dequantising %s to fp32 once; caching it in %s", gguf_path, entry)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        export_hf(str(gguf_path), tmp)
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not (entry / "model.safetensors").is_file():  # not a lost race: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return entry
