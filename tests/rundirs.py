@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from servelab.analyze.rundir import load_run
+from servelab.analyze.summary import summarize
 from servelab.vocab import (
     ClientRecord,
     FinishReason,
@@ -316,6 +317,8 @@ def write_run(
     man.update(manifest)
     (path / "manifest.json").write_text(json.dumps(man, indent=1))
     _write_jsonl(path / "requests.jsonl", [r.to_dict() for r in records])
+    metrics = summarize(records, n_boot=200)
+    (path / "metrics.json").write_text(json.dumps(metrics))
     if target_kind == "servelab":
         _write_jsonl(path / "server.jsonl", [t.to_dict() for t in timelines])
         _write_jsonl(path / "steps.jsonl", [s.to_dict() for s in steps])
@@ -352,9 +355,20 @@ def chat_requests(
 # --- scenarios: each plants one cause ----------------------------------------------------
 
 
-def calm(path: Path, seed: int = 0, **kw) -> Path:
-    """Light steady load, similar prompts: nothing to find."""
-    return write_run(path, chat_requests(80, 4.0, seed), seed=seed, **kw)
+def calm(
+    path: Path, seed: int = 0, noise_seed: int | None = None, slowdown: float = 1.0, **kw
+) -> Path:
+    """Light steady load, similar prompts: nothing to find.
+
+    ``seed`` draws the workload (as a benchmark's workload seed does); ``noise_seed`` the
+    step-time noise, so two runs of one workload differ only by machine noise.
+    ``slowdown`` scales every step cost (a planted regression).
+    """
+    eng = Engine(
+        step_overhead=0.004 * slowdown, prefill_cost=0.0001 * slowdown, decode_cost=0.001 * slowdown
+    )
+    noise = seed if noise_seed is None else noise_seed
+    return write_run(path, chat_requests(80, 4.0, seed), eng, seed=noise, **kw)
 
 
 def burst(path: Path, seed: int = 0) -> Path:

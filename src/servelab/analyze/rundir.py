@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servelab.analyze.summary import summarize
 from servelab.vocab import ClientRecord, RequestTimeline, StepRecord
 
 
@@ -106,6 +107,12 @@ class Run:
     @property
     def classes(self) -> list[str]:
         return sorted({r.workload_class for r in self.records})
+
+    def summary(self) -> dict[str, Any]:
+        """metrics.json's body: as written by the benchmark, else computed from the records."""
+        if self.metrics is None:
+            self.metrics = summarize(self.records)
+        return self.metrics
 
     def timeline_for(self, record: ClientRecord) -> RequestTimeline | None:
         server_id = (record.server_timeline or {}).get("request_id")
