@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -69,9 +70,8 @@ def test_every_request_completes_with_its_output_length_and_a_consistent_timelin
         assert rec.done == pytest.approx(tl.finished + 0.005)
         assert tl.arrival == pytest.approx(rec.actual_send + 0.005)
         assert rec.ttft > 0.01  # two network delays plus a prefill step
-    # Steps never overlap on one replica, and their durations are the predicted times.
-    steps = res.steps
-    assert all(a["end"] <= b["start"] + 1e-12 for a, b in zip(steps, steps[1:]))
+    # Steps of one replica never overlap.
+    assert all(a["end"] <= b["start"] + 1e-12 for a, b in itertools.pairwise(res.steps))
 
 
 def test_a_network_delay_shifts_ttft_by_the_round_trip():
@@ -103,6 +103,19 @@ def test_sessions_wait_for_the_previous_turn():
     res = Simulation(_target().factory, reqs).run()
     t0, t1 = res.records
     assert t1.actual_send == pytest.approx(t0.done + 1.0)
+
+
+def test_a_session_keeps_its_concurrency_slot_and_non_streamed_output_comes_at_once():
+    reqs = [
+        SimRequest("a0", 0.0, [5] * 100, 10, session_id="a"),
+        SimRequest("a1", 0.0, [5] * 150, 10, session_id="a", turn=1, after="a0", think_time=0.5),
+        SimRequest("b0", 0.0, [6] * 100, 10, stream=False),
+    ]
+    res = Simulation(_target().factory, reqs, max_concurrency=1).run()
+    a0, a1, b0 = res.records
+    assert a1.actual_send == pytest.approx(a0.done + 0.5)
+    assert b0.actual_send == pytest.approx(a1.done)  # b waited for the whole session
+    assert b0.chunk_times == [b0.done] and b0.chunk_tokens == [10] and not b0.stream
 
 
 def test_a_request_the_engine_rejects_becomes_a_400_record():

@@ -1,9 +1,441 @@
-"""CLI commands of this subsystem (registered by servelab.cli). No heavy imports at module level."""
+"""`servelab sim`, `servelab profile` and `servelab calibrate`. No heavy imports at module level."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
 
 import typer
 
 
+def _fail(msg: str) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(2)
+
+
+def _seconds(text: str | None, what: str) -> float | None:
+    from servelab.analyze.summary import parse_duration
+
+    return None if text is None else parse_duration(text, what=what)
+
+
+def _build_target(
+    hardware: str | None,
+    model: str,
+    profile: str | None,
+    calibration: str | None,
+    engine_args: str | None,
+    overrides: dict[str, float | None],
+) -> Any:
+    from servelab.engine.config import EngineConfig
+    from servelab.sim.args import parse_engine_args, split_deployment
+    from servelab.sim.calibrate import Calibration
+    from servelab.sim.roofline import Efficiency
+    from servelab.sim.target import profile_target, roofline_target
+
+    eng, dep = split_deployment(parse_engine_args(engine_args))
+    if profile is not None:
+        if hardware is not None or calibration is not None:
+            raise ValueError("--profile replaces --hardware/--calibration; give one or the other")
+        from servelab.sim.profiled import ProfileTable
+
+        table = ProfileTable.load(profile)
+        base = EngineConfig(**table.meta.get("engine_config", {}))
+        import dataclasses
+
+        return profile_target(table, dataclasses.replace(base, **eng))
+    if hardware is None:
+        raise ValueError(
+            "say what to simulate: --hardware NAME (with --model) or --profile TABLE.json"
+        )
+    eff = Efficiency()
+    if calibration is not None:
+        cal = Calibration.load(calibration)
+        eff = cal.efficiency
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(eff, k, v)
+    return roofline_target(
+        hardware,
+        model,
+        tp=dep.get("tp", 1),
+        efficiency=eff,
+        engine_config=EngineConfig(**eng),
+        gpu_memory_utilization=dep.get("gpu_memory_utilization", 0.9),
+    )
+
+
+def _summary_row(label: str, res: Any, slos: Any, wall: float) -> dict[str, Any]:
+    import numpy as np
+
+    from servelab.sim.scenario import attainment
+
+    ok = [r for r in res.records if r.ok]
+
+    def pct(vals: list[float], p: float) -> float | None:
+        return float(np.percentile(vals, p)) if vals else None
+
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [g for r in ok for g in r.itls]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    dur = res.sim_duration or 1.0
+    return {
+        "label": label,
+        "requests": len(res.records),
+        "failed": len(res.records) - len(ok),
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p95": pct(ttft, 95),
+        "itl_p50": pct(itl, 50),
+        "itl_p95": pct(itl, 95),
+        "e2e_p50": pct(e2e, 50),
+        "e2e_p95": pct(e2e, 95),
+        "output_tok_s": sum(r.output_tokens for r in ok) / dur,
+        "slo_attainment": attainment(res, slos),
+        "preemptions": sum(r["stats"]["num_preemptions"] for r in res.replicas),
+        "steps": res.num_steps,
+        "sim_s": res.sim_duration,
+        "wall_s": wall,
+    }
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    """One column per simulated configuration, one row per metric (fits a terminal)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="servelab sim (simulated)")
+    table.add_column("metric")
+    for row in rows:
+        table.add_column(row["label"], justify="right", overflow="fold")
+    for c in [k for k in rows[0] if k != "label"]:
+        cells = []
+        for row in rows:
+            v = row[c]
+            if v is None:
+                cells.append("-")
+            elif isinstance(v, float):
+                cells.append(
+                    f"{v * 1000:.1f} ms" if c.startswith(("ttft", "itl", "e2e")) else f"{v:.4g}"
+                )
+            else:
+                cells.append(str(v))
+        table.add_row(c, *cells)
+    Console().print(table)
+
+
+def sim(
+    hardware: str | None = typer.Option(
+        None, help="Hardware to simulate: h100, h200, a100, a100-40gb, l4, mi300x, cpu."
+    ),
+    model: str = typer.Option(
+        "smollm2-135m", help="Model preset, HF config.json (or its dir), or .gguf."
+    ),
+    profile: str | None = typer.Option(
+        None, help="A `servelab profile` table: replay this machine's measured step times."
+    ),
+    calibration: str | None = typer.Option(
+        None, help="A `servelab calibrate` file: fitted efficiencies for --hardware."
+    ),
+    mfu: float | None = typer.Option(
+        None, help="Override the roofline's model FLOPs utilisation (0-1)."
+    ),
+    mbu: float | None = typer.Option(
+        None, help="Override the roofline's memory bandwidth utilisation (0-1)."
+    ),
+    step_overhead: str | None = typer.Option(
+        None, help="Override the fixed cost per step, e.g. 1ms."
+    ),
+    workload: str | None = typer.Option(
+        None, help="Workload preset or spec file (as for `servelab bench`)."
+    ),
+    trace: str | None = typer.Option(None, help="Replay a trace (Azure CSV or Mooncake JSONL)."),
+    rate: float | None = typer.Option(
+        None, help="Open loop: requests/s (with a trace: the mean rate to scale it to)."
+    ),
+    concurrency: int | None = typer.Option(None, help="Closed loop: requests in flight."),
+    arrival: str = typer.Option("poisson", help="poisson, gamma, constant, onoff, ramp."),
+    burstiness: float = typer.Option(
+        1.0, help="Gamma arrivals' shape (1 = Poisson, < 1 burstier)."
+    ),
+    requests: int | None = typer.Option(None, help="Stop after this many requests (sessions)."),
+    duration: str | None = typer.Option(None, help="Send nothing later than this, e.g. 60s."),
+    time_scale: float = typer.Option(1.0, help="Trace: multiply its times (2 = twice as slow)."),
+    length_scale: float = typer.Option(1.0, help="Multiply every token length."),
+    seed: int = typer.Option(0, help="Seed of the plan (the simulation itself is deterministic)."),
+    endpoint: str = typer.Option(
+        "completions", help="completions or chat (as for `servelab bench`)."
+    ),
+    engine_args: str | None = typer.Option(
+        None, help="Engine settings, e.g. 'max_num_seqs=128 --no-enable-chunked-prefill tp=2'."
+    ),
+    sweep: list[str] | None = typer.Option(  # noqa: B008
+        None,
+        help="Sweep an engine arg: 'max_num_batched_tokens=512,2048' (repeatable: cross product).",
+    ),
+    replicas: int = typer.Option(1, help="Data-parallel replicas behind a router."),
+    router: str = typer.Option("round-robin", help="round-robin, least-loaded or prefix-aware."),
+    pd: str | None = typer.Option(
+        None, help="Disaggregate: 'P:D' prefill and decode replicas, e.g. 1:3."
+    ),
+    link: str = typer.Option(
+        "nvlink",
+        help="KV transfer link for --pd: nvlink, ib, roce, ethernet, pcie or '25GB/s,10us'.",
+    ),
+    network_delay: str = typer.Option("0ms", help="One-way client-server delay, e.g. 2ms."),
+    slo: str | None = typer.Option(
+        None, help="SLO override for every class, e.g. 'ttft=2s,itl=200ms'."
+    ),
+    find_capacity: str | None = typer.Option(
+        None, help="replicas (fewest), rate (highest) or pd (best split of --replicas)."
+    ),
+    attainment_target: float = typer.Option(
+        0.9, "--attainment", help="Fraction of requests that must meet their SLOs."
+    ),
+    max_replicas: int = typer.Option(64, help="Upper bound for --find-capacity replicas."),
+    out: str | None = typer.Option(None, help="Run directory to write (default runs/sim-<time>)."),
+    no_steps: bool = typer.Option(
+        False, "--no-steps", help="Do not write steps.jsonl (huge for long traces)."
+    ),
+) -> None:
+    """Simulate a deployment on the engine's own scheduler with a cost model (what-ifs at GPU scale)."""
+    import json
+
+    from servelab.analyze.summary import SLO
+    from servelab.bench.plan import LoadSpec
+    from servelab.sim.links import parse_link
+    from servelab.sim.loop import Topology
+    from servelab.sim.rundir import write_run_dir
+    from servelab.sim.scenario import Scenario, load_requests, simulate
+
+    try:
+        target = _build_target(
+            hardware,
+            model,
+            profile,
+            calibration,
+            engine_args,
+            {"mfu": mfu, "mbu": mbu, "step_overhead": _seconds(step_overhead, "--step-overhead")},
+        )
+        topo = Topology(replicas=replicas, router=router)
+        if pd is not None:
+            p, _, d = pd.partition(":")
+            if not (p.isdigit() and d.isdigit()):
+                raise ValueError(f"--pd {pd!r}: write P:D, e.g. 1:3")
+            topo = Topology(prefill=int(p), decode=int(d), router=router, link=parse_link(link))
+        topo.validate()
+        load = LoadSpec(
+            concurrency=concurrency,
+            rate=rate,
+            arrival=arrival,
+            burstiness=burstiness,
+            requests=requests,
+            duration=_seconds(duration, "--duration"),
+            trace=trace,
+            time_scale=time_scale,
+            length_scale=length_scale,
+        )
+        max_len = target.engine_config.max_model_len or target.max_model_len
+        reqs, info, slos = load_requests(workload, load, seed, max_len, endpoint)
+        if slo is not None:
+            override = SLO.parse(slo)
+            slos = {k: v.merged(override) for k, v in slos.items()} if slos else override
+        scenario = Scenario(
+            target,
+            reqs,
+            topo,
+            _seconds(network_delay, "--network-delay") or 0.0,
+            concurrency,
+            slos,
+            info,
+        )
+        if find_capacity is not None and sweep:
+            raise ValueError("use --find-capacity or --sweep, not both")
+    except ValueError as e:
+        raise _fail(str(e)) from None
+
+    run_dir = Path(out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
+    if find_capacity is not None:
+        _capacity(
+            find_capacity,
+            scenario,
+            workload,
+            load,
+            seed,
+            endpoint,
+            attainment_target,
+            max_replicas,
+            replicas,
+            run_dir,
+        )
+        return
+    from servelab.sim.args import parse_sweep
+
+    try:
+        points = parse_sweep(sweep) if sweep else [{}]
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    rows = []
+    for point in points:
+        label = ",".join(f"{k}={v}" for k, v in point.items()) or target.label
+        sc = scenario
+        if point:
+            try:
+                sc = Scenario(
+                    target.with_engine_args(**point),
+                    reqs,
+                    topo,
+                    scenario.network_delay,
+                    concurrency,
+                    slos,
+                    info,
+                )
+            except (TypeError, ValueError) as e:
+                raise _fail(f"sweep point {label}: {e}") from None
+        t0 = time.perf_counter()
+        res = simulate(sc, keep_steps=not no_steps)
+        wall = time.perf_counter() - t0
+        d = run_dir if len(points) == 1 else run_dir / label.replace("=", "-").replace(",", "_")
+        write_run_dir(
+            d,
+            res,
+            target=sc.target.describe(),
+            workload=info.get("workload"),
+            load=info.get("load"),
+            slos=slos,
+            write_steps=not no_steps,
+            sim={
+                "network_delay_s": sc.network_delay,
+                "wall_s": wall,
+                "sweep_point": point,
+                "trace": info.get("trace"),
+                "plan": info.get("plan"),
+            },
+        )
+        rows.append(_summary_row(label, res, slos, wall))
+        typer.echo(f"wrote {d}")
+    _print_rows(rows)
+    if len(rows) > 1:
+        (run_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
+
+
+def _capacity(
+    kind: str,
+    scenario: Any,
+    workload: str | None,
+    load: Any,
+    seed: int,
+    endpoint: str,
+    target: float,
+    max_replicas: int,
+    replicas: int,
+    run_dir: Path,
+) -> None:
+    import dataclasses
+    import json
+
+    from servelab.sim.capacity import best_pd_split, fewest_replicas, highest_rate
+    from servelab.sim.loop import Topology
+    from servelab.sim.scenario import load_requests, simulate
+
+    topo = scenario.topology
+    slos = scenario.slos
+    if not slos or (isinstance(slos, dict) and all(s.empty for s in slos.values())):
+        raise _fail(
+            "--find-capacity needs SLOs: the workload defines none; add --slo 'ttft=2s,itl=200ms'"
+        )
+    if kind == "replicas":
+        result = fewest_replicas(
+            lambda n: simulate(
+                scenario.with_topology(dataclasses.replace(topo, replicas=n)), keep_steps=False
+            ),
+            slos,
+            target,
+            max_replicas,
+        )
+        what = "fewest replicas"
+    elif kind == "rate":
+        if load.rate is None:
+            raise _fail("--find-capacity rate needs a starting --rate")
+        max_len = scenario.target.engine_config.max_model_len or scenario.target.max_model_len
+
+        def at_rate(r: float) -> Any:
+            reqs, _, _ = load_requests(
+                workload, dataclasses.replace(load, rate=r), seed, max_len, endpoint
+            )
+            return simulate(dataclasses.replace(scenario, requests=reqs), keep_steps=False)
+
+        result = highest_rate(at_rate, slos, load.rate, target)
+        what = "highest rate (req/s)"
+    elif kind == "pd":
+        link = topo.link
+        if link is None:
+            from servelab.sim.links import parse_link
+
+            link = parse_link("nvlink")
+        result = best_pd_split(
+            lambda p, d: simulate(
+                scenario.with_topology(
+                    Topology(prefill=p, decode=d, link=link, router=topo.router)
+                ),
+                keep_steps=False,
+            ),
+            slos,
+            replicas,
+            target,
+        )
+        what = f"best P:D split of {replicas} replicas"
+    else:
+        raise _fail(f"--find-capacity {kind!r}: use replicas, rate or pd")
+    for p in result.points:
+        typer.echo(
+            f"  {p.label:>16}: SLO attainment {p.attainment:.3f}, goodput {p.goodput:.3g} req/s"
+            f"{'  meets' if p.meets else ''}"
+        )
+    answer = result.answer
+    typer.echo(
+        f"{what} meeting {target:.0%} SLO attainment: "
+        f"{answer if answer is not None else 'none within the searched range'}"
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "capacity.json").write_text(
+        json.dumps({"search": kind, **result.to_dict()}, indent=1)
+    )
+    typer.echo(f"wrote {run_dir / 'capacity.json'}")
+
+
+def calibrate(
+    run_dir: str = typer.Argument(
+        ..., help="A run directory of a servelab server on the target hardware."
+    ),
+    hardware: str = typer.Option(
+        ..., help="The catalogue entry the run's hardware is (e.g. cpu, h100)."
+    ),
+    model: str = typer.Option("smollm2-135m", help="The model that served the run."),
+    tp: int = typer.Option(1, help="Tensor parallel degree of the run."),
+    out: str = typer.Option("calibration.json", help="Where to write the fitted efficiencies."),
+) -> None:
+    """Fit the roofline's efficiencies and fixed costs to a measured run; report the fit error."""
+    import json
+
+    from servelab.analyze.rundir import load_run
+    from servelab.sim.calibrate import fit_efficiency
+    from servelab.sim.hardware import get_hardware
+    from servelab.sim.modelspec import load_model_spec
+    from servelab.sim.replay import measured_steps
+
+    try:
+        cal = fit_efficiency(
+            load_model_spec(model), get_hardware(hardware), measured_steps(load_run(run_dir)), tp=tp
+        )
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    cal.save(out)
+    typer.echo(json.dumps({"efficiency": cal.efficiency.to_dict(), "fit": cal.fit}, indent=1))
+    typer.echo(f"wrote {out}; use it with `servelab sim --hardware {hardware} --calibration {out}`")
+
+
 def register(app: typer.Typer) -> None:
     """Add this subsystem's commands to the `servelab` app."""
+    app.command()(sim)
+    app.command()(calibrate)

@@ -43,7 +43,8 @@ class SimRequest:
 
     ``send_time`` is the intended send, seconds from the start of the run. With
     ``after`` (a multi-turn session), the request is sent ``think_time`` after that
-    request's last byte, or at ``send_time`` if that is later.
+    request's last byte, in the same concurrency slot. Without ``stream`` the client
+    sees one chunk carrying every token, at the last byte.
     """
 
     request_id: str
@@ -58,6 +59,7 @@ class SimRequest:
     stage: str | None = None
     after: str | None = None
     think_time: float = 0.0
+    stream: bool = True
 
 
 @dataclass
@@ -217,6 +219,7 @@ class Simulation:
 
     def _send(self, t: float, req: SimRequest, intended: float) -> None:
         rec = ClientRecord(
+            stream=req.stream,
             request_id=req.request_id,
             workload_class=req.workload_class,
             intended_send=intended,
@@ -274,12 +277,19 @@ class Simulation:
 
     def _finish_client(self, t: float, rid: str) -> None:
         c = self._clients[rid]
-        if c.record.done is None:
-            c.record.done = t
-        self._in_flight -= 1
-        for child in self._children.pop(rid, []):
-            self._make_ready(child, max(T0 + child.send_time, t + child.think_time))
-        self._pump(t)
+        rec = c.record
+        if rec.done is None:
+            rec.done = t
+        if not c.req.stream and rec.chunk_times:
+            rec.chunk_times = [t]
+            rec.chunk_tokens = [sum(rec.chunk_tokens)]
+        children = self._children.pop(rid, [])
+        # The next turn of a session keeps this request's concurrency slot.
+        for child in children:
+            self._push(t + child.think_time, _SEND, (child, t + child.think_time))
+        if not children:
+            self._in_flight -= 1
+            self._pump(t)
 
     # ---- steps ----
 

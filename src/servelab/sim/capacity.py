@@ -1,0 +1,138 @@
+"""Capacity planning on the simulator: the fewest replicas, the highest rate, the best P:D split.
+
+A deployment *meets* the workload when at least ``target`` of its requests succeed and
+meet every SLO of their class (SLO attainment, DistServe's criterion). Each search runs
+whole simulations, deterministically, and returns every point it tried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.sim.loop import SimResult
+from servelab.sim.scenario import attainment
+
+
+@dataclass
+class Point:
+    """One simulated configuration and how it did."""
+
+    label: str
+    attainment: float
+    goodput: float  # requests/s meeting their SLOs, over the simulated duration
+    meets: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "attainment": self.attainment,
+            "goodput": self.goodput,
+            "meets": self.meets,
+            **self.extra,
+        }
+
+
+@dataclass
+class CapacityResult:
+    answer: Any  # the replica count, the rate, or (P, D); None when nothing met the target
+    points: list[Point]
+    target: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "answer": self.answer,
+            "target": self.target,
+            "points": [p.to_dict() for p in self.points],
+        }
+
+
+def _point(label: str, res: SimResult, slos: Any, target: float, **extra: Any) -> Point:
+    att = attainment(res, slos)
+    dur = res.sim_duration or 1.0
+    return Point(label, att, att * len(res.records) / dur, att >= target, extra)
+
+
+def fewest_replicas(
+    run: Callable[[int], SimResult], slos: Any, target: float = 0.9, max_replicas: int = 64
+) -> CapacityResult:
+    """The fewest replicas whose run meets ``target`` (doubling, then bisection)."""
+    points: dict[int, Point] = {}
+
+    def meets(n: int) -> bool:
+        if n not in points:
+            points[n] = _point(f"{n} replicas", run(n), slos, target, replicas=n)
+        return points[n].meets
+
+    hi = 1
+    while not meets(hi):
+        if hi >= max_replicas:
+            return CapacityResult(None, [points[k] for k in sorted(points)], target)
+        hi = min(hi * 2, max_replicas)
+    lo = hi // 2  # fails (or 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    return CapacityResult(hi, [points[k] for k in sorted(points)], target)
+
+
+def highest_rate(
+    run: Callable[[float], SimResult],
+    slos: Any,
+    start: float,
+    target: float = 0.9,
+    rel_tol: float = 0.05,
+    max_doublings: int = 12,
+) -> CapacityResult:
+    """The highest request rate that meets ``target``, to within ``rel_tol`` (bracket by
+    halving or doubling from ``start``, then bisect)."""
+    points: dict[float, Point] = {}
+
+    def meets(rate: float) -> bool:
+        if rate not in points:
+            points[rate] = _point(f"{rate:.4g} req/s", run(rate), slos, target, rate=rate)
+        return points[rate].meets
+
+    lo, hi = None, None
+    r = start
+    for _ in range(max_doublings):
+        if meets(r):
+            lo = r
+            if hi is not None:
+                break
+            r *= 2
+        else:
+            hi = r
+            if lo is not None:
+                break
+            r /= 2
+    if lo is None:
+        return CapacityResult(None, [points[k] for k in sorted(points)], target)
+    if hi is None:
+        return CapacityResult(lo, [points[k] for k in sorted(points)], target)
+    while (hi - lo) / lo > rel_tol:
+        mid = (lo + hi) / 2
+        if meets(mid):
+            lo = mid
+        else:
+            hi = mid
+    return CapacityResult(lo, [points[k] for k in sorted(points)], target)
+
+
+def best_pd_split(
+    run: Callable[[int, int], SimResult], slos: Any, total: int, target: float = 0.9
+) -> CapacityResult:
+    """Every P:D split of ``total`` replicas; the best has the highest attainment, then goodput."""
+    if total < 2:
+        raise ValueError("a P:D split needs at least 2 replicas in total (--replicas 2 or more)")
+    points = [
+        _point(f"{p}P:{total - p}D", run(p, total - p), slos, target, prefill=p, decode=total - p)
+        for p in range(1, total)
+    ]
+    best = max(points, key=lambda pt: (pt.attainment, pt.goodput))
+    return CapacityResult((best.extra["prefill"], best.extra["decode"]), points, target)

@@ -1,0 +1,129 @@
+"""Turn a benchmark plan or a trace into the simulated client's requests.
+
+Workloads go through the benchmark's own planner (``bench.plan.build_plan``), so a
+simulated run and a real run of the same workload, load and seed send the same
+prompts at the same times; the prompt text is tokenized as the server would, so
+shared prefixes hit the prefix cache exactly where they would for real.
+
+Traces are read and scaled by the benchmark's ``bench.traces`` functions, but their
+prompts are made of synthetic token ids (text for 19,366 long prompts would cost more
+than the simulation): a request's first tokens are unique to it, so no two requests
+share a KV block unless the trace says so (Mooncake ``hash_ids``: equal ids give equal
+blocks of ``block_tokens`` tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servelab.sim.loop import SimRequest
+
+_FILLER = 13  # any id: after a unique first block, the chained block hashes differ anyway
+_SPAN = 30_000  # ids below every vocabulary servelab knows
+
+
+def _unique_head(key: int) -> list[int]:
+    return [1 + key % _SPAN, 1 + (key // _SPAN) % _SPAN, 1 + key // (_SPAN * _SPAN)]
+
+
+def _synthetic(key: int, n: int) -> list[int]:
+    """``n`` ids whose first three encode ``key``: no other key shares its first block."""
+    head = _unique_head(key)[:n]
+    return head + [_FILLER] * (n - len(head))
+
+
+def _placeholder_outputs(n: int, placeholder_ids: list[int]) -> list[int]:
+    # What the simulator's executor will emit for this request (it cycles by position).
+    return [placeholder_ids[i % len(placeholder_ids)] for i in range(n)]
+
+
+def requests_from_plan(
+    plan: list[Any],
+    tokenizer: Any,
+    endpoint: str = "completions",
+    placeholder_ids: list[int] | None = None,
+) -> list[SimRequest]:
+    """SimRequests for a ``bench.plan.Plan``: same ids, classes, times and lengths.
+
+    Later turns of a session are sent ``think_time`` after the previous turn's last byte
+    and carry the conversation so far (previous prompt + its output) when the class
+    says ``carry_history``.
+    """
+    ph = placeholder_ids or [1000]
+    out: list[SimRequest] = []
+    last_turn: dict[str, tuple[SimRequest, list[int]]] = {}
+    for p in plan:
+        if endpoint == "chat" and p.turn == 0:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}])
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(p.prompt, add_special_tokens=p.turn == 0)
+        after, think = None, 0.0
+        if p.turn > 0 and p.session_id in last_turn:
+            prev, prev_ids = last_turn[p.session_id]
+            after, think = prev.request_id, p.think_time
+            if p.carry_history:
+                ids = prev_ids + _placeholder_outputs(prev.max_tokens, ph) + ids
+        req = SimRequest(
+            request_id=p.request_id,
+            send_time=p.send_time or 0.0,
+            prompt_token_ids=ids,
+            max_tokens=p.max_tokens,
+            workload_class=p.workload_class,
+            priority=p.priority,
+            session_id=p.session_id,
+            turn=p.turn,
+            prefix_group=p.prefix_group,
+            after=after,
+            think_time=think,
+            stream=p.stream,
+        )
+        if p.session_id is not None:
+            last_turn[p.session_id] = (req, ids)
+        out.append(req)
+    return out
+
+
+def requests_from_trace(
+    path: str,
+    *,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    max_model_len: int | None = None,
+    max_requests: int | None = None,
+    max_duration: float | None = None,
+    target_rate: float | None = None,
+) -> tuple[list[SimRequest], dict[str, Any]]:
+    """SimRequests replaying a trace file (Azure CSV or Mooncake JSONL); and the
+    benchmark's report of how it was scaled and clipped."""
+    from servelab.bench.traces import load_trace, scale_trace
+
+    rows, fmt = load_trace(path)
+    rows, report = scale_trace(
+        rows,
+        time_scale=time_scale,
+        length_scale=length_scale,
+        max_model_len=max_model_len,
+        max_requests=max_requests,
+        max_duration=max_duration,
+        target_rate=target_rate,
+    )
+    out = []
+    for i, row in enumerate(rows):
+        if row.hash_ids:
+            ids: list[int] = []
+            b = row.block_tokens
+            for j, h in enumerate(row.hash_ids):
+                n = min(round((j + 1) * b), row.input_tokens) - len(ids)
+                if n <= 0:
+                    break
+                ids += _synthetic(h, n)
+            if len(ids) < row.input_tokens:  # the tail is the request's own
+                ids += _synthetic(10**9 + i, row.input_tokens - len(ids))
+            group = f"trace:{row.hash_ids[0]}"
+        else:
+            ids, group = _synthetic(i, row.input_tokens), None
+        out.append(
+            SimRequest(f"r{i:06d}", row.time, ids, row.output_tokens, "trace", prefix_group=group)
+        )
+    return out, {"trace": {"file": str(path), "format": fmt, **report}}
