@@ -14,23 +14,27 @@ from servelab.engine.config import EngineConfig
 DEFAULT_MODEL = "smollm2-135m"
 API_KEY_ENV = "SERVELAB_API_KEY"
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1024**3, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(?:([kmgt])(i)?b?)?\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
 
 def parse_size_gb(text: str) -> float:
-    """Parse a KV-cache size such as ``2``, ``2G``, ``512MiB`` or ``1.5GB`` into GiB.
+    """Parse a KV-cache size such as ``2``, ``2G``, ``1.5GB`` or ``512MiB`` into GB (1e9 bytes).
 
-    A bare number means GiB. Units are binary (K, M, G, T; the ``iB``/``B`` suffix is optional).
-    Raises ValueError with an example of what works.
+    GB is the unit of ``EngineConfig.kv_cache_memory_gb``. A bare number is GB; ``K/M/G/T``
+    (optionally with ``B``) are decimal and ``Ki/Mi/Gi/Ti`` binary. Raises ValueError with an
+    example of what works.
     """
     m = _SIZE_RE.match(text)
     if not m or float(m.group(1)) <= 0:
         raise ValueError(
-            f"--kv-cache-memory {text!r} is not a size: use a positive number of GiB "
+            f"--kv-cache-memory {text!r} is not a size: use a positive number of GB "
             "or a number with a unit, e.g. 2, 2G, 512MiB"
         )
-    return float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()] / 1024**3
+    unit, binary = (m.group(2) or "").lower(), bool(m.group(3))
+    if not unit:
+        return float(m.group(1))
+    return float(m.group(1)) * (1024 if binary else 1000) ** _SIZE_POWERS[unit] / 1e9
 
 
 def default_threads() -> int:
@@ -80,7 +84,9 @@ class ServerArgs:
     def validate(self) -> None:
         """Raise ValueError naming the flag and saying what works."""
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port {self.port} is out of range: use 0-65535 (0 picks a free port)")
+            raise ValueError(
+                f"--port {self.port} is out of range: use 0-65535 (0 picks a free port)"
+            )
         positive = {
             "--max-num-batched-tokens": self.max_num_batched_tokens,
             "--max-num-seqs": self.max_num_seqs,
@@ -97,9 +103,13 @@ class ServerArgs:
         if self.kv_cache_memory is not None:
             parse_size_gb(self.kv_cache_memory)
         if self.shutdown_timeout < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+            raise ValueError(
+                f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"
+            )
         if self.api_key is not None and not self.api_key.strip():
-            raise ValueError(f"--api-key (or ${API_KEY_ENV}) is empty: give a key or leave it unset")
+            raise ValueError(
+                f"--api-key (or ${API_KEY_ENV}) is empty: give a key or leave it unset"
+            )
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"--log-level {self.log_level!r}: use debug, info, warning or error")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):

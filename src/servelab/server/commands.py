@@ -2,57 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from servelab.server.args import API_KEY_ENV, DEFAULT_MODEL, ServerArgs
 
 
 def serve(
-    model: str = typer.Option(
-        DEFAULT_MODEL, help="Model short name, HF directory or .gguf file."
-    ),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model short name, HF directory or .gguf file."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
     port: int = typer.Option(8000, help="Port to bind; 0 picks a free one."),
-    api_key: Optional[str] = typer.Option(  # noqa: UP007 (typer needs Optional on py3.10)
+    api_key: str | None = typer.Option(
         None,
         envvar=API_KEY_ENV,
         show_default=False,
         help=f"Require 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_ENV}).",
     ),
-    served_model_name: Optional[str] = typer.Option(  # noqa: UP007
+    served_model_name: str | None = typer.Option(
         None, help="Name clients pass as 'model' (default: --model)."
     ),
-    max_num_batched_tokens: Optional[int] = typer.Option(  # noqa: UP007
+    max_num_batched_tokens: int | None = typer.Option(
         None, help="Token budget of one engine step."
     ),
-    max_num_seqs: Optional[int] = typer.Option(  # noqa: UP007
-        None, help="Most sequences in one engine step."
-    ),
-    max_model_len: Optional[int] = typer.Option(  # noqa: UP007
-        None, help="Context length (default: the model's)."
-    ),
+    max_num_seqs: int | None = typer.Option(None, help="Most sequences in one engine step."),
+    max_model_len: int | None = typer.Option(None, help="Context length (default: the model's)."),
     enable_chunked_prefill: bool = typer.Option(
         True, "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prefills."
     ),
     enable_prefix_caching: bool = typer.Option(
-        True, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse cached prompt blocks."
+        True,
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse cached prompt blocks.",
     ),
-    num_gpu_blocks_override: Optional[int] = typer.Option(  # noqa: UP007
+    num_gpu_blocks_override: int | None = typer.Option(
         None, help="KV cache size in blocks (overrides --kv-cache-memory)."
     ),
-    kv_cache_memory: Optional[str] = typer.Option(  # noqa: UP007
-        None, help="KV cache size, e.g. 2G or 512MiB (a bare number is GiB; default 2)."
+    kv_cache_memory: str | None = typer.Option(
+        None, help="KV cache size, e.g. 2G or 512MiB (a bare number is GB; default 2)."
     ),
-    block_size: Optional[int] = typer.Option(None, help="Tokens per KV block."),  # noqa: UP007
-    max_queue: Optional[int] = typer.Option(  # noqa: UP007
+    block_size: int | None = typer.Option(None, help="Tokens per KV block."),
+    max_queue: int | None = typer.Option(
         None, help="Waiting requests beyond which new ones get 429 with Retry-After."
     ),
-    device: Optional[str] = typer.Option(  # noqa: UP007
+    device: str | None = typer.Option(
         None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)."
     ),
-    threads: Optional[int] = typer.Option(  # noqa: UP007
+    threads: int | None = typer.Option(
         None, help="Torch threads of the engine core (default: usable CPUs - 1, at least 1)."
     ),
     shutdown_timeout: float = typer.Option(

@@ -1,0 +1,372 @@
+"""The HTTP API (aiohttp): OpenAI routes, health, metrics, timelines.
+
+Contract of the generation routes: a request is validated and tokenised here, then
+handed to the engine core; the handler only waits on its own RequestStream. If the
+client goes away (aiohttp cancels the handler: ``handler_cancellation=True``), the
+``finally`` aborts the request in the core, which frees its KV blocks at once.
+Streams send one SSE event per batch of new tokens, the first one carrying the first
+token (chat: with ``role``), and end with ``data: [DONE]``. The last event before
+[DONE] carries ``"servelab": RequestTimeline.summary()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from servelab import __version__
+from servelab.server import ipc
+from servelab.server.engine_client import EngineClient, EngineDeadError, RequestStream
+from servelab.server.errors import APIError, error_body
+from servelab.server.metrics import CONTENT_TYPE
+from servelab.server.protocol import (
+    SSE_DONE,
+    ModelLimits,
+    ParsedRequest,
+    ResponseShape,
+    finalize,
+    parse_chat,
+    parse_completion,
+    sse,
+    usage,
+)
+from servelab.vocab import RequestTimeline
+
+log = logging.getLogger("servelab.server")
+
+_TOKENIZE_IN_THREAD_CHARS = 32_768  # longer prompts are tokenised off the event loop
+_LAG_PERIOD_S = 0.05
+_RETRY_AFTER_S = "1"
+_MAX_ID_LEN = 256
+
+
+@dataclass
+class ServerState:
+    """What the handlers share; one per server."""
+
+    client: EngineClient
+    tokenizer: Any  # servelab.model.tokenizer.Tokenizer (or a test double with the same API)
+    limits: ModelLimits
+    api_key: str | None = None
+    max_queue: int | None = None
+    draining: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.limits.names[0]
+
+
+STATE = web.AppKey("servelab_state", ServerState)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(obj),
+        status=status,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+# ---- middlewares ----
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves in OpenAI's shape; unexpected ones are logged and answered 500."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        request.app[STATE].client.metrics.observe_rejected(e.status)
+        return _json(e.body(), e.status, e.headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _json(error_body(e.status, f"{e.reason}: {request.method} {request.path}"), e.status)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("servelab serve: unexpected error on %s %s", request.method, request.path)
+        return _json(error_body(500, "Internal server error; see the server log."), 500)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With an API key set, /v1 routes need ``Authorization: Bearer KEY`` (as in vLLM)."""
+    key = request.app[STATE].api_key
+    if key is not None and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(
+                401,
+                "Missing or wrong API key: send it as 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+            )
+    return await handler(request)
+
+
+# ---- generation ----
+
+
+def _request_id(request: web.Request, st: ServerState) -> str:
+    """The client's X-Request-Id, made unique among live and remembered requests."""
+    base = request.headers.get("X-Request-Id", "").strip()[:_MAX_ID_LEN]
+    if not base:
+        return uuid.uuid4().hex
+    rid, k = base, 0
+    while st.client.has_request(rid) or rid in st.client.timelines:
+        k += 1
+        rid = f"{base}-{k}"
+    return rid
+
+
+async def _tokenize(st: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _TOKENIZE_IN_THREAD_CHARS:
+        return await asyncio.to_thread(st.tokenizer.encode, text, add_special_tokens)
+    return st.tokenizer.encode(text, add_special_tokens)
+
+
+async def _prompt_ids(st: ServerState, body: bytes, chat: bool) -> ParsedRequest:
+    if chat:
+        parsed, messages = parse_chat(body, st.limits)
+        try:
+            parsed.text = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 -- jinja errors, the template's raise_exception()
+            raise APIError(
+                400, f"The chat template rejected the messages: {e}", param="messages"
+            ) from None
+    else:
+        parsed = parse_completion(body, st.limits)
+    if parsed.token_ids is None:
+        parsed.token_ids = await _tokenize(st, parsed.text or "", parsed.add_special_tokens)
+    return parsed
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    arrival = time.monotonic()  # the engine timeline starts here: API work counts as queueing
+    st = request.app[STATE]
+    if st.draining:
+        raise APIError(503, "The server is shutting down; retry on another instance.")
+    if not st.client.alive:
+        raise APIError(
+            503, f"{st.client.dead_reason or 'The engine is not running'}; restart the server."
+        )
+    parsed = await _prompt_ids(st, await request.read(), chat)
+    assert parsed.token_ids is not None
+    params = finalize(parsed, parsed.token_ids, st.limits)
+    if st.max_queue is not None and st.client.num_waiting >= st.max_queue:
+        raise APIError(
+            429,
+            f"The server's queue is full ({st.max_queue} waiting requests); retry after a second.",
+            code="queue_full",
+            headers={"Retry-After": _RETRY_AFTER_S},
+        )
+    rid = _request_id(request, st)
+    stream = st.client.submit(
+        ipc.AddRequest(rid, parsed.token_ids, dataclasses.asdict(params), parsed.priority, arrival)
+    )
+    shape = ResponseShape(chat, rid, st.model_name, int(time.time()))
+    try:
+        if parsed.stream:
+            return await _stream(request, stream, shape, parsed.include_usage)
+        return await _collect(stream, shape)
+    finally:
+        if not stream.finished:
+            st.client.abort(rid)
+
+
+def _summary(out: ipc.Output) -> dict[str, Any] | None:
+    return RequestTimeline.from_dict(out.timeline).summary() if out.timeline else None
+
+
+async def _stream(
+    request: web.Request, stream: RequestStream, shape: ResponseShape, include_usage: bool
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": shape.request_id,
+        }
+    )
+    await resp.prepare(request)
+    first = True
+    n_prompt = n_out = 0
+    try:
+        while True:
+            outs = await stream.get()
+            last = outs[-1]
+            n_prompt = last.num_prompt_tokens or n_prompt
+            n_out = last.num_output_tokens or n_out
+            if last.finish_reason == "error":
+                await resp.write(
+                    sse(APIError(last.error_status, last.error or "engine error").body())
+                )
+                await resp.write(SSE_DONE)
+                break
+            if not last.finished and not any(o.new_token_ids for o in outs):
+                continue  # nothing to send yet: the first event must carry a token
+            chunk = shape.chunk("".join(o.new_text for o in outs), last.finish_reason, first)
+            first = False
+            if not last.finished:
+                await resp.write(sse(chunk))
+                continue
+            summary = _summary(last)
+            if include_usage:
+                await resp.write(sse(chunk))
+                chunk = shape.usage_chunk(usage(n_prompt, n_out))
+            if summary is not None:
+                chunk["servelab"] = summary
+            await resp.write(sse(chunk))
+            await resp.write(SSE_DONE)
+            break
+    except EngineDeadError as e:
+        await _write_quietly(
+            resp, sse(error_body(503, f"{e}; the request could not finish.", code="engine_dead"))
+        )
+        await _write_quietly(resp, SSE_DONE)
+    except ConnectionResetError:
+        pass  # the client went away between two events; the caller aborts the request
+    return resp
+
+
+async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write(data)
+
+
+async def _collect(stream: RequestStream, shape: ResponseShape) -> web.Response:
+    texts: list[str] = []
+    n_prompt = n_out = 0
+    while True:
+        try:
+            outs = await stream.get()
+        except EngineDeadError as e:
+            raise APIError(503, f"{e}; the request could not finish.", code="engine_dead") from None
+        texts.extend(o.new_text for o in outs)
+        last = outs[-1]
+        n_prompt = last.num_prompt_tokens or n_prompt
+        n_out = last.num_output_tokens or n_out
+        if last.finished:
+            break
+    if last.finish_reason == "error":
+        raise APIError(last.error_status, last.error or "The engine failed the request.")
+    body = shape.full("".join(texts), last.finish_reason, usage(n_prompt, n_out))
+    summary = _summary(last)
+    if summary is not None:
+        body["servelab"] = summary
+    return _json(body, headers={"X-Request-Id": shape.request_id})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+# ---- everything else ----
+
+
+async def models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    card = {
+        "id": st.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "servelab",
+        "root": st.client.info.model if st.client.info else st.model_name,
+        "max_model_len": st.limits.max_model_len,
+    }
+    return _json({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.draining:
+        raise APIError(503, "The server is shutting down.")
+    if not st.client.alive:
+        raise APIError(
+            503, st.client.dead_reason or "The engine core is not running.", code="engine_dead"
+        )
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": __version__})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].client.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def timelines(request: web.Request) -> web.Response:
+    """Recent finished timelines and step records: ``?ids=a,b`` and ``?since_step=N`` filter."""
+    st = request.app[STATE]
+    ids_arg = request.query.get("ids")
+    ids = [i for i in ids_arg.split(",") if i] if ids_arg is not None else None
+    since_arg = request.query.get("since_step")
+    try:
+        since = int(since_arg) if since_arg is not None else None
+    except ValueError:
+        raise APIError(
+            400, f"since_step must be an integer step id, got {since_arg!r}.", param="since_step"
+        ) from None
+    return _json(st.client.timelines.query(ids, since))
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    try:
+        reset = await st.client.call("reset_prefix_cache")
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from None
+    return _json({"reset": bool(reset)})
+
+
+# ---- app ----
+
+
+async def _watch_loop_lag(app: web.Application) -> Any:
+    """Measure how late a periodic timer fires: the API event loop's responsiveness."""
+    hist = app[STATE].client.metrics.loop_lag
+    loop = asyncio.get_running_loop()
+
+    async def watch() -> None:
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(_LAG_PERIOD_S)
+            hist.observe(max(0.0, loop.time() - t0 - _LAG_PERIOD_S))
+
+    task = asyncio.create_task(watch(), name="servelab-loop-lag")
+    yield
+    task.cancel()
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=16 * 1024**2)
+    app[STATE] = state
+    app.cleanup_ctx.append(_watch_loop_lag)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/timelines", timelines)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    return app

@@ -1,0 +1,183 @@
+"""Start-up and shutdown of `servelab serve` (the API process).
+
+Order: start the engine core (model load, KV pool, warm-up) while loading the tokenizer
+here, then bind HTTP and log ``servelab serve: ready on http://HOST:PORT``. On SIGTERM
+or SIGINT: answer 503 to new requests, stop listening, let in-flight requests finish for
+``--shutdown-timeout`` seconds, end the rest with finish_reason "abort", stop the core,
+and return 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from servelab.server import ipc
+from servelab.server.api import ServerState, build_app
+from servelab.server.args import ServerArgs
+from servelab.server.engine_client import CoreStartupError, EngineClient
+from servelab.server.metrics import ServerMetrics
+from servelab.server.protocol import ModelLimits
+from servelab.server.timelines import TimelineStore
+
+log = logging.getLogger("servelab.server")
+
+_DRAIN_POLL_S = 0.05
+
+
+def _load_tokenizer(model: str) -> Any:
+    from servelab.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_model(model)
+    # Compile the chat template now rather than inside the first chat request.
+    with contextlib.suppress(Exception):  # no template, or one that rejects this message
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    return tok
+
+
+def _bound_port(runner: web.AppRunner, fallback: int) -> int:
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return int(addr[1])
+    return fallback
+
+
+async def serve(
+    args: ServerArgs,
+    *,
+    tokenizer: Any = None,
+    engine_factory: str | None = None,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[int], None] | None = None,
+) -> int:
+    """Run the server until ``stop`` is set (or SIGTERM/SIGINT in the main thread).
+
+    ``tokenizer``/``engine_factory`` replace the model's tokenizer and the real engine
+    (tests use them to exercise the processes and IPC without weights). ``on_ready`` gets
+    the bound port. Returns the exit status.
+    """
+    stop = stop or asyncio.Event()
+    metrics = ServerMetrics(args.model_name)
+    core_cfg = ipc.CoreConfig(
+        model=args.model,
+        engine=dataclasses.asdict(args.engine_config()),
+        inputs_addr="",
+        outputs_addr="",
+        device=args.device,
+        torch_threads=args.torch_threads,
+        log_level=args.log_level,
+    )
+    if engine_factory is not None:
+        core_cfg.engine_factory = engine_factory
+    client = EngineClient(core_cfg, metrics, TimelineStore())
+    log.info(
+        "servelab serve: starting the engine core for %s (%d torch threads; this process keeps "
+        "one thread for HTTP)",
+        args.model,
+        args.torch_threads,
+    )
+    t0 = time.monotonic()
+    tok_task = (
+        None
+        if tokenizer is not None
+        else asyncio.create_task(asyncio.to_thread(_load_tokenizer, args.model))
+    )
+    try:
+        info = await client.start()
+        if tok_task is not None:
+            tokenizer = await tok_task
+    except (CoreStartupError, ValueError, OSError) as e:
+        log.error("servelab serve: could not start: %s", e)
+        if tok_task is not None:
+            tok_task.cancel()
+        await client.shutdown()
+        return 1
+    log.info(
+        "servelab serve: engine ready in %.1f s (KV pool: %d blocks of %d tokens; max_model_len %d)",
+        time.monotonic() - t0,
+        info.num_kv_blocks,
+        info.block_size,
+        info.max_model_len,
+    )
+    names = tuple(dict.fromkeys((args.model_name, args.model)))
+    limits = ModelLimits(
+        names=names,
+        max_model_len=info.max_model_len,
+        vocab_size=tokenizer.vocab_size,
+        kv_capacity_tokens=info.num_kv_blocks * info.block_size,
+    )
+    state = ServerState(client, tokenizer, limits, api_key=args.api_key, max_queue=args.max_queue)
+    runner = web.AppRunner(
+        build_app(state),
+        handler_cancellation=True,
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=max(1.0, args.shutdown_timeout),
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        log.error(
+            "servelab serve: cannot listen on %s:%d (%s); pick another --port",
+            args.host,
+            args.port,
+            e,
+        )
+        await runner.cleanup()
+        await client.shutdown()
+        return 1
+    port = _bound_port(runner, args.port)
+    log.info("servelab serve: ready on http://%s:%d", args.host, port)
+    if on_ready is not None:
+        on_ready(port)
+
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    state.draining = True
+    await site.stop()  # no new connections; open ones get 503 for new requests
+    n = client.num_in_flight
+    if n:
+        log.info(
+            "servelab serve: stopping; letting %d in-flight requests finish (up to %.0f s)",
+            n,
+            args.shutdown_timeout,
+        )
+    deadline = time.monotonic() + args.shutdown_timeout
+    while client.num_in_flight and client.alive and time.monotonic() < deadline:
+        await asyncio.sleep(_DRAIN_POLL_S)
+    aborted = client.abort_all()
+    if aborted:
+        log.warning(
+            "servelab serve: ended %d unfinished requests with finish_reason 'abort'", aborted
+        )
+    await runner.cleanup()
+    await client.shutdown()
+    log.info("servelab serve: stopped")
+    return 0
+
+
+def run_server(args: ServerArgs) -> int:
+    """Entry point of `servelab serve`: configure logging, run on uvloop, return the exit status."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s", force=True
+    )
+    try:
+        import uvloop
+    except ImportError:  # optional on platforms without it
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
