@@ -69,6 +69,7 @@ def test_unchunked_stalls_name_the_long_prompts(runs):
     assert rec.not_worth_it_when and rec.cost and rec.complexity == "low"
     dis = {r.lever: r for r in d.recommendations}["disaggregation"]
     assert "KV transfer" in dis.cost
+    assert not dis.recommended and "not sustained" in dis.why_not
 
 
 def test_preemption_stalls_and_queueing_on_kv(runs):

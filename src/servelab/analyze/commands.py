@@ -1,9 +1,105 @@
-"""CLI commands of this subsystem (registered by servelab.cli). No heavy imports at module level."""
+"""`servelab diagnose`, `compare`, `report` and `demo` (registered by servelab.cli).
+
+No heavy imports at module level: each command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
 import typer
+
+if TYPE_CHECKING:
+    from servelab.analyze.rundir import Run
+
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON")]
+
+
+def _fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def _load(paths: list[Path]) -> list[Run]:
+    from servelab.analyze.rundir import RunDirError, load_run
+
+    try:
+        return [load_run(p) for p in paths]
+    except RunDirError as e:
+        _fail(str(e))
+        raise  # unreachable: _fail exits
 
 
 def register(app: typer.Typer) -> None:
     """Add this subsystem's commands to the `servelab` app."""
+
+    @app.command()
+    def diagnose(
+        run_dir: Annotated[
+            Path, typer.Argument(help="a run directory written by `servelab bench`")
+        ],
+        json_out: JsonFlag = False,
+    ) -> None:
+        """Explain a run's latencies: where TTFT went, what caused ITL stalls, what to change."""
+        from rich.console import Console
+
+        from servelab.analyze.diagnose import diagnose as run_diagnosis
+        from servelab.analyze.terminal import render_diagnosis
+
+        (run,) = _load([run_dir])
+        d = run_diagnosis(run)
+        if json_out:
+            typer.echo(json.dumps(d.to_dict(), indent=1, default=str))
+        else:
+            render_diagnosis(d, Console())
+
+    @app.command()
+    def compare(
+        run_dirs: Annotated[
+            list[Path],
+            typer.Argument(help="two or more run directories; the first is the baseline"),
+        ],
+        json_out: JsonFlag = False,
+        alpha: Annotated[
+            float, typer.Option(help="significance level (false discovery rate)")
+        ] = 0.05,
+    ) -> None:
+        """Compare runs metric by metric, marking which differences are significant and which are noise."""
+        from rich.console import Console
+
+        from servelab.analyze.compare import compare as run_compare
+        from servelab.analyze.terminal import render_comparison
+
+        if len(run_dirs) < 2:
+            _fail("compare needs at least two run directories (the first is the baseline)")
+        if not 0 < alpha < 1:
+            _fail(f"--alpha must be between 0 and 1, got {alpha}")
+        c = run_compare(_load(run_dirs), alpha=alpha)
+        if json_out:
+            typer.echo(json.dumps(c.to_dict(), indent=1, default=str))
+        else:
+            render_comparison(c, Console())
+
+    @app.command()
+    def report(
+        run_dirs: Annotated[list[Path], typer.Argument(help="one or more run directories")],
+        html: Annotated[
+            Path | None,
+            typer.Option(
+                "--html", help="output file (default: report.html in the first run directory)"
+            ),
+        ] = None,
+    ) -> None:
+        """Write one self-contained HTML report (charts work offline) for one or more runs."""
+        from servelab.analyze.compare import compare as run_compare
+        from servelab.analyze.diagnose import diagnose as run_diagnosis
+        from servelab.report.html import write_report
+
+        runs = _load(run_dirs)
+        out = html or (run_dirs[0] / "report.html")
+        comparison = run_compare(runs) if len(runs) > 1 else None
+        write_report(runs, [run_diagnosis(r) for r in runs], out, comparison)
+        typer.echo(f"report written to {out.resolve()}")

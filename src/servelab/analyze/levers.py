@@ -31,6 +31,10 @@ class Recommendation:
     complexity: str  # low | medium | high
     not_worth_it_when: str
     because: list[str] = field(default_factory=list)
+    # False: the lever was considered for these findings but this run's evidence says
+    # it would not pay; ``why_not`` says why.
+    recommended: bool = True
+    why_not: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -233,25 +237,34 @@ def disaggregation(c: Context, f: Finding) -> Recommendation:
     ttft = sum(x.ttft for x in c.ok)
     share = interf / ttft if ttft > 0 else 0.0
     sustained = share >= 0.25 and f.evidence.get("share_of_decode_time_lost", 0.0) >= 0.10
-    kv_bytes = c.run.server.get("kv_bytes_per_token") or DEFAULT_KV_BYTES_PER_TOKEN
+    sim = c.run.server.get("simulated")
+    kv_bytes = (
+        c.run.server.get("kv_bytes_per_token")
+        or (sim.get("kv_bytes_per_token") if isinstance(sim, dict) else None)
+        or DEFAULT_KV_BYTES_PER_TOKEN
+    )
     inputs = [x.input_tokens for x in c.ok]
     mean_in = statistics.fmean(inputs) if inputs else 0.0
-    verdict = (
-        "phase contention is sustained here"
-        if sustained
-        else f"not indicated here: interference is {share:.0%} of TTFT; fix chunking first"
-    )
-    return Recommendation(
+    rec = Recommendation(
         "disaggregation",
         "Disaggregate prefill and decode",
         "run prefill and decode on separate workers and hand the KV cache over",
-        f"decode never waits for a prefill and prefill never shares a step ({verdict})",
+        "decode never waits for a prefill and prefill never shares a step "
+        f"(interference is {share:.0%} of TTFT here)",
         f"a KV transfer per request (about {mean_in * kv_bytes / 1e6:.0f} MB for a mean "
         f"{mean_in:.0f}-token prompt), two workers' worth of hardware",
         "high",
         "contention is bursty rather than sustained, chunked prefill already bounds the spikes, "
         "or the KV transfer costs more than the interference it removes",
     )
+    if not sustained:
+        rec.recommended = False
+        rec.why_not = (
+            f"phase contention is not sustained: interference is {share:.0%} of TTFT and "
+            f"prefill stalls cost {f.evidence.get('share_of_decode_time_lost', 0.0):.0%} of "
+            "decode time; bound the spikes with chunked prefill first"
+        )
+    return rec
 
 
 def capacity(c: Context, f: Finding) -> Recommendation:

@@ -1,0 +1,420 @@
+"""Plotly figures of the report. Each takes analysed data and returns a Figure with a
+title, axes with units and a legend; none computes a metric of its own beyond binning
+for display."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
+
+from servelab.analyze.attribution import TTFT_PARTS, Stall
+from servelab.analyze.diagnose import Diagnosis
+from servelab.analyze.rundir import Run
+from servelab.analyze.summary import summarize
+from servelab.vocab import ClientRecord, RequestTimeline
+
+PALETTE = qualitative.D3
+PHASE_COLORS = {
+    "queue": "#bdbdbd",
+    "prefill": "#ff7f0e",
+    "decode": "#1f77b4",
+    "stall": "#d62728",
+    "preempted": "#9467bd",
+}
+PART_COLORS = dict(
+    zip(TTFT_PARTS, ["#8c564b", "#7f7f7f", "#bdbdbd", "#ff7f0e", "#e377c2", "#9467bd", "#17becf"])
+)
+MAX_CDF_POINTS = 1500
+GANTT_SAMPLE = 24
+
+
+def _layout(fig: go.Figure, title: str, height: int = 440, **kw: Any) -> go.Figure:
+    fig.update_layout(
+        title=title,
+        height=height,
+        template="plotly_white",
+        legend={"title": kw.pop("legend_title", None)},
+        margin={"l": 70, "r": 30, "t": 60, "b": 50},
+        showlegend=True,
+        **kw,
+    )
+    return fig
+
+
+def class_colors(classes: list[str]) -> dict[str, str]:
+    return {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(sorted(classes))}
+
+
+def ttft_vs_input(run: Run) -> go.Figure:
+    fig = go.Figure()
+    colors = class_colors(run.classes)
+    for cls in run.classes:
+        recs = [r for r in run.records if r.workload_class == cls and r.ttft is not None]
+        fig.add_trace(
+            go.Scatter(
+                x=[r.input_tokens for r in recs],
+                y=[r.ttft * 1e3 for r in recs],
+                mode="markers",
+                name=cls,
+                marker={"color": colors[cls], "size": 6, "opacity": 0.7},
+                text=[r.request_id for r in recs],
+                hovertemplate="%{text}<br>%{x} input tokens<br>TTFT %{y:.1f} ms<extra></extra>",
+            )
+        )
+    return _layout(
+        fig,
+        "TTFT vs input length",
+        xaxis_title="input length (tokens)",
+        yaxis_title="TTFT (ms)",
+        legend_title="workload class",
+    )
+
+
+def _ecdf(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    v = np.sort(np.asarray(values))
+    y = np.arange(1, len(v) + 1) / len(v)
+    if len(v) > MAX_CDF_POINTS:
+        keep = np.unique(np.linspace(0, len(v) - 1, MAX_CDF_POINTS).astype(int))
+        v, y = v[keep], y[keep]
+    return v, y
+
+
+def cdf(series: dict[str, list[float]], title: str, x_title: str, legend: str) -> go.Figure:
+    """Empirical CDFs (values in seconds, drawn in ms), one line per series."""
+    fig = go.Figure()
+    for i, (name, vals) in enumerate(series.items()):
+        if not vals:
+            continue
+        x, y = _ecdf(vals)
+        fig.add_trace(
+            go.Scatter(
+                x=x * 1e3,
+                y=y,
+                mode="lines",
+                name=name,
+                line={"color": PALETTE[i % len(PALETTE)], "shape": "hv"},
+            )
+        )
+    fig.update_xaxes(type="log")
+    return _layout(
+        fig, title, xaxis_title=x_title, yaxis_title="fraction of values ≤ x", legend_title=legend
+    )
+
+
+def itl_cdf(run: Run) -> go.Figure:
+    series = {
+        cls: [g for r in run.records if r.ok and r.workload_class == cls for g in r.itls]
+        for cls in run.classes
+    }
+    return cdf(series, "ITL distribution per class (CDF)", "inter-token latency (ms, log)", "class")
+
+
+def _bins(t0: float, t1: float, n: int = 40) -> np.ndarray:
+    return np.linspace(t0, t1, n + 1) if t1 > t0 else np.array([t0, t0 + 1.0])
+
+
+def latency_over_time(run: Run) -> go.Figure:
+    """Rolling TTFT/ITL percentiles per time bin, with in-flight requests and queue depth."""
+    t0, t1 = run.window
+    edges = _bins(t0, t1)
+    mids = (edges[:-1] + edges[1:]) / 2 - t0
+    ok = [r for r in run.records if r.ok and r.ttft is not None]
+    sends = np.array([r.actual_send for r in ok])
+    ttft = np.array([r.ttft for r in ok])
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    for q, dash in ((50, "solid"), (95, "dash")):
+        ys = []
+        for a, b in itertools.pairwise(edges):
+            sel = ttft[(sends >= a) & (sends < b)]
+            ys.append(float(np.percentile(sel, q)) * 1e3 if len(sel) else None)
+        fig.add_trace(
+            go.Scatter(
+                x=mids,
+                y=ys,
+                name=f"TTFT p{q} (ms)",
+                line={"dash": dash, "color": "#ff7f0e"},
+                connectgaps=False,
+            ),
+            secondary_y=False,
+        )
+    gaps_t = np.array([t for r in ok for t in r.chunk_times[1:]])
+    gaps_v = np.array([g for r in ok for g in r.itls])
+    if len(gaps_v):
+        ys = []
+        for a, b in itertools.pairwise(edges):
+            sel = gaps_v[(gaps_t >= a) & (gaps_t < b)]
+            ys.append(float(np.percentile(sel, 99)) * 1e3 if len(sel) else None)
+        fig.add_trace(
+            go.Scatter(x=mids, y=ys, name="ITL p99 (ms)", line={"color": "#1f77b4"}),
+            secondary_y=False,
+        )
+    inflight = [
+        sum(1 for r in run.records if r.actual_send <= m + t0 <= (r.done or r.actual_send))
+        for m in mids
+    ]
+    fig.add_trace(
+        go.Scatter(
+            x=mids,
+            y=inflight,
+            name="in-flight requests",
+            line={"color": "#2ca02c"},
+            fill="tozeroy",
+            opacity=0.3,
+        ),
+        secondary_y=True,
+    )
+    if run.steps:
+        depth = [(s.start - t0, s.num_waiting) for s in run.steps]
+        fig.add_trace(
+            go.Scatter(
+                x=[d[0] for d in depth],
+                y=[d[1] for d in depth],
+                name="queue depth (waiting)",
+                line={"color": "#7f7f7f", "shape": "hv"},
+            ),
+            secondary_y=True,
+        )
+    fig.update_yaxes(title_text="latency (ms)", secondary_y=False)
+    fig.update_yaxes(title_text="requests", secondary_y=True, rangemode="tozero", showgrid=False)
+    fig.update_yaxes(rangemode="tozero", secondary_y=False)
+    return _layout(
+        fig,
+        "Latency percentiles over time, with load",
+        xaxis_title="time since start (s)",
+        legend_title="series",
+    )
+
+
+def stage_points(run: Run) -> list[dict[str, Any]]:
+    """Per sweep stage: output tokens/s and latency percentiles (from summary.summarize)."""
+    out = []
+    for stage in run.stages:
+        recs = [r for r in run.records if r.stage == stage]
+        m = summarize(recs, n_boot=0)["overall"]
+        out.append(
+            {
+                "stage": stage,
+                "throughput": m["throughput"]["output_tokens_per_s"],
+                "ttft_p50": m["latency"]["ttft"]["p50"],
+                "ttft_p99": m["latency"]["ttft"]["p99"],
+                "itl_p99": m["latency"]["itl"]["p99"],
+            }
+        )
+    return out
+
+
+def throughput_vs_latency(points: dict[str, list[dict[str, Any]]]) -> go.Figure:
+    """One line per run (or label) through its stages: output tokens/s against latency."""
+    fig = go.Figure()
+    for i, (label, pts) in enumerate(points.items()):
+        color = PALETTE[i % len(PALETTE)]
+        for key, dash in (("ttft_p50", "solid"), ("ttft_p99", "dash"), ("itl_p99", "dot")):
+            fig.add_trace(
+                go.Scatter(
+                    x=[p["throughput"] for p in pts],
+                    y=[(p[key] or 0.0) * 1e3 for p in pts],
+                    mode="lines+markers+text",
+                    text=[p["stage"] for p in pts],
+                    textposition="top center",
+                    name=f"{label}: {key.replace('_', ' ')}",
+                    line={"color": color, "dash": dash},
+                )
+            )
+    return _layout(
+        fig,
+        "Throughput vs latency across load stages",
+        xaxis_title="output throughput (tokens/s)",
+        yaxis_title="latency (ms)",
+        legend_title="run: metric",
+    )
+
+
+def ttft_attribution(d: Diagnosis) -> go.Figure:
+    """Stacked bars: mean ms per TTFT part, overall, slowest 10% and per class."""
+    tables = {"all requests": d.overall, "slowest 10%": d.tail} | {
+        f"class {k}": v for k, v in d.by_class.items()
+    }
+    tables = {k: v for k, v in tables.items() if v is not None}
+    fig = go.Figure()
+    parts = list(next(iter(tables.values())).parts) if tables else []
+    for part in parts:
+        fig.add_trace(
+            go.Bar(
+                y=list(tables),
+                x=[t.parts.get(part, 0.0) * 1e3 for t in tables.values()],
+                name=f"{part} ({d.part_sources.get(part, '')})",
+                orientation="h",
+                marker={"color": PART_COLORS.get(part)},
+            )
+        )
+    fig.update_layout(barmode="stack")
+    fig.update_yaxes(autorange="reversed")
+    return _layout(
+        fig,
+        "Where TTFT went (mean per request)",
+        height=140 + 60 * max(len(tables), 1),
+        xaxis_title="time (ms)",
+        yaxis_title="requests",
+        legend_title="part (how obtained)",
+    )
+
+
+def _sample(run: Run, stalls: list[Stall], n: int = GANTT_SAMPLE) -> list[ClientRecord]:
+    """The slowest TTFTs, requests with stalls, and a seeded random rest."""
+    ok = [r for r in run.records if r.ok and r.chunk_times]
+    picked: dict[str, ClientRecord] = {}
+    by_id = {r.request_id: r for r in ok}
+    for r in sorted(ok, key=lambda r: -(r.ttft or 0.0))[: n // 3]:
+        picked[r.request_id] = r
+    for s in sorted(stalls, key=lambda s: -s.excess):
+        if len(picked) >= 2 * n // 3:
+            break
+        if s.request_id in by_id:
+            picked[s.request_id] = by_id[s.request_id]
+    rest = [r for r in ok if r.request_id not in picked]
+    random.Random(0).shuffle(rest)
+    for r in rest[: n - len(picked)]:
+        picked[r.request_id] = r
+    return sorted(picked.values(), key=lambda r: r.actual_send)
+
+
+def _segments(pairs: list[tuple[float, float, str]]) -> tuple[list, list]:
+    xs: list[float | None] = []
+    ys: list[str | None] = []
+    for a, b, y in pairs:
+        xs += [a, b, None]
+        ys += [y, y, None]
+    return xs, ys
+
+
+def phase_timeline(run: Run, stalls: list[Stall]) -> go.Figure:
+    """Gantt of a sample of requests (queue, prefill chunks, decode, stalls), engine steps beneath."""
+    sample = _sample(run, stalls)
+    t0 = run.window[0]
+    rows = 3 if run.steps else 1
+    fig = make_subplots(
+        rows=rows,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.04,
+        row_heights=[0.7, 0.15, 0.15][:rows] if rows == 3 else [1.0],
+    )
+    spans: dict[str, list[tuple[float, float, str]]] = {k: [] for k in PHASE_COLORS}
+    stall_by_req: dict[str, list[Stall]] = {}
+    for s in stalls:
+        stall_by_req.setdefault(s.request_id, []).append(s)
+    for rec in sample:
+        label = f"{rec.request_id} ({rec.workload_class}, {rec.input_tokens} in)"
+        tl = run.timeline_for(rec)
+        if tl is not None and tl.scheduled:
+            _timeline_spans(tl, label, t0, spans)
+        else:  # other targets: waiting for the first token, then streaming
+            spans["queue"].append((rec.actual_send - t0, rec.chunk_times[0] - t0, label))
+            spans["decode"].append((rec.chunk_times[0] - t0, rec.chunk_times[-1] - t0, label))
+        for s in stall_by_req.get(rec.request_id, []):
+            spans["stall"].append((s.at - t0, s.at + s.gap - t0, label))
+    names = {
+        "queue": "queued (waiting for admission)",
+        "prefill": "prefill chunk",
+        "decode": "decoding",
+        "stall": "ITL stall (client view)",
+        "preempted": "preempted (re-queued)",
+    }
+    for kind, pairs in spans.items():
+        if not pairs:
+            continue
+        xs, ys = _segments(pairs)
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=ys,
+                mode="lines",
+                name=names[kind],
+                line={"color": PHASE_COLORS[kind], "width": 9 if kind != "stall" else 4},
+            ),
+            row=1,
+            col=1,
+        )
+    if run.steps:
+        lo = min(rec.actual_send for rec in sample) - t0 if sample else 0.0
+        hi = max((rec.done or rec.actual_send) for rec in sample) - t0 if sample else 0.0
+        steps = [s for s in run.steps if lo <= s.start - t0 <= hi]
+        mids = [(s.start + s.end) / 2 - t0 for s in steps]
+        widths = [s.duration for s in steps]
+        fig.add_trace(
+            go.Bar(
+                x=mids,
+                y=[s.prefill_tokens for s in steps],
+                width=widths,
+                name="engine step: prefill tokens",
+                marker={"color": PHASE_COLORS["prefill"]},
+            ),
+            row=2,
+            col=1,
+        )
+        fig.add_trace(
+            go.Bar(
+                x=mids,
+                y=[s.decode_seqs for s in steps],
+                width=widths,
+                name="engine step: decode sequences",
+                marker={"color": PHASE_COLORS["decode"]},
+            ),
+            row=3,
+            col=1,
+        )
+        fig.update_yaxes(title_text="prefill<br>tokens", row=2, col=1)
+        fig.update_yaxes(title_text="decode<br>seqs", row=3, col=1)
+    fig.update_yaxes(autorange="reversed", row=1, col=1, title_text="request")
+    fig.update_xaxes(title_text="time since start (s)", row=rows, col=1)
+    return _layout(
+        fig,
+        "Per-request phase timeline (sample) with the engine steps beneath",
+        height=260 + 26 * len(sample) + (240 if run.steps else 0),
+        legend_title="phase",
+        bargap=0,
+    )
+
+
+def _timeline_spans(
+    tl: RequestTimeline, label: str, t0: float, spans: dict[str, list[tuple[float, float, str]]]
+) -> None:
+    for k, adm in enumerate(tl.scheduled):
+        entered = tl.queued[k] if k < len(tl.queued) else adm
+        spans["queue" if k == 0 else "preempted"].append((entered - t0, adm - t0, label))
+    for c in tl.chunks:
+        spans["prefill"].append((c.start - t0, c.end - t0, label))
+    if tl.first_token is not None and tl.finished is not None:
+        spans["decode"].append((tl.first_token - t0, tl.finished - t0, label))
+
+
+def percentile_bars(labels: list[str], metrics: list[dict[str, Any]]) -> go.Figure:
+    """p50 and p99 of each latency metric, one bar group per run."""
+    fig = go.Figure()
+    keys = ("ttft", "itl", "tpot", "e2e")
+    for i, (label, m) in enumerate(zip(labels, metrics)):
+        lat = m["overall"]["latency"]
+        for q, pattern in (("p50", ""), ("p99", "/")):
+            fig.add_trace(
+                go.Bar(
+                    x=[f"{k} {q}" for k in keys],
+                    y=[(lat[k][q] or 0.0) * 1e3 for k in keys],
+                    name=f"{label} {q}",
+                    marker={"color": PALETTE[i % len(PALETTE)], "pattern": {"shape": pattern}},
+                )
+            )
+    fig.update_yaxes(type="log")
+    return _layout(
+        fig,
+        "Latency percentiles per run",
+        xaxis_title="metric and percentile",
+        yaxis_title="latency (ms, log)",
+        legend_title="run",
+        barmode="group",
+    )

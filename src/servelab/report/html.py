@@ -1,0 +1,354 @@
+"""The self-contained HTML report: plotly's JS is embedded once, inline, so the file
+opens with no network. Sections per run: summary, findings and recommendations, TTFT
+attribution, TTFT vs input length, ITL CDF, latency over time, throughput vs latency
+across stages, the per-request phase timeline; with several runs, a comparison view
+first. Every section carries ``data-section`` so tests and readers can find it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
+
+from servelab.analyze.compare import Comparison
+from servelab.analyze.diagnose import Diagnosis
+from servelab.analyze.rundir import Run
+from servelab.analyze.terminal import PART_LABELS
+from servelab.report import charts
+
+RUN_SECTIONS = (
+    "summary",
+    "findings",
+    "ttft-attribution",
+    "ttft-vs-input",
+    "itl-cdf",
+    "over-time",
+    "throughput-latency",
+    "phase-timeline",
+)
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#1f2d3d;color:#fff;padding:18px 32px}
+header a{color:#9cf}
+main{padding:8px 32px 48px}
+section{background:#fff;border:1px solid #e3e3e3;border-radius:6px;margin:16px 0;padding:12px 18px}
+section.run{background:#f4f6f8}
+h1{margin:0 0 6px} h2{margin:6px 0 10px} h3{margin:4px 0 8px}
+table{border-collapse:collapse;font-size:13px;margin:6px 0}
+th,td{border:1px solid #ddd;padding:4px 8px;text-align:right;vertical-align:top}
+th{background:#f0f0f0} td.l,th.l{text-align:left}
+.ci{color:#888;font-size:11px} .note{color:#555;font-size:13px}
+.better{color:#1a7f37;font-weight:600} .worse{color:#c62828;font-weight:600} .noise{color:#888}
+.warn{background:#fff4e5;border-left:4px solid #f0a020;padding:6px 10px;margin:6px 0}
+.finding{border-left:4px solid #f0a020;padding:6px 12px;margin:8px 0;background:#fffaf2}
+.finding.high{border-color:#c62828} .finding.low{border-color:#bbb}
+.ev{font-family:ui-monospace,monospace;font-size:12px;color:#444}
+.chart{min-height:300px}
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _fig(fig: go.Figure) -> str:
+    return (
+        '<div class="chart">'
+        + fig.to_html(
+            full_html=False,
+            include_plotlyjs=False,
+            config={"displaylogo": False, "responsive": True},
+        )
+        + "</div>"
+    )
+
+
+def _section(key: str, prefix: str, title: str, body: str) -> str:
+    return f'<section id="{prefix}{key}" data-section="{key}"><h3>{_e(title)}</h3>{body}</section>'
+
+
+def summary_table(metrics: dict[str, Any]) -> str:
+    """Overall and per-class rows: every latency percentile with its CI, rates, goodput."""
+    stats = ("p50", "p90", "p95", "p99", "mean", "max")
+    head = "".join(f"<th>{m} {s}</th>" for m in ("ttft", "itl", "tpot", "e2e") for s in stats[:5])
+    rows = []
+    groups = [("overall", metrics["overall"])] + list(metrics.get("by_class", {}).items())
+    groups += [(f"input {k}", v) for k, v in metrics.get("by_input_bucket", {}).items()]
+    for label, g in groups:
+        cells = [
+            f'<td class="l">{_e(label)}</td>',
+            f"<td>{g['requests']['ok']}/{g['requests']['sent']}</td>",
+        ]
+        for m in ("ttft", "itl", "tpot", "e2e"):
+            lat = g["latency"][m]
+            for s in stats[:5]:
+                ci = lat.get("ci", {}).get(s)
+                ci_txt = f'<br><span class="ci">[{_ms(ci[0])}, {_ms(ci[1])}]</span>' if ci else ""
+                cells.append(f"<td>{_ms(lat.get(s))}{ci_txt}</td>")
+        tput = g["throughput"]
+        good = g["goodput"]
+        cells += [
+            f"<td>{_num(tput['requests_per_s'])}</td>",
+            f"<td>{_num(tput['output_tokens_per_s'])}</td>",
+            f"<td>{_num(good['requests_per_s'])}</td>",
+            f"<td>{_pct(good['fraction'])}</td>",
+        ]
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return (
+        '<p class="note">Latencies in ms with 95% bootstrap confidence intervals; rates per second '
+        "over the measured window; goodput counts requests that met every SLO of their class.</p>"
+        '<div style="overflow-x:auto"><table><tr><th class="l">group</th><th>ok/sent</th>'
+        + head
+        + "<th>req/s</th><th>out tok/s</th><th>goodput req/s</th><th>met SLO</th></tr>"
+        + "".join(rows)
+        + "</table></div>"
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def findings_html(d: Diagnosis) -> str:
+    parts = [
+        f'<p class="note">Attribution: <b>{_e(d.source)}</b>. '
+        + " ".join(_e(n) for n in d.notes)
+        + "</p>"
+    ]
+    if not d.findings:
+        parts.append("<p>No findings: no cause is large enough to move a percentile.</p>")
+    for f in d.findings:
+        ev = ", ".join(f"{_e(k)}={_e(v)}" for k, v in f.evidence.items())
+        parts.append(
+            f'<div class="finding {f.confidence_label}"><b>{_e(f.title)}</b> '
+            f"(confidence {f.confidence_label}, {f.confidence:.2f}; "
+            f"{'exact' if f.exact else 'estimate'})<br>{_e(f.summary)}"
+            f'<div class="ev">{ev}</div></div>'
+        )
+    recommended = [r for r in d.recommendations if r.recommended]
+    if recommended:
+        rows = "".join(
+            f'<tr><td class="l"><b>{_e(r.title)}</b><br><span class="ci">for {_e(", ".join(r.because))}</span></td>'
+            f'<td class="l">{_e(r.action)}</td><td class="l">{_e(r.expected_gain)}</td>'
+            f'<td class="l">{_e(r.cost)}</td><td class="l">{_e(r.complexity)}</td>'
+            f'<td class="l">{_e(r.not_worth_it_when)}</td></tr>'
+            for r in recommended
+        )
+        parts.append(
+            "<h3>Recommendations</h3><table><tr><th class='l'>lever</th><th class='l'>action</th>"
+            "<th class='l'>expected gain</th><th class='l'>cost</th><th class='l'>complexity</th>"
+            "<th class='l'>not worth it when</th></tr>" + rows + "</table>"
+        )
+    parts += [
+        f'<p class="note">Considered, not recommended here: <b>{_e(r.title)}</b>: {_e(r.why_not)}</p>'
+        for r in d.recommendations
+        if not r.recommended
+    ]
+    if d.stalls_by_cause:
+        rows = "".join(
+            f"<tr><td class='l'>{_e(c)}</td><td>{int(v['count'])}</td><td>{v['excess_seconds']:.2f}</td></tr>"
+            for c, v in sorted(d.stalls_by_cause.items(), key=lambda kv: -kv[1]["excess_seconds"])
+        )
+        parts.append(
+            "<h3>ITL stalls by cause</h3><table><tr><th class='l'>cause</th><th>count</th>"
+            "<th>time lost (s)</th></tr>" + rows + "</table>"
+        )
+    return "".join(parts)
+
+
+def _run_header(run: Run) -> str:
+    cfg = ", ".join(f"{k}={v}" for k, v in run.engine_config.items()) or "unknown"
+    wl = run.workload
+    wl_txt = wl.get("name") if isinstance(wl, dict) and wl.get("name") else wl
+    t0, t1 = run.window
+    lines = [
+        f"<b>model</b> {_e(run.model)} &nbsp; <b>target</b> {_e(run.target_kind)}"
+        + (" (simulated)" if run.simulated else ""),
+        f"<b>server config</b> {_e(cfg)}",
+        f"<b>workload</b> {_e(wl_txt)} &nbsp; <b>requests</b> {len(run.records)} &nbsp; "
+        + f"<b>window</b> {t1 - t0:.1f} s",
+    ]
+    warn = (
+        ""
+        if run.valid
+        else f'<div class="warn">This run is marked invalid: {_e(run.invalid_reason)}</div>'
+    )
+    return warn + "<p>" + "<br>".join(lines) + "</p>"
+
+
+def run_sections(run: Run, d: Diagnosis, prefix: str) -> str:
+    stalls = d.attribution.stalls if d.attribution else []
+    pts = charts.stage_points(run)
+    sweep = (
+        _fig(charts.throughput_vs_latency({run.name: pts}))
+        if len(pts) >= 2
+        else '<p class="note">A single load level: no sweep stages to plot. Run '
+        "<code>servelab bench</code> with several rates to see the throughput-latency curve; "
+        "with several runs, the comparison view above plots one point per run.</p>"
+    )
+    body = [
+        _run_header(run),
+        _section("summary", prefix, "Summary", summary_table(run.summary())),
+        _section("findings", prefix, "Findings and recommendations", findings_html(d)),
+        _section(
+            "ttft-attribution",
+            prefix,
+            "Where TTFT went",
+            (_fig(charts.ttft_attribution(d)) if d.overall else "<p>No successful requests.</p>")
+            + _parts_legend(),
+        ),
+        _section("ttft-vs-input", prefix, "TTFT vs input length", _fig(charts.ttft_vs_input(run))),
+        _section("itl-cdf", prefix, "ITL distribution", _fig(charts.itl_cdf(run))),
+        _section("over-time", prefix, "Latency over time", _fig(charts.latency_over_time(run))),
+        _section("throughput-latency", prefix, "Throughput vs latency", sweep),
+        _section(
+            "phase-timeline",
+            prefix,
+            "The two phases, request by request",
+            '<p class="note">Each row is one request (the slowest TTFTs, those with stalls, and '
+            "a random rest): grey queued, orange prefill chunks, blue decoding, red stalls as "
+            "the client saw them. Beneath, what each engine step computed.</p>"
+            + _fig(charts.phase_timeline(run, stalls)),
+        ),
+    ]
+    return "".join(body)
+
+
+def _parts_legend() -> str:
+    return (
+        '<p class="note">'
+        + "; ".join(f"<b>{_e(k)}</b>: {_e(v)}" for k, v in PART_LABELS.items())
+        + ".</p>"
+    )
+
+
+def comparison_html(c: Comparison, runs: list[Run]) -> str:
+    warn = "".join(f'<div class="warn">{_e(w)}</div>' for w in c.warnings)
+    head = (
+        "<tr><th class='l'>scope</th><th class='l'>metric</th>"
+        + "".join(
+            f"<th>{_e(label)}</th>" + ("<th>delta</th><th>p</th><th>verdict</th>" if i else "")
+            for i, label in enumerate(c.labels)
+        )
+        + "</tr>"
+    )
+    rows = []
+    for r in c.rows:
+        unit = "" if "." in r.metric else " (ms)"
+        cells = [
+            f"<td class='l'>{_e(r.scope)}</td>",
+            f"<td class='l'>{_e(r.metric)} {_e(r.stat if r.stat != 'value' else '')}{unit}</td>",
+        ]
+        for i in range(len(c.labels)):
+            v = r.values[i]
+            cells.append(
+                f"<td>{'-' if v is None else (f'{v:.2f}' if '.' in r.metric else _ms(v))}</td>"
+            )
+            if i:
+                verdict = r.verdict(i)
+                d = r.delta[i]
+                cells += [
+                    f"<td>{'-' if d is None else f'{d:+.1%}'}</td>",
+                    f"<td>{'-' if r.p[i] is None else f'{r.p[i]:.3f}'}</td>",
+                    f"<td class='{verdict}'>{verdict or '-'}</td>",
+                ]
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    notes = "".join(f'<p class="note">{_e(n)}</p>' for n in c.notes)
+    metrics = [run.summary() for run in runs]
+    ttft = {
+        lab: [r.ttft for r in run.records if r.ok and r.ttft is not None]
+        for lab, run in zip(c.labels, runs)
+    }
+    itl = {
+        lab: [g for r in run.records if r.ok for g in r.itls] for lab, run in zip(c.labels, runs)
+    }
+    points = {
+        "runs": [
+            {
+                "stage": lab,
+                "throughput": m["overall"]["throughput"]["output_tokens_per_s"],
+                "ttft_p50": m["overall"]["latency"]["ttft"]["p50"],
+                "ttft_p99": m["overall"]["latency"]["ttft"]["p99"],
+                "itl_p99": m["overall"]["latency"]["itl"]["p99"],
+            }
+            for lab, m in zip(c.labels, metrics)
+        ]
+    }
+    return (
+        warn
+        + notes
+        + _fig(charts.percentile_bars(c.labels, metrics))
+        + _fig(charts.cdf(ttft, "TTFT distribution per run (CDF)", "TTFT (ms, log)", "run"))
+        + _fig(
+            charts.cdf(
+                itl, "ITL distribution per run (CDF)", "inter-token latency (ms, log)", "run"
+            )
+        )
+        + _fig(charts.throughput_vs_latency(points))
+        + '<div style="overflow-x:auto"><table>'
+        + head
+        + "".join(rows)
+        + "</table></div>"
+    )
+
+
+def build_report(
+    runs: list[Run],
+    diagnoses: list[Diagnosis],
+    comparison: Comparison | None = None,
+    title: str | None = None,
+) -> str:
+    """The whole HTML document as a string."""
+    names = ", ".join(r.name for r in runs)
+    title = title or f"servelab report: {names}"
+    nav = []
+    body = []
+    if comparison is not None:
+        nav.append('<a href="#comparison">comparison</a>')
+        body.append(
+            '<section id="comparison" data-section="comparison"><h2>Comparison (first run is the '
+            "baseline)</h2>" + comparison_html(comparison, runs) + "</section>"
+        )
+    for i, (run, d) in enumerate(zip(runs, diagnoses)):
+        prefix = f"r{i}-"
+        nav.append(f'<a href="#{prefix}run">{_e(run.name)}</a>')
+        body.append(
+            f'<section class="run" id="{prefix}run" data-run="{_e(run.name)}"><h2>{_e(run.name)}</h2>'
+            + run_sections(run, d, prefix)
+            + "</section>"
+        )
+    now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{_e(title)}</title><style>{_CSS}</style>"
+        f"<script>{get_plotlyjs()}</script></head><body>"
+        f"<header><h1>{_e(title)}</h1><div>generated {now} by servelab · "
+        "how to read it: docs/reading-the-report.md · " + " · ".join(nav) + "</div></header>"
+        "<main>" + "".join(body) + "</main></body></html>"
+    )
+
+
+def write_report(
+    runs: list[Run],
+    diagnoses: list[Diagnosis],
+    out: Path,
+    comparison: Comparison | None = None,
+    title: str | None = None,
+) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(build_report(runs, diagnoses, comparison, title), encoding="utf-8")
+    return out

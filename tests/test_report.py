@@ -1,0 +1,153 @@
+"""The HTML report: every section, charts with titles/axes/legends, no network, and it
+loads in headless Chromium without console errors (when Chromium is installed)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import rundirs
+from plotly.offline import get_plotlyjs
+
+from servelab.analyze.compare import compare
+from servelab.analyze.diagnose import diagnose
+from servelab.analyze.rundir import load_run
+from servelab.report import charts
+from servelab.report.html import RUN_SECTIONS, write_report
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("rep")
+    stalls = load_run(rundirs.unchunked_stalls(base / "stalls"))
+    a = load_run(rundirs.calm(base / "a", noise_seed=0))
+    slow = load_run(rundirs.calm(base / "slow", noise_seed=2, slowdown=1.3))
+    return {"stalls": stalls, "a": a, "slow": slow, "base": base}
+
+
+@pytest.fixture(scope="module")
+def single(runs):
+    run = runs["stalls"]
+    return write_report([run], [diagnose(run)], runs["base"] / "single.html")
+
+
+@pytest.fixture(scope="module")
+def multi(runs):
+    rs = [runs["a"], runs["slow"]]
+    return write_report(rs, [diagnose(r) for r in rs], runs["base"] / "multi.html", compare(rs))
+
+
+def _sections(html: str) -> list[str]:
+    return re.findall(r'data-section="([a-z-]+)"', html)
+
+
+def test_single_run_report_has_every_section(single):
+    html = single.read_text()
+    assert _sections(html) == list(RUN_SECTIONS)
+    assert "ITL spikes line up with long prefills" in html  # the finding
+    assert "Turn chunked prefill on" in html  # its recommendation
+    # One figure per chart section; a single-load run has a note instead of a sweep chart.
+    assert html.count('class="plotly-graph-div"') == 5
+    assert "A single load level" in html
+
+
+def test_multi_run_report_adds_the_comparison(multi):
+    html = multi.read_text()
+    secs = _sections(html)
+    assert secs[0] == "comparison" and secs[1:] == list(RUN_SECTIONS) * 2
+    assert "worse" in html and "noise" in html
+
+
+def test_report_is_self_contained(single, multi):
+    js = get_plotlyjs()
+    for path in (single, multi):
+        html = path.read_text()
+        assert js in html  # plotly is inlined...
+        rest = html.replace(js, "")
+        assert "<script src" not in rest and "http://" not in rest and "https://" not in rest
+        assert rest.count("Plotly.newPlot") >= 5
+
+
+def test_every_chart_has_title_axes_and_legend(runs):
+    run = runs["stalls"]
+    d = diagnose(run)
+    figs = [
+        charts.ttft_vs_input(run),
+        charts.itl_cdf(run),
+        charts.latency_over_time(run),
+        charts.ttft_attribution(d),
+        charts.phase_timeline(run, d.attribution.stalls),
+        charts.throughput_vs_latency(
+            {
+                "r": [
+                    {
+                        "stage": "s",
+                        "throughput": 1.0,
+                        "ttft_p50": 0.1,
+                        "ttft_p99": 0.2,
+                        "itl_p99": 0.05,
+                    }
+                ]
+            }
+        ),
+        charts.percentile_bars(["a"], [run.summary()]),
+    ]
+    for fig in figs:
+        lay = fig.layout
+        assert lay.title.text and lay.showlegend
+        assert lay.xaxis.title.text or any(
+            getattr(lay, k).title.text for k in lay if k.startswith("xaxis")
+        )
+        assert lay.yaxis.title.text
+        units = " ".join(
+            str(getattr(lay, k).title.text) for k in lay if k.startswith(("xaxis", "yaxis"))
+        )
+        assert re.search(r"\((ms|s|tokens|tokens/s|ms, log)\)|requests|fraction|tokens|seqs", units)
+        assert all(t.name for t in fig.data)
+
+
+def test_phase_timeline_shows_queue_prefill_decode_and_steps(runs):
+    run = runs["stalls"]
+    fig = charts.phase_timeline(run, diagnose(run).attribution.stalls)
+    names = {t.name for t in fig.data}
+    assert {"prefill chunk", "decoding", "ITL stall (client view)"} <= names
+    assert {"engine step: prefill tokens", "engine step: decode sequences"} <= names
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI installs it)")
+def test_report_loads_in_headless_chromium_without_console_errors(multi):
+    with tempfile.TemporaryDirectory() as profile:
+        proc = subprocess.run(
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                "--enable-logging=stderr",
+                "--v=0",
+                "--virtual-time-budget=15000",
+                "--dump-dom",
+                multi.resolve().as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
+    assert not console, console
+    dom = proc.stdout
+    # Every figure drew its SVG: plotly writes one "main-svg" pair per plot.
+    n_figs = dom.count('class="plotly-graph-div')
+    assert n_figs >= 10 and dom.count('class="main-svg"') >= 2 * n_figs
