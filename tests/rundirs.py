@@ -38,6 +38,7 @@ class Req:
     prefix_group: str | None = None
     prefix_tokens: int = 0
     priority: int = 0
+    stage: str | None = None  # sweep stage label
 
 
 @dataclass
@@ -274,6 +275,7 @@ def _client_record(st: _State, send: float, client: Client) -> ClientRecord:
         done=chunk_times[-1] + 0.0005,
         status=200,
         prefix_group=r.prefix_group,
+        stage=r.stage,
         server_timeline=st.tl.summary(),
     )
 
@@ -317,7 +319,16 @@ def write_run(
     man.update(manifest)
     (path / "manifest.json").write_text(json.dumps(man, indent=1))
     _write_jsonl(path / "requests.jsonl", [r.to_dict() for r in records])
-    metrics = summarize(records, n_boot=200)
+    stages = list(dict.fromkeys(r.stage for r in records if r.stage is not None))
+    if stages:  # a sweep: per-stage bodies, as `servelab bench --sweep` writes them
+        metrics = {
+            "stages": [
+                {"label": s, "metrics": summarize([r for r in records if r.stage == s], n_boot=0)}
+                for s in stages
+            ]
+        }
+    else:
+        metrics = summarize(records, n_boot=200)
     (path / "metrics.json").write_text(json.dumps(metrics))
     if target_kind == "servelab":
         _write_jsonl(path / "server.jsonl", [t.to_dict() for t in timelines])
@@ -464,3 +475,17 @@ def as_other_target(path: Path, scrape: bool = True) -> Path:
         f.write(json.dumps({"t": start, "text": before}) + "\n")
         f.write(json.dumps({"t": end, "text": after}) + "\n")
     return path
+
+
+def sweep(path: Path, seed: int = 0) -> Path:
+    """Two load stages, one after the other: 4 then 16 requests/s."""
+    reqs = []
+    t = 0.0
+    for label, rate in (("rate=4", 4.0), ("rate=16", 16.0)):
+        stage = chat_requests(60, rate, seed, prefix=f"{label}-")
+        for r in stage:
+            r.intended += t
+            r.stage = label
+        t = max(r.intended for r in stage) + 2.0
+        reqs += stage
+    return write_run(path, reqs, Engine(max_num_seqs=8), seed=seed)

@@ -151,3 +151,16 @@ def test_report_loads_in_headless_chromium_without_console_errors(multi):
     # Every figure drew its SVG: plotly writes one "main-svg" pair per plot.
     n_figs = dom.count('class="plotly-graph-div')
     assert n_figs >= 10 and dom.count('class="main-svg"') >= 2 * n_figs
+
+
+def test_sweep_run_draws_its_throughput_latency_curve(tmp_path):
+    run = load_run(rundirs.sweep(tmp_path / "sw"))
+    assert run.stages == ["rate=4", "rate=16"]
+    assert "overall" in run.summary()  # computed: a sweep's metrics.json is per stage
+    pts = charts.stage_points(run)
+    assert [p["stage"] for p in pts] == run.stages
+    assert pts[1]["throughput"] > pts[0]["throughput"]
+    out = write_report([run], [diagnose(run)], tmp_path / "sw.html")
+    html = out.read_text()
+    assert "A single load level" not in html
+    assert html.count('class="plotly-graph-div"') == 6

@@ -14,11 +14,12 @@ Contract:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from servelab.analyze.summary import summarize
+from servelab.engine.config import EngineConfig
 from servelab.vocab import ClientRecord, RequestTimeline, StepRecord
 
 
@@ -36,6 +37,7 @@ class Run:
     metrics: dict[str, Any] | None = None
     scrapes: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0
+    _summary: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -67,12 +69,20 @@ class Run:
 
     @property
     def engine_config(self) -> dict[str, Any]:
-        """The server's engine settings as recorded by the benchmark ({} if unknown)."""
+        """The server's engine settings ({} if unknown).
+
+        A launched servelab server records only the flags it was given; the engine's
+        defaults fill in the rest, so "chunked prefill on" is known even when implicit.
+        """
         server = self.server
+        recorded: dict[str, Any] = {}
         for key in ("engine_config", "config"):
             if isinstance(server.get(key), dict):
-                return server[key]
-        return {}
+                recorded = server[key]
+                break
+        if self.target_kind != "servelab" or self.simulated:
+            return recorded
+        return {k: v for k, v in asdict(EngineConfig()).items() if v is not None} | recorded
 
     @property
     def model(self) -> str | None:
@@ -109,10 +119,28 @@ class Run:
         return sorted({r.workload_class for r in self.records})
 
     def summary(self) -> dict[str, Any]:
-        """metrics.json's body: as written by the benchmark, else computed from the records."""
-        if self.metrics is None:
-            self.metrics = summarize(self.records)
-        return self.metrics
+        """The whole run's ``summarize`` body: metrics.json's when it holds one, else
+        computed from the records (a sweep's metrics.json holds per-stage bodies only)."""
+        if self._summary is None:
+            m = self.metrics or {}
+            self._summary = m if "overall" in m else summarize(self.records)
+        return self._summary
+
+    def stage_summaries(self) -> dict[str, dict[str, Any]]:
+        """label -> ``summarize`` body per sweep stage (empty for a single-load run)."""
+        stored = {
+            s["label"]: s["metrics"]
+            for s in (self.metrics or {}).get("stages", [])
+            if s.get("label") is not None and s.get("metrics")
+        }
+        out = {}
+        for stage in self.stages:
+            if stage in stored:
+                out[stage] = stored[stage]
+            else:
+                recs = [r for r in self.records if r.stage == stage]
+                out[stage] = summarize(recs, n_boot=0)
+        return out
 
     def timeline_for(self, record: ClientRecord) -> RequestTimeline | None:
         server_id = (record.server_timeline or {}).get("request_id")

@@ -16,7 +16,6 @@ from plotly.subplots import make_subplots
 from servelab.analyze.attribution import TTFT_PARTS, Stall
 from servelab.analyze.diagnose import Diagnosis
 from servelab.analyze.rundir import Run
-from servelab.analyze.summary import summarize
 from servelab.vocab import ClientRecord, RequestTimeline
 
 PALETTE = qualitative.D3
@@ -192,21 +191,20 @@ def latency_over_time(run: Run) -> go.Figure:
 
 
 def stage_points(run: Run) -> list[dict[str, Any]]:
-    """Per sweep stage: output tokens/s and latency percentiles (from summary.summarize)."""
-    out = []
-    for stage in run.stages:
-        recs = [r for r in run.records if r.stage == stage]
-        m = summarize(recs, n_boot=0)["overall"]
-        out.append(
-            {
-                "stage": stage,
-                "throughput": m["throughput"]["output_tokens_per_s"],
-                "ttft_p50": m["latency"]["ttft"]["p50"],
-                "ttft_p99": m["latency"]["ttft"]["p99"],
-                "itl_p99": m["latency"]["itl"]["p99"],
-            }
-        )
-    return out
+    """Per sweep stage: output tokens/s and latency percentiles."""
+    return [summary_point(label, m) for label, m in run.stage_summaries().items()]
+
+
+def summary_point(label: str, m: dict[str, Any]) -> dict[str, Any]:
+    """One point of the throughput-latency chart from a ``summarize`` body."""
+    o = m["overall"]
+    return {
+        "stage": label,
+        "throughput": o["throughput"]["output_tokens_per_s"],
+        "ttft_p50": o["latency"]["ttft"]["p50"],
+        "ttft_p99": o["latency"]["ttft"]["p99"],
+        "itl_p99": o["latency"]["itl"]["p99"],
+    }
 
 
 def throughput_vs_latency(points: dict[str, list[dict[str, Any]]]) -> go.Figure:

@@ -276,18 +276,7 @@ def comparison_html(c: Comparison, runs: list[Run]) -> str:
     itl = {
         lab: [g for r in run.records if r.ok for g in r.itls] for lab, run in zip(c.labels, runs)
     }
-    points = {
-        "runs": [
-            {
-                "stage": lab,
-                "throughput": m["overall"]["throughput"]["output_tokens_per_s"],
-                "ttft_p50": m["overall"]["latency"]["ttft"]["p50"],
-                "ttft_p99": m["overall"]["latency"]["ttft"]["p99"],
-                "itl_p99": m["overall"]["latency"]["itl"]["p99"],
-            }
-            for lab, m in zip(c.labels, metrics)
-        ]
-    }
+    points = {"runs": [charts.summary_point(lab, m) for lab, m in zip(c.labels, metrics)]}
     return (
         warn
         + notes
