@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 import signal
 import time
@@ -24,7 +23,7 @@ import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server_fakes import ServerThread, scrape, serving
+from test_server_fakes import ServerThread, metrics, serving, storm_leaves_no_trace, wait_idle
 
 from servelab.model.tokenizer import Tokenizer
 
@@ -60,21 +59,6 @@ def stream_post(http: httpx.Client, path: str, body: dict[str, Any], **kw: Any) 
     with http.stream("POST", path, json={**body, "stream": True}, **kw) as r:
         r.read()
     return r
-
-
-def metrics(http: httpx.Client) -> dict[str, float]:
-    return scrape(http.get("/metrics").text)
-
-
-def wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict[str, float]:
-    """Metrics once the engine has no running or waiting request."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
-            return m
-        assert time.monotonic() < deadline, "engine still busy"
-        time.sleep(0.05)
 
 
 def core_pid() -> int:
@@ -410,60 +394,8 @@ def test_client_disconnect_aborts_and_frees_kv(http: httpx.Client, server: Serve
     assert tl and tl[0]["finish_reason"] == "abort" and 0 < tl[0]["output_tokens"] < 400
 
 
-def test_storm_with_random_disconnects_leaves_every_block_free(
-    http: httpx.Client, server: ServerThread
-) -> None:
-    n = 200
-    rng = random.Random(7)
-    plan = [rng.random() < 0.35 for _ in range(n)]  # True: hang up after a few chunks
-    before = wait_idle(http)
-
-    async def one(session: aiohttp.ClientSession, i: int) -> tuple[str, int | None]:
-        body = {
-            "prompt": f"Request {i} says hello",
-            "max_tokens": 12,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        async with session.post(f"{server.url}/v1/completions", json=body) as resp:
-            assert resp.status == 200
-            rid = resp.headers["X-Request-Id"]
-            seen = 0
-            async for line in resp.content:
-                if plan[i] and line.startswith(b"data: {"):
-                    seen += 1
-                    if seen == 2:
-                        resp.close()  # the client goes away mid-stream
-                        return rid, None
-                if line.startswith(b"data: {") and b'"usage"' in line:
-                    return rid, json.loads(line[6:])["usage"]["completion_tokens"]
-        raise AssertionError("stream ended without usage")
-
-    async def storm() -> list[tuple[str, int | None]]:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            return await asyncio.gather(*(one(session, i) for i in range(n)))
-
-    results = asyncio.run(storm())
-    after = wait_idle(http)
-    assert after["servelab:kv_cache_blocks_used"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
-    assert http.get("/health").status_code == 200
-    completed = [c for _, c in results if c is not None]
-    assert completed and all(c == 12 for c in completed)
-    # Every request ended exactly once, as length or abort, and its timeline says so.
-    ends = {
-        r: after[f"vllm:request_success_total{{finished_reason={r}}}"]
-        - before.get(f"vllm:request_success_total{{finished_reason={r}}}", 0)
-        for r in ("length", "abort")
-    }
-    assert ends["length"] + ends["abort"] == n and ends["length"] >= len(completed)
-    timelines = http.get("/v1/timelines", params={"ids": ",".join(r for r, _ in results)}).json()[
-        "timelines"
-    ]
-    assert len(timelines) == n
-    assert sum(t["finish_reason"] == "abort" for t in timelines) == ends["abort"]
-    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
-    assert generated == sum(t["output_tokens"] for t in timelines)
+def test_storm_with_random_disconnects_leaves_every_block_free(http: httpx.Client) -> None:
+    storm_leaves_no_trace(http, n=200)
 
 
 # ---- faults, overload, auth, shutdown (own servers) ----

@@ -1,4 +1,5 @@
-"""Helpers for the server tests (no tests here): a server in a thread, and a model-free engine.
+"""Helpers for the server tests (no tests here): a server in a thread, a model-free engine,
+metrics scraping, and the disconnect storm both test files run.
 
 ``fake_engine`` is the engine-core factory the API tests pass to ``serve``: the real
 LLMEngine (scheduler, KV cache, detokenizer, timelines) and the real tokenizer of the
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import random
 import socket
 import threading
 import time
@@ -19,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from servelab.server.args import ServerArgs
@@ -128,3 +133,79 @@ def scrape(text: str) -> dict[str, float]:
             )
             out[key] = s.value
     return out
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    return scrape(http.get("/metrics").text)
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
+    """Metrics once the engine has no running or waiting request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
+            return m
+        assert time.monotonic() < deadline, "engine still busy"
+        time.sleep(0.05)
+
+
+def storm_leaves_no_trace(
+    http: httpx.Client, n: int = 200, max_tokens: int = 12, seed: int = 7
+) -> None:
+    """``n`` concurrent streams, about a third hanging up mid-stream; then check that every
+    KV block is free, the server is healthy, and counters and timelines agree."""
+    rng = random.Random(seed)
+    hang_up = [rng.random() < 0.35 for _ in range(n)]
+    before = wait_idle(http)
+    url = str(http.base_url).rstrip("/")
+
+    async def one(session: aiohttp.ClientSession, i: int) -> tuple[str, int | None]:
+        body = {
+            "prompt": f"Request {i} says hello",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            rid = resp.headers["X-Request-Id"]
+            seen = 0
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                if b'"usage"' in line:
+                    return rid, json.loads(line[6:])["usage"]["completion_tokens"]
+                seen += 1
+                if hang_up[i] and seen == 2:
+                    resp.close()  # the client goes away mid-stream
+                    return rid, None
+        raise AssertionError("stream ended without usage")
+
+    async def storm() -> list[tuple[str, int | None]]:
+        auth = {k: v for k, v in http.headers.items() if k.lower() == "authorization"}
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, headers=auth) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(n)))
+
+    results = asyncio.run(storm())
+    after = wait_idle(http)
+    assert after["servelab:kv_cache_blocks_used"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+    assert http.get("/health").status_code == 200
+    completed = [c for _, c in results if c is not None]
+    assert completed and all(c == max_tokens for c in completed)
+    # Every request ended exactly once, as length or abort, and its timeline says so.
+    ends = {
+        r: after[f"vllm:request_success_total{{finished_reason={r}}}"]
+        - before.get(f"vllm:request_success_total{{finished_reason={r}}}", 0)
+        for r in ("length", "abort")
+    }
+    assert ends["length"] + ends["abort"] == n and ends["length"] >= len(completed)
+    assert ends["abort"] > 0  # some hang-ups did land mid-stream
+    ids = ",".join(r for r, _ in results)
+    timelines = http.get("/v1/timelines", params={"ids": ids}).json()["timelines"]
+    assert len(timelines) == n
+    assert sum(t["finish_reason"] == "abort" for t in timelines) == ends["abort"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated == sum(t["output_tokens"] for t in timelines)

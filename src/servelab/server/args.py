@@ -106,10 +106,6 @@ class ServerArgs:
             raise ValueError(
                 f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"
             )
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError(
-                f"--api-key (or ${API_KEY_ENV}) is empty: give a key or leave it unset"
-            )
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"--log-level {self.log_level!r}: use debug, info, warning or error")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):

@@ -59,7 +59,7 @@ def serve(
         model=model,
         host=host,
         port=port,
-        api_key=api_key,
+        api_key=api_key or None,  # an empty $SERVELAB_API_KEY means no key
         served_model_name=served_model_name,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
@@ -75,8 +75,11 @@ def serve(
         shutdown_timeout=shutdown_timeout,
         log_level=log_level,
     )
+    from servelab.model.registry import resolve_model
+
     try:
         args.validate()
+        resolve_model(args.model)  # an unknown model fails now, not after a process start
     except ValueError as e:
         typer.echo(f"servelab serve: error: {e}", err=True)
         raise typer.Exit(2) from None
