@@ -1,9 +1,36 @@
-"""CLI commands of this subsystem (registered by servelab.cli). No heavy imports at module level."""
+"""CLI commands of the model layer (registered by servelab.cli). No heavy imports at module level."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 
+def export_hf_command(
+    out_dir: Annotated[
+        Path, typer.Argument(help="New or empty directory to write the model into.")
+    ],
+    model: Annotated[
+        str, typer.Option(help="Short name, .gguf file or HF directory.")
+    ] = "smollm2-135m",
+) -> None:
+    """Write a model as a standard HF directory (config.json, model.safetensors, tokenizer)
+    that transformers and vLLM load as-is. GGUF weights are dequantised to fp32."""
+    import logging
+
+    from servelab.model.export import export_hf
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = export_hf(model, out_dir)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+
+
 def register(app: typer.Typer) -> None:
     """Add this subsystem's commands to the `servelab` app."""
+    app.command("export-hf")(export_hf_command)

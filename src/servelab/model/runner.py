@@ -1,0 +1,224 @@
+"""The torch executor: runs ``BatchPlan``s on a loaded model with a paged KV cache.
+
+Contract (``servelab.engine.executor.Executor`` plus KV transfer):
+- ``allocate_kv(num_blocks, block_size)`` makes, per layer, K and V tensors
+  ``[num_blocks, block_size, n_kv_heads, head_dim]`` (one allocation, zero-filled);
+  position ``p`` of a sequence lives at slot ``p % block_size`` of block
+  ``block_table[p // block_size]``.
+- ``execute(plan)`` runs one forward over all scheduled tokens (prefill chunks, decode
+  tokens and draft tokens mixed), writes their K/V at their slots, computes logits only
+  at sampled rows and returns the sampled tokens and the measured step time.
+- ``read_blocks``/``write_blocks``/``copy_blocks`` move whole blocks (all layers, K and V);
+  a block's data is one tensor ``[num_layers, 2, block_size, n_kv_heads, head_dim]`` on
+  the runner's device.
+- Thread count: ``num_threads`` (default: all cores this process may use) applies to
+  torch and to OpenBLAS, which the CPU linear layers use.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from servelab.engine.plan import BatchPlan, ScheduledSeq, StepOutput
+from servelab.model.llama import AttentionGroup, ForwardBatch
+from servelab.model.loader import LoadedModel
+from servelab.model.sampler import Sampler
+
+# Sequences with at most this many query tokens share one padded attention call; longer
+# ones (prefill chunks) get their own, so padding never multiplies prefill work.
+BATCHED_MAX_QUERY = 16
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def set_num_threads(num_threads: int | None) -> int:
+    """Set torch's and OpenBLAS's thread counts (None: all available cores); return it."""
+    from threadpoolctl import threadpool_limits
+
+    n = num_threads or _available_cores()
+    torch.set_num_threads(n)
+    threadpool_limits(limits=n, user_api="blas")
+    return n
+
+
+class TorchModelRunner:
+    """Executes batch plans on ``loaded.model``; see the module docstring."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        device: str | torch.device | None = None,
+        num_threads: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.device = torch.device(device) if device is not None else loaded.device
+        self.model = loaded.model.to(self.device)
+        self.num_threads = set_num_threads(num_threads) if self.device.type == "cpu" else None
+        cfg = loaded.config
+        self.config = cfg
+        self.max_model_len: int = cfg.max_model_len
+        self.eos_token_ids: list[int] = loaded.tokenizer.eos_token_ids or cfg.eos_token_ids
+        self.sampler = Sampler(self.device, seed)
+        self.block_size = 0
+        self.num_blocks = 0
+        self.kv: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self._layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- KV cache -------------------------------------------------------------------
+    def kv_block_bytes(self, block_size: int) -> int:
+        cfg = self.config
+        itemsize = self.model.embed.element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        cfg = self.config
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.model.embed.dtype, device=self.device)
+        self._layer_kv = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        self.block_size, self.num_blocks = block_size, num_blocks
+
+    def _kv(self) -> torch.Tensor:
+        if self.kv is None:
+            raise RuntimeError("call allocate_kv(num_blocks, block_size) before using the KV cache")
+        return self.kv
+
+    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        kv = self._kv()
+        return [kv[:, :, b].clone() for b in block_ids]
+
+    def write_blocks(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
+        kv = self._kv()
+        if len(block_ids) != len(data):
+            raise ValueError(f"{len(block_ids)} block ids but {len(data)} blocks of data")
+        for b, d in zip(block_ids, data):
+            kv[:, :, b].copy_(d)
+
+    def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy block ``src[i]`` onto ``dst[i]`` (copy-on-write, speculative roll-back)."""
+        kv = self._kv()
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError("copy_blocks needs as many destination blocks as sources")
+        if src_block_ids:
+            dst = torch.tensor(dst_block_ids, device=self.device)
+            src = torch.tensor(src_block_ids, device=self.device)
+            kv.index_copy_(2, dst, kv.index_select(2, src))
+
+    # ---- execution ------------------------------------------------------------------
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        t0 = time.perf_counter()
+        self._kv()
+        if not plan.seqs:
+            return StepOutput(sampled={}, elapsed=time.perf_counter() - t0)
+        logits, sampled_seqs = self.logits(plan)
+        sampled = self.sampler.sample(logits, sampled_seqs) if sampled_seqs else {}
+        return StepOutput(sampled=sampled, elapsed=time.perf_counter() - t0)
+
+    def logits(self, plan: BatchPlan) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run the plan's forward (writing K/V) and return the logits of the sampled rows
+        (``1 + len(draft_token_ids)`` per sampled sequence, in plan order) and those seqs."""
+        self._kv()
+        batch, sampled_seqs = self._build_batch(plan.seqs)
+        return self.model(batch, self._layer_kv), sampled_seqs
+
+    def _check(self, s: ScheduledSeq, end: int) -> None:
+        if not s.token_ids:
+            raise ValueError(f"request {s.request_id}: a scheduled sequence needs >= 1 token")
+        if s.start_pos < 0 or end > self.max_model_len:
+            raise ValueError(
+                f"request {s.request_id}: positions {s.start_pos}..{end - 1} are outside the "
+                f"model's context 0..{self.max_model_len - 1}"
+            )
+        need = -(-end // self.block_size)
+        if len(s.block_table) < need:
+            raise ValueError(
+                f"request {s.request_id}: {end} positions need {need} blocks of "
+                f"{self.block_size}, but the block table has {len(s.block_table)}"
+            )
+        bad = [b for b in s.block_table[:need] if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(
+                f"request {s.request_id}: block ids {bad} are outside 0..{self.num_blocks - 1}"
+            )
+
+    def _build_batch(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_index: list[int] = []
+        sampled: list[ScheduledSeq] = []
+        groups: list[AttentionGroup] = []
+        short: list[tuple[ScheduledSeq, int, int]] = []  # (seq, first token index, length)
+        for s in seqs:
+            ids = s.token_ids + s.draft_token_ids
+            n, off, end = len(ids), len(tokens), s.start_pos + len(ids)
+            self._check(s, end)
+            tokens += ids
+            positions += range(s.start_pos, end)
+            bt = s.block_table
+            slots += [bt[p // bs] * bs + p % bs for p in range(s.start_pos, end)]
+            if s.sample:
+                rows = 1 + len(s.draft_token_ids)
+                sample_index += range(off + n - rows, off + n)
+                sampled.append(s)
+            if n <= BATCHED_MAX_QUERY:
+                short.append((s, off, n))
+            elif s.start_pos == 0:
+                groups.append(AttentionGroup(fresh=True, tokens=slice(off, off + n)))
+            else:
+                groups.append(self._paged_group([(s, off, n)]))
+        if short:
+            groups.append(self._paged_group(short))
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            groups=groups,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            sample_index=torch.tensor(sample_index, dtype=torch.long, device=dev),
+        )
+        return batch, sampled
+
+    def _paged_group(self, items: list[tuple[ScheduledSeq, int, int]]) -> AttentionGroup:
+        """Attention metadata for sequences that read their context from the cache."""
+        bs, dev = self.block_size, self.device
+        max_q = max(n for _, _, n in items)
+        ctx = [s.start_pos + n for s, _, n in items]
+        max_ctx = max(ctx)
+        n_blocks = -(-max_ctx // bs)
+        tables = [
+            s.block_table[:n_blocks] + [0] * (n_blocks - len(s.block_table[:n_blocks]))
+            for s, _, _ in items
+        ]
+        pos = torch.arange(max_ctx, device=dev)
+        table = torch.tensor(tables, dtype=torch.long, device=dev)
+        kv_index = table[:, pos // bs] * bs + pos % bs
+        # Padding query rows repeat a real token; they are computed and dropped.
+        q_index = torch.tensor(
+            [[off + min(j, n - 1) for j in range(max_q)] for _, off, n in items], device=dev
+        )
+        q_valid = None
+        if any(n != max_q for _, _, n in items):
+            q_valid = torch.tensor([[j < n for j in range(max_q)] for _, _, n in items], device=dev)
+        mask = None
+        if max_q > 1 or any(c != max_ctx for c in ctx):
+            q_pos = torch.tensor(
+                [[s.start_pos + j for j in range(max_q)] for s, _, _ in items], device=dev
+            )
+            mask = (pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+        return AttentionGroup(
+            fresh=False, q_index=q_index, kv_index=kv_index, mask=mask, q_valid=q_valid
+        )
