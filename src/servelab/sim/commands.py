@@ -435,7 +435,63 @@ def calibrate(
     typer.echo(f"wrote {out}; use it with `servelab sim --hardware {hardware} --calibration {out}`")
 
 
+def profile(
+    model: str = typer.Option(
+        "smollm2-135m", help="Model to profile (short name, .gguf or HF dir)."
+    ),
+    out: str = typer.Option("profile.json", help="Where to write the profile table."),
+    grid: str = typer.Option("default", help="default (about 70 shapes, minutes) or quick."),
+    repeats: int = typer.Option(
+        2, help="Timed runs per shape (after one warm-up); the median is kept."
+    ),
+    threads: int | None = typer.Option(
+        None, help="Torch/BLAS threads (default: what `servelab serve` uses, all cores but one)."
+    ),
+    device: str | None = typer.Option(None, help="cpu or cuda (default: the loader's choice)."),
+    engine_args: str | None = typer.Option(
+        None, help="Engine settings recorded with the table (e.g. kv_cache_memory=2G)."
+    ),
+    from_run: list[str] | None = typer.Option(  # noqa: B008
+        None, help="Build the table from these real runs' steps instead of a grid (repeatable)."
+    ),
+) -> None:
+    """Measure the real engine's step times on this machine; `servelab sim --profile` replays them."""
+    from servelab.engine.config import EngineConfig
+    from servelab.sim.args import parse_engine_args, split_deployment
+    from servelab.sim.profiled import ProfiledCostModel
+    from servelab.sim.profiler import profile as run_profile
+    from servelab.sim.profiler import table_from_runs
+
+    try:
+        eng, _ = split_deployment(parse_engine_args(engine_args))
+        if from_run:
+            table = table_from_runs(from_run, model)
+        else:
+            if repeats < 1:
+                raise ValueError("--repeats must be >= 1")
+
+            def show(k: int, n: int, shape: list, t: float) -> None:
+                pre = [f"{a}@{c}" for a, c in shape if a > 1]
+                dec = [c for a, c in shape if a == 1]
+                what = " + ".join(
+                    ([f"prefill {'+'.join(pre)}"] if pre else [])
+                    + ([f"decode {len(dec)} @ctx {max(dec)}"] if dec else [])
+                )
+                typer.echo(f"[{k}/{n}] {what}: {t * 1000:.1f} ms")
+
+            table = run_profile(model, EngineConfig(**eng), grid, repeats, device, threads, show)
+        fitted = ProfiledCostModel(table)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    table.save(out)
+    typer.echo(
+        f"wrote {out}: {len(table.samples)} steps, interpolation error median "
+        f"{fitted.fit_error:.1%}; use it with `servelab sim --profile {out}`"
+    )
+
+
 def register(app: typer.Typer) -> None:
     """Add this subsystem's commands to the `servelab` app."""
     app.command()(sim)
     app.command()(calibrate)
+    app.command()(profile)

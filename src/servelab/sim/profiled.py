@@ -11,7 +11,8 @@ token count (linear interpolation between knots, the last slope beyond them). ``
 carries the weight-bound matmuls, whose cost is far from linear at small row counts
 on this CPU (ANCHORS.md); the linear terms carry attention, per-sequence work and the
 LM head. Every coefficient is non-negative (non-negative least squares, relative
-error weighting), so predictions grow with work.
+error weighting), so predictions grow with work. The engine's own per-step time
+(``meta["overhead"]``: ``per_step + per_seq * seqs``) is added on top.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class ProfiledCostModel:
                 "(re-run `servelab profile`)"
             )
         self.table = table
+        self._overhead_step = self._overhead_seq = 0.0
         self.knots = _knots([s.work.tokens for s in table.samples])
         rows, y = [], []
         for s in table.samples:
@@ -148,10 +150,15 @@ class ProfiledCostModel:
         self.coef = {t: float(c) for t, c in zip(LINEAR_TERMS, coef[k:])}
         errs = [abs(self.predict(s.work) - s.time) / s.time for s in table.samples if s.time > 0]
         self.fit_error = float(np.median(errs)) if errs else math.nan
+        # The engine's own time around each step (servelab.sim.profiler), added afterwards so
+        # that fit_error measures the interpolation alone.
+        overhead = table.meta.get("overhead", {})
+        self._overhead_step = float(overhead.get("per_step", 0.0))
+        self._overhead_seq = float(overhead.get("per_seq", 0.0))
         self.name = f"profile:{table.device}:{table.model}"
 
     def predict(self, w: StepWork) -> float:
-        t = 0.0
+        t = self._overhead_step + self._overhead_seq * w.seqs
         for i, wt in _hat(self.knots, w.tokens):
             t += wt * self.g[i]
         c = self.coef

@@ -1,0 +1,242 @@
+"""`servelab profile`: measure the real engine's step times on this machine over a grid.
+
+The engine is the real one (``LLMEngine`` over ``TorchModelRunner``, the thread count a
+server would use). Each grid point is a batch shape -- prefill chunks after some cached
+context, decodes at some context length, or a mix -- run as a ``BatchPlan`` straight on
+the runner, once to warm up and then ``repeats`` times; the median time is kept. All
+sequences of one shape share one block table (taken from the engine's own KV-cache
+manager): step time does not depend on which blocks hold the K/V, and the pool need not
+hold the whole batch's contexts at once.
+
+The engine's own work around each step (scheduling, stop rules, detokenization) is
+measured on a short real run through ``engine.step()`` and fitted as ``per_step +
+per_seq * seqs``; the profiled cost model adds it to every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from servelab.engine.config import EngineConfig
+from servelab.engine.plan import BatchPlan, ScheduledSeq
+from servelab.engine.sampling_params import SamplingParams
+from servelab.sim.profiled import ProfileSample, ProfileTable
+from servelab.sim.work import StepWork
+
+# A shape: the (new tokens, cached context before them) of every sequence in the step.
+Shape = list[tuple[int, int]]
+
+
+def grid(kind: str = "default") -> list[Shape]:
+    """Batch shapes to profile. ``quick`` is a handful (tests, smoke runs)."""
+    if kind == "quick":
+        return [
+            [(1, 64)], [(1, 64)] * 4, [(1, 512)] * 4, [(1, 64)] * 16,
+            [(32, 0)], [(128, 0)], [(128, 256)], [(64, 0), (1, 128), (1, 128)],
+        ]  # fmt: skip
+    if kind != "default":
+        raise ValueError(f"unknown profile grid {kind!r}; use default or quick")
+    shapes: list[Shape] = []
+    for d in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64):
+        for ctx in (64, 512, 1536):
+            shapes.append([(1, ctx)] * d)
+    for p in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+        for prefix in (0, 1024):
+            shapes.append([(p, prefix)])
+    for p in (64, 256, 1024):
+        for d in (4, 16):
+            shapes.append([(p, 0)] + [(1, 512)] * d)
+    return shapes
+
+
+def work_of_shape(shape: Shape) -> StepWork:
+    w = StepWork()
+    for n, ctx in shape:
+        w.add(n, ctx, 1)
+    return w
+
+
+def _plan(shape: Shape, block_table: list[int], step_id: int) -> BatchPlan:
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    seqs = [
+        ScheduledSeq(
+            request_id=f"p{i}",
+            token_ids=[(17 + 31 * (i + j)) % 20000 + 1 for j in range(n)],
+            start_pos=ctx,
+            block_table=block_table,
+            sample=True,
+            sampling=sp,
+        )
+        for i, (n, ctx) in enumerate(shape)
+    ]
+    return BatchPlan(step_id, seqs)
+
+
+def build_engine(
+    model: str, config: EngineConfig, device: str | None = None, threads: int | None = None
+) -> Any:
+    """The real engine with ``threads`` torch/BLAS threads (None: what `servelab serve` uses)."""
+    from servelab.engine.engine import LLMEngine
+    from servelab.model.loader import load_model
+    from servelab.model.runner import TorchModelRunner
+    from servelab.server.args import default_threads
+
+    loaded = load_model(model, device=device)
+    runner = TorchModelRunner(loaded, device=device, num_threads=threads or default_threads())
+    return LLMEngine(runner, config, tokenizer=loaded.tokenizer)
+
+
+def measure_shapes(
+    engine: Any,
+    shapes: list[Shape],
+    repeats: int = 2,
+    progress: Callable[[int, int, Shape, float], None] | None = None,
+) -> list[ProfileSample]:
+    """Median executor time of each shape (see the module docstring)."""
+    kv = engine.kv_cache
+    runner = engine.executor
+    limit = engine.config.max_model_len
+    capacity = kv.num_free_blocks * engine.config.block_size
+    samples = []
+    for k, shape in enumerate(shapes):
+        need = max(n + ctx for n, ctx in shape)
+        if need > min(limit, capacity):
+            raise ValueError(
+                f"profile shape needs a context of {need} tokens but the engine holds "
+                f"{min(limit, capacity)}; raise kv_cache_memory_gb or drop the shape"
+            )
+        if not kv.allocate("servelab-profile", need):
+            raise RuntimeError("the KV pool is in use; profile on an idle engine")
+        table = list(kv.block_table("servelab-profile"))
+        times = []
+        try:
+            for r in range(repeats + 1):
+                out = runner.execute(_plan(shape, table, k * (repeats + 1) + r))
+                if r:  # the first run warms caches and allocators
+                    times.append(out.elapsed)
+        finally:
+            kv.free("servelab-profile")
+        t = statistics.median(times)
+        samples.append(ProfileSample(work_of_shape(shape), t, repeats))
+        if progress is not None:
+            progress(k + 1, len(shapes), shape, t)
+    return samples
+
+
+def measure_engine_overhead(
+    engine: Any, requests: int = 6, prompt: int = 48, output: int = 24
+) -> dict[str, float]:
+    """Per-step engine time outside the executor on a short real run: ``per_step + per_seq * seqs``."""
+    import numpy as np
+
+    runner = engine.executor
+    spent: list[float] = []
+    real_execute = runner.execute
+
+    def timed(plan: BatchPlan):  # type: ignore[no-untyped-def]
+        out = real_execute(plan)
+        spent.append(out.elapsed)
+        return out
+
+    runner.execute = timed
+    rows: list[tuple[int, float]] = []
+    try:
+        sp = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
+        for i in range(requests):
+            ids = [(i * 97 + j * 13) % 20000 + 1 for j in range(prompt + 8 * i)]
+            engine.add_request(f"servelab-overhead-{i}", prompt_token_ids=ids, sampling_params=sp)
+        while engine.has_unfinished():
+            n_before = len(spent)
+            t0 = time.perf_counter()
+            res = engine.step()
+            wall = time.perf_counter() - t0
+            if res.record is not None and len(spent) > n_before:
+                seqs = res.record.decode_seqs + len(res.record.prefill)
+                rows.append((seqs, max(wall - spent[-1], 0.0)))
+    finally:
+        runner.execute = real_execute
+        engine.reset_prefix_cache()
+    x = np.array([[1.0, s] for s, _ in rows])
+    y = np.array([o for _, o in rows])
+    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if b < 0:
+        a, b = float(np.median(y)), 0.0
+    return {"per_step": max(float(a), 0.0), "per_seq": float(b), "steps": len(rows)}
+
+
+def profile_engine(
+    engine: Any,
+    shapes: list[Shape],
+    repeats: int = 2,
+    progress: Callable[[int, int, Shape, float], None] | None = None,
+    label: str = "custom",
+    model: str = "smollm2-135m",
+) -> ProfileTable:
+    """Profile an already built real engine over ``shapes``; the table records what the
+    simulator needs to size its KV pool and context exactly like this engine."""
+    import torch
+
+    runner = engine.executor
+    bs = engine.config.block_size
+    samples = measure_shapes(engine, shapes, repeats, progress)
+    overhead = measure_engine_overhead(engine)
+    meta = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "grid": label,
+        "repeats": repeats,
+        "threads": runner.num_threads,
+        "torch": torch.__version__,
+        "machine": {"host": platform.node(), "processor": platform.processor() or platform.machine()},
+        "kv_bytes_per_token": runner.kv_block_bytes(bs) / bs,
+        "max_model_len": runner.max_model_len,
+        "eos_token_ids": list(runner.eos_token_ids),
+        "engine_config": dataclasses.asdict(engine.config),
+        "overhead": overhead,
+    }
+    return ProfileTable(model=model, device=str(runner.device), samples=samples, meta=meta)
+
+
+def profile(
+    model: str = "smollm2-135m",
+    config: EngineConfig | None = None,
+    grid_kind: str = "default",
+    repeats: int = 2,
+    device: str | None = None,
+    threads: int | None = None,
+    progress: Callable[[int, int, Shape, float], None] | None = None,
+) -> ProfileTable:
+    """Load ``model`` into the real engine and profile it over ``grid(grid_kind)``."""
+    shapes = grid(grid_kind)
+    engine = build_engine(model, config or EngineConfig(), device, threads)
+    return profile_engine(engine, shapes, repeats, progress, grid_kind, model)
+
+
+def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> ProfileTable:
+    """A profile made of the steps of real runs ("profile on one set of workloads").
+
+    Each recorded step becomes a sample (its rebuilt work and its duration); the engine's
+    overhead is the busy gap between steps (``replay.busy_gap``). The KV layout, context
+    and engine config come from the first run's manifest when it recorded them.
+    """
+    from servelab.analyze.rundir import load_run
+    from servelab.sim.replay import busy_gap, measured_steps
+
+    samples: list[ProfileSample] = []
+    gaps: list[float] = []
+    meta: dict[str, Any] = {"from_runs": list(run_dirs)}
+    for d in run_dirs:
+        run = load_run(d)
+        steps = measured_steps(run)
+        samples += [ProfileSample(m.work, m.duration) for m in steps if m.duration > 0]
+        gaps.append(busy_gap(steps))
+        if "engine_config" not in meta and run.engine_config:
+            meta["engine_config"] = {
+                k: v for k, v in run.engine_config.items() if k in EngineConfig.__dataclass_fields__
+            }
+    meta["overhead"] = {"per_step": statistics.median(gaps), "per_seq": 0.0}
+    return ProfileTable(model=model, device=device, samples=samples, meta=meta)

@@ -1,0 +1,95 @@
+"""The profiled cost model on the real engine: profile, then simulate vs run for real."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+from servelab.engine.config import EngineConfig
+from servelab.engine.sampling_params import SamplingParams
+from servelab.sim.loop import SimRequest
+from servelab.sim.profiled import ProfiledCostModel, ProfileTable
+from servelab.sim.profiler import build_engine, grid, profile_engine
+from servelab.sim.scenario import Scenario, simulate
+from servelab.sim.target import profile_target
+
+pytestmark = pytest.mark.slow
+
+N_REQ, PROMPT, OUTPUT = 4, 64, 10
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return build_engine("smollm2-135m", EngineConfig(kv_cache_memory_gb=0.25), threads=1)
+
+
+def _workload_shapes():
+    # The shapes a batch of N_REQ requests of PROMPT tokens goes through: one prefill of
+    # all prompts, then decodes of the whole batch at growing context.
+    return [
+        [(PROMPT, 0)] * N_REQ,
+        [(PROMPT, 0)] * (N_REQ // 2),
+        [(PROMPT, 0)],
+        [(1, PROMPT)] * N_REQ,
+        [(1, PROMPT + OUTPUT)] * N_REQ,
+        [(1, PROMPT)] * (N_REQ // 2),
+        [(1, PROMPT)],
+    ]
+
+
+def test_profile_grid_shapes_are_well_formed():
+    for kind in ("quick", "default"):
+        shapes = grid(kind)
+        assert shapes and all(n >= 1 and ctx >= 0 for s in shapes for n, ctx in s)
+    with pytest.raises(ValueError, match="quick"):
+        grid("huge")
+
+
+def test_profile_then_simulate_agrees_with_a_real_run(engine, tmp_path):
+    table = profile_engine(engine, _workload_shapes(), repeats=3)
+    path = table.save(tmp_path / "profile.json")
+    table = ProfileTable.load(path)
+    assert table.meta["kv_bytes_per_token"] == 46080  # fp32 SmolLM2: 2 * 30 * 3 * 64 * 4
+    assert table.meta["overhead"]["steps"] > 0
+    model = ProfiledCostModel(table)
+    prefill_all, decode_one = table.samples[0].time, table.samples[-1].time
+    assert prefill_all > decode_one  # 256 prompt tokens cost more than one decode token
+
+    # The real run: every request at once, stepped to completion on the real engine. Twice,
+    # keeping the faster, because other processes on this machine slow runs down at random.
+    sp = SamplingParams(max_tokens=OUTPUT, ignore_eos=True, temperature=0.0)
+    prompts = [[(i * 131 + j * 7) % 20000 + 1 for j in range(PROMPT)] for i in range(N_REQ)]
+    runs = []
+    for attempt in range(2):
+        t0 = time.monotonic()
+        for i, ids in enumerate(prompts):
+            engine.add_request(
+                f"real{attempt}-{i}", prompt_token_ids=ids, sampling_params=sp, arrival_time=t0
+            )
+        while engine.has_unfinished():
+            engine.step()
+        engine.reset_prefix_cache()
+        runs.append(
+            [t for t in engine.finished_timelines if t.request_id.startswith(f"real{attempt}-")]
+        )
+    real = min(runs, key=lambda tls: max(t.finished for t in tls) - tls[0].arrival)
+
+    # The simulated run of the same requests on the profile.
+    target = profile_target(table)
+    reqs = [SimRequest(f"sim{i}", 0.0, ids, OUTPUT) for i, ids in enumerate(prompts)]
+    res = simulate(Scenario(target, reqs))
+    assert target.engine_config.num_kv_blocks == engine.config.num_kv_blocks
+
+    def stats(tls):
+        ttft = statistics.median(t.first_token - t.arrival for t in tls)
+        e2e = statistics.median(t.finished - t.arrival for t in tls)
+        return ttft, e2e
+
+    (r_ttft, r_e2e), (s_ttft, s_e2e) = stats(real), stats(res.timelines)
+    # Loose (within 2x): the machine is shared and its speed varies from minute to minute;
+    # a cost model that lost prefill or decode work is off by far more.
+    assert 0.5 < s_ttft / r_ttft < 2.0
+    assert 0.5 < s_e2e / r_e2e < 2.0
+    assert model.fit_error < 0.05
