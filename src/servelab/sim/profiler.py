@@ -191,7 +191,10 @@ def profile_engine(
         "repeats": repeats,
         "threads": runner.num_threads,
         "torch": torch.__version__,
-        "machine": {"host": platform.node(), "processor": platform.processor() or platform.machine()},
+        "machine": {
+            "host": platform.node(),
+            "processor": platform.processor() or platform.machine(),
+        },
         "kv_bytes_per_token": runner.kv_block_bytes(bs) / bs,
         "max_model_len": runner.max_model_len,
         "eos_token_ids": list(runner.eos_token_ids),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.engine.config import EngineConfig
-from servelab.sim.executor import CostModel, SimExecutor, VirtualClock
+from servelab.sim.executor import CostModel, PacedExecutor, SimExecutor, VirtualClock
 from servelab.sim.hardware import Hardware, get_hardware
 from servelab.sim.modelspec import ModelSpec, load_model_spec
 from servelab.sim.profiled import ProfiledCostModel, ProfileTable
@@ -36,17 +36,20 @@ class SimTarget:
     spec_acceptance: float = 0.7
     info: dict[str, Any] = field(default_factory=dict)
 
-    def make_executor(self, clock: VirtualClock, seed: int = 0) -> SimExecutor:
-        return SimExecutor(
-            self.cost_model,
-            clock,
-            max_model_len=self.max_model_len,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            eos_token_ids=self.eos_token_ids,
-            placeholder_ids=self.placeholder_ids,
-            spec_acceptance=self.spec_acceptance,
-            seed=seed,
-        )
+    def make_executor(self, clock: VirtualClock | None = None, seed: int = 0) -> SimExecutor:
+        """A virtual-time executor on ``clock``, or with no clock a :class:`PacedExecutor`
+        that sleeps each predicted step on the wall clock."""
+        kwargs = {
+            "max_model_len": self.max_model_len,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "eos_token_ids": self.eos_token_ids,
+            "placeholder_ids": self.placeholder_ids,
+            "spec_acceptance": self.spec_acceptance,
+            "seed": seed,
+        }
+        if clock is None:
+            return PacedExecutor(self.cost_model, **kwargs)
+        return SimExecutor(self.cost_model, clock, **kwargs)
 
     def factory(self, clock: VirtualClock, seed: int) -> tuple[Any, SimExecutor]:
         """An engine replica on ``clock`` (the ``EngineFactory`` of the simulation loop)."""
