@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -92,7 +93,7 @@ def test_server_with_the_simulated_engine_answers_openai_with_simulated_timing()
     w = StepWork()
     w.add(1, 20, 1)
     decode = target.cost_model.predict(w)
-    itl = statistics.median(b - a for a, b in zip(arrivals, arrivals[1:]))
+    itl = statistics.median(b - a for a, b in itertools.pairwise(arrivals))
     # The client sees the simulated decode step (plus HTTP and engine overhead).
     assert decode * 0.9 < itl < decode * 1.5 + 0.03
     assert arrivals[0] - t0 >= decode * 0.9  # the first token waited for a prefill step
