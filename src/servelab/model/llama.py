@@ -31,18 +31,28 @@ class AttentionGroup:
 
     ``fresh``: one sequence whose query tokens ``tokens`` (a slice of the batch) start at
     position 0, so it attends causally to its own new K/V and reads no cache.
-    Otherwise (paged): ``q_index`` [B, max_q] are batch token indices (padding repeats a
-    valid index), ``kv_index`` [B, max_ctx] are cache slots of positions 0..ctx-1
-    (padding points at slot 0), ``mask`` [B, 1, max_q, max_ctx] says which key each query
-    sees (None: all), and ``q_valid`` [B, max_q] marks real queries (None: all real).
+
+    Otherwise (paged) the group holds ``batch_size`` sequences padded to ``max_q`` queries:
+    - queries: ``tokens`` when they are one contiguous run of the batch with exactly
+      ``max_q`` tokens per sequence (the decode case: no gather), else ``q_index``
+      [B, max_q] batch token indices (padding repeats a real token) with ``q_valid``
+      [B, max_q] marking real queries;
+    - keys/values: whole cache blocks, ``kv_blocks`` [B * n] block ids gathered with one
+      index_select, or ``kv_block_range`` (first, n) for one sequence whose blocks are
+      consecutive (a zero-copy view); each sequence sees ``n * block_size`` positions;
+    - ``mask`` [B, 1, max_q, n * block_size] additive (0 / -inf), in the compute dtype:
+      causality and the end of each context; None when every key is visible.
     """
 
     fresh: bool
     tokens: slice | None = None
+    batch_size: int = 1
+    max_q: int = 1
     q_index: torch.Tensor | None = None
-    kv_index: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
     q_valid: torch.Tensor | None = None
+    kv_blocks: torch.Tensor | None = None
+    kv_block_range: tuple[int, int] | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -105,12 +115,10 @@ class DecoderLayer(nn.Module):
         qk = torch.view_as_real(qk * rope).view(n_tok, nq + nkv, hd)
         q, k = qk[:, :nq], qk[:, nq:]
         v = qkv[:, qk_width:].view(n_tok, nkv, hd)
-        k_flat = v_flat = None
         if kv is not None:
-            k_flat, v_flat = kv[0].view(-1, nkv, hd), kv[1].view(-1, nkv, hd)
-            k_flat.index_copy_(0, batch.slot_mapping, k)
-            v_flat.index_copy_(0, batch.slot_mapping, v)
-        attn = _attention(q, k, v, batch.groups, k_flat, v_flat)
+            kv[0].view(-1, nkv, hd).index_copy_(0, batch.slot_mapping, k)
+            kv[1].view(-1, nkv, hd).index_copy_(0, batch.slot_mapping, v)
+        attn = _attention(q, k, v, batch.groups, kv)
         x = x + linear(attn.view(n_tok, nq * hd), self.o_w)
         h = F.rms_norm(x, (cfg.hidden_size,), self.ln2, cfg.rms_norm_eps)
         gate_up = linear(h, self.gate_up_w)
@@ -119,16 +127,27 @@ class DecoderLayer(nn.Module):
         return x
 
 
+def _gather_kv(cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    """[B, n_kv_heads, n * block_size, head_dim] keys or values of a paged group."""
+    if g.kv_block_range is not None:
+        first, n = g.kv_block_range
+        blocks = cache[first : first + n]
+    else:
+        blocks = cache.index_select(0, g.kv_blocks)
+    return blocks.view(g.batch_size, -1, *cache.shape[2:]).transpose(1, 2)
+
+
 def _attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     groups: list[AttentionGroup],
-    k_flat: torch.Tensor | None,
-    v_flat: torch.Tensor | None,
+    kv: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     """[T, nq, hd] attention output for every query token of the batch."""
-    out = q.new_empty(q.shape) if len(groups) > 1 or not groups[0].fresh else None
+    # One group that covers the batch in order returns its output as is.
+    single = len(groups) == 1 and (groups[0].fresh or groups[0].tokens is not None)
+    out = None if single else q.new_empty(q.shape)
     for g in groups:
         if g.fresh:
             s = g.tokens
@@ -139,20 +158,29 @@ def _attention(
                 is_causal=True,
                 enable_gqa=True,
             )[0].transpose(0, 1)
-            if out is None:
+            if single:
                 return o
             out[s] = o
             continue
-        if k_flat is None or v_flat is None:
+        if kv is None:
             raise ValueError("a paged attention group needs the KV cache")
+        if g.tokens is not None:
+            qg = q[g.tokens].view(g.batch_size, g.max_q, *q.shape[1:])
+        else:
+            qg = q[g.q_index]
         o = F.scaled_dot_product_attention(
-            q[g.q_index].transpose(1, 2),
-            k_flat[g.kv_index].transpose(1, 2),
-            v_flat[g.kv_index].transpose(1, 2),
+            qg.transpose(1, 2),
+            _gather_kv(kv[0], g),
+            _gather_kv(kv[1], g),
             attn_mask=g.mask,
             enable_gqa=True,
         ).transpose(1, 2)  # [B, max_q, nq, hd]
-        if g.q_valid is None:
+        if g.tokens is not None:
+            o = o.reshape(-1, *o.shape[2:])
+            if single:
+                return o
+            out[g.tokens] = o
+        elif g.q_valid is None:
             out[g.q_index.reshape(-1)] = o.reshape(-1, *o.shape[2:])
         else:
             out[g.q_index[g.q_valid]] = o[g.q_valid]

@@ -67,6 +67,7 @@ class TorchModelRunner:
         self.config = cfg
         self.max_model_len: int = cfg.max_model_len
         self.eos_token_ids: list[int] = loaded.tokenizer.eos_token_ids or cfg.eos_token_ids
+        self.dtype = self.model.embed.dtype
         self.sampler = Sampler(self.device, seed)
         self.block_size = 0
         self.num_blocks = 0
@@ -197,28 +198,44 @@ class TorchModelRunner:
         bs, dev = self.block_size, self.device
         max_q = max(n for _, _, n in items)
         ctx = [s.start_pos + n for s, _, n in items]
-        max_ctx = max(ctx)
-        n_blocks = -(-max_ctx // bs)
-        tables = [
-            s.block_table[:n_blocks] + [0] * (n_blocks - len(s.block_table[:n_blocks]))
-            for s, _, _ in items
-        ]
-        pos = torch.arange(max_ctx, device=dev)
-        table = torch.tensor(tables, dtype=torch.long, device=dev)
-        kv_index = table[:, pos // bs] * bs + pos % bs
-        # Padding query rows repeat a real token; they are computed and dropped.
-        q_index = torch.tensor(
-            [[off + min(j, n - 1) for j in range(max_q)] for _, off, n in items], device=dev
-        )
-        q_valid = None
-        if any(n != max_q for _, _, n in items):
-            q_valid = torch.tensor([[j < n for j in range(max_q)] for _, _, n in items], device=dev)
-        mask = None
-        if max_q > 1 or any(c != max_ctx for c in ctx):
+        n_blocks = -(-max(ctx) // bs)
+        width = n_blocks * bs
+        g = AttentionGroup(fresh=False, batch_size=len(items), max_q=max_q)
+        offsets = [off for _, off, _ in items]
+        if all(n == max_q for _, _, n in items) and offsets == list(
+            range(offsets[0], offsets[0] + max_q * len(items), max_q)
+        ):
+            g.tokens = slice(offsets[0], offsets[0] + max_q * len(items))
+        else:
+            # Padding query rows repeat a real token; they are computed and dropped.
+            g.q_index = torch.tensor(
+                [[off + min(j, n - 1) for j in range(max_q)] for _, off, n in items], device=dev
+            )
+            if any(n != max_q for _, _, n in items):
+                g.q_valid = torch.tensor(
+                    [[j < n for j in range(max_q)] for _, _, n in items], device=dev
+                )
+        first = items[0][0].block_table[:n_blocks]
+        if len(items) == 1 and first == list(range(first[0], first[0] + n_blocks)):
+            g.kv_block_range = (first[0], n_blocks)
+        else:
+            # Blocks past a sequence's table are padding: block 0, masked out.
+            g.kv_blocks = torch.tensor(
+                [
+                    b
+                    for s, _, _ in items
+                    for b in (s.block_table[:n_blocks] + [0] * n_blocks)[:n_blocks]
+                ],
+                device=dev,
+            )
+        if max_q > 1 or any(c != width for c in ctx):
             q_pos = torch.tensor(
                 [[s.start_pos + j for j in range(max_q)] for s, _, _ in items], device=dev
             )
-            mask = (pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
-        return AttentionGroup(
-            fresh=False, q_index=q_index, kv_index=kv_index, mask=mask, q_valid=q_valid
-        )
+            visible = torch.arange(width, device=dev)[None, None, :] <= q_pos[:, :, None]
+            g.mask = (
+                torch.zeros(visible.shape, dtype=self.dtype, device=dev)
+                .masked_fill_(~visible, float("-inf"))
+                .unsqueeze(1)
+            )
+        return g
