@@ -66,6 +66,13 @@ def _build_target(
     )
 
 
+def _check_fresh(d: Path) -> None:
+    if (d / "requests.jsonl").exists():
+        raise ValueError(
+            f"{d} already holds a run (requests.jsonl); choose another --out or delete it"
+        )
+
+
 def _summary_row(label: str, res: Any, slos: Any, wall: float) -> dict[str, Any]:
     import numpy as np
 
@@ -292,10 +299,14 @@ def sim(
                 )
             except (TypeError, ValueError) as e:
                 raise _fail(f"sweep point {label}: {e}") from None
+        d = run_dir if len(points) == 1 else run_dir / label.replace("=", "-").replace(",", "_")
+        try:
+            _check_fresh(d)
+        except ValueError as e:
+            raise _fail(str(e)) from None
         t0 = time.perf_counter()
         res = simulate(sc, keep_steps=not no_steps)
         wall = time.perf_counter() - t0
-        d = run_dir if len(points) == 1 else run_dir / label.replace("=", "-").replace(",", "_")
         write_run_dir(
             d,
             res,

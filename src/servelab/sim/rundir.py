@@ -1,4 +1,4 @@
-"""Write a simulated run as a run directory, in the format a real benchmark run has.
+"""Write a simulated run as a run directory, with the benchmark's own writer (``RunDir``).
 
 ``requests.jsonl`` (ClientRecords), ``server.jsonl`` (RequestTimeline dicts),
 ``steps.jsonl`` (StepRecord dicts plus ``replica`` and ``role``), ``metrics.json``
@@ -8,7 +8,6 @@ what was simulated. ``diagnose``, ``compare`` and ``report`` read it unchanged.
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -17,14 +16,8 @@ from typing import Any
 
 from servelab import __version__
 from servelab.analyze.summary import DEFAULT_N_BOOT, SLO, summarize
+from servelab.bench.recorder import RunDir
 from servelab.sim.loop import SimResult
-
-
-def _jsonl(path: Path, rows: Any) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, separators=(",", ":")))
-            f.write("\n")
 
 
 def write_run_dir(
@@ -48,18 +41,23 @@ def write_run_dir(
     (bootstrap resamples for the confidence intervals) defaults to the summary's own
     default, cut to 100 for runs over 5,000 requests, whose pooled ITL runs to millions.
     """
-    d = Path(path)
-    d.mkdir(parents=True, exist_ok=True)
-    _jsonl(d / "requests.jsonl", (r.to_dict() for r in result.records))
-    _jsonl(d / "server.jsonl", (t.to_dict() for t in result.timelines))
-    if write_steps:
-        _jsonl(d / "steps.jsonl", result.steps)
+    out = RunDir(path)
+    try:
+        for r in result.records:
+            out.add_record(r)
+        for t in result.timelines:
+            out.add_timeline(t.to_dict())
+        if write_steps:
+            for step in result.steps:
+                out.add_step(step)
+    finally:
+        out.close()
     if n_boot is None:
         n_boot = DEFAULT_N_BOOT if len(result.records) <= 5000 else 100
     metrics = summarize(result.records, slos=slos, n_boot=n_boot)
-    (d / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    out.write_json("metrics.json", metrics)
     manifest = {
-        "name": name or d.name,
+        "name": name or out.path.name,
         "simulated": True,
         "target_kind": "servelab",
         "command": command if command is not None else sys.argv,
@@ -70,7 +68,8 @@ def write_run_dir(
         "server": {
             "kind": "servelab-sim",
             "model": target.get("model"),
-            "engine_config": target.get("engine_config", {}),
+            "max_model_len": target.get("max_model_len"),
+            "config": target.get("engine_config", {}),
             "simulated": target,
         },
         "workload": workload,
@@ -87,5 +86,5 @@ def write_run_dir(
             **(sim or {}),
         },
     }
-    (d / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
-    return d
+    out.write_json("manifest.json", manifest)
+    return out.path
