@@ -1,0 +1,104 @@
+"""Simulator fidelity on this machine: profile on some workloads, predict held-out ones,
+and run those for real in the same session.
+
+    .venv/bin/python benchmarks/sim_fidelity.py [--rate 0.3] [--requests 12] [--source runs|grid]
+
+1. ``servelab bench`` runs the training workloads for real (the embedded server, the
+   default model) and ``servelab profile --from-run`` turns their steps into a profile
+   table (``--source grid`` profiles the batch-shape grid instead).
+2. For each held-out workload: ``servelab bench`` runs it for real, ``servelab sim
+   --profile`` simulates it with the same load and seed.
+3. Prints, per held-out workload, the relative error of the simulated p50/p95 TTFT, ITL
+   and E2E and of the output throughput against the real run (targets: 10% on the
+   percentiles, 5% on throughput), and writes ``fidelity.json``.
+
+Real runs on a 2-core machine shared with other work are slow and noisy: keep the rate
+and request counts small, and quote the figures as provisional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SERVELAB = [sys.executable, "-m", "servelab.cli"]
+METRICS = [("ttft", "p50"), ("ttft", "p95"), ("itl", "p50"), ("itl", "p95"), ("e2e", "p50"),
+           ("e2e", "p95")]
+
+
+def run(cmd: list[str]) -> None:
+    print("$", " ".join(cmd[2:] if cmd[:2] == SERVELAB[:2] else cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def load_args(a: argparse.Namespace, workload: str) -> list[str]:
+    return ["--workload", workload, "--rate", str(a.rate), "--requests", str(a.requests),
+            "--seed", str(a.seed), "--length-scale", str(a.length_scale)]
+
+
+def figures(run_dir: Path) -> dict[str, float]:
+    m = json.loads((run_dir / "metrics.json").read_text())["overall"]
+    out = {f"{k}_{p}": m["latency"][k][p] for k, p in METRICS}
+    out["output_tok_s"] = m["throughput"]["output_tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", default="chat,codegen", help="workloads to profile on")
+    ap.add_argument("--heldout", default="rag,agent", help="workloads to predict")
+    ap.add_argument("--rate", type=float, default=0.3)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--length-scale", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--source", choices=("runs", "grid"), default="runs")
+    ap.add_argument("--grid", default="default", help="grid for --source grid (default, quick)")
+    ap.add_argument("--out", default=f"runs/fidelity-{time.strftime('%Y%m%d-%H%M%S')}")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    profile = out / "profile.json"
+    if a.source == "runs":
+        train_dirs = []
+        for w in a.train.split(","):
+            d = out / f"train-{w}"
+            run([*SERVELAB, "bench", *load_args(a, w), "--out", str(d), "--quiet"])
+            train_dirs.append(str(d))
+        run([*SERVELAB, "profile", *sum((["--from-run", d] for d in train_dirs), []),
+             "--out", str(profile)])
+    else:
+        run([*SERVELAB, "profile", "--grid", a.grid, "--out", str(profile)])
+
+    results = {}
+    for w in a.heldout.split(","):
+        real, sim = out / f"real-{w}", out / f"sim-{w}"
+        run([*SERVELAB, "bench", *load_args(a, w), "--out", str(real), "--quiet"])
+        run([*SERVELAB, "sim", "--profile", str(profile), *load_args(a, w), "--out", str(sim)])
+        r, s = figures(real), figures(sim)
+        results[w] = {k: {"real": r[k], "sim": s[k],
+                          "error": (s[k] - r[k]) / r[k] if r[k] else None} for k in r}
+
+    print(f"\nsimulated vs real on this machine ({a.source} profile; rate {a.rate}/s, "
+          f"{a.requests} requests each; {time.perf_counter() - t_start:.0f} s in all)")
+    header = f"{'workload':10s} {'metric':14s} {'real':>10s} {'sim':>10s} {'error':>8s}  target"
+    print(header)
+    for w, res in results.items():
+        for k, v in res.items():
+            target = 0.05 if k == "output_tok_s" else 0.10
+            err = v["error"]
+            mark = "" if err is None else ("ok" if abs(err) <= target else "MISSED")
+            err_s = "-" if err is None else f"{err:+.1%}"
+            print(f"{w:10s} {k:14s} {v['real']:10.4g} {v['sim']:10.4g} {err_s:>8s}  "
+                  f"{target:.0%} {mark}")
+    (out / "fidelity.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    print(f"wrote {out / 'fidelity.json'}")
+
+
+if __name__ == "__main__":
+    main()
