@@ -26,8 +26,14 @@ import time
 from pathlib import Path
 
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
-METRICS = [("ttft", "p50"), ("ttft", "p95"), ("itl", "p50"), ("itl", "p95"), ("e2e", "p50"),
-           ("e2e", "p95")]
+METRICS = [
+    ("ttft", "p50"),
+    ("ttft", "p95"),
+    ("itl", "p50"),
+    ("itl", "p95"),
+    ("e2e", "p50"),
+    ("e2e", "p95"),
+]
 
 
 def run(cmd: list[str]) -> None:
@@ -36,8 +42,18 @@ def run(cmd: list[str]) -> None:
 
 
 def load_args(a: argparse.Namespace, workload: str) -> list[str]:
-    return ["--workload", workload, "--rate", str(a.rate), "--requests", str(a.requests),
-            "--seed", str(a.seed), "--length-scale", str(a.length_scale)]
+    return [
+        "--workload",
+        workload,
+        "--rate",
+        str(a.rate),
+        "--requests",
+        str(a.requests),
+        "--seed",
+        str(a.seed),
+        "--length-scale",
+        str(a.length_scale),
+    ]
 
 
 def figures(run_dir: Path) -> dict[str, float]:
@@ -48,7 +64,9 @@ def figures(run_dir: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--train", default="chat,codegen", help="workloads to profile on")
     ap.add_argument("--heldout", default="rag,agent", help="workloads to predict")
     ap.add_argument("--rate", type=float, default=0.3)
@@ -70,8 +88,8 @@ def main() -> None:
             d = out / f"train-{w}"
             run([*SERVELAB, "bench", *load_args(a, w), "--out", str(d), "--quiet"])
             train_dirs.append(str(d))
-        run([*SERVELAB, "profile", *sum((["--from-run", d] for d in train_dirs), []),
-             "--out", str(profile)])
+        from_runs = [arg for d in train_dirs for arg in ("--from-run", d)]
+        run([*SERVELAB, "profile", *from_runs, "--out", str(profile)])
     else:
         run([*SERVELAB, "profile", "--grid", a.grid, "--out", str(profile)])
 
@@ -81,11 +99,15 @@ def main() -> None:
         run([*SERVELAB, "bench", *load_args(a, w), "--out", str(real), "--quiet"])
         run([*SERVELAB, "sim", "--profile", str(profile), *load_args(a, w), "--out", str(sim)])
         r, s = figures(real), figures(sim)
-        results[w] = {k: {"real": r[k], "sim": s[k],
-                          "error": (s[k] - r[k]) / r[k] if r[k] else None} for k in r}
+        results[w] = {
+            k: {"real": r[k], "sim": s[k], "error": (s[k] - r[k]) / r[k] if r[k] else None}
+            for k in r
+        }
 
-    print(f"\nsimulated vs real on this machine ({a.source} profile; rate {a.rate}/s, "
-          f"{a.requests} requests each; {time.perf_counter() - t_start:.0f} s in all)")
+    print(
+        f"\nsimulated vs real on this machine ({a.source} profile; rate {a.rate}/s, "
+        f"{a.requests} requests each; {time.perf_counter() - t_start:.0f} s in all)"
+    )
     header = f"{'workload':10s} {'metric':14s} {'real':>10s} {'sim':>10s} {'error':>8s}  target"
     print(header)
     for w, res in results.items():
@@ -94,8 +116,10 @@ def main() -> None:
             err = v["error"]
             mark = "" if err is None else ("ok" if abs(err) <= target else "MISSED")
             err_s = "-" if err is None else f"{err:+.1%}"
-            print(f"{w:10s} {k:14s} {v['real']:10.4g} {v['sim']:10.4g} {err_s:>8s}  "
-                  f"{target:.0%} {mark}")
+            print(
+                f"{w:10s} {k:14s} {v['real']:10.4g} {v['sim']:10.4g} {err_s:>8s}  "
+                f"{target:.0%} {mark}"
+            )
     (out / "fidelity.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     print(f"wrote {out / 'fidelity.json'}")
 

@@ -37,11 +37,16 @@ def main() -> None:
     reqs, info = requests_from_trace(TRACE, max_requests=args.requests, max_model_len=131072)
     t_load = time.perf_counter() - t0
     target = roofline_target(
-        "h200", "llama-3.1-8b",
+        "h200",
+        "llama-3.1-8b",
         engine_config=EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192),
     )
-    sim = Simulation(target.factory, reqs, Topology(replicas=args.replicas, router="least-loaded"),
-                     keep_steps=False)
+    sim = Simulation(
+        target.factory,
+        reqs,
+        Topology(replicas=args.replicas, router="least-loaded"),
+        keep_steps=False,
+    )
     prof = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
     if prof:
@@ -53,14 +58,22 @@ def main() -> None:
     seq_steps = sum(r.output_tokens for r in res.records) + sum(
         1 for tl in res.timelines for _ in tl.chunks
     )
-    print(f"trace: {len(reqs)} requests, {info['trace']['replayed']['span_s']:.0f} s span "
-          f"(loaded in {t_load:.1f} s)")
-    print(f"simulated {res.sim_duration:.0f} s of an H200 x{args.replicas} serving Llama-3.1-8B "
-          f"in {wall:.1f} s wall ({res.sim_duration / wall:.0f}x real time)")
-    print(f"steps: {res.num_steps} ({res.num_steps / wall:.0f}/s); sequence-steps: {seq_steps} "
-          f"({seq_steps / wall / 1e3:.0f}k/s, {wall / seq_steps * 1e6:.1f} us each)")
-    print(f"target < 60 s for the whole trace: {'met' if wall < 60 else 'NOT met'} "
-          f"({'whole trace' if args.requests is None else f'{args.requests} requests only'})")
+    print(
+        f"trace: {len(reqs)} requests, {info['trace']['replayed']['span_s']:.0f} s span "
+        f"(loaded in {t_load:.1f} s)"
+    )
+    print(
+        f"simulated {res.sim_duration:.0f} s of an H200 x{args.replicas} serving Llama-3.1-8B "
+        f"in {wall:.1f} s wall ({res.sim_duration / wall:.0f}x real time)"
+    )
+    print(
+        f"steps: {res.num_steps} ({res.num_steps / wall:.0f}/s); sequence-steps: {seq_steps} "
+        f"({seq_steps / wall / 1e3:.0f}k/s, {wall / seq_steps * 1e6:.1f} us each)"
+    )
+    print(
+        f"target < 60 s for the whole trace: {'met' if wall < 60 else 'NOT met'} "
+        f"({'whole trace' if args.requests is None else f'{args.requests} requests only'})"
+    )
     if prof:
         s = io.StringIO()
         st = pstats.Stats(prof, stream=s)
@@ -68,9 +81,21 @@ def main() -> None:
         print(s.getvalue())
         by_module: dict[str, float] = {}
         for (file, _, _), (_, _, tt, _, _) in st.stats.items():  # type: ignore[attr-defined]
-            key = next((m for m in ("engine/scheduler", "engine/kv_cache", "engine/engine",
-                                    "engine/request", "engine/detokenizer", "sim/") if m in file),
-                       "other")
+            key = next(
+                (
+                    m
+                    for m in (
+                        "engine/scheduler",
+                        "engine/kv_cache",
+                        "engine/engine",
+                        "engine/request",
+                        "engine/detokenizer",
+                        "sim/",
+                    )
+                    if m in file
+                ),
+                "other",
+            )
             by_module[key] = by_module.get(key, 0.0) + tt
         total = sum(by_module.values())
         print("own time by module:")
