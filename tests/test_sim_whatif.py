@@ -246,3 +246,40 @@ def test_cli_sim_writes_a_run_and_reports_bad_input(tmp_path):
         ],
     )
     assert r.exit_code == 2 and "tp" in r.output
+
+
+def test_simulated_runs_go_through_diagnose_compare_and_report(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "sweep"
+    r = runner.invoke(
+        app,
+        [
+            "sim",
+            "--hardware",
+            "l4",
+            "--model",
+            "llama-3.1-8b",
+            "--workload",
+            "rag",
+            "--rate",
+            "2",
+            "--requests",
+            "30",
+            "--sweep",
+            "max_num_batched_tokens=256,2048",
+            "--out",
+            str(out),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    small, big = sorted(p for p in out.iterdir() if p.is_dir())
+    assert json.loads((out / "sweep.json").read_text())[0]["label"].startswith(
+        "max_num_batched_tokens"
+    )
+    r = runner.invoke(app, ["diagnose", str(small)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["compare", str(small), str(big)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["report", str(small), "--html", str(tmp_path / "r.html")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "r.html").stat().st_size > 10_000
