@@ -187,3 +187,24 @@ def test_profile_table_round_trips_and_rejects_foreign_files(tmp_path):
         ProfileTable.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="servelab profile"):
         ProfileTable.load(tmp_path / "missing.json")
+
+
+def test_work_of_plan_matches_step_work_add():
+    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.sampling_params import SamplingParams
+    from servelab.sim.work import work_of_plan
+
+    rng = random.Random(5)
+    sp = SamplingParams()
+    for _ in range(50):
+        seqs, expected = [], StepWork()
+        for i in range(rng.randint(1, 12)):
+            n = rng.choice([1, 1, 1, rng.randint(2, 300)])
+            start = rng.randint(0, 4000)
+            sample = n == 1 or rng.random() < 0.5
+            drafts = [3] * rng.randint(0, 3) if n == 1 else []
+            seqs.append(
+                ScheduledSeq(f"s{i}", [7] * n, start, [], sample, sp, draft_token_ids=drafts)
+            )
+            expected.add(n + len(drafts), start, (1 + len(drafts)) if sample else 0)
+        assert work_of_plan(BatchPlan(0, seqs)) == expected
