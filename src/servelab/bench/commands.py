@@ -1,9 +1,293 @@
-"""CLI commands of this subsystem (registered by servelab.cli). No heavy imports at module level."""
+"""`servelab bench`: the workload-shaped benchmark. No heavy imports at module level."""
 
 from __future__ import annotations
 
+import math
+import sys
+from pathlib import Path
+
 import typer
+
+_TARGET = "Target"
+_WORKLOAD = "Workload"
+_LOAD = "Load"
+_LENGTH = "Run length"
+_SLO = "SLOs and search"
+_OUTPUT = "Output"
+
+
+def _bad(flag: str, message: str) -> typer.BadParameter:
+    return typer.BadParameter(message, param_hint=f"'{flag}'")
+
+
+def _seconds(flag: str, text: str | None) -> float | None:
+    """``"90"``, ``"90s"``, ``"1.5min"`` -> seconds (a bare number is seconds here)."""
+    if text is None:
+        return None
+    from servelab.analyze.summary import parse_duration
+
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return parse_duration(text, what=flag)
+    except ValueError as e:
+        raise _bad(flag, str(e)) from None
+
+
+def parse_sweep(text: str) -> tuple[str, list[float]]:
+    """``"rate=0.5,1,2"`` or ``"concurrency=1,4,16"`` -> (kind, values)."""
+    kind, sep, values = text.partition("=")
+    kind = kind.strip()
+    hint = "write --sweep rate=0.5,1,2 or --sweep concurrency=1,4,16"
+    if not sep or kind not in ("rate", "concurrency"):
+        raise _bad("--sweep", f"{text!r}: {hint}")
+    try:
+        vals = [float(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise _bad("--sweep", f"{text!r}: values must be numbers; {hint}") from None
+    if not vals or any(not v > 0 for v in vals):
+        raise _bad("--sweep", f"{text!r}: give one or more values > 0; {hint}")
+    if kind == "concurrency" and any(v != int(v) for v in vals):
+        raise _bad("--sweep", f"{text!r}: concurrency values must be whole numbers")
+    return kind, vals
+
+
+def bench(
+    url: str | None = typer.Option(
+        None,
+        help="Base URL of an OpenAI-compatible server. Default: start `servelab serve`.",
+        rich_help_panel=_TARGET,
+    ),
+    model: str | None = typer.Option(
+        None,
+        help="Model to serve (embedded) or to name in requests (default: the server's first).",
+        rich_help_panel=_TARGET,
+    ),
+    tokenizer: str | None = typer.Option(
+        None,
+        help="Tokenizer for exact prompt lengths: a model name, HF dir or .gguf "
+        "(default: the embedded model's).",
+        rich_help_panel=_TARGET,
+    ),
+    api_key: str | None = typer.Option(
+        None,
+        envvar=["OPENAI_API_KEY", "SERVELAB_API_KEY"],
+        show_default=False,
+        show_envvar=True,
+        help="Bearer token; never written to the run directory.",
+        rich_help_panel=_TARGET,
+    ),
+    endpoint: str = typer.Option(
+        "completions", help="completions or chat.", rich_help_panel=_TARGET
+    ),
+    engine_args: str = typer.Option(
+        "",
+        help='Flags for the embedded `servelab serve`, e.g. "--max-num-seqs 8".',
+        rich_help_panel=_TARGET,
+    ),
+    strict_openai: bool = typer.Option(
+        False,
+        help="Send only OpenAI's own fields (no min_tokens/ignore_eos): output lengths "
+        "are then not forced.",
+        rich_help_panel=_TARGET,
+    ),
+    timeout: str = typer.Option(
+        "600", help="Per-request timeout (seconds, or 10min).", rich_help_panel=_TARGET
+    ),
+    workload: str | None = typer.Option(
+        None,
+        help="Preset (chat, rag, agent, codegen, mixed, batch) or a YAML/TOML spec file. "
+        "Default: chat.",
+        rich_help_panel=_WORKLOAD,
+    ),
+    trace: str | None = typer.Option(
+        None,
+        help="Replay an Azure CSV or Mooncake JSONL trace (instead of --workload).",
+        rich_help_panel=_WORKLOAD,
+    ),
+    time_scale: float = typer.Option(
+        1.0, help="Trace: multiply send times (2 = half the rate).", rich_help_panel=_WORKLOAD
+    ),
+    length_scale: float = typer.Option(
+        1.0, help="Multiply every token length (workload or trace).", rich_help_panel=_WORKLOAD
+    ),
+    seed: int = typer.Option(
+        0,
+        help="Seed of the whole plan (arrivals, classes, lengths, text).",
+        rich_help_panel=_WORKLOAD,
+    ),
+    concurrency: int | None = typer.Option(
+        None, help="Closed loop: this many requests in flight.", rich_help_panel=_LOAD
+    ),
+    rate: float | None = typer.Option(
+        None,
+        help="Open loop: requests (sessions) per second; inf sends all at once.",
+        rich_help_panel=_LOAD,
+    ),
+    burstiness: float = typer.Option(
+        1.0,
+        help="Gamma arrivals: CV = 1/sqrt(B); 1 is Poisson, below 1 is burstier.",
+        rich_help_panel=_LOAD,
+    ),
+    arrival: str = typer.Option(
+        "poisson", help="poisson, gamma, constant, onoff or ramp.", rich_help_panel=_LOAD
+    ),
+    on_off: str | None = typer.Option(
+        None, help="onoff arrivals: ON,OFF seconds, e.g. 5s,10s.", rich_help_panel=_LOAD
+    ),
+    ramp_to: float | None = typer.Option(
+        None,
+        help="ramp arrivals: the rate reached after --ramp-over (from --rate).",
+        rich_help_panel=_LOAD,
+    ),
+    ramp_over: str | None = typer.Option(
+        None, help="ramp duration (default: --duration).", rich_help_panel=_LOAD
+    ),
+    requests: int | None = typer.Option(
+        None, help="Stop after this many requests (sessions).", rich_help_panel=_LENGTH
+    ),
+    duration: str | None = typer.Option(
+        None, help="Stop sending after this long (60, 60s, 2min).", rich_help_panel=_LENGTH
+    ),
+    warmup: str | None = typer.Option(
+        None,
+        help="Exclude from the measured window: 10s, 20 (requests) or 5%.",
+        rich_help_panel=_LENGTH,
+    ),
+    cooldown: str | None = typer.Option(
+        None, help="Exclude the end: 10s, 20 (requests) or 5%.", rich_help_panel=_LENGTH
+    ),
+    slo: str | None = typer.Option(
+        None,
+        help="SLOs for every class, e.g. ttft=2s,itl=250ms (overrides the workload's).",
+        rich_help_panel=_SLO,
+    ),
+    sweep: str | None = typer.Option(
+        None, help="Stages: rate=0.5,1,2 or concurrency=1,4,16.", rich_help_panel=_SLO
+    ),
+    find_max_rate: bool = typer.Option(
+        False,
+        help="Search the highest rate whose goodput fraction stays >= --goodput-target.",
+        rich_help_panel=_SLO,
+    ),
+    goodput_target: float = typer.Option(
+        0.9, help="Fraction of requests that must meet SLOs.", rich_help_panel=_SLO
+    ),
+    search_steps: int = typer.Option(
+        3, help="Bisection stages after bracketing the max rate.", rich_help_panel=_SLO
+    ),
+    matrix: str | None = typer.Option(
+        None, help="Run a matrix of configurations from a file.", rich_help_panel=_SLO
+    ),
+    out: str | None = typer.Option(
+        None, help="Run directory (default: runs/<time>-<workload>).", rich_help_panel=_OUTPUT
+    ),
+    overwrite: bool = typer.Option(
+        False, help="Replace a run already in --out.", rich_help_panel=_OUTPUT
+    ),
+    quiet: bool = typer.Option(False, help="No live progress display.", rich_help_panel=_OUTPUT),
+) -> None:
+    """Benchmark an OpenAI-compatible endpoint with a workload-shaped load."""
+    from servelab.analyze.summary import SLO, Trim
+    from servelab.bench.plan import ENDPOINTS, LoadSpec
+    from servelab.bench.run import BenchOptions, redact, run_bench
+
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise _bad("--url", f"{url!r}: give a base URL such as http://127.0.0.1:8000")
+    if endpoint not in ENDPOINTS:
+        raise _bad("--endpoint", f"{endpoint!r}: use completions or chat")
+    if trace is not None and workload is not None:
+        raise _bad("--trace", "a trace sets its own lengths and arrivals; drop --workload")
+    if find_max_rate and sweep is not None:
+        raise _bad("--find-max-rate", "choose --sweep or --find-max-rate, not both")
+    if find_max_rate and concurrency is not None:
+        raise _bad("--find-max-rate", "it searches over --rate (open loop); drop --concurrency")
+    on = off = None
+    if on_off is not None:
+        parts = on_off.split(",")
+        if len(parts) != 2:
+            raise _bad("--on-off", f"{on_off!r}: write ON,OFF durations, e.g. 5s,10s")
+        on, off = _seconds("--on-off", parts[0]), _seconds("--on-off", parts[1])
+    if arrival == "poisson" and on_off is not None:
+        arrival = "onoff"
+    if arrival == "poisson" and ramp_to is not None:
+        arrival = "ramp"
+    sweep_spec = parse_sweep(sweep) if sweep else None
+    if sweep_spec is not None and sweep_spec[0] == "rate" and rate is None:
+        rate = sweep_spec[1][0]
+    if sweep_spec is not None and sweep_spec[0] == "concurrency" and concurrency is None:
+        concurrency = int(sweep_spec[1][0])
+    if find_max_rate and rate is None:
+        rate = 1.0
+    if concurrency is None and rate is None and trace is None:
+        concurrency = 1  # a sensible default: one request at a time
+    load = LoadSpec(
+        concurrency=concurrency,
+        rate=rate,
+        arrival=arrival,
+        burstiness=burstiness,
+        on=on,
+        off=off,
+        ramp_to=ramp_to,
+        ramp_over=_seconds("--ramp-over", ramp_over),
+        requests=requests,
+        duration=_seconds("--duration", duration),
+        trace=trace,
+        time_scale=time_scale,
+        length_scale=length_scale,
+    )
+    if load.requests is None and load.duration is None and trace is None:
+        load.requests = 20 if sweep_spec is None and not find_max_rate else 10
+    if rate is not None and math.isinf(rate) and (sweep_spec or find_max_rate):
+        raise _bad("--rate", "inf cannot be swept or searched")
+    try:
+        load.validate()
+        opts = BenchOptions(
+            url=url,
+            model=model,
+            tokenizer=tokenizer,
+            api_key=api_key or None,
+            workload=workload,
+            load=load,
+            slo=SLO.parse(slo) if slo else None,
+            sweep=sweep_spec,
+            find_max_rate=find_max_rate,
+            goodput_target=goodput_target,
+            search_steps=search_steps,
+            out=Path(out) if out else None,
+            engine_args=engine_args,
+            seed=seed,
+            endpoint=endpoint,
+            warmup=Trim.parse(warmup),
+            cooldown=Trim.parse(cooldown),
+            quiet=quiet,
+            strict_openai=strict_openai,
+            timeout=_seconds("--timeout", timeout) or 600.0,
+            command=redact(["servelab", *sys.argv[1:]]),
+            overwrite=overwrite,
+        )
+    except ValueError as e:
+        typer.echo(f"servelab bench: error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if not 0 < goodput_target <= 1:
+        raise _bad("--goodput-target", f"{goodput_target}: give a fraction in (0, 1]")
+    if matrix is not None:
+        try:
+            from servelab.bench.matrix import run_matrix
+        except ImportError:
+            typer.echo("servelab bench: error: --matrix is not available in this build", err=True)
+            raise typer.Exit(2) from None
+        raise typer.Exit(run_matrix(Path(matrix), opts))
+    try:
+        code = run_bench(opts)
+    except (ValueError, RuntimeError) as e:
+        typer.echo(f"servelab bench: error: {e}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this subsystem's commands to the `servelab` app."""
+    """Add `servelab bench` to the `servelab` app."""
+    app.command("bench")(bench)

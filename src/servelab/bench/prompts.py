@@ -72,7 +72,9 @@ class PromptFactory:
             self._count_all(list(_PUNCT))
             self._by_count[1] = [p for p in _PUNCT if self._counts[p] == 1]
         if not self._by_count.get(1) or 1 not in self._start_by_count:
-            raise ValueError("the tokenizer encodes no corpus word as one token; cannot pad prompts")
+            raise ValueError(
+                "the tokenizer encodes no corpus word as one token; cannot pad prompts"
+            )
 
     # ---------------------------------------------------------------- counting
 

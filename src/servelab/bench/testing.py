@@ -4,7 +4,7 @@ Used by the benchmark's tests and by anyone who needs a tokenizer without model 
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from servelab.bench.corpus import CODE, PROSE, QUESTIONS
 
@@ -32,10 +32,12 @@ class HFTok:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         from jinja2 import Template
 
-        return Template(CHATML).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return Template(CHATML).render(
+            messages=messages, add_generation_prompt=add_generation_prompt
+        )
 
 
-@lru_cache(maxsize=None)
+@cache
 def tiny_tokenizer(byte_level: bool = True, vocab_size: int = 320) -> HFTok:
     """A small BPE trained on the benchmark corpus (many words take several tokens).
 

@@ -1,0 +1,332 @@
+"""Send one planned request to an OpenAI-compatible endpoint and build its ClientRecord.
+
+Measurement rules (docs/metrics.md):
+- ``actual_send`` is taken just before the request is handed to the connection;
+  ``intended_send`` comes from the arrival schedule.
+- A chunk counts as token-bearing when it carries output text (completions ``text``,
+  chat ``delta.content`` or ``delta.reasoning_content``). Role-only, empty and
+  usage-only chunks are not token chunks, so they never set TTFT.
+- Tokens per chunk: from the server's running ``usage`` when it streams one in every
+  chunk (vLLM's ``continuous_usage_stats``); otherwise one per chunk, redistributed
+  by re-tokenizing the output when the server's total says chunks carried several.
+- ``output_tokens``/``input_tokens`` come from the server's ``usage`` (``token_source
+  = "usage"``); without usage, from the client's re-count (``"client"``), which is
+  also stored in ``client_output_tokens`` for the disagreement check.
+- Errors, timeouts and cut streams are recorded with what arrived; nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from servelab.bench.http import HttpClient, StreamResult
+from servelab.bench.prompts import TokenizerLike
+from servelab.vocab import ClientRecord
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass
+class Target:
+    """Where and how to send: the endpoint kind and the request options."""
+
+    url: str
+    model: str
+    endpoint: str = "completions"  # or "chat"
+    api_key: str | None = None
+    strict_openai: bool = False  # send only OpenAI's own fields (no min_tokens/ignore_eos)
+    timeout: float | None = 600.0
+    tokenizer: TokenizerLike | None = None  # for the client re-count
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+    def headers(self, request_id: str) -> dict[str, str]:
+        h = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+
+@dataclass
+class Outcome:
+    """A finished request: its record and the text the server returned."""
+
+    record: ClientRecord
+    text: str
+
+
+def request_body(
+    target: Target,
+    prompt: str | list[dict[str, str]],
+    max_tokens: int,
+    stream: bool,
+    priority: int = 0,
+) -> dict[str, Any]:
+    """The JSON body: exact output length via ``min_tokens`` + ``ignore_eos`` unless strict."""
+    body: dict[str, Any] = {"model": target.model, "max_tokens": max_tokens, "stream": stream}
+    if target.endpoint == "chat":
+        body["messages"] = prompt
+    else:
+        body["prompt"] = prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if not target.strict_openai:
+        body["min_tokens"] = max_tokens
+        body["ignore_eos"] = True
+        if stream:
+            body["stream_options"]["continuous_usage_stats"] = True
+        if priority:
+            body["priority"] = priority
+    body.update(target.extra_body)
+    return body
+
+
+class _Collector:
+    """Turns SSE payloads into chunk times, token counts and text, as they arrive."""
+
+    def __init__(self, rec: ClientRecord, chat: bool) -> None:
+        self.rec = rec
+        self.chat = chat
+        self.texts: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.continuous = True  # every token chunk so far carried a running usage
+        self.accounted = 0
+        self.done_marker = False
+        self.error: str | None = None
+
+    def on_event(self, t: float, payload: bytes) -> None:
+        if payload == b"[DONE]":
+            self.done_marker = True
+            return
+        try:
+            d = _decode(payload)
+        except msgspec.DecodeError:
+            self.error = f"bad_response: not JSON: {payload[:120]!r}"
+            return
+        if not isinstance(d, dict):
+            return
+        if d.get("error"):
+            err = d["error"]
+            msg = err.get("message", err) if isinstance(err, dict) else err
+            self.error = f"server_error: {msg}"
+            return
+        usage = d.get("usage")
+        if usage:
+            self.usage = usage
+        if d.get("servelab") is not None:
+            self.rec.server_timeline = d["servelab"]
+        text = _choice_text(d.get("choices"), self.chat)
+        if not text:
+            return
+        rec = self.rec
+        rec.chunk_times.append(t)
+        self.texts.append(text)
+        if usage and "completion_tokens" in usage:
+            carried = max(1, usage["completion_tokens"] - self.accounted)
+            self.accounted = usage["completion_tokens"]
+        else:
+            carried, self.continuous = 1, False
+            self.accounted += 1
+        rec.chunk_tokens.append(carried)
+
+    def on_body(self, t: float, payload: bytes) -> None:
+        """A whole non-streamed response (or an error body)."""
+        try:
+            d = _decode(payload) if payload else {}
+        except msgspec.DecodeError:
+            self.error = f"bad_response: not JSON: {payload[:120]!r}"
+            return
+        if isinstance(d, dict) and d.get("error"):
+            err = d["error"]
+            self.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            return
+        if not isinstance(d, dict):
+            self.error = "bad_response: expected a JSON object"
+            return
+        self.usage = d.get("usage")
+        if d.get("servelab") is not None:
+            self.rec.server_timeline = d["servelab"]
+        choices = d.get("choices") or [{}]
+        c = choices[0]
+        text = (c.get("message") or {}).get("content") if self.chat else c.get("text")
+        self.texts.append(text or "")
+        self.rec.chunk_times.append(t)
+        self.rec.chunk_tokens.append(0)
+
+
+def _choice_text(choices: Any, chat: bool) -> str | None:
+    if not choices:
+        return None
+    c = choices[0]
+    if not chat:
+        return c.get("text")
+    delta = c.get("delta") or {}
+    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+
+
+async def send(
+    http: HttpClient,
+    target: Target,
+    request_id: str,
+    prompt: str | list[dict[str, str]],
+    max_tokens: int,
+    *,
+    stream: bool = True,
+    priority: int = 0,
+    planned_input_tokens: int = 0,
+    intended_send: float,
+    workload_class: str,
+    session_id: str | None = None,
+    turn: int = 0,
+    prefix_group: str | None = None,
+    stage: str | None = None,
+    on_abort: Callable[[ClientRecord], None] | None = None,
+) -> Outcome:
+    """Send one request and return its record (every failure is recorded, not raised).
+
+    If the caller is cancelled mid-request, the record of what arrived so far goes to
+    ``on_abort`` (error ``aborted: ...``) before the cancellation propagates.
+    """
+    body = _encode(request_body(target, prompt, max_tokens, stream, priority))
+    rec = ClientRecord(
+        request_id=request_id,
+        workload_class=workload_class,
+        intended_send=intended_send,
+        actual_send=0.0,
+        input_tokens=planned_input_tokens,
+        requested_output_tokens=None if target.strict_openai else max_tokens,
+        stream=stream,
+        session_id=session_id,
+        turn=turn,
+        prefix_group=prefix_group,
+        stage=stage,
+    )
+    col = _Collector(rec, target.endpoint == "chat")
+    handler = col.on_event if stream else col.on_body
+    res = StreamResult()
+    try:
+        await http.post_stream(
+            target.path, body, target.headers(request_id), handler, target.timeout, res
+        )
+    except asyncio.CancelledError:
+        if on_abort is not None:
+            _fill(rec, res, col, target.tokenizer)
+            rec.error = "aborted: the benchmark was interrupted while this request was in flight"
+            on_abort(rec)
+        raise
+    text = _fill(rec, res, col, target.tokenizer)
+    rec.error = _error(res, col, stream, target.timeout)
+    if not stream and rec.chunk_tokens:
+        rec.chunk_tokens[0] = rec.output_tokens
+    return Outcome(rec, text)
+
+
+def _fill(
+    rec: ClientRecord, res: StreamResult, col: _Collector, tokenizer: TokenizerLike | None
+) -> str:
+    """Copy the wire times into the record and settle its token counts; return the text."""
+    rec.actual_send = res.sent
+    rec.first_byte = res.first_byte
+    rec.done = res.last_byte
+    rec.status = res.status
+    text = "".join(col.texts)
+    _finish_counts(rec, col, text, tokenizer)
+    return text
+
+
+def _error(res: Any, col: _Collector, stream: bool, timeout: float | None) -> str | None:
+    if res.status is not None and res.status != 200:
+        detail = (col.error or "error response").removeprefix("server_error: ")
+        return f"http_{res.status}: {detail}"
+    if res.error == "timeout":
+        return f"timeout: no complete response within {timeout:g}s"
+    if res.error is not None:
+        return res.error
+    if col.error is not None:
+        return col.error
+    if stream and not col.done_marker:
+        return "partial: the stream ended without data: [DONE]"
+    return None
+
+
+def _finish_counts(
+    rec: ClientRecord, col: _Collector, text: str, tokenizer: TokenizerLike | None
+) -> None:
+    if tokenizer is not None and text:
+        rec.client_output_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    elif tokenizer is not None:
+        rec.client_output_tokens = 0
+    usage = col.usage or {}
+    if "completion_tokens" in usage:
+        rec.output_tokens = int(usage["completion_tokens"])
+        rec.input_tokens = int(usage.get("prompt_tokens", rec.input_tokens))
+        rec.token_source = "usage"
+    else:
+        rec.output_tokens = (
+            rec.client_output_tokens
+            if rec.client_output_tokens is not None
+            else sum(rec.chunk_tokens)
+        )
+        rec.token_source = "client"
+    n_chunks = len(rec.chunk_times)
+    if (
+        rec.stream
+        and n_chunks
+        and not col.continuous
+        and rec.output_tokens != sum(rec.chunk_tokens)
+    ):
+        rec.chunk_tokens = _attribute_tokens(col.texts, rec.output_tokens, tokenizer)
+
+
+def _attribute_tokens(texts: list[str], total: int, tokenizer: TokenizerLike | None) -> list[int]:
+    """Split ``total`` tokens over the chunks that carried ``texts``.
+
+    With a tokenizer, the output is re-tokenized and each token goes to the chunk in
+    which its text ends; otherwise tokens are spread in proportion to characters.
+    Every chunk carries at least one token, and the counts add up to ``total``.
+    """
+    n = len(texts)
+    if total <= n:
+        return [1] * n
+    counts = [1] * n
+    if tokenizer is not None:
+        ids = tokenizer.encode("".join(texts), add_special_tokens=False)
+        ends, pos = [], 0
+        for t in texts:
+            pos += len(t)
+            ends.append(pos)
+        c, chunk, per = 0, 0, [0] * n
+        for tid in ids:
+            c += len(tokenizer.decode([tid], skip_special_tokens=False))
+            while chunk < n - 1 and c > ends[chunk]:
+                chunk += 1
+            per[chunk] += 1
+        counts = [max(1, p) for p in per]
+    else:
+        chars = sum(len(t) for t in texts) or n
+        counts = [max(1, round(total * len(t) / chars)) for t in texts]
+    # Reconcile with the server's total, adjusting the largest chunks.
+    diff = total - sum(counts)
+    order = sorted(range(n), key=lambda i: -counts[i])
+    i = 0
+    while diff != 0 and n:
+        j = order[i % n]
+        if diff > 0:
+            counts[j] += 1
+            diff -= 1
+        elif counts[j] > 1:
+            counts[j] -= 1
+            diff += 1
+        i += 1
+        if i > 10 * (n + abs(diff)) + 10:
+            break
+    return counts

@@ -1,0 +1,365 @@
+"""A small HTTP/1.1 client for streamed responses that timestamps bytes on arrival.
+
+Why not only aiohttp: the timestamp of a streamed chunk must be taken when its bytes
+reach the process, not when a coroutine gets around to reading them. Under hundreds
+of concurrent streams those differ by milliseconds (the other clients' inflated TTFTs
+in ANCHORS.md). Here the asyncio ``Protocol.data_received`` callback stamps each read
+with ``time.monotonic()`` before anything else runs; HTTP framing, SSE parsing and
+JSON decoding happen later, off the critical instant. Other requests (health,
+timelines, metrics) use aiohttp.
+
+Contract: ``HttpClient.post_stream(path, body, headers, on_event, timeout)`` sends one
+POST and calls ``on_event(t, payload)`` for each SSE ``data:`` payload (``t`` = arrival
+of the read that completed the event); a non-SSE body is delivered whole as one
+payload. It returns a ``StreamResult``; transport failures and timeouts are reported in
+it, never raised. Connections are kept alive and reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+
+class _Conn(asyncio.Protocol):
+    """One TCP connection; ``data_received`` stamps and queues every read."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.reads: deque[tuple[float, bytes]] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.closed = False
+        self.error: BaseException | None = None
+
+    def data_received(self, data: bytes) -> None:
+        self.reads.append((time.monotonic(), data))
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def eof_received(self) -> bool:
+        self._close(None)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._close(exc)
+
+    def _close(self, exc: BaseException | None) -> None:
+        self.closed = True
+        self.error = self.error or exc
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def interrupt(self, exc: BaseException) -> None:
+        """Make a pending ``read`` raise ``exc`` (used for timeouts)."""
+        self.error = exc
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_exception(exc)
+
+    async def read(self) -> tuple[float, bytes] | None:
+        """The next stamped read, or None once the peer closed and all was read."""
+        if isinstance(self.error, TimeoutError):
+            raise self.error
+        while not self.reads:
+            if self.closed:
+                return None
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.reads.popleft()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.closed = True
+
+
+class ResponseParser:
+    """Incremental HTTP/1.1 response parser: status, headers, then body pieces
+    (chunked, content-length, or until close)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.done = False
+        self.keep_alive = True
+        self._state = "head"
+        self._need = 0  # bytes left in the current chunk / the body
+        self._until_close = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Consume ``data``; return the body bytes it completed, in order."""
+        self.buf += data
+        out: list[bytes] = []
+        buf = self.buf
+        while True:
+            st = self._state
+            if st == "head":
+                i = buf.find(b"\r\n\r\n")
+                if i < 0:
+                    break
+                self._head(bytes(buf[:i]))
+                del buf[: i + 4]
+            elif st == "size":
+                i = buf.find(b"\r\n")
+                if i < 0:
+                    break
+                size = int(bytes(buf[:i]).split(b";", 1)[0], 16)
+                del buf[: i + 2]
+                self._need = size
+                self._state = "data" if size else "trailer"
+            elif st == "data":
+                if not buf:
+                    break
+                take = min(self._need, len(buf))
+                out.append(bytes(buf[:take]))
+                del buf[:take]
+                self._need -= take
+                if self._need:
+                    break
+                self._state = "crlf"
+            elif st == "crlf":
+                if len(buf) < 2:
+                    break
+                del buf[:2]
+                self._state = "size"
+            elif st == "trailer":
+                i = buf.find(b"\r\n")
+                if i < 0:
+                    break
+                line = bytes(buf[:i])
+                del buf[: i + 2]
+                if not line:
+                    self._finish()
+                    break
+            elif st == "body":
+                if buf:
+                    take = len(buf) if self._until_close else min(self._need, len(buf))
+                    out.append(bytes(buf[:take]))
+                    del buf[:take]
+                    self._need -= take
+                if not self._until_close and self._need <= 0:
+                    self._finish()
+                break
+            else:  # done
+                break
+        return out
+
+    def _head(self, raw: bytes) -> None:
+        lines = raw.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/"):
+            raise ValueError(f"not an HTTP response: {lines[0][:80]!r}")
+        self.status = int(parts[1])
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            self.headers[k.strip().lower()] = v.strip()
+        conn = self.headers.get("connection", "").lower()
+        self.keep_alive = conn != "close" and parts[0] != "HTTP/1.0"
+        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+            self._state = "size"
+        elif "content-length" in self.headers:
+            self._need = int(self.headers["content-length"])
+            self._state = "body"
+            if self._need == 0:
+                self._finish()
+        else:
+            self._until_close = True
+            self.keep_alive = False
+            self._state = "body"
+
+    def _finish(self) -> None:
+        self._state = "done"
+        self.done = True
+
+    def eof(self) -> None:
+        """The peer closed: a close-delimited body is complete now."""
+        if self._until_close:
+            self._finish()
+
+
+class SSEParser:
+    """Splits a byte stream into SSE events and returns their ``data`` payloads."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        buf = self.buf + piece
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        out: list[bytes] = []
+        start = 0
+        while True:
+            i = buf.find(b"\n\n", start)
+            if i < 0:
+                break
+            data = [ln[5:] for ln in buf[start:i].split(b"\n") if ln.startswith(b"data:")]
+            if data:
+                payload = b"\n".join(data)
+                out.append(payload[1:] if payload.startswith(b" ") else payload)
+            start = i + 2
+        self.buf = buf[start:]
+        return out
+
+
+@dataclass
+class StreamResult:
+    """What happened on the wire for one request (times are ``time.monotonic()``)."""
+
+    sent: float = 0.0
+    first_byte: float | None = None
+    last_byte: float | None = None
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    complete: bool = False  # the whole body arrived
+    error: str | None = None  # transport error or timeout (None: the exchange completed)
+    events: int = 0
+
+
+class HttpClient:
+    """Keep-alive connections to one server; see the module contract."""
+
+    def __init__(self, base_url: str, headers: dict[str, str] | None = None) -> None:
+        u = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+        if u.scheme not in ("http", "https"):
+            raise ValueError(f"--url must start with http:// or https://, got {base_url!r}")
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self.ssl: ssl.SSLContext | None = (
+            ssl.create_default_context() if u.scheme == "https" else None
+        )
+        self.prefix = u.path.rstrip("/")
+        host_header = self.host if u.port is None else f"{self.host}:{self.port}"
+        self._base_headers = {
+            "Host": host_header,
+            "User-Agent": "servelab-bench",
+            **(headers or {}),
+        }
+        self._idle: list[_Conn] = []
+        self.connections_opened = 0
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(
+            lambda: _Conn(loop), self.host, self.port, ssl=self.ssl
+        )
+        self.connections_opened += 1
+        return conn
+
+    def _request_bytes(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        h = {**self._base_headers, **headers, "Content-Length": str(len(body))}
+        lines = [f"POST {self.prefix}{path} HTTP/1.1"] + [f"{k}: {v}" for k, v in h.items()]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+    async def post_stream(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        on_event: Callable[[float, bytes], None],
+        timeout: float | None = None,
+        result: StreamResult | None = None,
+    ) -> StreamResult:
+        """POST ``body``; deliver SSE payloads (or the whole non-SSE body) to ``on_event``.
+
+        ``result`` (optional) is filled in as the exchange goes, so a caller that is
+        cancelled mid-stream still knows when it sent and what arrived.
+        """
+        raw = self._request_bytes(path, body, headers)
+        res = result if result is not None else StreamResult()
+        res.sent = time.monotonic()
+        deadline = res.sent + timeout if timeout else None
+        for attempt in (0, 1):
+            reused = bool(self._idle)
+            try:
+                conn = self._idle.pop() if reused else await self._connect()
+            except OSError as e:
+                res.error = f"connection: cannot connect to {self.host}:{self.port}: {e}"
+                return res
+            timer = None
+            if deadline is not None:
+                timer = asyncio.get_running_loop().call_later(
+                    max(0.0, deadline - time.monotonic()), conn.interrupt, TimeoutError()
+                )
+            try:
+                got_any = await self._exchange(conn, raw, res, on_event)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            # A kept-alive connection the server had already closed: retry once, fresh.
+            stale = res.error is not None and res.error != "timeout" and not got_any
+            if stale and reused and attempt == 0:
+                res.error = None
+                continue
+            return res
+        return res
+
+    async def _exchange(
+        self, conn: _Conn, raw: bytes, res: StreamResult, on_event: Callable[[float, bytes], None]
+    ) -> bool:
+        parser = ResponseParser()
+        sse: SSEParser | None = None
+        whole: list[bytes] = []
+        got_any = False
+        assert conn.transport is not None
+        try:
+            conn.transport.write(raw)
+            while not parser.done:
+                item = await conn.read()
+                if item is None:
+                    parser.eof()
+                    break
+                t, data = item
+                if not got_any:
+                    got_any, res.first_byte = True, t
+                res.last_byte = t
+                pieces = parser.feed(data)
+                if parser.status is not None and sse is None and not whole:
+                    res.status, res.headers = parser.status, parser.headers
+                    is_sse = parser.headers.get("content-type", "").startswith("text/event-stream")
+                    sse = SSEParser() if is_sse and parser.status == 200 else None
+                for piece in pieces:
+                    if sse is not None:
+                        for payload in sse.feed(piece):
+                            res.events += 1
+                            on_event(t, payload)
+                    else:
+                        whole.append(piece)
+            if whole or (sse is None and parser.done):
+                on_event(res.last_byte or time.monotonic(), b"".join(whole))
+            res.complete = parser.done
+            if not parser.done:
+                res.error = "partial: the server closed the connection mid-response"
+        except TimeoutError:
+            res.error = "timeout"
+        except (OSError, ValueError) as e:
+            res.error = f"connection: {e}"
+        if parser.done and parser.keep_alive and not conn.closed and not conn.reads:
+            self._idle.append(conn)
+        else:
+            conn.close()
+        if not got_any and res.error is None and not parser.done:
+            res.error = "connection: closed before any response"
+        return got_any
+
+    async def close(self) -> None:
+        for conn in self._idle:
+            with contextlib.suppress(Exception):
+                conn.close()
+        self._idle.clear()

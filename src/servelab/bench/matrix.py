@@ -1,0 +1,271 @@
+"""`servelab bench --matrix FILE`: one workload against several engine configs, compared.
+
+The matrix file names the configurations (flags for the embedded `servelab serve`) and
+the number of repeats; the workload and load come from the `servelab bench` command line
+(the ``BenchOptions`` it parsed), so every config sees the same planned requests::
+
+    repeats: 2
+    configs:
+      chunked-512: "--max-num-batched-tokens 512"
+      unchunked: "--no-enable-chunked-prefill"
+      # a config may also change the workload (e.g. class priorities):
+      prio: {engine_args: "", workload: my-priorities.yaml}
+
+One server per config is started up front and kept for the session; repeat ``r`` runs
+every config in an order rotated by ``r``, so machine drift spreads over all configs
+instead of biasing whichever ran last. Each run is a normal run directory
+(``<out>/<config>-r<k>``); the comparison pools each config's repeats
+(``analyze.compare``) and is written to ``matrix.json`` and ``report.html``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from servelab.analyze.compare import Comparison, compare
+from servelab.analyze.rundir import Run, load_run
+from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
+from servelab.bench.target import LaunchedServer, parse_engine_args
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$")
+
+
+@dataclass
+class MatrixConfig:
+    name: str
+    engine_args: str = ""
+    workload: str | None = None  # None: the command line's workload
+
+
+@dataclass
+class MatrixSpec:
+    configs: list[MatrixConfig]
+    repeats: int = 1
+
+    @classmethod
+    def parse(cls, data: Any, source: str = "the matrix") -> MatrixSpec:
+        """From a dict; raises ValueError saying what to write instead."""
+        example = 'configs: {chunked: "--max-num-batched-tokens 512", unchunked: "--no-enable-chunked-prefill"}'
+        if not isinstance(data, dict) or "configs" not in data:
+            raise ValueError(f"{source} needs a 'configs' mapping, e.g. {example}")
+        unknown = set(data) - {"configs", "repeats"}
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {sorted(unknown)}; use configs and repeats")
+        raw = data["configs"]
+        if not isinstance(raw, dict) or len(raw) < 2:
+            raise ValueError(f"{source}: give at least two configs to compare, e.g. {example}")
+        configs = []
+        for name, v in raw.items():
+            name = str(name)
+            if not _NAME_RE.match(name):
+                raise ValueError(
+                    f"{source}: config name {name!r} must be letters, digits and _.=+- "
+                    "(it names a run directory)"
+                )
+            if v is None or isinstance(v, str):
+                configs.append(MatrixConfig(name, v or ""))
+            elif isinstance(v, dict) and set(v) <= {"engine_args", "workload"}:
+                configs.append(MatrixConfig(name, v.get("engine_args") or "", v.get("workload")))
+            else:
+                raise ValueError(
+                    f"{source}: config {name!r} must be a string of `servelab serve` flags or "
+                    "{engine_args: ..., workload: ...}"
+                )
+        repeats = data.get("repeats", 1)
+        if not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"{source}: repeats must be a whole number >= 1, got {repeats!r}")
+        return cls(configs, repeats)
+
+    @classmethod
+    def load(cls, path: str | Path) -> MatrixSpec:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"no matrix file at {p}: write a YAML file with 'configs:' (see docs)")
+        if p.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(p.read_text())
+        else:
+            try:
+                data = yaml.safe_load(p.read_text())
+            except yaml.YAMLError as e:
+                raise ValueError(f"{p} is not valid YAML: {e}") from None
+        return cls.parse(data, str(p))
+
+    def order(self) -> list[tuple[int, MatrixConfig]]:
+        """(repeat, config) in execution order: each repeat rotates the config order."""
+        n = len(self.configs)
+        return [(r, self.configs[(r + i) % n]) for r in range(self.repeats) for i in range(n)]
+
+
+@dataclass
+class MatrixResult:
+    out: Path
+    runs: dict[str, list[Path]] = field(default_factory=dict)  # config -> its run dirs
+    exit_codes: dict[str, int] = field(default_factory=dict)  # run dir name -> bench's code
+    groups: list[list[Run]] = field(default_factory=list)  # loaded runs of configs that ran
+    comparison: Comparison | None = None
+
+
+def record_server(run_dir: Path, server: LaunchedServer) -> None:
+    """Write the launched server's flags into the run's manifest: the bench saw only a URL."""
+    path = run_dir / "manifest.json"
+    if not path.exists():
+        return
+    manifest = json.loads(path.read_text())
+    info = manifest.get("server") or {}
+    info.update(
+        launched=True,
+        command=server.command,
+        engine_args=server.engine_args,
+        config=parse_engine_args(server.engine_args),
+    )
+    manifest["server"] = info
+    path.write_text(json.dumps(manifest, indent=1, default=str))
+
+
+def start_servers(
+    engine_args: dict[str, str],
+    out: Path,
+    model: str = DEFAULT_MODEL,
+    api_key: str | None = None,
+    console: Console | None = None,
+) -> dict[str, LaunchedServer]:
+    """Start one `servelab serve` per name, all at once, and wait until every one is healthy.
+
+    On failure the ones already started are stopped before the error propagates.
+    """
+    console = console or Console()
+    servers: dict[str, LaunchedServer] = {}
+    try:
+        for name, args in engine_args.items():
+            servers[name] = LaunchedServer(model, args, out / f"server-{name}.log", api_key)
+
+        async def wait_all() -> None:
+            await asyncio.gather(*(s.wait_healthy() for s in servers.values()))
+
+        with console.status(f"starting {len(servers)} `servelab serve` process(es) ..."):
+            asyncio.run(wait_all())
+    except BaseException:
+        for srv in servers.values():
+            srv.stop()
+        raise
+    return servers
+
+
+def execute_matrix(
+    spec: MatrixSpec,
+    base: BenchOptions,
+    console: Console | None = None,
+    servers: dict[str, LaunchedServer] | None = None,
+) -> MatrixResult:
+    """Run every (repeat, config) in interleaved order and compare the configs.
+
+    ``servers`` (config name -> a healthy server started with that config's flags) lets a
+    caller reuse servers it already started; otherwise they are started here and stopped
+    at the end.
+    """
+    console = console or Console()
+    if base.url is not None:
+        raise ValueError("--matrix starts its own servers (one per config); drop --url")
+    if base.sweep is not None or base.find_max_rate:
+        raise ValueError("--matrix runs one load per config; drop --sweep / --find-max-rate")
+    out = base.out or Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-matrix"
+    out.mkdir(parents=True, exist_ok=True)
+    model = base.model or DEFAULT_MODEL
+    own = servers is None
+    if servers is None:
+        args = {
+            c.name: " ".join(a for a in (base.engine_args, c.engine_args) if a)
+            for c in spec.configs
+        }
+        servers = start_servers(args, out, model, base.api_key, console)
+    result = MatrixResult(out, {c.name: [] for c in spec.configs})
+    try:
+        plan = spec.order()
+        for k, (rep, c) in enumerate(plan, 1):
+            run_dir = out / f"{c.name}-r{rep}"
+            console.rule(
+                f"[bold]matrix {k}/{len(plan)}: {c.name} (repeat {rep + 1}/{spec.repeats})"
+            )
+            opts = replace(
+                base,
+                url=servers[c.name].url,
+                engine_args="",
+                model=None,
+                tokenizer=base.tokenizer or model,
+                workload=c.workload or base.workload,
+                out=run_dir,
+            )
+            result.exit_codes[run_dir.name] = run_bench(opts, console)
+            record_server(run_dir, servers[c.name])
+            result.runs[c.name].append(run_dir)
+            if result.exit_codes[run_dir.name] == 130:
+                break
+    finally:
+        if own:
+            for srv in servers.values():
+                srv.stop()
+    result.groups = [[load_run(p) for p in paths] for paths in result.runs.values() if paths]
+    if len(result.groups) >= 2:
+        result.comparison = compare(result.groups, [n for n, p in result.runs.items() if p])
+    return result
+
+
+def run_matrix(
+    spec: MatrixSpec | str | Path, base: BenchOptions, console: Console | None = None
+) -> int:
+    """The `servelab bench --matrix` entry point: run, print the comparison, write the report.
+
+    Returns 0, 3 when any run was invalid, 130 when interrupted, 2 on bad input.
+    """
+    from servelab.analyze.diagnose import diagnose
+    from servelab.analyze.terminal import render_comparison
+    from servelab.report.html import write_report
+
+    console = console or Console()
+    try:
+        s = spec if isinstance(spec, MatrixSpec) else MatrixSpec.load(spec)
+        result = execute_matrix(s, base, console)
+    except (ValueError, RuntimeError) as e:
+        console.print(f"[red]servelab bench --matrix: error:[/] {e}")
+        return 2
+    codes = list(result.exit_codes.values())
+    if result.comparison is not None:
+        render_comparison(result.comparison, console)
+        groups = result.groups
+        runs = [r for g in groups for r in g]
+        report = write_report(
+            runs,
+            [diagnose(r) for r in runs],
+            result.out / "report.html",
+            result.comparison,
+            title=f"servelab matrix: {', '.join(result.runs)}",
+            groups=groups,
+        )
+        (result.out / "matrix.json").write_text(
+            json.dumps(
+                {
+                    "configs": [c.__dict__ for c in s.configs],
+                    "repeats": s.repeats,
+                    "order": [f"{c.name}-r{r}" for r, c in s.order()],
+                    "exit_codes": result.exit_codes,
+                    "comparison": result.comparison.to_dict(),
+                },
+                indent=1,
+                default=str,
+            )
+        )
+        console.print(f"matrix report: {report.resolve()}")
+    if 130 in codes:
+        return 130
+    return 3 if any(c == 3 for c in codes) else 0

@@ -1,0 +1,559 @@
+"""`servelab bench` end to end: target, plan, stages, recording, summary, verdict.
+
+``run_bench(options)`` is what the CLI calls. A run has one stage (one load), or
+several for ``--sweep`` and ``--find-max-rate``; before each stage the server's
+prefix cache is flushed where it allows it. Each stage gets its own client-health
+check and summary; the run is invalid if any stage's client was the bottleneck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import secrets
+import sys
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from servelab import __version__
+from servelab.analyze.summary import SLO, Trim, measured_window, summarize
+from servelab.bench.client import Target
+from servelab.bench.collect import MetricsScraper, TimelineCollector
+from servelab.bench.http import HttpClient
+from servelab.bench.loop import run_loop
+from servelab.bench.monitor import ClientHealth, LoopMonitor
+from servelab.bench.plan import LoadSpec, Plan, build_plan, iter_plan
+from servelab.bench.progress import Progress, rates_table, summary_table
+from servelab.bench.recorder import RunDir
+from servelab.bench.runner import Runner, StageResult
+from servelab.bench.search import find_max_rate
+from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
+from servelab.bench.workload import WorkloadSpec, load_workload
+from servelab.vocab import ClientRecord
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_WORKLOAD = "chat"
+
+
+@dataclass
+class BenchOptions:
+    """Everything the command line says, already parsed (see ``commands.py``)."""
+
+    url: str | None = None
+    model: str | None = None
+    tokenizer: str | None = None
+    api_key: str | None = None
+    workload: str | None = None
+    load: LoadSpec = field(default_factory=LoadSpec)
+    slo: SLO | None = None
+    sweep: tuple[str, list[float]] | None = None
+    find_max_rate: bool = False
+    goodput_target: float = 0.9
+    search_steps: int = 3
+    out: Path | None = None
+    engine_args: str = ""
+    seed: int = 0
+    endpoint: str = "completions"
+    warmup: Trim = field(default_factory=Trim)
+    cooldown: Trim = field(default_factory=Trim)
+    quiet: bool = False
+    strict_openai: bool = False
+    timeout: float = 600.0
+    command: list[str] = field(default_factory=list)  # argv with the API key redacted
+    overwrite: bool = False
+
+
+@dataclass
+class Stage:
+    label: str | None
+    load: LoadSpec
+    result: StageResult | None = None
+    health: ClientHealth | None = None
+    summary: dict[str, Any] | None = None
+    cache_reset: str = ""
+    plan_info: dict[str, Any] = field(default_factory=dict)
+
+
+def redact(argv: list[str]) -> list[str]:
+    """The command line with the value of ``--api-key`` replaced by ``***``."""
+    out, hide = [], False
+    for a in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif a == "--api-key":
+            out.append(a)
+            hide = True
+        elif a.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(a)
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"servelab": __version__, "python": platform.python_version()}
+    for pkg in ("aiohttp", "msgspec", "numpy", "uvloop", "tokenizers", "rich", "pydantic"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            out[pkg] = md.version(pkg)
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    import psutil
+
+    cpu_model = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": cpu_model,
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+    }
+
+
+def _load_tokenizer(name: str) -> Any:
+    from servelab.model.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_model(name)
+    except ValueError as e:
+        raise ValueError(f"cannot load tokenizer {name!r}: {e} (set --tokenizer)") from None
+
+
+def _stages(opts: BenchOptions) -> list[Stage]:
+    if opts.sweep is None:
+        return [Stage(None, opts.load)]
+    kind, values = opts.sweep
+    out = []
+    for v in values:
+        if kind == "rate":
+            load = replace(opts.load, rate=v, concurrency=None)
+        else:
+            load = replace(opts.load, concurrency=int(v), rate=None)
+        out.append(Stage(f"{kind}={v:g}", load))
+    return out
+
+
+class Bench:
+    """One invocation of ``servelab bench``."""
+
+    def __init__(self, opts: BenchOptions, console: Console) -> None:
+        self.o = opts
+        self.console = console
+        self.run_tag = secrets.token_hex(3)
+        self.rundir: RunDir | None = None
+        self.info: ServerInfo | None = None
+        self.launched: LaunchedServer | None = None
+        self.spec: WorkloadSpec | None = None
+        self.tokenizer: Any = None
+        self.stages: list[Stage] = []
+        self.interrupted = False
+        self.max_rate: dict[str, Any] | None = None
+        self.warnings: list[str] = []
+
+    # ------------------------------------------------------------------ set-up
+
+    def _out_dir(self) -> Path:
+        if self.o.out is not None:
+            return self.o.out
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        what = (
+            Path(self.o.workload).stem
+            if self.o.workload
+            else "trace"
+            if self.o.load.trace
+            else "run"
+        )
+        return Path("runs") / f"{stamp}-{what}"
+
+    async def _target(self) -> None:
+        o = self.o
+        assert self.rundir is not None
+        if o.url is None:
+            self.launched = LaunchedServer(
+                o.model or DEFAULT_MODEL, o.engine_args, self.rundir.server_log, o.api_key
+            )
+            with self.console.status(f"starting servelab serve on {self.launched.url} ...") as st:
+                await self.launched.wait_healthy(status=st)
+            url = self.launched.url
+        else:
+            if o.engine_args:
+                raise ValueError(
+                    "--engine-args only applies to the embedded server; drop it or --url"
+                )
+            url = o.url.rstrip("/")
+        self.info = await probe(url, o.api_key)
+        if self.launched is not None:
+            self.info.launched = True
+            self.info.command = self.launched.command
+            self.info.engine_args = o.engine_args
+        if not self.info.models and o.model is None:
+            raise ValueError(f"{url}/v1/models lists no model; name one with --model")
+
+    def _plan_inputs(self) -> None:
+        o = self.o
+        if o.load.trace is None:
+            self.spec = load_workload(o.workload or DEFAULT_WORKLOAD)
+        tok_name = o.tokenizer or (o.model if o.url is None else None) or DEFAULT_MODEL
+        if o.tokenizer is None and o.url is not None:
+            self.warnings.append(
+                f"no --tokenizer given: prompt lengths are exact under {DEFAULT_MODEL}'s tokenizer, "
+                "which may not be the target's"
+            )
+        self.tokenizer = _load_tokenizer(tok_name)
+
+    def _request_model(self) -> str:
+        assert self.info is not None
+        return (
+            self.o.model
+            if (self.o.model and self.o.url)
+            else (self.info.model_id or self.o.model or "")
+        )
+
+    # ------------------------------------------------------------------ stages
+
+    def _plan(self, stage: Stage) -> Plan | Any:
+        kw = {
+            "tokenizer": self.tokenizer,
+            "endpoint": self.o.endpoint,
+            "max_model_len": self.info.max_model_len if self.info else None,
+        }
+        if stage.load.closed and stage.load.requests is None and stage.load.trace is None:
+            return iter_plan(self.spec, stage.load, self.o.seed, info=stage.plan_info, **kw)
+        plan = build_plan(self.spec, stage.load, self.o.seed, **kw)
+        stage.plan_info = plan.info
+        return plan
+
+    async def _run_stage(self, stage: Stage, http: HttpClient, target: Target) -> None:
+        assert self.rundir is not None and self.info is not None
+        with self.console.status("planning requests ..."):
+            plan = self._plan(stage)
+        ok, msg = await reset_prefix_cache(self.info.url, self.o.api_key)
+        stage.cache_reset = msg
+        if not ok:
+            self.warnings.append(
+                f"prefix cache not flushed before {stage.label or 'the run'}: {msg}"
+            )
+        total = len(plan) if isinstance(plan, list) else None
+        label = stage.label or (self.o.workload or "trace")
+        progress = Progress(self.console, label, total, quiet=self.o.quiet)
+        headers = {"Authorization": f"Bearer {self.o.api_key}"} if self.o.api_key else {}
+        collector = (
+            TimelineCollector(self.info.url, self.rundir, headers) if self.info.timelines else None
+        )
+        scraper = MetricsScraper(self.info.url, self.rundir, headers)
+
+        def on_record(rec: ClientRecord) -> None:
+            assert self.rundir is not None
+            self.rundir.add_record(rec)
+            progress.on_record(rec)
+            if collector is not None:
+                collector.finished(rec)
+
+        runner = Runner(
+            http,
+            target,
+            stage.load,
+            run_tag=self.run_tag + (f"-{len(self.stages)}" if stage.label else ""),
+            stage=stage.label,
+            on_send=progress.on_send,
+            on_record=on_record,
+        )
+        monitor = LoopMonitor()
+        await scraper.start()
+        if collector is not None:
+            collector.start()
+        monitor.start()
+        progress.start()
+        try:
+            stage.result = await runner.run(plan)
+        finally:
+            await monitor.stop()
+            await progress.stop()
+            if collector is not None:
+                await collector.stop()
+            await scraper.stop()
+        stage.health = monitor.report(stage.result.records, open_loop=not stage.load.closed)
+        stage.plan_info = {
+            **stage.plan_info,
+            "scrapes": scraper.scrapes,
+            **({"server_timelines": collector.report()} if collector else {}),
+        }
+        if stage.result.interrupted:
+            self.interrupted = True
+        if stage.result.records:
+            try:
+                stage.summary = summarize(
+                    stage.result.records,
+                    slos=self._slos(),
+                    warmup=self.o.warmup,
+                    cooldown=self.o.cooldown,
+                )
+            except ValueError as e:
+                self.warnings.append(f"{stage.label or 'run'}: no summary: {e}")
+
+    def _slos(self) -> dict[str, SLO] | SLO:
+        if self.spec is not None:
+            return self.spec.class_slos(self.o.slo)
+        return self.o.slo or SLO()
+
+    async def _find_max_rate(self, http: HttpClient, target: Target) -> None:
+        """Stages at rising (or falling) rates until the goodput fraction crosses the target."""
+        slos = self._slos()
+        has_slo = (
+            any(not s.empty for s in slos.values()) if isinstance(slos, dict) else not slos.empty
+        )
+        if not has_slo:
+            raise ValueError(
+                "--find-max-rate needs SLOs: give --slo ttft=2s,itl=250ms or a workload with slo:"
+            )
+
+        async def trial(rate: float) -> bool | None:
+            stage = Stage(f"rate={rate:.4g}", replace(self.o.load, rate=rate, concurrency=None))
+            self.stages.append(stage)
+            await self._run_stage(stage, http, target)
+            if self.interrupted:
+                return None
+            frac = (stage.summary or {}).get("overall", {}).get("goodput", {}).get("fraction")
+            healthy = bool(stage.health and stage.health.valid)
+            return frac is not None and frac >= self.o.goodput_target and healthy
+
+        result = await find_max_rate(trial, self.o.load.rate or 1.0, self.o.search_steps)
+        self.max_rate = {"goodput_target": self.o.goodput_target, **result.to_dict()}
+
+    # ------------------------------------------------------------------ outputs
+
+    def _manifest(self) -> dict[str, Any]:
+        o = self.o
+        stages = [s for s in self.stages if s.result is not None]
+        reasons = [
+            f"{s.label + ': ' if s.label else ''}{r}"
+            for s in stages
+            if s.health
+            for r in s.health.reasons
+        ]
+        recs = [r for s in stages for r in s.result.records]  # type: ignore[union-attr]
+        window = None
+        summaries = [s.summary for s in stages if s.summary]
+        if len(summaries) == 1:
+            window = summaries[0]["window"]
+        elif recs:
+            window = measured_window(recs).to_dict()
+        return {
+            "name": self.rundir.path.name if self.rundir else None,
+            "command": " ".join(o.command),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": _versions(),
+            "machine": _machine(),
+            "target_kind": self.info.kind if self.info else None,
+            "server": self.info.to_dict() if self.info else None,
+            "model": self._request_model() if self.info else o.model,
+            "tokenizer": getattr(self.tokenizer, "name", None),
+            "config": {
+                "endpoint": o.endpoint,
+                "seed": o.seed,
+                "load": o.load.to_dict(),
+                "slo": o.slo.to_dict() if o.slo else None,
+                "class_slos": {k: v.to_dict() for k, v in self._slos().items()}
+                if isinstance(self._slos(), dict)
+                else None,
+                "sweep": {"over": o.sweep[0], "values": o.sweep[1]} if o.sweep else None,
+                "find_max_rate": o.find_max_rate,
+                "goodput_target": o.goodput_target if o.find_max_rate else None,
+                "warmup": o.warmup.describe(),
+                "cooldown": o.cooldown.describe(),
+                "timeout_s": o.timeout,
+                "strict_openai": o.strict_openai,
+                "run_tag": self.run_tag,
+            },
+            "workload": self.spec.model_dump() if self.spec else {"trace": o.load.trace},
+            "stages": [
+                {
+                    "label": s.label,
+                    "load": s.load.to_dict(),
+                    "start": s.result.start,  # type: ignore[union-attr]
+                    "end": s.result.end,  # type: ignore[union-attr]
+                    "sent": s.result.sent,  # type: ignore[union-attr]
+                    "records": len(s.result.records),  # type: ignore[union-attr]
+                    "prefix_cache": s.cache_reset,
+                    "plan": s.plan_info,
+                    "client": s.health.to_dict() if s.health else None,
+                }
+                for s in stages
+            ],
+            "window": window,
+            "max_rate": self.max_rate,
+            "interrupted": self.interrupted,
+            "valid": not reasons,
+            "invalid_reason": "; ".join(reasons) if reasons else None,
+            "warnings": self.warnings,
+            "simulated": False,
+        }
+
+    def _metrics(self) -> dict[str, Any]:
+        stages = [s for s in self.stages if s.result is not None]
+        if len(stages) == 1 and stages[0].label is None:
+            body = dict(stages[0].summary or {})
+            body["client"] = stages[0].health.to_dict() if stages[0].health else None
+            return body
+        return {
+            "stages": [
+                {
+                    "label": s.label,
+                    "load": s.load.to_dict(),
+                    "metrics": s.summary,
+                    "client": s.health.to_dict() if s.health else None,
+                }
+                for s in stages
+            ],
+            "max_rate": self.max_rate,
+        }
+
+    def _print(self, manifest: dict[str, Any]) -> None:
+        c = self.console
+        shown = [s for s in self.stages if s.summary]
+        if len(shown) == 1 and shown[0].label is None:
+            s = shown[0].summary
+            assert s is not None
+            w = s["window"]
+            c.print(
+                summary_table(
+                    f"latency (measured window {w['duration_s']:.1f}s, "
+                    f"warm-up {w['warmup']}, cool-down {w['cooldown']})",
+                    s,
+                )
+            )
+            c.print(rates_table(s))
+        elif shown:
+            c.print(_stages_table(shown))
+        if self.max_rate:
+            best = self.max_rate["max_rate"]
+            c.print(
+                f"[bold]max rate meeting SLOs for {self.o.goodput_target:.0%} of requests: "
+                f"{'none found' if best is None else f'{best:.3g} req/s'}[/bold]"
+            )
+        for w in self.warnings:
+            c.print(f"[yellow]warning:[/yellow] {w}")
+        if not manifest["valid"]:
+            c.print(f"[bold red]INVALID RUN:[/bold red] {manifest['invalid_reason']}")
+        if self.interrupted:
+            c.print("[yellow]interrupted: the records so far are saved[/yellow]")
+        if self.rundir is not None:
+            c.print(f"run directory: {self.rundir.path}")
+
+    # ------------------------------------------------------------------ main
+
+    async def run(self) -> int:
+        o = self.o
+        o.load.validate()
+        self._plan_inputs()  # bad workloads fail before a server is started
+        self.rundir = RunDir(self._out_dir(), overwrite=o.overwrite)
+        try:
+            await self._target()
+            assert self.info is not None
+            target = Target(
+                url=self.info.url,
+                model=self._request_model(),
+                endpoint=o.endpoint,
+                api_key=o.api_key,
+                strict_openai=o.strict_openai,
+                timeout=o.timeout,
+                tokenizer=self.tokenizer,
+            )
+            http = HttpClient(self.info.url)
+            try:
+                if o.find_max_rate:
+                    await self._find_max_rate(http, target)
+                else:
+                    for stage in _stages(o):
+                        self.stages.append(stage)
+                        await self._run_stage(stage, http, target)
+                        if self.interrupted:
+                            break
+            finally:
+                await http.close()
+        finally:
+            manifest = self._manifest()
+            self.rundir.write_json("manifest.json", manifest)
+            if any(s.result for s in self.stages):
+                self.rundir.write_json("metrics.json", self._metrics())
+            self.rundir.close()
+            if self.launched is not None:
+                with self.console.status("stopping servelab serve ..."):
+                    self.launched.stop()
+        self._print(manifest)
+        if self.interrupted:
+            return 130
+        return 0 if manifest["valid"] else 3
+
+
+def _stages_table(stages: list[Stage]) -> Table:
+    t = Table(title="stages", title_justify="left")
+    for col in (
+        "stage",
+        "sent",
+        "failed",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "met SLO",
+        "client",
+    ):
+        t.add_column(col, justify="left" if col == "stage" else "right")
+    for s in stages:
+        m = s.summary
+        assert m is not None
+        o = m["overall"]
+        lat = o["latency"]
+
+        def ms(metric: str, p: str, lat: dict[str, Any] = lat) -> str:
+            v = lat[metric][p]
+            return "-" if v is None else f"{v * 1e3:,.0f} ms"
+
+        frac = o["goodput"]["fraction"]
+        t.add_row(
+            s.label or "-",
+            str(o["requests"]["sent"]),
+            str(o["requests"]["failed"]),
+            f"{o['throughput']['requests_per_s'] or 0:.2f}",
+            f"{o['throughput']['output_tokens_per_s'] or 0:.1f}",
+            ms("ttft", "p50"),
+            ms("ttft", "p99"),
+            ms("itl", "p50"),
+            ms("itl", "p99"),
+            "-" if frac is None else f"{frac:.0%}",
+            "ok" if s.health and s.health.valid else "[red]INVALID[/red]",
+        )
+    return t
+
+
+def run_bench(opts: BenchOptions, console: Console | None = None) -> int:
+    """Run the benchmark; returns the exit code (0 ok, 3 invalid run, 130 interrupted)."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and pipes: wide enough for the tables
+            console = Console(width=140)
+    bench = Bench(opts, console)
+    try:
+        return run_loop(bench.run())
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sys.stdout.flush()

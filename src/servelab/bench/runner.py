@@ -1,0 +1,210 @@
+"""Execute a plan against a target: open or closed loop, sessions, recording.
+
+Open loop: a dispatcher sleeps until each session's intended send time and starts
+it as its own task, whatever is still in flight (so a slow server shows up as
+queueing, not as a slower arrival rate). Closed loop: ``concurrency`` workers each
+take the next session when their previous one ends. A session's later turns go
+``think_time`` after the previous response and carry the conversation so far.
+
+Every request ends as exactly one ClientRecord handed to ``on_record``: completed,
+failed, timed out, skipped (an earlier turn of its session failed) or aborted (the
+run was interrupted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from servelab.bench.client import Outcome, Target, send
+from servelab.bench.http import HttpClient
+from servelab.bench.plan import LoadSpec, PlannedRequest
+from servelab.vocab import ClientRecord
+
+START_DELAY_S = 0.05  # the first intended send is this far after the run starts
+
+
+@dataclass
+class StageResult:
+    """What one execution did, for the manifest."""
+
+    label: str | None
+    start: float
+    end: float
+    sent: int
+    records: list[ClientRecord]
+    interrupted: bool = False
+
+
+def sessions(plan: Iterable[PlannedRequest]) -> Iterator[list[PlannedRequest]]:
+    """Group a plan into sessions (consecutive turns with one ``session_id``)."""
+    current: list[PlannedRequest] = []
+    for req in plan:
+        if current and (req.session_id is None or req.session_id != current[0].session_id):
+            yield current
+            current = []
+        current.append(req)
+    if current:
+        yield current
+
+
+class Runner:
+    """Runs one stage. ``on_send``/``on_record`` feed the display and the run directory."""
+
+    def __init__(
+        self,
+        http: HttpClient,
+        target: Target,
+        load: LoadSpec,
+        *,
+        run_tag: str,
+        stage: str | None = None,
+        on_send: Callable[[], None] | None = None,
+        on_record: Callable[[ClientRecord], None] | None = None,
+    ) -> None:
+        self.http = http
+        self.target = target
+        self.load = load
+        self.run_tag = run_tag
+        self.stage = stage
+        self._on_send = on_send or (lambda: None)
+        self._on_record = on_record or (lambda r: None)
+        self.records: list[ClientRecord] = []
+        self.sent = 0
+
+    def _record(self, rec: ClientRecord) -> None:
+        self.records.append(rec)
+        self._on_record(rec)
+
+    async def run(self, plan: Iterable[PlannedRequest]) -> StageResult:
+        start = time.monotonic()
+        tasks: set[asyncio.Task[None]] = set()
+        interrupted = False
+        try:
+            if self.load.closed:
+                await self._closed(plan, start, tasks)
+            else:
+                await self._open(plan, start + START_DELAY_S, tasks)
+            if tasks:
+                await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            interrupted = True
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return StageResult(
+            self.stage, start, time.monotonic(), self.sent, self.records, interrupted
+        )
+
+    async def _open(
+        self, plan: Iterable[PlannedRequest], t0: float, tasks: set[asyncio.Task[None]]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        for turns in sessions(plan):
+            due = t0 + (turns[0].send_time or 0.0)
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = loop.create_task(self._session(turns, due))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _closed(
+        self, plan: Iterable[PlannedRequest], start: float, tasks: set[asyncio.Task[None]]
+    ) -> None:
+        assert self.load.concurrency is not None
+        it = sessions(plan)
+        stop_at = start + self.load.duration if self.load.duration else None
+
+        async def worker() -> None:
+            while stop_at is None or time.monotonic() < stop_at:
+                turns = next(it, None)
+                if turns is None:
+                    return
+                await self._session(turns, time.monotonic())
+
+        loop = asyncio.get_running_loop()
+        for _ in range(self.load.concurrency):
+            task = loop.create_task(worker())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _session(self, turns: list[PlannedRequest], intended: float) -> None:
+        history: list[tuple[str, str]] = []
+        failed: str | None = None
+        for req in turns:
+            if failed is not None:
+                self._record(self._skipped(req, failed))
+                continue
+            if req.turn > 0:
+                intended = time.monotonic() + req.think_time
+                if req.think_time > 0:
+                    await asyncio.sleep(req.think_time)
+            outcome = await self._send(req, history, intended)
+            if not outcome.record.ok:
+                failed = outcome.record.request_id
+            history.append((req.prompt, outcome.text))
+
+    def _rid(self, req: PlannedRequest) -> str:
+        return f"{self.run_tag}-{req.request_id}"
+
+    def _compose(
+        self, req: PlannedRequest, history: list[tuple[str, str]]
+    ) -> tuple[str | list[dict[str, str]], int]:
+        """The prompt (or messages) for this turn, and its planned input tokens."""
+        past = history if (req.turn > 0 and req.carry_history) else []
+        if self.target.endpoint == "chat":
+            msgs: list[dict[str, str]] = []
+            for user, answer in past:
+                msgs += [
+                    {"role": "user", "content": user},
+                    {"role": "assistant", "content": answer},
+                ]
+            return msgs + [{"role": "user", "content": req.prompt}], req.prompt_tokens
+        text = "".join(f"{user}{answer}\n\n" for user, answer in past) + req.prompt
+        return text, req.prompt_tokens
+
+    async def _send(
+        self, req: PlannedRequest, history: list[tuple[str, str]], intended: float
+    ) -> Outcome:
+        prompt, planned_in = self._compose(req, history)
+        self.sent += 1
+        self._on_send()
+        outcome = await send(
+            self.http,
+            self.target,
+            self._rid(req),
+            prompt,
+            req.max_tokens,
+            stream=req.stream,
+            priority=req.priority,
+            planned_input_tokens=planned_in,
+            intended_send=intended,
+            workload_class=req.workload_class,
+            session_id=req.session_id,
+            turn=req.turn,
+            prefix_group=req.prefix_group,
+            stage=self.stage,
+            on_abort=self._record,
+        )
+        self._record(outcome.record)
+        return outcome
+
+    def _skipped(self, req: PlannedRequest, failed_id: str) -> ClientRecord:
+        now = time.monotonic()
+        return ClientRecord(
+            request_id=self._rid(req),
+            workload_class=req.workload_class,
+            intended_send=now,
+            actual_send=now,
+            input_tokens=req.prompt_tokens,
+            requested_output_tokens=req.max_tokens,
+            stream=req.stream,
+            session_id=req.session_id,
+            turn=req.turn,
+            prefix_group=req.prefix_group,
+            stage=self.stage,
+            error=f"skipped: turn {failed_id} of this session failed, so it was not sent",
+        )

@@ -1,0 +1,247 @@
+"""The server under test: launch the embedded one, or probe a given URL.
+
+``launch_server`` starts ``servelab serve`` as a child process on a free loopback port,
+waits for ``/health`` (with a spinner), and ``stop()`` ends it (SIGTERM, then SIGKILL).
+``probe`` reads what a server says about itself: ``/version``, ``/v1/models`` and
+whether it serves servelab timelines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+HEALTH_TIMEOUT_S = 900.0  # loading and dequantising a model on 2 cores takes a while
+
+
+@dataclass
+class ServerInfo:
+    """What a target told us about itself."""
+
+    url: str
+    version: dict[str, Any] | None = None
+    models: list[dict[str, Any]] = field(default_factory=list)
+    timelines: bool = False  # serves /v1/timelines (a servelab server)
+    launched: bool = False
+    command: list[str] | None = None
+    engine_args: str = ""
+
+    @property
+    def model_id(self) -> str | None:
+        return self.models[0].get("id") if self.models else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        for m in self.models:
+            v = m.get("max_model_len")
+            if isinstance(v, int):
+                return v
+        return None
+
+    @property
+    def kind(self) -> str:
+        return "servelab" if self.timelines else "other"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "kind": self.kind,
+            "launched": self.launched,
+            "command": self.command,
+            "engine_args": self.engine_args,
+            "config": parse_engine_args(self.engine_args),
+            "version": self.version,
+            "models": self.models,
+            "model": self.model_id,
+            "max_model_len": self.max_model_len,
+        }
+
+
+def parse_engine_args(text: str) -> dict[str, Any]:
+    """``"--max-num-seqs 8 --no-enable-prefix-caching"`` -> ``{"max_num_seqs": 8, ...}``.
+
+    For the manifest only: the server validates its own flags.
+    """
+    out: dict[str, Any] = {}
+    toks = shlex.split(text or "")
+    i = 0
+    while i < len(toks):
+        tok = toks[i]
+        if not tok.startswith("--"):
+            i += 1
+            continue
+        key, eq, val = tok[2:].partition("=")
+        name = key.replace("-", "_")
+        if eq:
+            out[name] = _scalar(val)
+        elif i + 1 < len(toks) and not toks[i + 1].startswith("--"):
+            out[name] = _scalar(toks[i + 1])
+            i += 1
+        elif name.startswith("no_"):
+            out[name[3:]] = False
+        else:
+            out[name] = True
+        i += 1
+    return out
+
+
+def _scalar(v: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def probe(url: str, api_key: str | None = None, timeout: float = 10.0) -> ServerInfo:
+    """Ask the target about itself; raises ValueError when it does not answer at all."""
+    info = ServerInfo(url=url)
+    to = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(timeout=to, headers=_auth(api_key)) as s:
+        try:
+            async with s.get(f"{url}/v1/models") as r:
+                if r.status == 401:
+                    raise ValueError(
+                        f"{url} refused the API key (401): pass --api-key or set OPENAI_API_KEY"
+                    )
+                if r.status == 200:
+                    info.models = (await r.json()).get("data", []) or []
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise ValueError(
+                f"cannot reach {url}: {e}; check --url and that the server is up"
+            ) from None
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            async with s.get(f"{url}/version") as r:
+                if r.status == 200:
+                    info.version = await r.json(content_type=None)
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            async with s.get(f"{url}/v1/timelines", params={"ids": ""}) as r:
+                body = await r.json(content_type=None) if r.status == 200 else None
+                info.timelines = isinstance(body, dict) and "timelines" in body
+    return info
+
+
+async def reset_prefix_cache(url: str, api_key: str | None = None) -> tuple[bool, str]:
+    """``POST /reset_prefix_cache``; returns (flushed, what happened) and never raises."""
+    try:
+        async with (
+            aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=30), headers=_auth(api_key)
+            ) as s,
+            s.post(f"{url}/reset_prefix_cache") as r,
+        ):
+            if r.status == 200:
+                body = await r.json(content_type=None)
+                ok = not isinstance(body, dict) or body.get("reset", True) is not False
+                return ok, "flushed" if ok else f"the server declined: {body}"
+            return False, f"the server does not allow it (HTTP {r.status})"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        return False, f"could not ask: {e}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LaunchedServer:
+    """A ``servelab serve`` child process on a loopback port."""
+
+    def __init__(self, model: str, engine_args: str, log_path: Path, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.engine_args = engine_args
+        extra = shlex.split(engine_args or "")
+        for flag in ("--port", "--host", "--model"):
+            if any(a == flag or a.startswith(flag + "=") for a in extra):
+                raise ValueError(
+                    f"--engine-args must not set {flag}: the benchmark picks it "
+                    "(use --model for the model; give --url to test a server you started)"
+                )
+        self.command = [
+            sys.executable,
+            "-m",
+            "servelab.cli",
+            "serve",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *extra,
+        ]
+        self.log_path = log_path
+        env = dict(os.environ)
+        if api_key:
+            env["SERVELAB_API_KEY"] = api_key
+        self._log = open(log_path, "ab")  # noqa: SIM115 -- closed in stop()
+        self.proc = subprocess.Popen(
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def log_tail(self, n: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    async def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S, status: Any = None) -> None:
+        """Poll ``/health`` until 200; raise RuntimeError (with the log tail) on failure."""
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"`servelab serve` exited with code {self.proc.returncode} before it was "
+                        f"ready. Its log ({self.log_path}) ends with:\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with s.get(f"{self.url}/health") as r:
+                        if r.status == 200:
+                            return
+                waited = time.monotonic() - t0
+                if waited > timeout:
+                    raise RuntimeError(
+                        f"`servelab serve` was not healthy after {timeout:.0f}s; see {self.log_path}"
+                    )
+                if status is not None:
+                    status.update(f"starting servelab serve on {self.url} ... {waited:.0f}s")
+                await asyncio.sleep(0.25)
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        """SIGTERM, wait ``grace`` seconds, then SIGKILL. Returns the exit code."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,417 @@
+"""A deterministic OpenAI-compatible SSE server that streams tokens on a known schedule.
+
+It exists to check benchmark clients: the first token goes ``ttft`` seconds after the
+request arrives, then one chunk every ``itl`` seconds (plus a ``stall`` every
+``stall_every`` chunks), each carrying ``tokens_per_chunk`` tokens. The server
+records when it wrote every chunk (``time.monotonic()``, system-wide on Linux), and
+serves those times as servelab timelines (``GET /v1/timelines?ids=...``), so a test
+or benchmark can compare what the client measured with what really happened.
+
+Fault injection for tests: a role-only first chunk (chat), empty chunks between
+token chunks, several SSE events coalesced into one write, a connection cut after
+``fail_after`` tokens, an HTTP error ``status``. Per request, the JSON header
+``X-Test-Schedule`` overrides any of these fields.
+
+In-process: ``with TestServer(Schedule(...)).running() as url: ...`` (a background
+thread). Out of process (to pin it to a CPU): ``with run_test_server(schedule,
+cpu=1) as url: ...`` or ``python -m servelab.bench.testserver --port 0 --itl 0.015``
+(prints ``READY <port>`` when it is listening).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from servelab.bench.loop import run_loop
+from servelab.vocab import FinishReason, RequestTimeline
+
+WORDS = (" the", " of", " and", " to", " in", " a", " is", " that")
+
+
+@dataclass
+class Schedule:
+    """How the server answers one request (all times in seconds)."""
+
+    ttft: float = 0.05
+    itl: float = 0.01
+    stall_every: int = 0  # a stall before every n-th chunk (0: none)
+    stall: float = 0.0
+    tokens_per_chunk: int = 1
+    role_chunk: bool = True  # chat: send {"role": "assistant"} at once, with no content
+    empty_chunk_every: int = 0  # also send a content-less chunk after every n-th token chunk
+    coalesce: int = 1  # SSE events per socket write
+    fail_after: int | None = None  # cut the connection after this many tokens
+    status: int = 200  # != 200: answer with an OpenAI error body
+    default_max_tokens: int = 16
+
+    def chunk_offsets(self, n_chunks: int) -> list[float]:
+        """When each token chunk is due, in seconds after the request arrived."""
+        out, t = [], self.ttft
+        for j in range(n_chunks):
+            if j > 0:
+                t += self.itl
+                if self.stall_every and j % self.stall_every == 0:
+                    t += self.stall
+            out.append(t)
+        return out
+
+
+@dataclass
+class _Served:
+    timeline: RequestTimeline
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class TestServer:
+    """The server's state; ``app()`` builds the aiohttp application."""
+
+    __test__ = False  # not a pytest test class
+
+    schedule: Schedule = field(default_factory=Schedule)
+    model: str = "test-model"
+    max_model_len: int = 8192
+    api_key: str | None = None
+    served: dict[str, _Served] = field(default_factory=dict)
+    resets: int = 0
+    _counter: int = 0
+
+    # ------------------------------------------------------------------ routes
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/timelines", self._timelines)
+        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        app.router.add_get("/version", lambda r: web.json_response({"version": "testserver"}))
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/reset_prefix_cache", self._reset)
+        app.router.add_get("/test/requests", self._requests)
+        return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            "# TYPE vllm:request_success_total counter\n"
+            f"vllm:request_success_total {len(self.served)}\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        self.resets += 1
+        return web.json_response({"reset": True})
+
+    async def _timelines(self, request: web.Request) -> web.Response:
+        ids = request.query.get("ids")
+        keys = ids.split(",") if ids else list(self.served)
+        tls = [self.served[k].timeline.to_dict() for k in keys if k in self.served]
+        return web.json_response({"timelines": tls, "steps": []})
+
+    async def _requests(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            [{"id": k, "body": v.body, "headers": v.headers} for k, v in self.served.items()]
+        )
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival = time.monotonic()
+        if (
+            self.api_key is not None
+            and request.headers.get("Authorization") != f"Bearer {self.api_key}"
+        ):
+            return _error(401, "Missing or wrong API key.")
+        body = msgspec.json.decode(await request.read())
+        sched = self.schedule
+        override = request.headers.get("X-Test-Schedule")
+        if override:
+            sched = dataclasses.replace(sched, **json.loads(override))
+        if sched.status != 200:
+            return _error(sched.status, f"planted error {sched.status}")
+        self._counter += 1
+        rid = request.headers.get("X-Request-Id") or f"test-{self._counter}"
+        n = int(body.get("max_tokens") or sched.default_max_tokens)
+        prompt = _prompt_text(body, chat)
+        tl = RequestTimeline(rid, arrival, prompt_tokens=len(prompt.split()), queued=[arrival])
+        tl.scheduled.append(arrival)
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "authorization"}
+        headers["has_authorization"] = str("Authorization" in request.headers)
+        self.served[rid] = _Served(tl, body, headers)
+        if not body.get("stream"):
+            return await self._full(rid, body, n, sched, chat)
+        return await self._stream(request, rid, body, n, sched, chat)
+
+    async def _full(
+        self, rid: str, body: dict[str, Any], n: int, sched: Schedule, chat: bool
+    ) -> web.Response:
+        tl = self.served[rid].timeline
+        offsets = sched.chunk_offsets(math.ceil(n / sched.tokens_per_chunk))
+        await _sleep_until(tl.arrival + offsets[-1])
+        now = time.monotonic()
+        tl.first_token, tl.token_times, tl.finished = now, [now] * n, now
+        tl.output_tokens, tl.finish_reason = n, FinishReason.LENGTH
+        text = "".join(WORDS[i % len(WORDS)] for i in range(n))
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        usage = {
+            "prompt_tokens": tl.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": tl.prompt_tokens + n,
+        }
+        return web.json_response(
+            {"id": rid, "choices": [choice], "usage": usage, "servelab": tl.summary()},
+            headers={"X-Request-Id": rid},
+        )
+
+    async def _stream(self, *args: Any) -> web.StreamResponse:
+        try:
+            return await self._stream_body(*args)
+        except ConnectionResetError:  # the client went away (a timeout test): nothing to do
+            return web.Response(status=499)
+
+    async def _stream_body(
+        self,
+        request: web.Request,
+        rid: str,
+        body: dict[str, Any],
+        n: int,
+        sched: Schedule,
+        chat: bool,
+    ) -> web.StreamResponse:
+        tl = self.served[rid].timeline
+        opts = body.get("stream_options") or {}
+        continuous = bool(opts.get("continuous_usage_stats"))
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "X-Request-Id": rid}
+        )
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(
+            text: str | None,
+            finish: str | None = None,
+            usage: dict | None = None,
+            role: bool = False,
+        ) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish}
+            d: dict[str, Any] = {"id": rid, "object": obj, "choices": [choice]}
+            if usage is not None:
+                d["usage"] = usage
+            return b"data: " + msgspec.json.encode(d) + b"\n\n"
+
+        if chat and sched.role_chunk:
+            await resp.write(event(None, role=True))
+        k = sched.tokens_per_chunk
+        n_chunks = math.ceil(n / k)
+        offsets = sched.chunk_offsets(n_chunks)
+        pending: list[bytes] = []
+        sent = batched = 0
+        for j, off in enumerate(offsets):
+            m = min(k, n - sent)
+            text = "".join(WORDS[(sent + i) % len(WORDS)] for i in range(m))
+            sent += m
+            usage = _usage(tl.prompt_tokens, sent) if continuous else None
+            pending.append(event(text, "length" if sent == n else None, usage))
+            if sched.empty_chunk_every and (j + 1) % sched.empty_chunk_every == 0 and sent < n:
+                pending.append(event(""))
+            batched += 1
+            if batched < sched.coalesce and sent < n:
+                continue
+            batched = 0
+            await _sleep_until(tl.arrival + off)
+            if sched.fail_after is not None and sent > sched.fail_after:
+                tl.finished, tl.finish_reason, tl.error = (
+                    time.monotonic(),
+                    FinishReason.ABORT,
+                    "cut",
+                )
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            now = time.monotonic()
+            await resp.write(b"".join(pending))
+            pending = []
+            if tl.first_token is None:
+                tl.first_token = now
+            tl.token_times.extend([now] * (sent - len(tl.token_times)))
+        tl.finished, tl.output_tokens, tl.finish_reason = time.monotonic(), n, FinishReason.LENGTH
+        if opts.get("include_usage"):
+            final = {
+                "id": rid,
+                "object": obj,
+                "choices": [],
+                "usage": _usage(tl.prompt_tokens, n),
+                "servelab": tl.summary(),
+            }
+            await resp.write(b"data: " + msgspec.json.encode(final) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ------------------------------------------------------------------ running
+
+    @contextlib.contextmanager
+    def running(self, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+        """Serve from a background thread; yields the base URL; stops on exit."""
+        ready = threading.Event()
+        box: dict[str, Any] = {}
+
+        def main() -> None:
+            loop = asyncio.new_event_loop()
+            box["loop"] = loop
+            runner = web.AppRunner(self.app(), access_log=None)
+            loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, host, port)
+            loop.run_until_complete(site.start())
+            box["port"] = runner.addresses[0][1]
+            ready.set()
+            loop.run_until_complete(box.setdefault("stop", loop.create_future()))
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+        thread = threading.Thread(target=main, name="testserver", daemon=True)
+        thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("the test server did not start within 10 s")
+        try:
+            yield f"http://{host}:{box['port']}"
+        finally:
+            loop = box["loop"]
+            loop.call_soon_threadsafe(lambda: box["stop"].done() or box["stop"].set_result(None))
+            thread.join(10)
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _prompt_text(body: dict[str, Any], chat: bool) -> str:
+    if chat:
+        return " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+    p = body.get("prompt", "")
+    return p if isinstance(p, str) else " ".join(map(str, p))
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "test_error", "param": None, "code": status}},
+        status=status,
+    )
+
+
+async def _sleep_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+@contextlib.contextmanager
+def run_test_server(
+    schedule: Schedule | None = None, cpu: int | None = None, api_key: str | None = None
+) -> Iterator[str]:
+    """Run the test server in a child process (pinned to ``cpu`` with taskset if given)."""
+    sched = schedule or Schedule()
+    cmd = [
+        sys.executable,
+        "-m",
+        "servelab.bench.testserver",
+        "--port",
+        "0",
+        "--schedule",
+        json.dumps(dataclasses.asdict(sched)),
+    ]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if cpu is not None and shutil.which("taskset"):
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"the test server failed to start (said {line!r})")
+        yield f"http://127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--schedule", default="{}", help="Schedule fields as JSON")
+    ap.add_argument("--api-key", default=os.environ.get("TESTSERVER_API_KEY"))
+    for f in dataclasses.fields(Schedule):
+        if f.type in ("float", "int"):
+            ap.add_argument(
+                f"--{f.name.replace('_', '-')}", type=float if f.type == "float" else int
+            )
+    args = ap.parse_args(argv)
+    fields = json.loads(args.schedule)
+    for f in dataclasses.fields(Schedule):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            fields[f.name] = v
+    server = TestServer(Schedule(**fields), api_key=args.api_key)
+
+    async def serve() -> None:
+        runner = web.AppRunner(server.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        print(f"READY {runner.addresses[0][1]}", flush=True)
+        await asyncio.Event().wait()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        run_loop(serve())
+
+
+if __name__ == "__main__":
+    main()

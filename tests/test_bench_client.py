@@ -1,0 +1,253 @@
+"""The client measures what the deterministic test server really did.
+
+The test server records when it wrote each chunk (same monotonic clock as the client:
+one host), and serves those times as timelines. Each client chunk must be stamped
+after its write and before the next one, so a wrong reference point, a lost or
+merged chunk, a role-only first chunk or a miscounted multi-token chunk shows up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from servelab.bench.client import Target, send
+from servelab.bench.http import HttpClient, ResponseParser, SSEParser
+from servelab.bench.testserver import Schedule, run_test_server
+from servelab.vocab import ClientRecord
+
+# Gaps far larger than scheduling noise, so "between write i and write i+1" is a sharp test.
+SLOW = Schedule(ttft=0.12, itl=0.04, stall_every=4, stall=0.08)
+
+
+@pytest.fixture(scope="module")
+def url():
+    with run_test_server(SLOW) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from servelab.model.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_model("smollm2-135m")
+    except ValueError as e:
+        pytest.skip(f"default model not installed: {e}")
+
+
+async def _timelines(url: str, ids: list[str]) -> dict[str, dict]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{url}/v1/timelines", params={"ids": ",".join(ids)}) as r,
+    ):
+        body = await r.json()
+    return {t["request_id"]: t for t in body["timelines"]}
+
+
+async def _served(url: str) -> dict[str, dict]:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/test/requests") as r:
+        return {x["id"]: x for x in await r.json()}
+
+
+def _run(
+    url,
+    n_req,
+    max_tokens,
+    *,
+    endpoint="completions",
+    schedule=None,
+    strict=False,
+    tok=None,
+    api_key=None,
+    stream=True,
+    timeout=30.0,
+    concurrent=True,
+):
+    """Send ``n_req`` requests (concurrently); return records and the server's timelines."""
+
+    async def go():
+        http = HttpClient(url)
+        target = Target(
+            url,
+            "test-model",
+            endpoint=endpoint,
+            strict_openai=strict,
+            tokenizer=tok,
+            api_key=api_key,
+            timeout=timeout,
+        )
+        if schedule is not None:
+            target_headers = target.headers
+            target.headers = lambda rid: {
+                **target_headers(rid),
+                "X-Test-Schedule": json.dumps(schedule),
+            }
+        prompt = [{"role": "user", "content": "hi there"}] if endpoint == "chat" else "hi there"
+
+        async def one(i):
+            return await send(
+                http,
+                target,
+                f"req-{i}",
+                prompt,
+                max_tokens,
+                stream=stream,
+                intended_send=time.monotonic(),
+                workload_class="t",
+            )
+
+        if concurrent:
+            outs = await asyncio.gather(*(one(i) for i in range(n_req)))
+        else:
+            outs = [await one(i) for i in range(n_req)]
+        tls = await _timelines(url, [o.record.request_id for o in outs])
+        served = await _served(url)
+        await http.close()
+        return [o.record for o in outs], tls, served, outs
+
+    return asyncio.run(go())
+
+
+def _check_against_server(rec: ClientRecord, tl: dict, tokens_per_chunk: int) -> None:
+    writes = tl["token_times"][::tokens_per_chunk]
+    assert len(rec.chunk_times) == len(writes), "lost or merged chunks"
+    assert rec.actual_send <= tl["arrival"], "TTFT measured from after the server got the request"
+    for i, t in enumerate(rec.chunk_times):
+        assert t >= writes[i], f"chunk {i} stamped before the server wrote it"
+        if i + 1 < len(writes):
+            assert t < writes[i + 1], f"chunk {i} stamped after the next write"
+    assert rec.ttft == pytest.approx(rec.chunk_times[0] - rec.actual_send)
+    assert rec.done is not None and rec.done >= rec.chunk_times[-1]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_chunk_times_match_server_writes(url, endpoint, tok):
+    recs, tls, _, outs = _run(url, 6, 9, endpoint=endpoint, tok=tok)
+    for rec, out in zip(recs, outs):
+        assert rec.ok, rec.error
+        _check_against_server(rec, tls[rec.request_id], 1)
+        assert rec.output_tokens == 9 and rec.token_source == "usage"
+        assert rec.client_output_tokens == 9 and rec.chunk_tokens == [1] * 9
+        assert len(rec.itls) == 8
+        assert rec.server_timeline["request_id"] == rec.request_id
+        assert len(out.text.split()) == 9
+
+
+def test_role_only_first_chunk_is_not_ttft(url, tok):
+    # The role chunk goes out at once, TTFT (0.12 s) before the first token.
+    recs, tls, _, _ = _run(url, 3, 4, endpoint="chat", tok=tok)
+    for rec in recs:
+        tl = tls[rec.request_id]
+        assert rec.first_byte < tl["first_token"] <= rec.chunk_times[0]
+        assert rec.ttft >= tl["first_token"] - tl["arrival"]
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_multi_token_chunks_are_counted(url, continuous, tok):
+    # 3 tokens per chunk, as speculative decoding sends them. With the server's running
+    # usage the count per chunk is exact; without it, the client re-tokenizes.
+    sched = {"tokens_per_chunk": 3}
+    recs, tls, _, _ = _run(url, 3, 10, schedule=sched, strict=not continuous, tok=tok)
+    for rec in recs:
+        assert rec.ok, rec.error
+        _check_against_server(rec, tls[rec.request_id], 3)
+        assert rec.chunk_tokens == [3, 3, 3, 1]
+        assert rec.output_tokens == 10
+        assert rec.tpot == pytest.approx((rec.e2e - rec.ttft) / 9)
+
+
+def test_coalesced_events_and_empty_chunks(url, tok):
+    # Two SSE events per socket write, and a content-less chunk after every token chunk:
+    # every token chunk is still seen (sharing its write's timestamp), no empty one is.
+    sched = {"coalesce": 2, "empty_chunk_every": 1}
+    recs, tls, _, _ = _run(url, 2, 6, schedule=sched, tok=tok)
+    for rec in recs:
+        assert rec.ok, rec.error
+        assert rec.chunk_tokens == [1] * 6
+        writes = tls[rec.request_id]["token_times"]
+        assert len(set(writes)) == 3
+        for i in range(0, 6, 2):
+            assert rec.chunk_times[i] == rec.chunk_times[i + 1] >= writes[i + 1]
+
+
+def test_errors_timeouts_and_cut_streams_are_recorded(url, tok):
+    fast = {"ttft": 0.05, "itl": 0.05, "stall_every": 0}
+    err, _, _, _ = _run(url, 1, 5, schedule={**fast, "status": 500})
+    cut, _, _, _ = _run(url, 1, 10, schedule={**fast, "fail_after": 4}, tok=tok)
+    slow, _, _, _ = _run(url, 1, 40, schedule=fast, timeout=0.5, tok=tok)
+    after, _, _, _ = _run(url, 1, 3, schedule=fast)  # the client still works after all that
+    assert err[0].error.startswith("http_500: planted error 500") and not err[0].chunk_times
+    assert err[0].status == 500
+    assert cut[0].error.startswith("partial") and len(cut[0].chunk_times) == 4
+    assert cut[0].output_tokens == 4 and cut[0].token_source == "usage"
+    assert slow[0].error.startswith("timeout") and 0 < len(slow[0].chunk_times) < 40
+    assert after[0].ok
+
+
+def test_request_fields_headers_and_api_key():
+    with run_test_server(Schedule(ttft=0.01, itl=0.005), api_key="s3cret") as url:
+        _, _, served, _ = _run(url, 1, 5, api_key="s3cret")
+        refused, _, _, _ = _run(url, 1, 5, api_key="wrong")
+        _, _, served_strict, _ = _run(url, 1, 5, api_key="s3cret", strict=True)
+    (req,) = [v for k, v in served.items() if k.endswith("-0")]
+    body = req["body"]
+    assert body["min_tokens"] == 5 and body["ignore_eos"] is True and body["max_tokens"] == 5
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    headers = {k.lower(): v for k, v in req["headers"].items()}
+    assert headers["x-request-id"] == req["id"] and headers["has_authorization"] == "True"
+    assert refused[0].error.startswith("http_401")
+    strict = served_strict[max(served_strict)]["body"]
+    assert "min_tokens" not in strict and "ignore_eos" not in strict
+    assert strict["stream_options"] == {"include_usage": True}
+
+
+def test_non_streaming_request(url, tok):
+    recs, tls, _, _ = _run(url, 2, 6, stream=False, tok=tok)
+    for rec in recs:
+        assert rec.ok and not rec.stream and rec.output_tokens == 6
+        assert len(rec.chunk_times) == 1 and rec.chunk_tokens == [6]
+        assert rec.ttft == pytest.approx(rec.e2e)  # nothing arrives before the whole answer
+        assert rec.done >= tls[rec.request_id]["finished"]
+
+
+def test_keep_alive_connections_are_reused():
+    with run_test_server(Schedule(ttft=0.005, itl=0.002)) as url:
+
+        async def go():
+            http = HttpClient(url)
+            t = Target(url, "m")
+            for i in range(5):
+                out = await send(
+                    http, t, f"k{i}", "x", 3, intended_send=time.monotonic(), workload_class="t"
+                )
+                assert out.record.ok
+            await http.close()
+            return http.connections_opened
+
+        assert asyncio.run(go()) == 1
+
+
+def test_http_and_sse_parsers_handle_any_split():
+    body = b'data: {"a": 1}\n\ndata: {"b": 2}\r\n\r\n: comment\n\ndata: [DONE]\n\n'
+    chunked = b"".join(
+        b"%x\r\n%s\r\n" % (len(body[i : i + 7]), body[i : i + 7]) for i in range(0, len(body), 7)
+    )
+    raw = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    raw += chunked + b"0\r\n\r\n"
+    for step in (1, 2, 3, 5, 64, len(raw)):
+        p, sse, events = ResponseParser(), SSEParser(), []
+        for i in range(0, len(raw), step):
+            for piece in p.feed(raw[i : i + step]):
+                events += sse.feed(piece)
+        assert p.done and p.status == 200
+        assert events == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"]
+    p = ResponseParser()
+    assert p.feed(b"HTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n\r\nabc") == [b"abc"]
+    assert not p.done and p.feed(b"de") == [b"de"] and p.done

@@ -1,0 +1,256 @@
+"""`servelab bench` end to end against the deterministic test server (real HTTP, real CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from typer.testing import CliRunner
+
+from servelab.bench.plan import LoadSpec, build_plan
+from servelab.bench.recorder import read_records
+from servelab.bench.testserver import WORDS, Schedule, run_test_server
+from servelab.bench.workload import load_workload
+from servelab.cli import app
+
+SECRET = "sk-test-4f9d2c"
+FAST = Schedule(ttft=0.02, itl=0.004)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with run_test_server(FAST, api_key=SECRET) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from servelab.model.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_model("smollm2-135m")
+    except ValueError as e:
+        pytest.skip(f"default model not installed: {e}")
+
+
+def bench(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "servelab.cli", "bench", *args],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "160", **(env or {})},
+    )
+
+
+def _served(url: str) -> list[dict]:
+    import asyncio
+
+    async def get():
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/test/requests") as r:
+            return await r.json()
+
+    return asyncio.run(get())
+
+
+def test_run_directory_from_a_multi_turn_chat_run(server, tok, tmp_path):
+    out = tmp_path / "run"
+    p = bench(
+        "--url",
+        server,
+        "--workload",
+        "agent",
+        "--rate",
+        "20",
+        "--requests",
+        "5",
+        "--endpoint",
+        "chat",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+        "--quiet",
+        env={"OPENAI_API_KEY": SECRET},
+    )
+    assert p.returncode in (0, 3), p.stderr + p.stdout  # 3: valid=False on a loaded machine
+    manifest = json.loads((out / "manifest.json").read_text())
+    for f in out.iterdir():
+        assert SECRET not in f.read_text(errors="replace"), f"API key leaked into {f.name}"
+    assert manifest["target_kind"] == "servelab" and manifest["model"] == "test-model"
+    assert manifest["valid"] == (p.returncode == 0)
+    assert manifest["workload"]["name"] == "agent"
+
+    plan = build_plan(
+        load_workload("agent"),
+        LoadSpec(rate=20, requests=5),
+        3,
+        tokenizer=tok,
+        endpoint="chat",
+        max_model_len=8192,
+    )
+    recs = read_records(out / "requests.jsonl")
+    by_plan = {r.request_id.split("-", 1)[1]: r for r in recs}
+    assert sorted(by_plan) == sorted(r.request_id for r in plan)
+    assert all(r.ok for r in recs), [r.error for r in recs if not r.ok]
+    # intended send times follow the plan exactly; the client sent close behind them
+    firsts = [(p_.send_time, by_plan[p_.request_id]) for p_ in plan if p_.turn == 0]
+    t0 = firsts[0][1].intended_send
+    for planned, rec in firsts:
+        assert rec.intended_send - t0 == pytest.approx(planned, abs=1e-6)
+        assert rec.send_lag > -0.002
+    for p_ in plan:
+        rec = by_plan[p_.request_id]
+        assert rec.requested_output_tokens == rec.output_tokens == p_.max_tokens
+        assert (rec.session_id, rec.turn) == (p_.session_id, p_.turn)
+        if p_.turn > 0:
+            assert rec.intended_send >= by_plan[f"r{p_.index - 1:06d}"].done + p_.think_time - 1e-6
+
+    # later turns carry the conversation: the previous answer is in the messages
+    bodies = {s["id"]: s["body"] for s in _served(server)}
+    later = next(p_ for p_ in plan if p_.turn == 1)
+    msgs = bodies[by_plan[later.request_id].request_id]["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    previous = plan[later.index - 1]
+    assert msgs[0]["content"] == previous.prompt
+    assert msgs[1]["content"] == "".join(WORDS[i % len(WORDS)] for i in range(previous.max_tokens))
+
+    # server timelines joined by request id; metrics summarise every record
+    tl_ids = {json.loads(line)["request_id"] for line in (out / "server.jsonl").open()}
+    assert {r.request_id for r in recs} <= tl_ids
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["overall"]["latency"]["ttft"]["n"] == len(recs)
+    assert metrics["overall"]["requests"]["sent"] == len(recs)
+    assert "client" in metrics and metrics["window"]["duration_s"] > 0
+    assert "latency" in p.stdout and "throughput" in p.stdout
+
+
+def test_sweep_runs_stages_and_flushes_the_prefix_cache(server, tmp_path):
+    out = tmp_path / "sweep"
+    p = bench(
+        "--url",
+        server,
+        "--api-key",
+        SECRET,
+        "--workload",
+        "batch",
+        "--sweep",
+        "concurrency=1,3",
+        "--requests",
+        "4",
+        "--out",
+        str(out),
+        "--quiet",
+    )
+    assert p.returncode in (0, 3), p.stderr + p.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "--api-key ***" in manifest["command"]
+    assert [s["label"] for s in manifest["stages"]] == ["concurrency=1", "concurrency=3"]
+    assert all(s["prefix_cache"] == "flushed" for s in manifest["stages"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [s["label"] for s in metrics["stages"]] == ["concurrency=1", "concurrency=3"]
+    recs = read_records(out / "requests.jsonl")
+    assert sorted({r.stage for r in recs}) == ["concurrency=1", "concurrency=3"]
+    assert all(not r.stream for r in recs)  # the batch preset does not stream
+    assert "stages" in p.stdout
+
+
+def _wait_lines(path: Path, n: int, timeout: float = 60) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {n} lines")
+
+
+def _start(server: str, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "servelab.cli",
+            "bench",
+            "--url",
+            server,
+            "--api-key",
+            SECRET,
+            "--workload",
+            "codegen",
+            "--length-scale",
+            "0.2",
+            "--rate",
+            "60",
+            "--requests",
+            "3000",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def test_sigkill_mid_run_leaves_only_complete_records(server, tmp_path):
+    out = tmp_path / "killed"
+    proc = _start(server, out)
+    try:
+        _wait_lines(out / "requests.jsonl", 40)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    data = (out / "requests.jsonl").read_bytes()
+    assert data.endswith(b"\n")
+    lines = data.splitlines()
+    assert len(lines) >= 40
+    recs = [json.loads(line) for line in lines]  # every line is a whole record
+    assert all(r["done"] is not None and r["chunk_times"] for r in recs)
+
+
+def test_interrupt_records_in_flight_requests_as_aborted(server, tmp_path):
+    out = tmp_path / "interrupted"
+    proc = _start(server, out)
+    try:
+        _wait_lines(out / "requests.jsonl", 20)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    recs = read_records(out / "requests.jsonl")
+    aborted = [r for r in recs if r.error and r.error.startswith("aborted")]
+    assert aborted, "requests in flight at the interrupt were dropped"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["interrupted"] is True
+    assert (out / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sweep", "speed=1,2"], "--sweep rate=0.5,1,2"),
+        (["--endpoint", "responses"], "use completions or chat"),
+        (["--slo", "ttft=2"], "with a unit"),
+        (["--concurrency", "2", "--rate", "1"], "not both"),
+        (["--duration", "soon"], "--duration"),
+        (["--on-off", "5s"], "ON,OFF"),
+        (["--warmup", "abc"], "percentage"),
+        (["--workload", "nope"], "neither a preset"),
+        (["--find-max-rate", "--sweep", "rate=1,2"], "not both"),
+        (["--url", "ftp://x"], "http://"),
+    ],
+)
+def test_bad_flags_say_what_to_do(args, message, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--out", str(tmp_path / "x"), "--quiet", *args])
+    text = r.output + (r.stderr if r.stderr_bytes is not None else "")
+    assert r.exit_code == 2, text
+    assert message in " ".join(text.replace("│", " ").split()), text
