@@ -95,7 +95,7 @@ def test_every_chart_has_title_axes_and_legend(runs):
                 ]
             }
         ),
-        charts.percentile_bars(["a"], [run.summary()]),
+        charts.percentile_bars(compare([run, run])),
     ]
     for fig in figs:
         lay = fig.layout

@@ -14,6 +14,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from servelab.analyze.attribution import TTFT_PARTS, Stall
+from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
 from servelab.analyze.rundir import Run
 from servelab.vocab import ClientRecord, RequestTimeline
@@ -392,17 +393,16 @@ def _timeline_spans(
         spans["decode"].append((tl.first_token - t0, tl.finished - t0, label))
 
 
-def percentile_bars(labels: list[str], metrics: list[dict[str, Any]]) -> go.Figure:
-    """p50 and p99 of each latency metric, one bar group per run."""
+def percentile_bars(c: Comparison) -> go.Figure:
+    """Overall p50 and p99 of each latency metric, one bar group per compared run."""
     fig = go.Figure()
     keys = ("ttft", "itl", "tpot", "e2e")
-    for i, (label, m) in enumerate(zip(labels, metrics)):
-        lat = m["overall"]["latency"]
+    for i, label in enumerate(c.labels):
         for q, pattern in (("p50", ""), ("p99", "/")):
             fig.add_trace(
                 go.Bar(
                     x=[f"{k} {q}" for k in keys],
-                    y=[(lat[k][q] or 0.0) * 1e3 for k in keys],
+                    y=[(c.row(k, q).values[i] or 0.0) * 1e3 for k in keys],
                     name=f"{label} {q}",
                     marker={"color": PALETTE[i % len(PALETTE)], "pattern": {"shape": pattern}},
                 )
@@ -416,3 +416,17 @@ def percentile_bars(labels: list[str], metrics: list[dict[str, Any]]) -> go.Figu
         legend_title="run",
         barmode="group",
     )
+
+
+def comparison_points(c: Comparison) -> list[dict[str, Any]]:
+    """One throughput-latency point per compared run (or group of repeats)."""
+    return [
+        {
+            "stage": label,
+            "throughput": c.row("throughput.output_tokens_per_s", "value").values[i],
+            "ttft_p50": c.row("ttft", "p50").values[i],
+            "ttft_p99": c.row("ttft", "p99").values[i],
+            "itl_p99": c.row("itl", "p99").values[i],
+        }
+        for i, label in enumerate(c.labels)
+    ]

@@ -236,7 +236,8 @@ def _parts_legend() -> str:
     )
 
 
-def comparison_html(c: Comparison, runs: list[Run]) -> str:
+def comparison_html(c: Comparison, groups: list[list[Run]]) -> str:
+    """The comparison view: warnings, charts over the compared groups, the full table."""
     warn = "".join(f'<div class="warn">{_e(w)}</div>' for w in c.warnings)
     head = (
         "<tr><th class='l'>scope</th><th class='l'>metric</th>"
@@ -268,26 +269,20 @@ def comparison_html(c: Comparison, runs: list[Run]) -> str:
                 ]
         rows.append("<tr>" + "".join(cells) + "</tr>")
     notes = "".join(f'<p class="note">{_e(n)}</p>' for n in c.notes)
-    metrics = [run.summary() for run in runs]
-    ttft = {
-        lab: [r.ttft for r in run.records if r.ok and r.ttft is not None]
-        for lab, run in zip(c.labels, runs)
-    }
-    itl = {
-        lab: [g for r in run.records if r.ok for g in r.itls] for lab, run in zip(c.labels, runs)
-    }
-    points = {"runs": [charts.summary_point(lab, m) for lab, m in zip(c.labels, metrics)]}
+    recs = [[r for run in g for r in run.records if r.ok] for g in groups]
+    ttft = {lab: [r.ttft for r in g if r.ttft is not None] for lab, g in zip(c.labels, recs)}
+    itl = {lab: [x for r in g for x in r.itls] for lab, g in zip(c.labels, recs)}
     return (
         warn
         + notes
-        + _fig(charts.percentile_bars(c.labels, metrics))
+        + _fig(charts.percentile_bars(c))
         + _fig(charts.cdf(ttft, "TTFT distribution per run (CDF)", "TTFT (ms, log)", "run"))
         + _fig(
             charts.cdf(
                 itl, "ITL distribution per run (CDF)", "inter-token latency (ms, log)", "run"
             )
         )
-        + _fig(charts.throughput_vs_latency(points))
+        + _fig(charts.throughput_vs_latency({"runs": charts.comparison_points(c)}))
         + '<div style="overflow-x:auto"><table>'
         + head
         + "".join(rows)
@@ -300,8 +295,10 @@ def build_report(
     diagnoses: list[Diagnosis],
     comparison: Comparison | None = None,
     title: str | None = None,
+    groups: list[list[Run]] | None = None,
 ) -> str:
-    """The whole HTML document as a string."""
+    """The whole HTML document as a string. ``groups`` are the runs behind each of the
+    comparison's columns (default: one run per column, in order)."""
     names = ", ".join(r.name for r in runs)
     title = title or f"servelab report: {names}"
     nav = []
@@ -310,7 +307,9 @@ def build_report(
         nav.append('<a href="#comparison">comparison</a>')
         body.append(
             '<section id="comparison" data-section="comparison"><h2>Comparison (first run is the '
-            "baseline)</h2>" + comparison_html(comparison, runs) + "</section>"
+            "baseline)</h2>"
+            + comparison_html(comparison, groups or [[r] for r in runs])
+            + "</section>"
         )
     for i, (run, d) in enumerate(zip(runs, diagnoses)):
         prefix = f"r{i}-"
@@ -337,7 +336,8 @@ def write_report(
     out: Path,
     comparison: Comparison | None = None,
     title: str | None = None,
+    groups: list[list[Run]] | None = None,
 ) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_report(runs, diagnoses, comparison, title), encoding="utf-8")
+    out.write_text(build_report(runs, diagnoses, comparison, title, groups), encoding="utf-8")
     return out
