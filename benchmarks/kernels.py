@@ -14,7 +14,14 @@ torch. ``servelab.model.linear`` routes row counts up to ``NUMPY_MAX_ROWS`` to n
 CPU; the table is where that threshold comes from. Figures are provisional whenever
 other work shares the machine: compare ratios within one run, never absolute numbers.
 
+With ``--model NAME`` it then measures the model itself through ``TorchModelRunner``,
+each figure next to its limit measured in the same run: a decode step at batch 1 and 8
+against the bandwidth floor (a torch sum over the same weight bytes), and a 512-token
+prefill against the GEMM throughput of the same shapes; both with servelab's kernel
+routing and with stock ``F.linear``.
+
 Usage: python benchmarks/kernels.py [--rows 1,4,16,64,256] [--threads N] [--repeat 5]
+                                    [--model smollm2-135m] [--skip-kernels]
 """
 
 from __future__ import annotations
@@ -60,16 +67,91 @@ def variants(mats: list[torch.Tensor], rows: int) -> dict[str, Callable[[], obje
     }
 
 
+def _decode_plan(step: int, batch: int, ctx: int, token: int):
+    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    blocks = -(-(ctx + 64) // 16)
+    return BatchPlan(
+        step,
+        [
+            ScheduledSeq(
+                f"r{i}",
+                [token],
+                ctx + step,
+                list(range(i * blocks, (i + 1) * blocks)),
+                True,
+                greedy,
+            )
+            for i in range(batch)
+        ],
+    )
+
+
+def bench_model(name: str, threads: int, repeat: int) -> None:
+    """Decode and prefill of the real model, against the floors measured alongside."""
+    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.sampling_params import SamplingParams
+    from servelab.model import linear as lin
+    from servelab.model.loader import load_model
+    from servelab.model.runner import TorchModelRunner
+
+    loaded = load_model(name, device="cpu")
+    runner = TorchModelRunner(loaded, device="cpu", num_threads=threads, seed=0)
+    ctx, batch_max, prompt_len = 128, 8, 512
+    blocks = -(-(ctx + 64) // 16)
+    runner.allocate_kv(max(batch_max * blocks, -(-prompt_len // 16)) + 1, 16)
+    params = [p for p in loaded.model.parameters()]
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    floor = _best(lambda: [p.sum() for p in params], repeat)
+    layer_mats = [p for p in params if p.dim() == 2 and p.shape[0] != loaded.config.vocab_size]
+    x512 = {m.shape[1]: torch.randn(prompt_len, m.shape[1]).numpy() for m in layer_mats}
+    gemm = _best(lambda: [x512[m.shape[1]] @ m.numpy().T for m in layer_mats], max(2, repeat // 2))
+    gemm_flops = sum(2 * prompt_len * m.numel() for m in layer_mats)
+    print(
+        f"\n{name}: {weight_bytes / 1e6:.0f} MB of weights; bandwidth floor (torch sum) "
+        f"{floor * 1e3:.1f} ms = {weight_bytes / floor / 1e9:.1f} GB/s; "
+        f"GEMM of the layer shapes at {prompt_len} rows: {gemm_flops / gemm / 1e9:.0f} GFLOP/s"
+    )
+    greedy = SamplingParams(temperature=0.0)
+    prompt = list(range(100, 100 + prompt_len))
+    table = list(range(-(-prompt_len // 16)))
+    model_flops_per_token = 2 * sum(m.numel() for m in layer_mats)
+    for routed in (True, False):
+        lin.use_numpy_on_cpu = routed
+        label = "servelab routing" if routed else "stock F.linear  "
+        for batch in (1, batch_max):
+            step = iter(range(10**6))
+            t = _best(
+                lambda b=batch, s=step: runner.execute(_decode_plan(next(s), b, ctx, 42)), repeat
+            )
+            print(f"{label} decode batch {batch}: {t * 1e3:6.1f} ms/step = {t / floor:.2f}x floor")
+        pre = BatchPlan(0, [ScheduledSeq("p", prompt, 0, table, True, greedy)])
+        t = _best(lambda p=pre: runner.execute(p), max(2, repeat // 2))
+        achieved = model_flops_per_token * prompt_len / t / 1e9
+        print(
+            f"{label} prefill {prompt_len}: {t * 1e3:6.0f} ms = {prompt_len / t:.0f} tok/s, "
+            f"{achieved:.0f} GFLOP/s = {achieved / (gemm_flops / gemm / 1e9):.0%} of GEMM"
+        )
+    lin.use_numpy_on_cpu = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--model", default=None, help="also measure this model end to end")
+    ap.add_argument("--skip-kernels", action="store_true", help="only the --model section")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     layer_mats = [torch.randn(o, i) for _ in range(NUM_LAYERS) for _, o, i in LAYER_SHAPES]
     head = [torch.randn(*LM_HEAD)]
     gb_layers = sum(m.numel() for m in layer_mats) * 4 / 1e9
+    if args.skip_kernels:
+        bench_model(args.model, args.threads, args.repeat)
+        return
     with threadpool_limits(limits=args.threads, user_api="blas"):
         print(
             f"threads={args.threads} (torch and OpenBLAS), best of {args.repeat}; "
@@ -87,6 +169,8 @@ def main() -> None:
                     for k, t in times.items()
                 )
                 print(f"rows {rows:>4}: {cells}")
+    if args.model:
+        bench_model(args.model, args.threads, args.repeat)
 
 
 if __name__ == "__main__":

@@ -236,3 +236,15 @@ def test_executor_protocol_figures(tiny: LoadedModel) -> None:
     )
     assert runner.max_model_len == 2048
     assert runner.eos_token_ids == [2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_runner_matches_cpu(tiny_llama_dir: Path) -> None:
+    ids = prompt(load_model(str(tiny_llama_dir), device="cpu"), "The quick brown fox jumps over")
+    outs = []
+    for device in ("cpu", "cuda"):
+        loaded = load_model(str(tiny_llama_dir), device=device)
+        runner = TorchModelRunner(loaded, device=device, seed=0)
+        runner.allocate_kv(64, BLOCK)
+        outs.append(generate_alone(runner, Seq("a", list(ids), 0), 10))
+    assert outs[0] == outs[1]
