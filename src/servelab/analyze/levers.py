@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from servelab.analyze.findings import Context, Finding
+from servelab.server.args import parse_size_gb
 
 # KV bytes per token of the default model in fp32 (ANCHORS.md): the transfer
 # disaggregation adds per prompt token.
@@ -38,6 +39,20 @@ class Recommendation:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def serve_flags(**flags: Any) -> str:
+    """`servelab serve` flags as `--engine-args` takes them: True -> --x, False -> --no-x."""
+    parts = []
+    for k, v in flags.items():
+        name = k.replace("_", "-")
+        if v is True:
+            parts.append(f"--{name}")
+        elif v is False:
+            parts.append(f"--no-{name}")
+        else:
+            parts.append(f"--{name} {v}")
+    return f'servelab serve {" ".join(parts)} (bench: --engine-args "{" ".join(parts)}")'
 
 
 def _cfg(c: Context, key: str, default: Any) -> Any:
@@ -69,7 +84,7 @@ def chunked_prefill(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "chunked_prefill",
         "Turn chunked prefill on",
-        f"--engine-args enable_chunked_prefill=true,max_num_batched_tokens={budget}",
+        serve_flags(enable_chunked_prefill=True, max_num_batched_tokens=budget),
         gain,
         "a long prompt takes several steps, so its own TTFT grows by one step overhead and one "
         "decode batch per extra chunk",
@@ -95,7 +110,7 @@ def batch_budget_down(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "batch_budget_down",
         "Lower the chunked-prefill token budget",
-        f"--engine-args max_num_batched_tokens={target} (now {budget})",
+        serve_flags(max_num_batched_tokens=target) + f"; now {budget}",
         gain,
         "long prompts need more steps, so their TTFT rises; throughput falls slightly as each "
         "step's fixed overhead is shared by fewer tokens",
@@ -110,7 +125,7 @@ def batch_budget_up(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "batch_budget_up",
         "Raise the chunked-prefill token budget",
-        f"--engine-args max_num_batched_tokens={budget * 2} (now {budget})",
+        serve_flags(max_num_batched_tokens=budget * 2) + f"; now {budget}",
         "long prompts finish prefill in half the steps, saving one step overhead and one "
         "co-scheduled decode batch per chunk saved",
         "bigger chunks make larger ITL spikes for the requests decoding beside them",
@@ -138,7 +153,7 @@ def prefix_caching(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "prefix_caching",
         "Use prefix caching" if on is False else "Make prefixes reusable",
-        "--engine-args enable_prefix_caching=true"
+        serve_flags(enable_prefix_caching=True)
         if on is False
         else "put the shared text first and keep it byte-identical; give the cache KV room "
         "(kv_cache_memory_gb) so shared blocks are not evicted",
@@ -158,7 +173,7 @@ def max_num_seqs_up(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "max_num_seqs_up",
         "Admit more sequences per step",
-        f"--engine-args max_num_seqs={n * 2} (now {n})",
+        serve_flags(max_num_seqs=n * 2) + f"; now {n}",
         f"queueing behind the sequence cap ({f.evidence.get('queue_ms_mean', '?')} ms mean) "
         "shrinks while the KV cache has room",
         "larger decode batches raise TPOT" + extra,
@@ -172,7 +187,7 @@ def max_num_seqs_down(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "max_num_seqs_down",
         "Cap the batch lower",
-        f"--engine-args max_num_seqs={max(1, n // 2)} (now {n})",
+        serve_flags(max_num_seqs=max(1, n // 2)) + f"; now {n}",
         "fewer sequences share each step: lower TPOT and no preemption from KV overcommit",
         "lower throughput; requests wait in the queue instead (TTFT rises under load)",
         "low",
@@ -181,7 +196,8 @@ def max_num_seqs_down(c: Context, f: Finding) -> Recommendation:
 
 
 def kv_memory(c: Context, f: Finding) -> Recommendation:
-    gb = _cfg(c, "kv_cache_memory_gb", 2.0)
+    given = c.config("kv_cache_memory")  # the server flag, e.g. "1G", when it was set
+    gb = parse_size_gb(str(given)) if given else _cfg(c, "kv_cache_memory_gb", 2.0)
     lost = f.evidence.get("seconds_lost_to_preemption")
     gain = "no preemption: preempted requests no longer recompute their prompt and output"
     if lost:
@@ -189,7 +205,7 @@ def kv_memory(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "kv_memory",
         "Give the KV cache more memory",
-        f"--engine-args kv_cache_memory_gb={gb * 2:g} (now {gb:g})",
+        serve_flags(kv_cache_memory=f"{gb * 2:g}G") + f"; now {gb:g} GB",
         gain,
         "memory taken from the host or GPU",
         "low",
@@ -271,8 +287,8 @@ def capacity(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "capacity",
         "Add capacity or shape the load",
-        "more replicas behind a load balancer, or admission control (--engine-args max_queue=N "
-        "answers 429 instead of queueing without bound)",
+        "more replicas behind a load balancer, or admission control (servelab serve "
+        "--max-queue N answers 429 instead of queueing without bound)",
         "queueing falls in proportion to the capacity added; bursts are absorbed",
         "hardware, or rejected requests with admission control",
         "medium",
