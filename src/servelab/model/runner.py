@@ -11,13 +11,13 @@ Contract (``servelab.engine.executor.Executor`` plus KV transfer):
 - ``read_blocks``/``write_blocks``/``copy_blocks`` move whole blocks (all layers, K and V);
   a block's data is one tensor ``[num_layers, 2, block_size, n_kv_heads, head_dim]`` on
   the runner's device.
-- Thread count: ``num_threads`` (default: all cores this process may use) applies to
-  torch and to OpenBLAS, which the CPU linear layers use.
+- Thread count: ``num_threads`` applies to torch and to OpenBLAS, which the CPU linear
+  layers use. None keeps torch's count (all cores by default, or what the caller set with
+  ``torch.set_num_threads`` before building the runner).
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -32,18 +32,15 @@ from servelab.model.sampler import Sampler
 BATCHED_MAX_QUERY = 16
 
 
-def _available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def set_num_threads(num_threads: int | None) -> int:
-    """Set torch's and OpenBLAS's thread counts (None: all available cores); return it."""
+    """Give torch and OpenBLAS ``num_threads`` threads and return the count.
+
+    None keeps torch's current count (all cores unless the caller already chose, as
+    ``servelab serve`` does before building the engine) and gives OpenBLAS the same.
+    """
     from threadpoolctl import threadpool_limits
 
-    n = num_threads or _available_cores()
+    n = num_threads or torch.get_num_threads()
     torch.set_num_threads(n)
     threadpool_limits(limits=n, user_api="blas")
     return n
