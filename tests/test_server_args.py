@@ -1,0 +1,74 @@
+"""`servelab serve` flags: parsing and validation (no process is started)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from servelab.cli import app
+from servelab.server.args import ServerArgs, parse_size_gb
+
+
+@pytest.mark.parametrize(
+    ("text", "gb"),
+    [
+        ("2", 2.0),
+        ("2G", 2.0),
+        ("1.5GB", 1.5),
+        ("512M", 0.512),
+        ("512MiB", 0.536870912),
+        ("1 GiB", 1.073741824),
+    ],
+)
+def test_kv_cache_memory_sizes(text: str, gb: float) -> None:
+    assert parse_size_gb(text) == pytest.approx(gb)
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1G", "2X", "2iB", "2b", "lots"])
+def test_bad_kv_cache_memory_sizes(text: str) -> None:
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        parse_size_gb(text)
+
+
+def test_flags_map_onto_the_engine_config() -> None:
+    args = ServerArgs(
+        max_num_batched_tokens=512,
+        max_num_seqs=8,
+        max_model_len=1024,
+        block_size=32,
+        num_gpu_blocks_override=100,
+        kv_cache_memory="512M",
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        max_queue=5,
+    )
+    args.validate()
+    cfg = args.engine_config()
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size) == (
+        512,
+        8,
+        1024,
+        32,
+    )
+    assert (cfg.num_kv_blocks, cfg.kv_cache_memory_gb, cfg.max_queue) == (100, 0.512, 5)
+    assert not cfg.enable_chunked_prefill and not cfg.enable_prefix_caching
+    assert ServerArgs(model="m", served_model_name=None).model_name == "m"
+    assert "secret" not in repr(ServerArgs(api_key="secret"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--port", "-1"], "--port"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--threads", "0"], "--threads"),
+        (["--max-queue", "-2"], "--max-queue"),
+        (["--device", "tpu"], "--device"),
+        (["--log-level", "loud"], "--log-level"),
+        (["--model", "no-such-model"], "known names are"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(flags: list[str], needle: str) -> None:
+    result = CliRunner().invoke(app, ["serve", *flags])
+    assert result.exit_code == 2
+    assert needle in result.output
