@@ -117,10 +117,14 @@ def _check_against_server(rec: ClientRecord, tl: dict, tokens_per_chunk: int) ->
     writes = tl["token_times"][::tokens_per_chunk]
     assert len(rec.chunk_times) == len(writes), "lost or merged chunks"
     assert rec.actual_send <= tl["arrival"], "TTFT measured from after the server got the request"
+    assert rec.chunk_times == sorted(rec.chunk_times)
+    in_slot = 0
     for i, t in enumerate(rec.chunk_times):
         assert t >= writes[i], f"chunk {i} stamped before the server wrote it"
-        if i + 1 < len(writes):
-            assert t < writes[i + 1], f"chunk {i} stamped after the next write"
+        in_slot += i + 1 == len(writes) or t < writes[i + 1]
+    # Each chunk is stamped before the next write, unless the client was descheduled for
+    # longer than a whole gap (a loaded CI machine): allow a few such.
+    assert in_slot >= 0.8 * len(writes), "chunks stamped late: wrong reference or attribution"
     assert rec.ttft == pytest.approx(rec.chunk_times[0] - rec.actual_send)
     assert rec.done is not None and rec.done >= rec.chunk_times[-1]
 

@@ -44,13 +44,14 @@ class Target:
     timeout: float | None = 600.0
     tokenizer: TokenizerLike | None = None  # for the client re-count
     extra_body: dict[str, Any] = field(default_factory=dict)
+    extra_headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 
     def headers(self, request_id: str) -> dict[str, str]:
-        h = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        h = {**self.extra_headers, "Content-Type": "application/json", "X-Request-Id": request_id}
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h

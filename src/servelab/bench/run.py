@@ -305,6 +305,25 @@ class Bench:
                 )
             except ValueError as e:
                 self.warnings.append(f"{stage.label or 'run'}: no summary: {e}")
+        if stage.summary:
+            self._token_warnings(stage)
+
+    def _token_warnings(self, stage: Stage) -> None:
+        assert stage.summary is not None
+        t = stage.summary["tokens"]
+        where = f"{stage.label}: " if stage.label else ""
+        if t["usage_vs_client_disagreements"]:
+            self.warnings.append(
+                f"{where}{t['usage_vs_client_disagreements']} of {t['recounted']} requests: the "
+                "server's usage and the client's re-count of output tokens differ (see metrics.json "
+                "tokens; a different --tokenizer than the server's gives this)"
+            )
+        if t["output_length_not_honoured"]:
+            self.warnings.append(
+                f"{where}{t['output_length_not_honoured']} of {t['output_length_requested']} "
+                "requests did not produce the requested output length: the server ignores "
+                "min_tokens/ignore_eos, so output lengths follow the model"
+            )
 
     def _slos(self) -> dict[str, SLO] | SLO:
         if self.spec is not None:
