@@ -45,10 +45,11 @@ def timeline_table(timelines: list[RequestTimeline], title: str = "Request timel
     """One row per request: queue, prefill chunks, cached tokens, TTFT, decode, tokens/s."""
     from rich.table import Table
 
-    table = Table(title=title)
-    for col in ("request", "prompt", "cached", "queue ms", "prefill chunks", "prefill ms"):
-        table.add_column(col, justify="left" if col in ("request", "prefill chunks") else "right")
-    for col in ("TTFT ms", "output", "decode ms", "decode tok/s", "preempt", "finish"):
+    table = Table(title=f"{title} (times in ms)")
+    table.add_column("request")
+    for col in ("prompt", "cached", "queue", "chunks", "prefill", "TTFT", "out", "decode"):
+        table.add_column(col, justify="right")
+    for col in ("tok/s", "preempt", "finish"):
         table.add_column(col, justify="right")
     for t in timelines:
         ttft = None if t.first_token is None else t.first_token - t.arrival
@@ -68,6 +69,44 @@ def timeline_table(timelines: list[RequestTimeline], title: str = "Request timel
             str(len(t.preemptions)),
             t.finish_reason.value if t.finish_reason else "-",
         )
+    return table
+
+
+def phase_table(t: RequestTimeline) -> Table:
+    """One request's phases in order: queue, prefill chunks, first token, decode, finish."""
+    from rich.table import Table
+
+    table = Table(title=f"Timeline of {t.request_id} (ms from arrival)")
+    table.add_column("phase")
+    for col in ("at", "took", "tokens"):
+        table.add_column(col, justify="right")
+    table.add_column("detail")
+
+    def rel(x: float) -> str:
+        return _ms(x - t.arrival)
+
+    events: list[tuple[float, tuple[str, str, str, str, str]]] = []
+    for x in t.queued:
+        events.append((x, ("queued", rel(x), "", "", "")))
+    for x in t.scheduled:
+        events.append((x, ("admitted", rel(x), "", "", "")))
+    for x in t.preemptions:
+        events.append((x, ("preempted", rel(x), "", "", "back to the queue; recomputed later")))
+    for c in t.chunks:
+        detail = f"step {c.step_id}" + (f", {c.cached_tokens} cached" if c.cached_tokens else "")
+        row = ("prefill chunk", rel(c.start), _ms(c.end - c.start), str(c.tokens), detail)
+        events.append((c.start, row))
+    if t.first_token is not None:
+        events.append((t.first_token, ("first token", rel(t.first_token), "", "1", "TTFT")))
+        if t.finished is not None and t.output_tokens > 1:
+            rate = (t.output_tokens - 1) / t.decode_time if t.decode_time > 0 else 0.0
+            row = ("decode", rel(t.first_token), _ms(t.decode_time), str(t.output_tokens - 1))
+            events.append((t.first_token, (*row, f"{rate:.1f} tok/s")))
+    if t.finished is not None:
+        reason = t.finish_reason.value if t.finish_reason else ""
+        events.append((t.finished, ("finished", rel(t.finished), "", "", reason)))
+    for _, row in sorted(events, key=lambda e: e[0]):  # stable: same-time rows keep order
+        table.add_row(*row)
     return table
 
 
@@ -95,16 +134,20 @@ def run_offline_demo(
     from servelab.engine.engine import LLMEngine
     from servelab.engine.sampling_params import SamplingParams
 
-    console = Console()
+    console = Console(width=max(Console().width, 140))  # the table has many columns
     console.print(f"[bold]Loading {model}...[/bold]")
     config = EngineConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16)
     engine = LLMEngine.from_model(model, config, device=device)
-    doc = "".join(_DOC_PARAGRAPH.format(i=i) for i in range(1, 13))
     chat = SamplingParams(max_tokens=32, temperature=0.0)
     rag = SamplingParams(max_tokens=24, temperature=0.0)
 
-    def rag_ids(question: str) -> list[int]:
-        return _chat_ids(engine, f"Document:\n{doc}\n\nQuestion: {question}", _SYSTEM)
+    def rag_ids(question: str, paragraphs: int = 12) -> list[int]:
+        doc = "".join(_DOC_PARAGRAPH.format(i=i) for i in range(1, paragraphs + 1))
+        ids = _chat_ids(engine, f"Document:\n{doc}\n\nQuestion: {question}", _SYSTEM)
+        # A small model's context may not hold the whole document: keep half of it free.
+        if len(ids) > engine.config.max_model_len // 2 and paragraphs > 1:
+            return rag_ids(question, paragraphs - 1)
+        return ids
 
     for i, q in enumerate(_QUESTIONS[:3]):
         engine.add_request(
@@ -184,7 +227,7 @@ def register(app: typer.Typer) -> None:
             for out in engine.step().outputs:
                 console.print(out.new_text, end="", highlight=False, markup=False)
         console.print()
-        console.print(timeline_table(list(engine.finished_timelines), "Timeline"))
+        console.print(phase_table(engine.finished_timelines[-1]))
 
     @app.command("offline-demo")
     def offline_demo(
