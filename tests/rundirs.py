@@ -14,6 +14,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from servelab.analyze.rundir import load_run
 from servelab.analyze.summary import summarize
@@ -489,3 +490,30 @@ def sweep(path: Path, seed: int = 0) -> Path:
         t = max(r.intended for r in stage) + 2.0
         reqs += stage
     return write_run(path, reqs, Engine(max_num_seqs=8), seed=seed)
+
+
+class StandIn:
+    """Quacks like bench.target.LaunchedServer, over the bench's deterministic test server.
+
+    For tests of code that starts `servelab serve` (the matrix, the demo) without loading
+    a model: "--slow" in the flags doubles the token gap. ``started`` lists the flags of
+    every stand-in started (reset it per test).
+    """
+
+    started: ClassVar[list[str]] = []
+
+    def __init__(self, model: str, engine_args: str, log_path: Path, api_key: str | None = None):
+        from servelab.bench.testserver import Schedule, TestServer
+
+        self.engine_args = engine_args
+        self.command = ["stand-in", engine_args]
+        itl = 0.02 if "--slow" in engine_args else 0.01
+        self._cm = TestServer(Schedule(ttft=0.02, itl=itl)).running()
+        self.url = self._cm.__enter__()
+        StandIn.started.append(engine_args)
+
+    async def wait_healthy(self, timeout: float | None = None, status: object = None) -> None:
+        return None
+
+    def stop(self, grace: float = 0.0) -> None:
+        self._cm.__exit__(None, None, None)

@@ -1,48 +1,28 @@
 """bench.matrix: interleaved repeats across configs, over real HTTP to stand-in servers.
 
-The stand-in for `servelab serve` is the bench's deterministic test server; a config's
-flags pick its token gap, so the matrix must find the slow config significantly worse
-and record each run's server flags.
+The stand-in for `servelab serve` (rundirs.StandIn) is the bench's deterministic test
+server; "--slow" in a config's flags doubles its token gap, so the matrix must find the
+slow config significantly worse and record each run's server flags.
 """
 
 from __future__ import annotations
 
 import json
-from typing import ClassVar
 
 import pytest
+from rundirs import StandIn
 
 from servelab.bench import matrix
 from servelab.bench.matrix import MatrixSpec, execute_matrix, run_matrix
 from servelab.bench.plan import LoadSpec
 from servelab.bench.run import BenchOptions
-from servelab.bench.testserver import Schedule, TestServer
-
-
-class StandIn:
-    """Quacks like bench.target.LaunchedServer; "--slow" doubles the token gap."""
-
-    started: ClassVar[list[str]] = []
-
-    def __init__(self, model, engine_args, log_path, api_key=None):
-        self.engine_args = engine_args
-        self.command = ["stand-in", engine_args]
-        itl = 0.02 if "--slow" in engine_args else 0.01
-        self._cm = TestServer(Schedule(ttft=0.02, itl=itl)).running()
-        self.url = self._cm.__enter__()
-        StandIn.started.append(engine_args)
-
-    async def wait_healthy(self, timeout=None, status=None):
-        return None
-
-    def stop(self, grace=0.0):
-        self._cm.__exit__(None, None, None)
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
     StandIn.started = []
     monkeypatch.setattr(matrix, "LaunchedServer", StandIn)
+    return StandIn
 
 
 def _base(tmp_path):

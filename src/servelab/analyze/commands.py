@@ -103,3 +103,25 @@ def register(app: typer.Typer) -> None:
         comparison = run_compare(runs) if len(runs) > 1 else None
         write_report(runs, [run_diagnosis(r) for r in runs], out, comparison)
         typer.echo(f"report written to {out.resolve()}")
+
+    @app.command()
+    def demo(
+        quick: Annotated[
+            bool, typer.Option("--quick", help="a reduced size for CI (a couple of minutes)")
+        ] = False,
+        out: Annotated[
+            Path | None, typer.Option(help="output directory (default: runs/<time>-demo)")
+        ] = None,
+    ) -> None:
+        """The main job: rag, agent and mixed at two loads, chunked prefill on vs off, one report."""
+        from servelab.analyze.demo import run_demo
+
+        try:
+            result = run_demo(quick=quick, out=out)
+        except (ValueError, RuntimeError) as e:
+            _fail(str(e))
+            return
+        if result.interrupted:
+            raise typer.Exit(130)
+        if result.report is None:
+            _fail("no run finished, so there is no report; see the output above")

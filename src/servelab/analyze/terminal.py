@@ -123,12 +123,18 @@ def _value(metric: str, v: float | None) -> str:
     return f"{v:.2f}" if "." in metric else ms(v)
 
 
-def render_comparison(c: Comparison, console: Console) -> None:
+def render_comparison(
+    c: Comparison,
+    console: Console,
+    scopes: tuple[str, ...] | None = None,
+    stats: tuple[str, ...] | None = None,
+) -> None:
+    """The comparison tables; ``scopes``/``stats`` keep only those rows (rates always shown)."""
     console.rule("[bold]comparison (first run is the baseline)")
     for w in c.warnings:
         console.print(f"[yellow]warning: {w}")
-    scopes = list(dict.fromkeys(r.scope for r in c.rows))
-    for scope in scopes:
+    all_scopes = list(dict.fromkeys(r.scope for r in c.rows))
+    for scope in [s for s in all_scopes if scopes is None or s in scopes]:
         t = Table(title=f"{scope}: latencies in ms, rates per second")
         t.add_column("metric")
         for i, label in enumerate(c.labels):
@@ -137,7 +143,8 @@ def render_comparison(c: Comparison, console: Console) -> None:
                 t.add_column("delta", justify="right")
                 t.add_column("p", justify="right")
                 t.add_column("verdict")
-        for r in (r for r in c.rows if r.scope == scope):
+        rows = [r for r in c.rows if r.scope == scope]
+        for r in (r for r in rows if stats is None or r.stat in stats or r.stat == "value"):
             cells = [f"{r.metric} {r.stat}" if r.stat != "value" else r.metric]
             for i in range(len(c.labels)):
                 cells.append(_value(r.metric, r.values[i]))
