@@ -132,6 +132,8 @@ def test_json_is_serialisable(runs):
     back = json.loads(json.dumps(d))
     assert back["findings"][0]["id"] == "itl_prefill_interference"
     assert back["ttft_attribution"]["overall"]["parts"]["queue"] >= 0
+    assert len(back["requests"]) == 64 and back["requests"][0]["source"] == "exact"
+    assert {s["cause"] for s in back["itl_stalls"]} == {"prefill"}
 
 
 def test_load_run_errors_say_what_to_do(tmp_path):

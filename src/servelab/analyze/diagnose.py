@@ -70,7 +70,7 @@ class Diagnosis:
     recommendations: list[Recommendation]
     notes: list[str] = field(default_factory=list)
     estimates: ServerEstimates | None = None
-    attribution: Attribution | None = None  # per-request detail (not serialised)
+    attribution: Attribution | None = None  # per-request detail
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -88,6 +88,10 @@ class Diagnosis:
             "recommendations": [r.to_dict() for r in self.recommendations],
             "server_estimates": self.estimates.to_dict() if self.estimates else None,
             "notes": self.notes,
+            "requests": [b.to_dict() for b in self.attribution.ttft] if self.attribution else [],
+            "itl_stalls": [s.to_dict() for s in self.attribution.stalls]
+            if self.attribution
+            else [],
         }
 
 
