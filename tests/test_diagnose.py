@@ -165,3 +165,12 @@ def test_launched_servelab_config_gets_engine_defaults(tmp_path):
     assert run.engine_config["enable_chunked_prefill"] is True
     other = load_run(rundirs.as_other_target(rundirs.calm(tmp_path / "o")))
     assert other.engine_config == {}
+
+
+def test_stalls_map_by_time_when_token_counts_disagree(tmp_path):
+    run = load_run(rundirs.unchunked_stalls(tmp_path / "u"))
+    for tl in run.timelines.values():
+        if tl.token_times:
+            tl.token_times.append(tl.token_times[-1])  # one token the client never saw
+    stalls = [s for s in attribute(run).stalls if s.gap > 0.2]
+    assert stalls and all(s.cause == "prefill" and s.server_gap is None for s in stalls)

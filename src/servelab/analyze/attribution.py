@@ -317,6 +317,9 @@ def _stalls(
         n += k
         cum.append(n)
     matched = tl is not None and len(tl.token_times) == n
+    # Counts disagree (e.g. a stop string trimmed): map client times to server times by
+    # the first token's delivery delay instead of by token index.
+    offset = rec.chunk_times[0] - tl.first_token if tl is not None and tl.first_token else None
     for i, g in enumerate(gaps):
         if g <= STALL_FACTOR * med or g - med <= STALL_MIN_EXCESS:
             continue
@@ -332,6 +335,9 @@ def _stalls(
                 )
             else:
                 _server_cause(stall, rec.request_id, tl, sa, sb, idx, cost, med)
+        elif tl is not None and offset is not None:
+            sa, sb = rec.chunk_times[i] - offset, rec.chunk_times[i + 1] - offset
+            _server_cause(stall, rec.request_id, tl, sa, sb, idx, cost, med)
         elif tl is None:
             _estimate_cause(stall, rec, others)
         out.append(stall)

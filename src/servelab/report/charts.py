@@ -346,30 +346,23 @@ def phase_timeline(run: Run, stalls: list[Stall]) -> go.Figure:
         steps = [s for s in run.steps if lo <= s.start - t0 <= hi]
         mids = [(s.start + s.end) / 2 - t0 for s in steps]
         widths = [s.duration for s in steps]
-        fig.add_trace(
-            go.Bar(
-                x=mids,
-                y=[s.prefill_tokens for s in steps],
-                width=widths,
-                name="engine step: prefill tokens",
-                marker={"color": PHASE_COLORS["prefill"]},
-            ),
-            row=2,
-            col=1,
+        lanes = (
+            ("prefill", "prefill tokens", "prefill<br>tokens", [s.prefill_tokens for s in steps]),
+            ("decode", "decode sequences", "decode<br>seqs", [s.decode_seqs for s in steps]),
         )
-        fig.add_trace(
-            go.Bar(
-                x=mids,
-                y=[s.decode_seqs for s in steps],
-                width=widths,
-                name="engine step: decode sequences",
-                marker={"color": PHASE_COLORS["decode"]},
-            ),
-            row=3,
-            col=1,
-        )
-        fig.update_yaxes(title_text="prefill<br>tokens", row=2, col=1)
-        fig.update_yaxes(title_text="decode<br>seqs", row=3, col=1)
+        for row, (phase, what, axis, ys) in enumerate(lanes, start=2):
+            fig.add_trace(
+                go.Bar(
+                    x=mids,
+                    y=ys,
+                    width=widths,
+                    name=f"engine step: {what}",
+                    marker={"color": PHASE_COLORS[phase]},
+                ),
+                row=row,
+                col=1,
+            )
+            fig.update_yaxes(title_text=axis, row=row, col=1)
     fig.update_yaxes(autorange="reversed", row=1, col=1, title_text="request")
     fig.update_xaxes(title_text="time since start (s)", row=rows, col=1)
     return _layout(
