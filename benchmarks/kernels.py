@@ -79,7 +79,7 @@ def _decode_plan(step: int, batch: int, ctx: int, token: int):
             ScheduledSeq(
                 f"r{i}",
                 [token],
-                ctx + step,
+                ctx + step % 64,
                 list(range(i * blocks, (i + 1) * blocks)),
                 True,
                 greedy,
