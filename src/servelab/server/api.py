@@ -174,9 +174,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             headers={"Retry-After": _RETRY_AFTER_S},
         )
     rid = _request_id(request, st)
-    stream = st.client.submit(
-        ipc.AddRequest(rid, parsed.token_ids, dataclasses.asdict(params), parsed.priority, arrival)
-    )
+    try:
+        stream = st.client.submit(
+            ipc.AddRequest(
+                rid, parsed.token_ids, dataclasses.asdict(params), parsed.priority, arrival
+            )
+        )
+    except EngineDeadError as e:
+        raise APIError(503, f"{e}; restart the server.", code="engine_dead") from None
     shape = ResponseShape(chat, rid, st.model_name, int(time.time()))
     try:
         if parsed.stream:

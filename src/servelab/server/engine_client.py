@@ -225,10 +225,10 @@ class EngineClient:
         """Queue ``req`` for the core; raises EngineDeadError if the core is gone."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "the engine core is not running")
-        stream = RequestStream(req.request_id)
-        self._streams[req.request_id] = stream
         self._send(req)
         self._adds_sent += 1
+        stream = RequestStream(req.request_id)
+        self._streams[req.request_id] = stream  # no output can arrive before this: one thread
         return stream
 
     def abort(self, request_id: str) -> None:
