@@ -1,15 +1,17 @@
 """Llama-family model shapes for the cost models: parameter counts and KV bytes per token.
 
-A :class:`ModelSpec` comes from a preset name, from an HF ``config.json`` (a file or a
-directory holding one), or from a GGUF file's metadata. Only shapes matter here: no
-weights are read.
+A :class:`ModelSpec` comes from a preset name, or from an HF ``config.json`` (a file or a
+directory holding one) or a GGUF file, read by the model package's ``ModelConfig``. Only
+shapes matter here: no weights are read.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+
+from servelab.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -86,23 +88,26 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def _from_hf_config(cfg: dict, name: str) -> ModelSpec:
+def from_model_config(cfg: ModelConfig, name: str) -> ModelSpec:
+    """The shapes of a model package ``ModelConfig`` (its context: ``max_model_len``)."""
+    return ModelSpec(
+        name=name,
+        hidden=cfg.hidden_size,
+        layers=cfg.num_layers,
+        heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate=cfg.intermediate_size,
+        vocab=cfg.vocab_size,
+        tied_embeddings=cfg.tie_word_embeddings,
+        max_model_len=cfg.max_model_len,
+        qkv_bias=cfg.qkv_bias,
+    )
+
+
+def _from_hf_config(d: dict, name: str) -> ModelSpec:
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        return ModelSpec(
-            name=name,
-            hidden=hidden,
-            layers=int(cfg["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate=int(cfg["intermediate_size"]),
-            vocab=int(cfg["vocab_size"]),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_model_len=int(cfg.get("max_position_embeddings", 4096)),
-            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-        )
+        return from_model_config(ModelConfig.from_hf_dict(d), name)
     except KeyError as e:
         raise ValueError(
             f"config.json of {name!r} lacks {e.args[0]!r}; a Llama-family config.json "
@@ -114,32 +119,10 @@ def _from_hf_config(cfg: dict, name: str) -> ModelSpec:
 def _from_gguf(path: Path) -> ModelSpec:
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    from servelab.model.gguf_meta import read_metadata
 
-    def field(key: str):
-        f = reader.fields.get(key)
-        if f is None:
-            return None
-        return f.parts[f.data[0]].tolist()[0] if f.data else None
-
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    heads = field(f"{arch}.attention.head_count")
-    hidden = field(f"{arch}.embedding_length")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    names = {t.name for t in reader.tensors}
-    return ModelSpec(
-        name=path.stem,
-        hidden=hidden,
-        layers=field(f"{arch}.block_count"),
-        heads=heads,
-        kv_heads=field(f"{arch}.attention.head_count_kv") or heads,
-        head_dim=field(f"{arch}.attention.key_length") or hidden // heads,
-        intermediate=field(f"{arch}.feed_forward_length"),
-        vocab=len(tokens.data) if tokens is not None else field(f"{arch}.vocab_size"),
-        tied_embeddings="output.weight" not in names,
-        max_model_len=field(f"{arch}.context_length") or 4096,
-        qkv_bias="blk.0.attn_q.bias" in names,
-    )
+    names = {t.name for t in GGUFReader(str(path)).tensors}
+    return from_model_config(ModelConfig.from_gguf_metadata(read_metadata(path), names), path.stem)
 
 
 def load_model_spec(name_or_path: str) -> ModelSpec:
@@ -162,7 +145,3 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
         f"unknown model {name_or_path!r}; presets: {', '.join(sorted(PRESETS))}. "
         "Or pass an HF config.json, a directory holding one, or a .gguf file."
     )
-
-
-def with_max_len(spec: ModelSpec, max_model_len: int) -> ModelSpec:
-    return replace(spec, max_model_len=max_model_len)
