@@ -36,9 +36,17 @@ METRICS = [
 ]
 
 
+INVALID_RUN = 3  # `servelab bench`: finished, but the client could not keep its timing
+
+
 def run(cmd: list[str]) -> None:
     print("$", " ".join(cmd[2:] if cmd[:2] == SERVELAB[:2] else cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    code = subprocess.run(cmd).returncode
+    if code == INVALID_RUN:
+        print("  (the benchmark marked this run invalid: the machine was too busy for exact "
+              "client timing; its figures are kept but less trustworthy)", flush=True)
+    elif code != 0:
+        raise SystemExit(f"command failed with exit status {code}: {' '.join(cmd)}")
 
 
 def load_args(a: argparse.Namespace, workload: str) -> list[str]:
