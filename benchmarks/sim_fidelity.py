@@ -41,10 +41,13 @@ INVALID_RUN = 3  # `servelab bench`: finished, but the client could not keep its
 
 def run(cmd: list[str]) -> None:
     print("$", " ".join(cmd[2:] if cmd[:2] == SERVELAB[:2] else cmd), flush=True)
-    code = subprocess.run(cmd).returncode
+    code = subprocess.run(cmd, check=False).returncode
     if code == INVALID_RUN:
-        print("  (the benchmark marked this run invalid: the machine was too busy for exact "
-              "client timing; its figures are kept but less trustworthy)", flush=True)
+        print(
+            "  (the benchmark marked this run invalid: the machine was too busy for exact "
+            "client timing; its figures are kept but less trustworthy)",
+            flush=True,
+        )
     elif code != 0:
         raise SystemExit(f"command failed with exit status {code}: {' '.join(cmd)}")
 
