@@ -26,7 +26,7 @@ def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):
     names = [r.name for r in res.runs]
     assert names == ["rag", "agent", "mixed", "chunked-r0", "unchunked-r0"]
     for run in res.runs[:3]:
-        assert run.stages == ["rate=0.3", "rate=1"]  # two load levels
+        assert run.stages == ["rate=0.4", "rate=1.5"]  # two load levels
         assert run.engine_config["max_num_batched_tokens"] == 256  # flags recorded
     assert res.runs[4].engine_config["enable_chunked_prefill"] is False
     assert res.matrix.comparison.labels == ["chunked", "unchunked"]

@@ -159,9 +159,13 @@ def test_truncated_last_line_is_skipped(tmp_path):
 
 def test_launched_servelab_config_gets_engine_defaults(tmp_path):
     # `servelab bench` records only the flags given to the embedded server.
-    server = {"model": "smollm2-135m", "config": {"max_num_seqs": 8}}
+    server = {"model": "smollm2-135m", "config": {"max_num_seqs": 8, "kv_cache_memory": "1G"}}
     run = load_run(rundirs.calm(tmp_path / "c", simulated=False, server=server))
     assert run.engine_config["max_num_seqs"] == 8
+    assert (
+        run.engine_config["kv_cache_memory_gb"] == 1.0
+        and "kv_cache_memory" not in run.engine_config
+    )
     assert run.engine_config["enable_chunked_prefill"] is True
     other = load_run(rundirs.as_other_target(rundirs.calm(tmp_path / "o")))
     assert other.engine_config == {}

@@ -72,9 +72,9 @@ FULL = DemoSize(
 )
 QUICK = DemoSize(
     requests=3,
-    stage_seconds=8.0,
-    rates={"rag": (0.3, 1.0), "agent": (0.3, 1.0), "mixed": (0.3, 1.0)},
-    length_scale={"rag": 0.15, "agent": 0.15, "mixed": 0.15},
+    stage_seconds=10.0,
+    rates={"rag": (0.4, 1.5), "agent": (0.4, 1.5), "mixed": (0.4, 1.5)},
+    length_scale={"rag": 0.15, "agent": 0.1, "mixed": 0.15},
     matrix_requests=4,
     matrix_rate=1.0,
     repeats=1,

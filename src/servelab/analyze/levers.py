@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from servelab.analyze.findings import Context, Finding
-from servelab.server.args import parse_size_gb
 
 # KV bytes per token of the default model in fp32 (ANCHORS.md): the transfer
 # disaggregation adds per prompt token.
@@ -196,8 +195,7 @@ def max_num_seqs_down(c: Context, f: Finding) -> Recommendation:
 
 
 def kv_memory(c: Context, f: Finding) -> Recommendation:
-    given = c.config("kv_cache_memory")  # the server flag, e.g. "1G", when it was set
-    gb = parse_size_gb(str(given)) if given else _cfg(c, "kv_cache_memory_gb", 2.0)
+    gb = _cfg(c, "kv_cache_memory_gb", 2.0)
     lost = f.evidence.get("seconds_lost_to_preemption")
     gain = "no preemption: preempted requests no longer recompute their prompt and output"
     if lost:

@@ -14,13 +14,21 @@ Contract:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from servelab.analyze.summary import summarize
 from servelab.engine.config import EngineConfig
+from servelab.server.args import parse_size_gb
 from servelab.vocab import ClientRecord, RequestTimeline, StepRecord
+
+# `servelab serve` flags whose EngineConfig field has another name or unit.
+_FLAG_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "kv_cache_memory": ("kv_cache_memory_gb", parse_size_gb),
+    "num_gpu_blocks_override": ("num_kv_blocks", int),
+}
 
 
 class RunDirError(ValueError):
@@ -82,6 +90,10 @@ class Run:
                 break
         if self.target_kind != "servelab" or self.simulated:
             return recorded
+        recorded = dict(recorded)
+        for flag, (name, parse) in _FLAG_FIELDS.items():
+            if flag in recorded:
+                recorded[name] = parse(str(recorded.pop(flag)))
         return {k: v for k, v in asdict(EngineConfig()).items() if v is not None} | recorded
 
     @property

@@ -208,8 +208,11 @@ def summary_point(label: str, m: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def throughput_vs_latency(points: dict[str, list[dict[str, Any]]]) -> go.Figure:
-    """One line per run (or label) through its stages: output tokens/s against latency."""
+def throughput_vs_latency(
+    points: dict[str, list[dict[str, Any]]], connect: bool = True
+) -> go.Figure:
+    """Output tokens/s against latency: per label, a line through its load stages
+    (``connect``), or separate points when each point is a different run."""
     fig = go.Figure()
     for i, (label, pts) in enumerate(points.items()):
         color = PALETTE[i % len(PALETTE)]
@@ -218,7 +221,7 @@ def throughput_vs_latency(points: dict[str, list[dict[str, Any]]]) -> go.Figure:
                 go.Scatter(
                     x=[p["throughput"] for p in pts],
                     y=[(p[key] or 0.0) * 1e3 for p in pts],
-                    mode="lines+markers+text",
+                    mode="lines+markers+text" if connect else "markers+text",
                     text=[p["stage"] for p in pts],
                     textposition="top center",
                     name=f"{label}: {key.replace('_', ' ')}",
@@ -227,7 +230,7 @@ def throughput_vs_latency(points: dict[str, list[dict[str, Any]]]) -> go.Figure:
             )
     return _layout(
         fig,
-        "Throughput vs latency across load stages",
+        "Throughput vs latency " + ("across load stages" if connect else "per run"),
         xaxis_title="output throughput (tokens/s)",
         yaxis_title="latency (ms)",
         legend_title="run: metric",

@@ -282,7 +282,7 @@ def comparison_html(c: Comparison, groups: list[list[Run]]) -> str:
                 itl, "ITL distribution per run (CDF)", "inter-token latency (ms, log)", "run"
             )
         )
-        + _fig(charts.throughput_vs_latency({"runs": charts.comparison_points(c)}))
+        + _fig(charts.throughput_vs_latency({"runs": charts.comparison_points(c)}, connect=False))
         + '<div style="overflow-x:auto"><table>'
         + head
         + "".join(rows)
