@@ -118,6 +118,20 @@ def test_a_session_keeps_its_concurrency_slot_and_non_streamed_output_comes_at_o
     assert b0.chunk_times == [b0.done] and b0.chunk_tokens == [10] and not b0.stream
 
 
+def test_a_failed_turn_skips_the_rest_of_its_session():
+    reqs = [
+        SimRequest("a0", 0.0, [5] * 2000, 10, session_id="a"),
+        SimRequest("a1", 0.0, [5] * 10, 10, session_id="a", turn=1, after="a0"),
+        SimRequest("a2", 0.0, [5] * 10, 10, session_id="a", turn=2, after="a1"),
+        SimRequest("b0", 0.0, [6] * 10, 10),
+    ]
+    res = Simulation(_target(max_model_len=1024).factory, reqs, max_concurrency=1).run()
+    a0, a1, a2, b0 = res.records
+    assert a0.status == 400
+    assert a1.error.startswith("skipped") and a2.error.startswith("skipped")
+    assert not a1.chunk_times and b0.ok
+
+
 def test_a_request_the_engine_rejects_becomes_a_400_record():
     too_long = SimRequest("big", 0.0, [3] * 2000, 100)
     ok = SimRequest("ok", 0.0, [3] * 20, 5)

@@ -284,12 +284,34 @@ class Simulation:
             rec.chunk_times = [t]
             rec.chunk_tokens = [sum(rec.chunk_tokens)]
         children = self._children.pop(rid, [])
+        if not rec.ok:  # as the benchmark does, the rest of the session is not sent
+            self._skip(children, rid, t)
+            children = []
         # The next turn of a session keeps this request's concurrency slot.
         for child in children:
             self._push(t + child.think_time, _SEND, (child, t + child.think_time))
         if not children:
             self._in_flight -= 1
             self._pump(t)
+
+    def _skip(self, reqs: list[SimRequest], failed: str, t: float) -> None:
+        for req in reqs:
+            rec = ClientRecord(
+                request_id=req.request_id,
+                workload_class=req.workload_class,
+                intended_send=t,
+                actual_send=t,
+                input_tokens=len(req.prompt_token_ids),
+                requested_output_tokens=req.max_tokens,
+                stream=req.stream,
+                session_id=req.session_id,
+                turn=req.turn,
+                prefix_group=req.prefix_group,
+                stage=req.stage,
+                error=f"skipped: turn {failed} of this session failed, so it was not sent",
+            )
+            self._clients[req.request_id] = _Client(req, rec)
+            self._skip(self._children.pop(req.request_id, []), failed, t)
 
     # ---- steps ----
 
