@@ -283,3 +283,33 @@ def test_simulated_runs_go_through_diagnose_compare_and_report(tmp_path):
     r = runner.invoke(app, ["report", str(small), "--html", str(tmp_path / "r.html")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "r.html").stat().st_size > 10_000
+
+
+def test_cli_calibrate_and_profile_from_a_run(tmp_path):
+    from servelab.sim.profiled import ProfiledCostModel, ProfileTable
+
+    truth = Efficiency(mfu=0.4, mbu=0.6, step_overhead=1e-3, layer_overhead=0.0)
+    target = roofline_target(
+        "h100", "llama-3.1-8b", efficiency=truth, engine_config=EngineConfig(max_num_seqs=32)
+    )
+    reqs, _, _ = load_requests("chat", LoadSpec(rate=10.0, requests=60), 2, 8192)
+    run = write_run_dir(
+        tmp_path / "run", simulate(Scenario(target, reqs)), target=target.describe(), n_boot=0
+    )
+    runner = CliRunner()
+    cal = tmp_path / "cal.json"
+    r = runner.invoke(
+        app,
+        ["calibrate", str(run), "--hardware", "h100", "--model", "llama-3.1-8b", "--out", str(cal)],
+    )
+    assert r.exit_code == 0, r.output
+    assert Calibration.load(cal).efficiency.mbu == pytest.approx(0.6, rel=0.03)
+    prof = tmp_path / "p.json"
+    r = runner.invoke(app, ["profile", "--from-run", str(run), "--out", str(prof)])
+    assert r.exit_code == 0, r.output
+    table = ProfileTable.load(prof)
+    assert len(table.samples) == len(load_run(run).steps)
+    assert table.meta["engine_config"]["max_num_seqs"] == 32
+    assert ProfiledCostModel(table).fit_error < 0.03
+    r = runner.invoke(app, ["calibrate", str(tmp_path), "--hardware", "h100"])
+    assert r.exit_code == 2 and "run directory" in r.output
