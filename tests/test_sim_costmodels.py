@@ -208,3 +208,15 @@ def test_work_of_plan_matches_step_work_add():
             )
             expected.add(n + len(drafts), start, (1 + len(drafts)) if sample else 0)
         assert work_of_plan(BatchPlan(0, seqs)) == expected
+
+
+def test_cpu_roofline_sits_between_the_anchored_floor_and_a_stock_forward():
+    # ANCHORS.md: SmolLM2 fp32 decode floor ~32 ms (538 MB at ~17 GB/s); a plain torch
+    # forward with stock kernels took 72 ms; prefill ~212 MFLOP per token.
+    rm = RooflineCostModel(PRESETS["smollm2-135m"], HARDWARE["cpu"])
+    assert rm.model.weight_bytes(4) == pytest.approx(538e6, rel=0.01)
+    assert 0.032 < rm.predict(_decode(1, 128)) < 0.072
+    w = StepWork()
+    w.add(512, 0, 1)
+    per_token = (rm.cost(w).flops - 2 * 576 * 49152) / 512
+    assert per_token == pytest.approx(212e6, rel=0.15)
