@@ -61,14 +61,8 @@ def stream_post(http: httpx.Client, path: str, body: dict[str, Any], **kw: Any) 
     return r
 
 
-def core_pid() -> int:
-    """The engine-core child of this test process (the most recent one)."""
-    kids = [
-        p
-        for p in psutil.Process().children()
-        if any("servelab.server.core" in a for a in p.cmdline())
-    ]
-    return max(kids, key=lambda p: p.create_time()).pid
+def core_pid(http: httpx.Client) -> int:
+    return http.get("/version").json()["engine"]["pid"]
 
 
 # ---- responses ----
@@ -172,7 +166,10 @@ def test_stream_without_usage_puts_timeline_in_the_finish_chunk(http: httpx.Clie
 def test_models_health_version_reset(http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
     assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
-    assert http.get("/version").json()["version"]
+    version = http.get("/version").json()
+    assert version["version"]
+    assert version["engine"]["max_model_len"] == 512 and version["engine"]["block_size"] == 16
+    assert psutil.Process(version["engine"]["pid"]).is_running()
     r = http.post("/reset_prefix_cache")
     assert r.status_code == 200 and r.json() == {"reset": True}
 
@@ -453,7 +450,7 @@ def test_engine_core_death_fails_requests_and_health(tiny_llama_dir: Path) -> No
         with http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
-            psutil.Process(core_pid()).send_signal(signal.SIGKILL)
+            psutil.Process(core_pid(http)).send_signal(signal.SIGKILL)
             t0 = time.monotonic()
             rest = [line for line in lines if line]
             took = time.monotonic() - t0

@@ -311,7 +311,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    return _json({"version": __version__})
+    """servelab's version and the engine's resolved configuration (for run manifests)."""
+    info = request.app[STATE].client.info
+    return _json({"version": __version__, "engine": info})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -35,6 +35,7 @@ from servelab.server import ipc
 log = logging.getLogger("servelab.server.core")
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that the API process is still there
+_STALL_POLL_MS = 10  # retry period when requests are unfinished but none could be scheduled
 _WARMUP_PROMPT_TOKENS = 32
 _WARMUP_OUTPUT_TOKENS = 4
 
@@ -127,10 +128,11 @@ class EngineCore:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inputs, zmq.POLLIN)
+        stalled = False  # the last step ran nothing: wait for input rather than spin
         while not self._stop:
-            if not self.engine.has_unfinished():
+            if stalled or not self.engine.has_unfinished():
                 t0 = self.clock()
-                poller.poll(_IDLE_POLL_MS)
+                poller.poll(_STALL_POLL_MS if stalled else _IDLE_POLL_MS)
                 self.idle += self.clock() - t0
                 if os.getppid() != self.parent_pid:
                     log.warning("engine core: the API process is gone; exiting")
@@ -139,13 +141,15 @@ class EngineCore:
             handled = self._drain_inputs()
             if self._stop:
                 break
+            outputs: list[ipc.Output] = []
+            record = None
             if self.engine.has_unfinished():
                 result = self.engine.step()
                 outputs = [_to_wire(o) for o in result.outputs]
                 record = result.record.to_dict() if result.record is not None else None
+            stalled = record is None and not outputs and self.engine.has_unfinished()
+            if handled or outputs or record is not None:
                 self._send_batch(outputs, record)
-            elif handled:
-                self._send_batch([], None)
             self.busy += self.clock() - t0
 
     def _drain_inputs(self) -> bool:

@@ -49,7 +49,8 @@ InputMessage = AddRequest | Abort | UtilityCall | Shutdown
 
 
 class CoreInfo(msgspec.Struct):
-    """What the engine core resolved at start-up (sizes the API process validates against)."""
+    """What the engine core resolved at start-up: the limits the API process validates
+    against, also reported by ``GET /version``."""
 
     model: str
     max_model_len: int
