@@ -192,8 +192,10 @@ def test_best_pd_split_tries_every_split():
         total=4,
     )
     assert [p.label for p in result.points] == ["1P:3D", "2P:2D", "3P:1D"]
-    best = max(result.points, key=lambda p: (p.attainment, p.goodput))
-    assert result.answer == (best.extra["prefill"], best.extra["decode"])
+    top = max(p.attainment for p in result.points)
+    best = [p for p in result.points if p.attainment == top]
+    assert result.answer in [(p.extra["prefill"], p.extra["decode"]) for p in best]
+    assert all(p.extra["mean_e2e"] > 0 for p in result.points)
 
 
 def test_cli_sim_writes_a_run_and_reports_bad_input(tmp_path):

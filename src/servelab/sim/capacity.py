@@ -52,6 +52,8 @@ class CapacityResult:
 def _point(label: str, res: SimResult, slos: Any, target: float, **extra: Any) -> Point:
     att = attainment(res, slos)
     dur = res.sim_duration or 1.0
+    e2e = [r.e2e for r in res.records if r.ok and r.e2e is not None]
+    extra["mean_e2e"] = sum(e2e) / len(e2e) if e2e else None
     return Point(label, att, att * len(res.records) / dur, att >= target, extra)
 
 
@@ -127,12 +129,19 @@ def highest_rate(
 def best_pd_split(
     run: Callable[[int, int], SimResult], slos: Any, total: int, target: float = 0.9
 ) -> CapacityResult:
-    """Every P:D split of ``total`` replicas; the best has the highest attainment, then goodput."""
+    """Every P:D split of ``total`` replicas. The best has the highest attainment, then the
+    highest goodput, then the lowest mean end-to-end latency (when several meet the SLOs
+    at this load, the fastest one has the most headroom)."""
     if total < 2:
         raise ValueError("a P:D split needs at least 2 replicas in total (--replicas 2 or more)")
     points = [
         _point(f"{p}P:{total - p}D", run(p, total - p), slos, target, prefill=p, decode=total - p)
         for p in range(1, total)
     ]
-    best = max(points, key=lambda pt: (pt.attainment, pt.goodput))
+
+    def rank(pt: Point) -> tuple[float, float, float]:
+        e2e = pt.extra["mean_e2e"]
+        return (pt.attainment, round(pt.goodput, 3), -(e2e if e2e is not None else float("inf")))
+
+    best = max(points, key=rank)
     return CapacityResult((best.extra["prefill"], best.extra["decode"]), points, target)
