@@ -189,3 +189,19 @@ def test_token_checks_reports_disagreements():
     assert t["usage_vs_client_disagreements"] == 1
     assert t["disagreement_examples"][0]["request_id"] == "r1"
     assert t["output_length_not_honoured"] == 1
+
+
+def test_large_samples_use_woodruff_intervals_that_agree_with_the_bootstrap():
+    from servelab.analyze.summary import BOOTSTRAP_MAX_N, _bootstrap
+
+    rng = np.random.default_rng(11)
+    n_req, per = 300, 40
+    vals = np.repeat(rng.normal(size=n_req), per) + rng.normal(scale=0.5, size=n_req * per)
+    groups = np.repeat(np.arange(n_req), per)
+    assert vals.size > BOOTSTRAP_MAX_N
+    big = describe(vals, groups)
+    boot = _bootstrap(vals, groups, 0.95, 400, 0)
+    for k in ("p50", "p90", "p99", "mean"):
+        (lo, hi), (blo, bhi) = big.ci[k], boot[k]
+        assert lo <= getattr(big, k) <= hi
+        assert (hi - lo) == pytest.approx(bhi - blo, rel=0.35), k

@@ -22,15 +22,19 @@ Definitions (DESIGN.md "Metrics"; docs/metrics.md says which peer each one match
   time of the chunk that carried them) divided by the window's length.
 - Percentile point estimates use numpy's default (linear interpolation, as vLLM does). The
   confidence interval is a percentile bootstrap; pooled ITL is resampled by request (a cluster
-  bootstrap), because the gaps of one request are correlated.
+  bootstrap), because the gaps of one request are correlated. Above ``BOOTSTRAP_MAX_N``
+  values the cluster-robust Woodruff interval replaces the bootstrap (same limit, seconds
+  instead of minutes).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -39,6 +43,7 @@ from servelab.vocab import LATENCY_METRICS, PERCENTILES, ClientRecord
 
 DEFAULT_BUCKET_EDGES: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_N_BOOT = 1000
+BOOTSTRAP_MAX_N = 2_000  # beyond this many values, Woodruff intervals instead of a bootstrap
 DEFAULT_CONFIDENCE = 0.95
 
 _UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "min": 60.0}
@@ -314,10 +319,14 @@ def describe(
     n_boot: int = DEFAULT_N_BOOT,
     seed: int = 0,
 ) -> Stat:
-    """Percentiles, mean and max of ``values`` with percentile-bootstrap confidence intervals.
+    """Percentiles, mean and max of ``values`` with confidence intervals.
 
-    ``groups[i]`` names the cluster (request) of ``values[i]``; with groups, the bootstrap
-    resamples whole clusters. Deterministic for a given ``seed``. ``n_boot=0`` skips CIs.
+    ``groups[i]`` names the cluster (request) of ``values[i]``; with groups, intervals
+    account for values of one cluster being correlated. Up to ``BOOTSTRAP_MAX_N`` values
+    the interval is a percentile bootstrap (``n_boot`` resamples, whole clusters with
+    groups; deterministic for a ``seed``); beyond, where a bootstrap would take minutes and
+    the normal approximation it converges to is accurate, it is the Woodruff interval
+    (see ``_woodruff``). ``n_boot=0`` skips CIs.
     """
     v = np.asarray(values, dtype=np.float64)
     keep = np.isfinite(v)
@@ -334,8 +343,42 @@ def describe(
         **{f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES},
     )
     if n_boot > 0 and v.size > 1:
-        stat.ci = _bootstrap(v, groups, confidence, n_boot, seed)
+        if v.size <= BOOTSTRAP_MAX_N:
+            stat.ci = _bootstrap(v, groups, confidence, n_boot, seed)
+        else:
+            stat.ci = _woodruff(v, groups, confidence)
     return stat
+
+
+def _woodruff(
+    v: np.ndarray, groups: Sequence[int] | np.ndarray | None, confidence: float
+) -> dict[str, tuple[float, float]]:
+    """Large-sample intervals: for a quantile q, the standard error ``se`` of the empirical
+    CDF at the q-quantile gives ``[quantile(q - z se), quantile(q + z se)]`` (Woodruff, 1952);
+    for the mean, its standard error. With groups both are cluster-robust (ratio-estimator
+    linearisation over clusters), as the cluster bootstrap would be."""
+    z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
+    n = v.size
+    g = None if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+
+    def se_of(resid: np.ndarray) -> float:
+        if g is None:
+            return float(np.sqrt((resid**2).sum() * n / max(n - 1, 1))) / n
+        per = np.bincount(g, weights=resid)
+        k = per.size
+        return float(np.sqrt((per**2).sum() * k / max(k - 1, 1))) / n
+
+    out: dict[str, tuple[float, float]] = {}
+    for p in PERCENTILES:
+        q = p / 100.0
+        xq = np.percentile(v, p)
+        se = se_of((v <= xq).astype(np.float64) - q)
+        lo, hi = max(0.0, q - z * se), min(1.0, q + z * se)
+        out[f"p{p}"] = (float(np.quantile(v, lo)), float(np.quantile(v, hi)))
+    m = float(v.mean())
+    se = se_of(v - m)
+    out["mean"] = (m - z * se, m + z * se)
+    return out
 
 
 def _bootstrap(
@@ -409,13 +452,17 @@ def _metric_values(
 def _tokens_in_window(r: ClientRecord, window: Window) -> float:
     """Output tokens of ``r`` that arrived inside the window (by the chunk that carried them)."""
     if r.chunk_times:
-        carried = sum(r.chunk_tokens) or len(r.chunk_times)
+        # chunk_times are in arrival order, so the inside chunks are one slice
+        i0 = bisect.bisect_left(r.chunk_times, window.start)
+        i1 = bisect.bisect_right(r.chunk_times, window.end)
+        if i1 <= i0:
+            return 0.0
+        if len(r.chunk_tokens) == len(r.chunk_times):
+            carried = sum(r.chunk_tokens) or len(r.chunk_times)
+            inside = sum(r.chunk_tokens[i0:i1])
+        else:
+            carried, inside = len(r.chunk_times), i1 - i0
         scale = r.output_tokens / carried if r.output_tokens else 1.0
-        inside = sum(
-            (r.chunk_tokens[i] if i < len(r.chunk_tokens) else 1)
-            for i, t in enumerate(r.chunk_times)
-            if window.contains(t)
-        )
         return inside * scale
     return float(r.output_tokens) if window.contains(r.done) else 0.0
 

@@ -104,60 +104,62 @@ class ResponseParser:
 
     def feed(self, data: bytes) -> list[bytes]:
         """Consume ``data``; return the body bytes it completed, in order."""
-        self.buf += data
-        out: list[bytes] = []
         buf = self.buf
+        buf += data
+        out: list[bytes] = []
+        pos, end = 0, len(buf)  # a read position: deleting from the front per chunk is quadratic
         while True:
             st = self._state
-            if st == "head":
-                i = buf.find(b"\r\n\r\n")
-                if i < 0:
+            if st == "data":
+                if pos == end:
                     break
-                self._head(bytes(buf[:i]))
-                del buf[: i + 4]
-            elif st == "size":
-                i = buf.find(b"\r\n")
-                if i < 0:
-                    break
-                size = int(bytes(buf[:i]).split(b";", 1)[0], 16)
-                del buf[: i + 2]
-                self._need = size
-                self._state = "data" if size else "trailer"
-            elif st == "data":
-                if not buf:
-                    break
-                take = min(self._need, len(buf))
-                out.append(bytes(buf[:take]))
-                del buf[:take]
+                take = min(self._need, end - pos)
+                out.append(bytes(buf[pos : pos + take]))
+                pos += take
                 self._need -= take
                 if self._need:
                     break
                 self._state = "crlf"
             elif st == "crlf":
-                if len(buf) < 2:
+                if end - pos < 2:
                     break
-                del buf[:2]
+                pos += 2
                 self._state = "size"
-            elif st == "trailer":
-                i = buf.find(b"\r\n")
+            elif st == "size":
+                i = buf.find(b"\r\n", pos)
                 if i < 0:
                     break
-                line = bytes(buf[:i])
-                del buf[: i + 2]
-                if not line:
+                size = int(bytes(buf[pos:i]).split(b";", 1)[0], 16)
+                pos = i + 2
+                self._need = size
+                self._state = "data" if size else "trailer"
+            elif st == "head":
+                i = buf.find(b"\r\n\r\n", pos)
+                if i < 0:
+                    break
+                self._head(bytes(buf[pos:i]))
+                pos = i + 4
+            elif st == "trailer":
+                i = buf.find(b"\r\n", pos)
+                if i < 0:
+                    break
+                empty = i == pos
+                pos = i + 2
+                if empty:
                     self._finish()
                     break
             elif st == "body":
-                if buf:
-                    take = len(buf) if self._until_close else min(self._need, len(buf))
-                    out.append(bytes(buf[:take]))
-                    del buf[:take]
+                if pos < end:
+                    take = end - pos if self._until_close else min(self._need, end - pos)
+                    out.append(bytes(buf[pos : pos + take]))
+                    pos += take
                     self._need -= take
                 if not self._until_close and self._need <= 0:
                     self._finish()
                 break
             else:  # done
                 break
+        del buf[:pos]
         return out
 
     def _head(self, raw: bytes) -> None:
@@ -200,6 +202,14 @@ class SSEParser:
         self.buf = b""
 
     def feed(self, piece: bytes) -> list[bytes]:
+        # The common case, one whole "data: ..." event per piece, without the general split.
+        if (
+            not self.buf
+            and piece.startswith(b"data: ")
+            and piece.endswith(b"\n\n")
+            and piece.find(b"\n") == len(piece) - 2
+        ):
+            return [piece[6:-2]]
         buf = self.buf + piece
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
