@@ -1,0 +1,85 @@
+"""The runner: closed-loop concurrency and duration, open-loop schedule, failed sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import pytest
+
+from servelab.bench.client import Target
+from servelab.bench.http import HttpClient
+from servelab.bench.plan import LoadSpec, PlannedRequest
+from servelab.bench.runner import Runner, sessions
+from servelab.bench.testserver import Schedule, run_test_server
+
+
+@pytest.fixture(scope="module")
+def url():
+    with run_test_server(Schedule(ttft=0.03, itl=0.01)) as u:
+        yield u
+
+
+def _req(
+    i: int, send: float | None = None, session: str | None = None, turn: int = 0, tokens: int = 5
+) -> PlannedRequest:
+    return PlannedRequest(
+        f"r{i:06d}",
+        i,
+        "c",
+        f"prompt {i}",
+        3,
+        tokens,
+        send_time=send,
+        session_id=session,
+        turn=turn,
+        think_time=0.05 if turn else 0.0,
+    )
+
+
+def _execute(url: str, load: LoadSpec, plan, schedule: dict | None = None):
+    async def go():
+        http = HttpClient(url)
+        headers = {"X-Test-Schedule": json.dumps(schedule)} if schedule else {}
+        target = Target(url, "test-model", extra_headers=headers)
+        res = await Runner(http, target, load, run_tag="t").run(plan)
+        await http.close()
+        return res
+
+    return asyncio.run(go())
+
+
+def test_closed_loop_keeps_concurrency_and_stops_at_duration(url):
+    plan = (_req(i) for i in itertools.count())  # endless, as iter_plan is for --duration
+    res = _execute(url, LoadSpec(concurrency=3, duration=1.0), plan)
+    recs = sorted(res.records, key=lambda r: r.actual_send)
+    assert len(recs) >= 6 and all(r.ok for r in recs)
+    assert max(r.actual_send for r in recs) <= res.start + 1.0
+    # never more than 3 in flight: count overlaps at every send
+    for r in recs:
+        in_flight = sum(o.actual_send <= r.actual_send < o.done for o in recs)
+        assert in_flight <= 3
+    assert max(sum(o.actual_send <= r.actual_send < o.done for o in recs) for r in recs) == 3
+
+
+def test_open_loop_sends_on_schedule_even_when_the_server_is_slow(url):
+    # each request takes ~0.5 s; sends every 0.05 s must not wait for completions
+    plan = [_req(i, send=i * 0.05, tokens=40) for i in range(8)]
+    res = _execute(url, LoadSpec(rate=20, requests=8), plan)
+    recs = sorted(res.records, key=lambda r: r.intended_send)
+    gaps = [b.intended_send - a.intended_send for a, b in itertools.pairwise(recs)]
+    assert gaps == pytest.approx([0.05] * 7, abs=1e-9)
+    assert recs[-1].actual_send < recs[0].done  # the last went out before the first finished
+
+
+def test_a_failed_turn_skips_the_rest_of_its_session(url):
+    plan = [_req(0, 0.0, "s0", 0), _req(1, None, "s0", 1), _req(2, None, "s0", 2)]
+    res = _execute(url, LoadSpec(rate=1, requests=1), plan, schedule={"status": 503})
+    errors = [r.error.split(":")[0] for r in sorted(res.records, key=lambda r: r.turn)]
+    assert errors == ["http_503", "skipped", "skipped"]
+
+
+def test_sessions_group_consecutive_turns():
+    plan = [_req(0, 0, "a", 0), _req(1, None, "a", 1), _req(2, 1), _req(3, 2, "b", 0)]
+    assert [[r.index for r in s] for s in sessions(plan)] == [[0, 1], [2], [3]]
