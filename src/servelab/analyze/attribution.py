@@ -124,7 +124,7 @@ class _StepIndex:
         """Steps that ended in (a, b]: the work done between two token emissions."""
         lo = bisect.bisect_right(self.ends, a + eps)
         hi = bisect.bisect_right(self.ends, b + eps)
-        return [s for s in self.steps[lo:hi]]
+        return self.steps[lo:hi]
 
     def at(self, t: float) -> StepRecord | None:
         i = bisect.bisect_right(self.starts, t) - 1
@@ -145,7 +145,7 @@ def attribute(run: Run) -> Attribution:
         elif _summary_usable(rec):
             breakdowns.append(_from_summary(rec))
         else:
-            breakdowns.append(_client_only(rec))
+            breakdowns.append(_base(rec))  # client-side figures only
     _fill_queue_depth(run, ok, breakdowns)
     stalls = []
     for rec in ok:
@@ -164,10 +164,6 @@ def _base(rec: ClientRecord) -> TTFTBreakdown:
         ttft=rec.ttft or 0.0,
         client_lag=rec.send_lag,
     )
-
-
-def _client_only(rec: ClientRecord) -> TTFTBreakdown:
-    return _base(rec)
 
 
 def _summary_usable(rec: ClientRecord) -> bool:
