@@ -164,3 +164,13 @@ def test_sweep_run_draws_its_throughput_latency_curve(tmp_path):
     html = out.read_text()
     assert "A single load level" not in html
     assert html.count('class="plotly-graph-div"') == 6
+
+
+def test_report_for_another_server_uses_client_side_phases(tmp_path):
+    run = load_run(rundirs.as_other_target(rundirs.burst(tmp_path / "o")))
+    d = diagnose(run)
+    html = write_report([run], [d], tmp_path / "o.html").read_text()
+    assert _sections(html) == list(RUN_SECTIONS)
+    assert "an estimate from /metrics histogram deltas" in html
+    names = {t.name for t in charts.phase_timeline(run, d.attribution.stalls).data}
+    assert "prefill chunk" not in names and {"queued (waiting for admission)", "decoding"} <= names
