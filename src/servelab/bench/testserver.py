@@ -102,12 +102,18 @@ class TestServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/timelines", self._timelines)
-        app.router.add_get("/health", lambda r: web.Response(text="ok"))
-        app.router.add_get("/version", lambda r: web.json_response({"version": "testserver"}))
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/reset_prefix_cache", self._reset)
         app.router.add_get("/test/requests", self._requests)
         return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "testserver"})
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
