@@ -10,7 +10,9 @@ and run those for real in the same session.
    --profile`` simulates it with the same load and seed.
 3. Prints, per held-out workload, the relative error of the simulated p50/p95 TTFT, ITL
    and E2E and of the output throughput against the real run (targets: 10% on the
-   percentiles, 5% on throughput), and writes ``fidelity.json``.
+   percentiles, 5% on throughput), and writes ``fidelity.json``. Beside it, an in-sample
+   control: the same run simulated on a profile of its own steps, which separates what
+   the simulator gets wrong from how much the machine's speed drifted between runs.
 
 Real runs on a 2-core machine shared with other work are slow and noisy: keep the rate
 and request counts small, and quote the figures as provisional.
@@ -67,6 +69,10 @@ def load_args(a: argparse.Namespace, workload: str) -> list[str]:
     ]
 
 
+def rel_error(sim: float, real: float) -> float | None:
+    return (sim - real) / real if real else None
+
+
 def figures(run_dir: Path) -> dict[str, float]:
     m = json.loads((run_dir / "metrics.json").read_text())["overall"]
     out = {f"{k}_{p}": m["latency"][k][p] for k, p in METRICS}
@@ -109,9 +115,20 @@ def main() -> None:
         real, sim = out / f"real-{w}", out / f"sim-{w}"
         run([*SERVELAB, "bench", *load_args(a, w), "--out", str(real), "--quiet"])
         run([*SERVELAB, "sim", "--profile", str(profile), *load_args(a, w), "--out", str(sim)])
-        r, s = figures(real), figures(sim)
+        # In-sample control: a profile made of this very run's steps. Its error is what the
+        # simulator itself gets wrong (scheduling, client, interpolation); the held-out error
+        # minus this one is what changed on the machine between runs.
+        own, insim = out / f"profile-{w}.json", out / f"insim-{w}"
+        run([*SERVELAB, "profile", "--from-run", str(real), "--out", str(own)])
+        run([*SERVELAB, "sim", "--profile", str(own), *load_args(a, w), "--out", str(insim)])
+        r, s, i = figures(real), figures(sim), figures(insim)
         results[w] = {
-            k: {"real": r[k], "sim": s[k], "error": (s[k] - r[k]) / r[k] if r[k] else None}
+            k: {
+                "real": r[k],
+                "sim": s[k],
+                "error": rel_error(s[k], r[k]),
+                "in_sample_error": rel_error(i[k], r[k]),
+            }
             for k in r
         }
 
@@ -119,7 +136,10 @@ def main() -> None:
         f"\nsimulated vs real on this machine ({a.source} profile; rate {a.rate}/s, "
         f"{a.requests} requests each; {time.perf_counter() - t_start:.0f} s in all)"
     )
-    header = f"{'workload':10s} {'metric':14s} {'real':>10s} {'sim':>10s} {'error':>8s}  target"
+    header = (
+        f"{'workload':10s} {'metric':14s} {'real':>10s} {'sim':>10s} {'error':>8s} "
+        f"{'in-sample':>9s}  target"
+    )
     print(header)
     for w, res in results.items():
         for k, v in res.items():
