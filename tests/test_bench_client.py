@@ -9,7 +9,9 @@ merged chunk, a role-only first chunk or a miscounted multi-token chunk shows up
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import sys
 import time
 
 import aiohttp
@@ -54,6 +56,9 @@ async def _served(url: str) -> dict[str, dict]:
         return {x["id"]: x for x in await r.json()}
 
 
+_ids = itertools.count()
+
+
 def _run(
     url,
     n_req,
@@ -82,18 +87,15 @@ def _run(
             timeout=timeout,
         )
         if schedule is not None:
-            target_headers = target.headers
-            target.headers = lambda rid: {
-                **target_headers(rid),
-                "X-Test-Schedule": json.dumps(schedule),
-            }
+            target.extra_headers["X-Test-Schedule"] = json.dumps(schedule)
+        tag = next(_ids)
         prompt = [{"role": "user", "content": "hi there"}] if endpoint == "chat" else "hi there"
 
         async def one(i):
             return await send(
                 http,
                 target,
-                f"req-{i}",
+                f"req{tag}-{i}",
                 prompt,
                 max_tokens,
                 stream=stream,
@@ -255,3 +257,45 @@ def test_http_and_sse_parsers_handle_any_split():
     p = ResponseParser()
     assert p.feed(b"HTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n\r\nabc") == [b"abc"]
     assert not p.done and p.feed(b"de") == [b"de"] and p.done
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="kernel receive stamps are Linux-only"
+)
+def test_kernel_stamps_are_not_delayed_by_a_busy_client(url):
+    # The client's loop is blocked from before the first token until well after it; the
+    # chunk's stamp must still be its arrival time, not the end of the block.
+    async def go():
+        http = HttpClient(url)
+        target = Target(
+            url,
+            "m",
+            extra_headers={
+                "X-Test-Schedule": json.dumps({"ttft": 0.1, "itl": 0.3, "stall_every": 0})
+            },
+        )
+
+        async def busy():
+            await asyncio.sleep(0.03)
+            time.sleep(0.3)  # noqa: ASYNC251 -- a client stuck in blocking work
+
+        out, _ = await asyncio.gather(
+            send(
+                http,
+                target,
+                f"busy-{next(_ids)}",
+                "x",
+                2,
+                intended_send=time.monotonic(),
+                workload_class="t",
+            ),
+            busy(),
+        )
+        tls = await _timelines(url, [out.record.request_id])
+        stamps = http.kernel_stamps
+        await http.close()
+        return out.record, tls[out.record.request_id], stamps
+
+    rec, tl, kernel = asyncio.run(go())
+    assert kernel is True and rec.ok
+    assert tl["first_token"] <= rec.chunk_times[0] < tl["first_token"] + 0.1

@@ -29,6 +29,29 @@ from servelab.bench.prompts import TokenizerLike
 from servelab.vocab import ClientRecord
 
 _decode = msgspec.json.Decoder().decode
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a streamed chunk the client reads; typed decoding skips the rest."""
+
+    choices: list[_Choice] | None = None
+    usage: dict[str, Any] | None = None
+    servelab: dict[str, Any] | None = None
+    error: Any = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _encode = msgspec.json.Encoder().encode
 
 
@@ -109,23 +132,28 @@ class _Collector:
             self.done_marker = True
             return
         try:
-            d = _decode(payload)
+            ev = _decode_chunk(payload)
         except msgspec.DecodeError:
-            self.error = f"bad_response: not JSON: {payload[:120]!r}"
+            self._odd_event(payload)
             return
-        if not isinstance(d, dict):
-            return
-        if d.get("error"):
-            err = d["error"]
+        if ev.error:
+            err = ev.error
             msg = err.get("message", err) if isinstance(err, dict) else err
             self.error = f"server_error: {msg}"
             return
-        usage = d.get("usage")
+        usage = ev.usage
         if usage:
             self.usage = usage
-        if d.get("servelab") is not None:
-            self.rec.server_timeline = d["servelab"]
-        text = _choice_text(d.get("choices"), self.chat)
+        if ev.servelab is not None:
+            self.rec.server_timeline = ev.servelab
+        text = None
+        if ev.choices:
+            c = ev.choices[0]
+            if c.delta is not None:
+                d = c.delta
+                text = d.content or d.reasoning_content or d.reasoning
+            else:
+                text = c.text
         if not text:
             return
         rec = self.rec
@@ -138,6 +166,16 @@ class _Collector:
             carried, self.continuous = 1, False
             self.accounted += 1
         rec.chunk_tokens.append(carried)
+
+    def _odd_event(self, payload: bytes) -> None:
+        """An event that is not a chunk object: an error string, or not JSON at all."""
+        try:
+            d = _decode(payload)
+        except msgspec.DecodeError:
+            self.error = f"bad_response: not JSON: {payload[:120]!r}"
+            return
+        if isinstance(d, dict) and d.get("error"):
+            self.error = f"server_error: {d['error']}"
 
     def on_body(self, t: float, payload: bytes) -> None:
         """A whole non-streamed response (or an error body)."""
@@ -162,16 +200,6 @@ class _Collector:
         self.texts.append(text or "")
         self.rec.chunk_times.append(t)
         self.rec.chunk_tokens.append(0)
-
-
-def _choice_text(choices: Any, chat: bool) -> str | None:
-    if not choices:
-        return None
-    c = choices[0]
-    if not chat:
-        return c.get("text")
-    delta = c.get("delta") or {}
-    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
 
 
 async def send(

@@ -1,12 +1,14 @@
 """A small HTTP/1.1 client for streamed responses that timestamps bytes on arrival.
 
-Why not only aiohttp: the timestamp of a streamed chunk must be taken when its bytes
-reach the process, not when a coroutine gets around to reading them. Under hundreds
-of concurrent streams those differ by milliseconds (the other clients' inflated TTFTs
-in ANCHORS.md). Here the asyncio ``Protocol.data_received`` callback stamps each read
-with ``time.monotonic()`` before anything else runs; HTTP framing, SSE parsing and
-JSON decoding happen later, off the critical instant. Other requests (health,
-timelines, metrics) use aiohttp.
+Why not only aiohttp: the timestamp of a streamed chunk must be when its bytes reached
+the host, not when a coroutine got around to reading them. Under hundreds of concurrent
+streams, or on a machine whose cores are busy, those differ by milliseconds (the other
+clients' inflated TTFTs in ANCHORS.md). On Linux, plain-HTTP connections are sockets
+with ``SO_TIMESTAMPNS``: every ``recvmsg`` returns the kernel's receive time, which
+no client-side delay can move. Elsewhere (TLS, other systems) the asyncio
+``Protocol.data_received`` callback stamps each read with ``time.monotonic()`` before
+anything else runs. HTTP framing, SSE parsing and JSON decoding happen later, off the
+critical instant. Other requests (health, timelines, metrics) use aiohttp.
 
 Contract: ``HttpClient.post_stream(path, body, headers, on_event, timeout)`` sends one
 POST and calls ``on_event(t, payload)`` for each SSE ``data:`` payload (``t`` = arrival
@@ -19,40 +21,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
+import struct
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+# Linux software receive timestamps: SO_TIMESTAMPNS (not exported by Python's socket
+# module) makes recvmsg return, per read, when the kernel received the data (CLOCK_REALTIME
+# timespec; for a read spanning several segments, the last one).
+_SO_TIMESTAMPNS = 35
+_ANC_SIZE = socket.CMSG_SPACE(16) if hasattr(socket, "CMSG_SPACE") else 0
+_READ_SIZE = 256 * 1024
 
-class _Conn(asyncio.Protocol):
-    """One TCP connection; ``data_received`` stamps and queues every read."""
+
+class _Reads:
+    """A queue of stamped reads that a coroutine awaits; the transport side fills it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.transport: asyncio.Transport | None = None
         self.reads: deque[tuple[float, bytes]] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.closed = False
         self.error: BaseException | None = None
 
-    def data_received(self, data: bytes) -> None:
-        self.reads.append((time.monotonic(), data))
+    def _push(self, t: float, data: bytes) -> None:
+        self.reads.append((t, data))
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def eof_received(self) -> bool:
-        self._close(None)
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._close(exc)
 
     def _close(self, exc: BaseException | None) -> None:
         self.closed = True
@@ -82,10 +83,109 @@ class _Conn(asyncio.Protocol):
                 self.waiter = None
         return self.reads.popleft()
 
+
+class _Conn(_Reads, asyncio.Protocol):
+    """A transport connection (TLS, or where kernel stamps are unavailable):
+    ``data_received`` stamps each read with ``time.monotonic()`` before anything else."""
+
+    kernel_stamps = False
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.transport: asyncio.Transport | None = None
+
+    def data_received(self, data: bytes) -> None:
+        self._push(time.monotonic(), data)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def eof_received(self) -> bool:
+        self._close(None)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._close(exc)
+
+    async def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
         self.closed = True
+
+
+class _SockConn(_Reads):
+    """A plain TCP socket read with ``recvmsg``: each read carries the kernel's receive
+    time, converted to the monotonic clock, so a busy or descheduled client does not
+    delay its stamps (only reads spanning several arrivals share the last one's time)."""
+
+    kernel_stamps = True
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        super().__init__(loop)
+        self.sock = sock
+        loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data, anc, _, _ = self.sock.recvmsg(_READ_SIZE, _ANC_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._stop_reading()
+            self._close(e)
+            return
+        real, now = time.time(), time.monotonic()
+        if not data:
+            self._stop_reading()
+            self._close(None)
+            return
+        t = now
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(raw) >= 16:
+                sec, nsec = struct.unpack_from("qq", raw)
+                t = min(now, sec + nsec * 1e-9 - (real - now))
+        self._push(t, data)
+
+    def _stop_reading(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self.sock.fileno())
+
+    async def write(self, data: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            self._stop_reading()
+            self.sock.close()
+        self.closed = True
+
+
+async def _open_stamped_socket(host: str, port: int) -> _SockConn | None:
+    """A connected non-blocking socket with kernel receive stamps, or None where the
+    platform has none (the caller then uses an asyncio transport)."""
+    if not _ANC_SIZE or not sys.platform.startswith("linux"):
+        return None
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+    except OSError:
+        sock.close()
+        return None
+    try:
+        await loop.sock_connect(sock, addr)
+    except BaseException:
+        sock.close()
+        raise
+    return _SockConn(loop, sock)
 
 
 class ResponseParser:
@@ -261,14 +361,27 @@ class HttpClient:
             "User-Agent": "servelab-bench",
             **(headers or {}),
         }
-        self._idle: list[_Conn] = []
+        self._idle: list[_Conn | _SockConn] = []
         self.connections_opened = 0
+        self.kernel_stamps: bool | None = None  # known after the first connection
 
-    async def _connect(self) -> _Conn:
-        loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(
-            lambda: _Conn(loop), self.host, self.port, ssl=self.ssl
-        )
+    @property
+    def stamping(self) -> str:
+        """How chunk arrival times are taken, for the manifest."""
+        if self.kernel_stamps:
+            return "kernel receive time (SO_TIMESTAMPNS)"
+        return "user space, on read (asyncio data_received)"
+
+    async def _connect(self) -> _Conn | _SockConn:
+        conn: _Conn | _SockConn | None = None
+        if self.ssl is None and self.kernel_stamps is not False:
+            conn = await _open_stamped_socket(self.host, self.port)
+        if conn is None:
+            loop = asyncio.get_running_loop()
+            _, conn = await loop.create_connection(
+                lambda: _Conn(loop), self.host, self.port, ssl=self.ssl
+            )
+        self.kernel_stamps = conn.kernel_stamps
         self.connections_opened += 1
         return conn
 
@@ -296,9 +409,11 @@ class HttpClient:
         res.sent = time.monotonic()
         deadline = res.sent + timeout if timeout else None
         for attempt in (0, 1):
-            reused = bool(self._idle)
+            conn = self._take_idle()
+            reused = conn is not None
             try:
-                conn = self._idle.pop() if reused else await self._connect()
+                if conn is None:
+                    conn = await self._connect()
             except OSError as e:
                 res.error = f"connection: cannot connect to {self.host}:{self.port}: {e}"
                 return res
@@ -320,16 +435,28 @@ class HttpClient:
             return res
         return res
 
+    def _take_idle(self) -> _Conn | _SockConn | None:
+        """A kept-alive connection the server has not closed meanwhile, if any."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn
+            conn.close()
+        return None
+
     async def _exchange(
-        self, conn: _Conn, raw: bytes, res: StreamResult, on_event: Callable[[float, bytes], None]
+        self,
+        conn: _Conn | _SockConn,
+        raw: bytes,
+        res: StreamResult,
+        on_event: Callable[[float, bytes], None],
     ) -> bool:
         parser = ResponseParser()
         sse: SSEParser | None = None
         whole: list[bytes] = []
         got_any = False
-        assert conn.transport is not None
         try:
-            conn.transport.write(raw)
+            await conn.write(raw)
             while not parser.done:
                 item = await conn.read()
                 if item is None:

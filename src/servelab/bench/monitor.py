@@ -1,9 +1,11 @@
 """The client watches itself: event-loop lag and its own CPU, and says when it was the bottleneck.
 
 A ticker coroutine asks to wake every ``period`` seconds and records how late it
-woke. A late wake-up means a ready socket waited just as long before its bytes were
-timestamped, so the lag distribution bounds the client's own timing error. The CPU
-the process used over the run (``resource.getrusage``) says whether it was busy.
+woke. A late wake-up means a ready socket waited just as long before it was read: with
+user-space stamps its chunk was stamped that late; with kernel receive stamps, chunks
+that arrived during the wait share one read and its (last) stamp. Either way the lag
+bounds the client's own timing error. The CPU the process used over the run
+(``resource.getrusage``) says whether it was busy.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class LoopMonitor:
         if p99 is not None and p99 > MAX_LOOP_LAG_P99_S:
             h.reasons.append(
                 f"client event-loop lag p99 {p99 * 1e3:.1f} ms > {MAX_LOOP_LAG_P99_S * 1e3:.0f} ms: "
-                "chunk timestamps may be late by that much"
+                "the client fell behind, so chunk times may be off by that much"
             )
         if h.cpu_utilisation > MAX_CPU_UTILISATION:
             h.reasons.append(

@@ -164,6 +164,7 @@ class Bench:
         self.interrupted = False
         self.max_rate: dict[str, Any] | None = None
         self.warnings: list[str] = []
+        self.stamping: str | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -398,6 +399,7 @@ class Bench:
                 "timeout_s": o.timeout,
                 "strict_openai": o.strict_openai,
                 "run_tag": self.run_tag,
+                "chunk_timestamps": self.stamping,
             },
             "workload": self.spec.model_dump() if self.spec else {"trace": o.load.trace},
             "stages": [
@@ -504,6 +506,7 @@ class Bench:
                         if self.interrupted:
                             break
             finally:
+                self.stamping = http.stamping
                 await http.close()
         finally:
             manifest = self._manifest()
