@@ -209,13 +209,20 @@ class Bench:
         o = self.o
         if o.load.trace is None:
             self.spec = load_workload(o.workload or DEFAULT_WORKLOAD)
-        tok_name = o.tokenizer or (o.model if o.url is None else None) or DEFAULT_MODEL
-        if o.tokenizer is None and o.url is not None:
+        if o.tokenizer is not None:
+            self.tokenizer = _load_tokenizer(o.tokenizer)
+            return
+        if o.model is not None:
+            # the served model's own tokenizer when --model names one servelab can read
+            with contextlib.suppress(ValueError):
+                self.tokenizer = _load_tokenizer(o.model)
+                return
+        if o.url is not None or o.model is not None:
             self.warnings.append(
-                f"no --tokenizer given: prompt lengths are exact under {DEFAULT_MODEL}'s tokenizer, "
-                "which may not be the target's"
+                f"no --tokenizer given: prompt lengths are exact under {DEFAULT_MODEL}'s "
+                "tokenizer, which may not be the target's"
             )
-        self.tokenizer = _load_tokenizer(tok_name)
+        self.tokenizer = _load_tokenizer(DEFAULT_MODEL)
 
     def _request_model(self) -> str:
         assert self.info is not None
