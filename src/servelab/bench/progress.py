@@ -45,6 +45,8 @@ class Progress:
         self.sent += 1
 
     def on_record(self, rec: ClientRecord) -> None:
+        if rec.error is not None and rec.error.startswith("skipped"):
+            self.sent += 1  # never sent, but done: keep "in flight" = sent - done right
         self.done += 1
         if not rec.ok:
             self.errors += 1
