@@ -63,19 +63,24 @@ class TimelineCollector:
         try:
             while self.pending:
                 batch, self.pending = self.pending[:_IDS_PER_CALL], self.pending[_IDS_PER_CALL:]
-                body = await self._get({"ids": ",".join(batch)})
+                body = await self._get(self._params(",".join(batch)))
                 tls = body.get("timelines", [])
                 for tl in tls:
                     self.rundir.add_timeline(tl)
                 self.fetched += len(tls)
                 self.missing += len(batch) - len(tls)
                 self._add_steps(body.get("steps", []))
-            params = {"ids": ""}
-            if self._last_step is not None:
-                params["since_step"] = str(self._last_step)
-            self._add_steps((await self._get(params)).get("steps", []))
+            self._add_steps((await self._get(self._params(""))).get("steps", []))
         except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as e:
             self.error = f"fetching timelines failed: {e}"
+
+    def _params(self, ids: str) -> dict[str, str]:
+        # Always bound the step records asked for: without since_step the server
+        # returns its whole step history on every call.
+        params = {"ids": ids}
+        if self._last_step is not None:
+            params["since_step"] = str(self._last_step)
+        return params
 
     def _add_steps(self, steps: list[dict[str, Any]]) -> None:
         for s in steps:
