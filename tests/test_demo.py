@@ -3,6 +3,7 @@ end to end with the embedded engine (`servelab demo --quick`, slow)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -20,13 +21,17 @@ from servelab.report.html import RUN_SECTIONS
 def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):
     StandIn.started = []
     monkeypatch.setattr(matrix, "LaunchedServer", StandIn)
-    res = demo.run_demo(quick=True, out=tmp_path / "d")
+    # The quick sizes at rates a stand-in absorbs at once: the same steps, in seconds.
+    fast = dataclasses.replace(
+        demo.QUICK, rates=dict.fromkeys(demo.WORKLOADS, (4.0, 15.0)), matrix_rate=15.0
+    )
+    res = demo.run_demo(out=tmp_path / "d", size=fast)
     # Both servers started once, up front, with the demo's configs.
     assert StandIn.started == [demo.CHUNKED, demo.UNCHUNKED]
     names = [r.name for r in res.runs]
     assert names == ["rag", "agent", "mixed", "chunked-r0", "unchunked-r0"]
     for run in res.runs[:3]:
-        assert run.stages == ["rate=0.4", "rate=1.5"]  # two load levels
+        assert run.stages == ["rate=4", "rate=15"]  # two load levels
         assert run.engine_config["max_num_batched_tokens"] == 256  # flags recorded
     assert res.runs[4].engine_config["enable_chunked_prefill"] is False
     assert res.matrix.comparison.labels == ["chunked", "unchunked"]

@@ -132,11 +132,15 @@ def _matrix_opts(size: DemoSize, out: Path) -> BenchOptions:
 
 
 def run_demo(
-    quick: bool = False, out: Path | None = None, console: Console | None = None
+    quick: bool = False,
+    out: Path | None = None,
+    console: Console | None = None,
+    size: DemoSize | None = None,
 ) -> DemoResult:
-    """Run the whole demo; raises RuntimeError when a server cannot start."""
+    """Run the whole demo (``size`` overrides FULL/QUICK); raises RuntimeError when a
+    server cannot start."""
     console = console or Console()
-    size = QUICK if quick else FULL
+    size = size or (QUICK if quick else FULL)
     out = out or Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-demo{'-quick' if quick else ''}"
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
