@@ -142,6 +142,9 @@ def test_load_run_errors_say_what_to_do(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RunDirError, match="requests.jsonl"):
         load_run(tmp_path / "empty")
+    (tmp_path / "empty" / "requests.jsonl").write_text("")
+    with pytest.raises(RunDirError, match="no finished request"):
+        load_run(tmp_path / "empty")
 
 
 def test_truncated_last_line_is_skipped(tmp_path):

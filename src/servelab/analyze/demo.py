@@ -31,6 +31,7 @@ from servelab.bench.matrix import (
     MatrixResult,
     MatrixSpec,
     execute_matrix,
+    has_records,
     record_server,
     start_servers,
 )
@@ -160,7 +161,7 @@ def run_demo(
             console.rule(f"step 2.{i}: {wl} at two loads")
             opts = _sweep_opts(wl, size, servers["chunked"].url, out)
             code = run_bench(opts, console)
-            if (out / wl / "requests.jsonl").exists():
+            if has_records(out / wl):
                 record_server(out / wl, servers["chunked"])
                 dirs.append(out / wl)
             if code == INTERRUPTED:

@@ -4,7 +4,7 @@ Every analysis command (diagnose, compare, report, the matrix) reads runs throug
 `load_run`; nothing else in `analyze` or `report` opens these files.
 
 Contract:
-- ``requests.jsonl`` must exist; every other file is optional.
+- ``requests.jsonl`` must exist and hold at least one record; every other file is optional.
 - A truncated last line of a ``.jsonl`` file (a crashed run) is skipped and counted
   in ``Run.skipped_lines``; a malformed line elsewhere is an error naming the line.
 - Client records join server timelines by the request id the server reported in
@@ -201,6 +201,11 @@ def load_run(path: str | Path) -> Run:
         except json.JSONDecodeError as e:
             raise RunDirError(f"{p / 'manifest.json'} is not valid JSON ({e})") from e
     req_rows, s1 = _read_jsonl(p / "requests.jsonl")
+    if not req_rows:
+        raise RunDirError(
+            f"{p / 'requests.jsonl'} holds no finished request yet: there is nothing to "
+            "analyse; wait for the run to finish requests (or rerun it)"
+        )
     tl_rows, s2 = _read_jsonl(p / "server.jsonl")
     step_rows, s3 = _read_jsonl(p / "steps.jsonl")
     scrapes, s4 = _read_jsonl(p / "metrics_scrape.jsonl")

@@ -116,6 +116,12 @@ class MatrixResult:
     comparison: Comparison | None = None
 
 
+def has_records(run_dir: Path) -> bool:
+    """Whether a bench run left at least one client record (an early stop may leave none)."""
+    path = run_dir / "requests.jsonl"
+    return path.exists() and path.stat().st_size > 0
+
+
 def record_server(run_dir: Path, server: LaunchedServer) -> None:
     """Write the launched server's flags into the run's manifest: the bench saw only a URL."""
     path = run_dir / "manifest.json"
@@ -208,7 +214,10 @@ def execute_matrix(
             )
             result.exit_codes[run_dir.name] = run_bench(opts, console)
             record_server(run_dir, servers[c.name])
-            result.runs[c.name].append(run_dir)
+            if (run_dir / "requests.jsonl").exists() and (
+                run_dir / "requests.jsonl"
+            ).stat().st_size:
+                result.runs[c.name].append(run_dir)
             if result.exit_codes[run_dir.name] == 130:
                 break
     finally:
