@@ -220,3 +220,21 @@ def test_cpu_roofline_sits_between_the_anchored_floor_and_a_stock_forward():
     w.add(512, 0, 1)
     per_token = (rm.cost(w).flops - 2 * 576 * 49152) / 512
     assert per_token == pytest.approx(212e6, rel=0.15)
+
+
+def test_profiled_model_is_unbiased_under_noise_and_extrapolates_upwards():
+    rng = random.Random(1)
+    samples = []
+    for w in _grid():
+        for _ in range(8):  # noisy repeats, as the steps of a real run on a busy machine
+            samples.append(ProfileSample(w, _synthetic_truth(w) * rng.lognormvariate(0, 0.3)))
+    pm = ProfiledCostModel(ProfileTable("toy", "cpu", samples))
+    ratios = [pm.predict(w) / _synthetic_truth(w) for w in _grid()]
+    # It tracks the mean step time, exp(0.3**2 / 2) = 1.046 times the noiseless one; weighting
+    # by the noisy values themselves would sit 10-20% low.
+    assert sum(ratios) / len(ratios) == pytest.approx(1.046, abs=0.04)
+    big = StepWork()
+    big.add(1024, 0, 1)
+    bigger = StepWork()
+    bigger.add(4096, 0, 1)
+    assert pm.predict(bigger) > pm.predict(big) > 0

@@ -7,7 +7,8 @@ real engine) or from the steps of real runs. The model fitted to it is::
     time = g(tokens) + a * attn_pairs + b * kv_read + c * seqs + d * logits
 
 where ``g`` is piecewise linear in the step's token count with one knot per profiled
-token count (linear interpolation between knots, the last slope beyond them). ``g``
+token count (linear interpolation between knots; beyond the last one, a non-negative
+slope). ``g``
 carries the weight-bound matmuls, whose cost is far from linear at small row counts
 on this CPU (ANCHORS.md); the linear terms carry attention, per-sequence work and the
 LM head. Every coefficient is non-negative (non-negative least squares, relative
@@ -97,15 +98,13 @@ def _knots(token_counts: list[int], max_knots: int = 24) -> list[float]:
 
 
 def _hat(knots: list[float], x: float) -> list[tuple[int, float]]:
-    """Weights of the piecewise-linear basis at x: interpolation inside, last slope beyond."""
+    """Weights of the piecewise-linear basis at ``knots[0] <= x <= knots[-1]``."""
     k = len(knots)
-    if k == 1:
-        return [(0, x / knots[0] if knots[0] else 1.0)]
-    if x <= knots[0]:
+    if k == 1 or x <= knots[0]:
         return [(0, 1.0)]
+    if x >= knots[-1]:
+        return [(k - 1, 1.0)]
     i = bisect_right(knots, x) - 1
-    if i >= k - 1:
-        i = k - 2  # extrapolate along the last segment
     x0, x1 = knots[i], knots[i + 1]
     t = (x - x0) / (x1 - x0)
     return [(i, 1.0 - t), (i + 1, t)]
@@ -129,25 +128,36 @@ class ProfiledCostModel:
         self.table = table
         self._overhead_step = self._overhead_seq = 0.0
         self.knots = _knots([s.work.tokens for s in table.samples])
-        rows, y = [], []
+        k = len(self.knots)
+        rows = []
         for s in table.samples:
-            row = [0.0] * (len(self.knots) + len(LINEAR_TERMS))
+            row = [0.0] * (k + len(LINEAR_TERMS))
             for i, wt in _hat(self.knots, s.work.tokens):
                 row[i] += wt
             for j, term in enumerate(LINEAR_TERMS):
-                row[len(self.knots) + j] = float(getattr(s.work, term))
-            # Relative weighting: a 1 ms step matters as much as a 1 s one.
-            scale = 1.0 / max(s.time, 1e-6)
-            rows.append([v * scale for v in row])
-            y.append(s.time * scale)
-        a, b = np.asarray(rows), np.asarray(y)
+                row[k + j] = float(getattr(s.work, term))
+            rows.append(row)
+        a = np.asarray(rows)
+        y = np.asarray([s.time for s in table.samples])
         # Column scaling keeps NNLS well conditioned (attn_pairs reach 1e6, seqs 1e1).
         col = np.maximum(np.abs(a).max(axis=0), 1e-12)
-        coef, _ = nnls(a / col, b, maxiter=50 * a.shape[1])
-        coef = coef / col
-        k = len(self.knots)
+        # Relative error, so that a 1 ms step matters as much as a 1 s one. Weighting by each
+        # noisy measurement biases the fit low (small outliers weigh most), so after a first
+        # pass the weights come from the fitted values instead.
+        weight = 1.0 / np.maximum(y, 1e-6)
+        for _ in range(3):
+            coef, _ = nnls(a / col * weight[:, None], y * weight, maxiter=50 * a.shape[1])
+            coef = coef / col
+            weight = 1.0 / np.maximum(a @ coef, 1e-6)
         self.g = [float(c) for c in coef[:k]]
         self.coef = {t: float(c) for t, c in zip(LINEAR_TERMS, coef[k:])}
+        # Beyond the last profiled token count: the larger of the last segment's slope and the
+        # average slope over all knots. Noise can flatten or invert the last segment, but past
+        # the profiled range steps are compute-bound and cost more per token, not less.
+        kn, g = self.knots, self.g
+        last = (g[-1] - g[-2]) / (kn[-1] - kn[-2]) if k > 1 else g[0] / max(kn[0], 1.0)
+        overall = (g[-1] - g[0]) / (kn[-1] - kn[0]) if k > 1 else last
+        self._tail_slope = max(last, overall, 0.0)
         errs = [abs(self.predict(s.work) - s.time) / s.time for s in table.samples if s.time > 0]
         self.fit_error = float(np.median(errs)) if errs else math.nan
         # The engine's own time around each step (servelab.sim.profiler), added afterwards so
@@ -159,8 +169,11 @@ class ProfiledCostModel:
 
     def predict(self, w: StepWork) -> float:
         t = self._overhead_step + self._overhead_seq * w.seqs
-        for i, wt in _hat(self.knots, w.tokens):
-            t += wt * self.g[i]
+        if w.tokens > self.knots[-1]:
+            t += self.g[-1] + self._tail_slope * (w.tokens - self.knots[-1])
+        else:
+            for i, wt in _hat(self.knots, w.tokens):
+                t += wt * self.g[i]
         c = self.coef
         t += (
             c["attn_pairs"] * w.attn_pairs
@@ -168,7 +181,7 @@ class ProfiledCostModel:
             + c["seqs"] * w.seqs
             + c["logits"] * w.logits
         )
-        return max(t, 0.0)
+        return t
 
     def describe(self) -> dict:
         return {
