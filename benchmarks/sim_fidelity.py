@@ -147,8 +147,10 @@ def main() -> None:
             err = v["error"]
             mark = "" if err is None else ("ok" if abs(err) <= target else "MISSED")
             err_s = "-" if err is None else f"{err:+.1%}"
+            ins = v["in_sample_error"]
+            ins_s = "-" if ins is None else f"{ins:+.1%}"
             print(
-                f"{w:10s} {k:14s} {v['real']:10.4g} {v['sim']:10.4g} {err_s:>8s}  "
+                f"{w:10s} {k:14s} {v['real']:10.4g} {v['sim']:10.4g} {err_s:>8s} {ins_s:>9s}  "
                 f"{target:.0%} {mark}"
             )
     (out / "fidelity.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
