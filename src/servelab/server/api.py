@@ -193,7 +193,17 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 def _summary(out: ipc.Output) -> dict[str, Any] | None:
-    return RequestTimeline.from_dict(out.timeline).summary() if out.timeline else None
+    if not out.timeline:
+        return None
+    summary = RequestTimeline.from_dict(out.timeline).summary()
+    transfer = out.timeline.get("kv_transfer")  # disaggregated serving: the KV hand-off
+    if transfer:
+        summary["kv_transfer"] = {
+            k: transfer[k]
+            for k in ("seconds", "handoff_wait", "bytes", "blocks", "skipped_blocks")
+            if k in transfer
+        }
+    return summary
 
 
 async def _stream(
@@ -300,9 +310,20 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the server can serve. A disaggregated server also lists its workers
+    (``status`` "degraded" when some died but a prefill and a decode worker remain)."""
     st = request.app[STATE]
     if st.draining:
         raise APIError(503, "The server is shutting down.")
+    report = getattr(st.client, "health_report", None)
+    if report is not None:
+        ok, body = report()
+        if ok:
+            return _json(body)
+        error = error_body(
+            503, st.client.dead_reason or "No worker is running.", code="engine_dead"
+        )
+        return _json({**error, **body}, 503)
     if not st.client.alive:
         raise APIError(
             503, st.client.dead_reason or "The engine core is not running.", code="engine_dead"
@@ -312,8 +333,12 @@ async def health(request: web.Request) -> web.Response:
 
 async def version(request: web.Request) -> web.Response:
     """servelab's version and the engine's resolved configuration (for run manifests)."""
-    info = request.app[STATE].client.info
-    return _json({"version": __version__, "engine": info})
+    client = request.app[STATE].client
+    body: dict[str, Any] = {"version": __version__, "engine": client.info}
+    workers = getattr(client, "workers_info", None)
+    if workers is not None:  # disaggregated: each worker's role, pid, threads and CPUs
+        body["workers"] = workers()
+    return _json(body)
 
 
 async def metrics(request: web.Request) -> web.Response:

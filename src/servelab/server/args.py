@@ -16,6 +16,14 @@ API_KEY_ENV = "SERVELAB_API_KEY"
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(?:([kmgt])(i)?b?)?\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+_DISAGG_FLAGS = {  # flag -> ServerArgs field
+    "--prefill-workers": "prefill_workers",
+    "--decode-workers": "decode_workers",
+    "--kv-transport": "kv_transport",
+    "--kv-host": "kv_host",
+    "--kv-transfer-timeout": "kv_transfer_timeout",
+    "--kv-handoff-timeout": "kv_handoff_timeout",
+}
 
 
 def parse_size_gb(text: str) -> float:
@@ -75,6 +83,14 @@ class ServerArgs:
     threads: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    # Disaggregated prefill/decode (servelab.disagg): separate worker processes and KV pools.
+    disaggregated: bool = False
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    kv_transport: str = "shm"  # "shm" (one host) or "socket" (TCP, any hosts)
+    kv_host: str = "127.0.0.1"  # socket transport: decode workers bind and advertise this
+    kv_transfer_timeout: float = 30.0  # seconds for one reservation + transfer
+    kv_handoff_timeout: float = 600.0  # seconds a request may wait for decode room
 
     @property
     def model_name(self) -> str:
@@ -110,7 +126,34 @@ class ServerArgs:
             raise ValueError(f"--log-level {self.log_level!r}: use debug, info, warning or error")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
             raise ValueError(f"--device {self.device!r} is not known: use cpu, cuda or cuda:N")
+        self._validate_disagg()
         self.engine_config().validate()
+
+    def _validate_disagg(self) -> None:
+        defaults = ServerArgs()
+        if not self.disaggregated:
+            changed = [
+                flag
+                for flag, name in _DISAGG_FLAGS.items()
+                if getattr(self, name) != getattr(defaults, name)
+            ]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} only apply with --disaggregated; add it or drop them"
+                )
+            return
+        for flag in ("--prefill-workers", "--decode-workers"):
+            value = getattr(self, _DISAGG_FLAGS[flag])
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1 with --disaggregated, got {value}")
+        if self.kv_transport not in ("shm", "socket"):
+            raise ValueError(
+                f"--kv-transport {self.kv_transport!r}: use shm (one host) or socket (TCP)"
+            )
+        for flag in ("--kv-transfer-timeout", "--kv-handoff-timeout"):
+            value = getattr(self, _DISAGG_FLAGS[flag])
+            if not value > 0:
+                raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
 
     def engine_config(self) -> EngineConfig:
         """The engine config these flags ask for (unset flags keep the engine's defaults)."""

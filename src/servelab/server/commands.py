@@ -47,12 +47,33 @@ def serve(
         None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)."
     ),
     threads: int | None = typer.Option(
-        None, help="Torch threads of the engine core (default: usable CPUs - 1, at least 1)."
+        None,
+        help="Torch threads of the engine core (default: usable CPUs - 1, at least 1); "
+        "with --disaggregated, of each worker (default: see docs/disaggregation.md).",
     ),
     shutdown_timeout: float = typer.Option(
         30.0, help="On SIGTERM, seconds to let in-flight requests finish before aborting them."
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    disaggregated: bool = typer.Option(
+        False,
+        "--disaggregated",
+        help="Prefill and decode in separate worker processes with their own KV pools.",
+    ),
+    prefill_workers: int = typer.Option(1, help="With --disaggregated: prefill workers."),
+    decode_workers: int = typer.Option(1, help="With --disaggregated: decode workers."),
+    kv_transport: str = typer.Option(
+        "shm", help="With --disaggregated: KV transfer by shm (one host) or socket (TCP)."
+    ),
+    kv_host: str = typer.Option(
+        "127.0.0.1", help="With --kv-transport socket: address decode workers listen on."
+    ),
+    kv_transfer_timeout: float = typer.Option(
+        30.0, help="With --disaggregated: seconds a KV reservation + transfer may take."
+    ),
+    kv_handoff_timeout: float = typer.Option(
+        600.0, help="With --disaggregated: seconds a request may wait for decode KV room."
+    ),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
     args = ServerArgs(
@@ -74,6 +95,13 @@ def serve(
         threads=threads,
         shutdown_timeout=shutdown_timeout,
         log_level=log_level,
+        disaggregated=disaggregated,
+        prefill_workers=prefill_workers,
+        decode_workers=decode_workers,
+        kv_transport=kv_transport,
+        kv_host=kv_host,
+        kv_transfer_timeout=kv_transfer_timeout,
+        kv_handoff_timeout=kv_handoff_timeout,
     )
     from servelab.model.registry import resolve_model
 

@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -40,8 +41,9 @@ _WARMUP_PROMPT_TOKENS = 32
 _WARMUP_OUTPUT_TOKENS = 4
 
 
-def build_engine(cfg: ipc.CoreConfig) -> Any:
-    """The real engine: load the model with ``cfg.torch_threads`` torch threads."""
+def build_engine(cfg: ipc.CoreConfig, engine_cls: type | None = None) -> Any:
+    """The real engine (``engine_cls``, default LLMEngine): load the model with
+    ``cfg.torch_threads`` torch threads."""
     import torch
 
     torch.set_num_threads(cfg.torch_threads)
@@ -50,7 +52,8 @@ def build_engine(cfg: ipc.CoreConfig) -> Any:
     from servelab.engine.config import EngineConfig
     from servelab.engine.engine import LLMEngine
 
-    return LLMEngine.from_model(cfg.model, EngineConfig(**cfg.engine), device=cfg.device)
+    cls = engine_cls or LLMEngine
+    return cls.from_model(cfg.model, EngineConfig(**cfg.engine), device=cfg.device)
 
 
 def _load_factory(spec: str) -> Any:
@@ -58,7 +61,8 @@ def _load_factory(spec: str) -> Any:
     return getattr(importlib.import_module(module), func)
 
 
-def _stats_dict(engine: Any) -> dict[str, Any]:
+def stats_dict(engine: Any) -> dict[str, Any]:
+    """The engine's EngineStats as a dict (what StepBatch and Ready carry)."""
     return dataclasses.asdict(engine.stats())
 
 
@@ -79,7 +83,16 @@ def _to_wire(out: Any) -> ipc.Output:
 
 
 class EngineCore:
-    """The step loop around one engine (see the module docstring for the contract)."""
+    """The step loop around one engine (see the module docstring for the contract).
+
+    Hooks for subclasses (the disaggregated workers): ``decode_input`` reads the input
+    channel, ``_handle`` dispatches a message, ``extra_sockets`` wake an idle loop,
+    ``idle_poll_ms`` bounds an idle wait, ``service`` runs once per iteration before the
+    step (True if it did something), ``after_batch`` runs after the iteration's batch was
+    sent, and ``ready_message`` is what announces the core.
+    """
+
+    decode_input = staticmethod(ipc.decode_input)
 
     def __init__(
         self, engine: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int
@@ -125,14 +138,30 @@ class EngineCore:
             pid=os.getpid(),
         )
 
+    def ready_message(self, cfg: ipc.CoreConfig) -> Any:
+        return ipc.Ready(self.info(cfg), stats_dict(self.engine))
+
+    def extra_sockets(self) -> list[zmq.Socket]:
+        return []
+
+    def idle_poll_ms(self) -> int:
+        return _IDLE_POLL_MS
+
+    def service(self) -> bool:
+        return False
+
+    def after_batch(self) -> None:
+        return None
+
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.inputs, zmq.POLLIN)
+        for sock in [self.inputs, *self.extra_sockets()]:
+            poller.register(sock, zmq.POLLIN)
         stalled = False  # the last step ran nothing: wait for input rather than spin
         while not self._stop:
             if stalled or not self.engine.has_unfinished():
                 t0 = self.clock()
-                poller.poll(_STALL_POLL_MS if stalled else _IDLE_POLL_MS)
+                poller.poll(_STALL_POLL_MS if stalled else self.idle_poll_ms())
                 self.idle += self.clock() - t0
                 if os.getppid() != self.parent_pid:
                     log.warning("engine core: the API process is gone; exiting")
@@ -141,6 +170,7 @@ class EngineCore:
             handled = self._drain_inputs()
             if self._stop:
                 break
+            handled = self.service() or handled
             outputs: list[ipc.Output] = []
             record = None
             if self.engine.has_unfinished():
@@ -150,6 +180,7 @@ class EngineCore:
             stalled = record is None and not outputs and self.engine.has_unfinished()
             if handled or outputs or record is not None:
                 self._send_batch(outputs, record)
+            self.after_batch()
             self.busy += self.clock() - t0
 
     def _drain_inputs(self) -> bool:
@@ -160,7 +191,7 @@ class EngineCore:
             except zmq.Again:
                 return handled
             handled = True
-            self._handle(ipc.decode_input(data))
+            self._handle(self.decode_input(data))
 
     def _handle(self, msg: ipc.InputMessage) -> None:
         if isinstance(msg, ipc.AddRequest):
@@ -232,7 +263,7 @@ class EngineCore:
         batch = ipc.StepBatch(
             outputs=outputs,
             record=record,
-            stats=_stats_dict(self.engine),
+            stats=stats_dict(self.engine),
             add_delays=self._add_delays,
             added_total=self._added_total,
             busy=self.busy,
@@ -245,6 +276,14 @@ class EngineCore:
 
 def main() -> int:
     cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=ipc.CoreConfig)
+    return run_core(cfg, EngineCore)
+
+
+def run_core(cfg: ipc.CoreConfig, make_core: Callable[..., EngineCore]) -> int:
+    """Connect, build the engine, warm up, announce, run the loop; return the exit status.
+
+    ``make_core(engine, inputs, outputs, parent_pid)`` builds the loop (EngineCore or a
+    subclass)."""
     logging.basicConfig(
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s %(message)s",
@@ -265,7 +304,7 @@ def main() -> int:
         log.info("engine core: loading %s (%d torch threads)", cfg.model, cfg.torch_threads)
         t0 = time.monotonic()
         engine = _load_factory(cfg.engine_factory)(cfg)
-        core = EngineCore(engine, inputs, outputs, parent_pid)
+        core = make_core(engine, inputs, outputs, parent_pid)
         c = engine.config
         log.info(
             "engine core: model ready in %.1f s; KV pool %d blocks x %d tokens "
@@ -279,7 +318,7 @@ def main() -> int:
         t0 = time.monotonic()
         core.warm_up()
         log.info("engine core: warm-up done in %.2f s", time.monotonic() - t0)
-        outputs.send(ipc.encode(ipc.Ready(core.info(cfg), _stats_dict(engine))))
+        outputs.send(ipc.encode(core.ready_message(cfg)))
     except Exception as e:  # noqa: BLE001 -- every start-up failure goes back to the API
         log.debug("engine core: start-up failed\n%s", traceback.format_exc())
         outputs.send(ipc.encode(ipc.StartupFailed(f"{type(e).__name__}: {e}")))

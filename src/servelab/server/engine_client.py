@@ -17,34 +17,24 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import shutil
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from servelab.server import ipc
+from servelab.server.core_process import CoreProcess, CoreStartupError, EngineDeadError
 from servelab.server.metrics import ServerMetrics
 from servelab.server.timelines import TimelineStore
 from servelab.vocab import RequestTimeline
 
+__all__ = ["CoreStartupError", "EngineClient", "EngineDeadError", "RequestStream"]
+
 log = logging.getLogger("servelab.server")
 
-_CALL_TIMEOUT_S = 60.0
-_EXIT_TIMEOUT_S = 10.0
-
-
-class CoreStartupError(RuntimeError):
-    """The engine core could not start (bad model path, bad config, out of memory...)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core is gone; the request cannot complete."""
+CALL_TIMEOUT_S = 60.0
+EXIT_TIMEOUT_S = 10.0
 
 
 class RequestStream:
@@ -99,7 +89,7 @@ class EngineClient:
         self.clock = clock
         self.info: ipc.CoreInfo | None = None
         self.dead_reason: str | None = None
-        self._proc: asyncio.subprocess.Process | None = None
+        self._core = CoreProcess()
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -108,55 +98,21 @@ class EngineClient:
         self._adds_sent = 0
         self._adds_seen = 0
         self._num_waiting = 0
-        self._tmpdir = tempfile.mkdtemp(prefix="servelab-ipc-")
-        self._ctx = zmq.Context()
-        self._actx = zmq.asyncio.Context()
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._out = self._actx.socket(zmq.PULL)
-        self._in.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._out.setsockopt(zmq.RCVHWM, 0)
-        self._out.setsockopt(zmq.LINGER, 0)
-        self._config.inputs_addr = f"ipc://{self._tmpdir}/inputs"
-        self._config.outputs_addr = f"ipc://{self._tmpdir}/outputs"
-        self._in.bind(self._config.inputs_addr)
-        self._out.bind(self._config.outputs_addr)
+        self._config.inputs_addr = self._core.inputs_addr
+        self._config.outputs_addr = self._core.outputs_addr
 
     # ---- lifecycle ----
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        return self._core.pid
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.returncode is None and self.dead_reason is None
+        return self._core.running and self.dead_reason is None
 
     async def start(self) -> ipc.CoreInfo:
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "servelab.server.core", stdin=asyncio.subprocess.PIPE
-        )
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(msgspec.json.encode(self._config))
-        await self._proc.stdin.drain()
-        self._proc.stdin.close()
-        recv = asyncio.ensure_future(self._out.recv())
-        exited = asyncio.ensure_future(self._proc.wait())
-        try:
-            await asyncio.wait({recv, exited}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            recv.cancel()
-            exited.cancel()
-            raise
-        if not recv.done():
-            recv.cancel()
-            raise CoreStartupError(
-                f"the engine core exited with code {exited.result()} while starting"
-            )
-        exited.cancel()
-        msg = ipc.decode_output(recv.result())
-        if isinstance(msg, ipc.StartupFailed):
-            raise CoreStartupError(msg.error)
+        msg = await self._core.start(msgspec.json.encode(self._config))
         if not isinstance(msg, ipc.Ready):
             raise CoreStartupError(f"the engine core sent {type(msg).__name__} before Ready")
         self.info = msg.info
@@ -170,28 +126,15 @@ class EngineClient:
     async def shutdown(self) -> None:
         """Stop the core (politely, then by force) and release the IPC channels."""
         self._closing = True
-        if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._in.send(ipc.encode(ipc.Shutdown()), zmq.NOBLOCK)
-            try:
-                await asyncio.wait_for(self._proc.wait(), _EXIT_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                log.warning("servelab serve: the engine core did not stop; killing it")
-                self._proc.kill()
-                await self._proc.wait()
+        await self._core.stop(EXIT_TIMEOUT_S)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._fail_all("the server is shutting down")
-        self._in.close(0)
-        self._out.close(0)
-        self._ctx.term()
-        self._actx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._core.close()
 
     async def _watch(self) -> None:
-        assert self._proc is not None
-        code = await self._proc.wait()
+        code = await self._core.wait_exit()
         if self._closing:
             return
         self.dead_reason = f"the engine core process exited unexpectedly (exit code {code})"
@@ -260,21 +203,18 @@ class EngineClient:
         self._calls[call_id] = fut
         self._send(ipc.UtilityCall(call_id, method))
         try:
-            return await asyncio.wait_for(fut, _CALL_TIMEOUT_S)
+            return await asyncio.wait_for(fut, CALL_TIMEOUT_S)
         finally:
             self._calls.pop(call_id, None)
 
     def _send(self, msg: ipc.InputMessage) -> None:
-        try:
-            self._in.send(ipc.encode(msg), zmq.NOBLOCK)
-        except zmq.Again as e:  # no connected core: it is exiting
-            raise EngineDeadError("the engine core is not accepting requests") from e
+        self._core.send(msg)
 
     # ---- outputs ----
 
     async def _receive_loop(self) -> None:
         while True:
-            msg = ipc.decode_output(await self._out.recv())
+            msg = await self._core.recv()
             if isinstance(msg, ipc.StepBatch):
                 self._on_batch(msg)
             elif isinstance(msg, ipc.UtilityResult):

@@ -51,6 +51,42 @@ def _bound_port(runner: web.AppRunner, fallback: int) -> int:
     return fallback
 
 
+def _make_client(
+    args: ServerArgs, metrics: ServerMetrics, engine_factory: str | None
+) -> EngineClient | Any:
+    """One engine core (EngineClient), or the disaggregated router over its workers."""
+    if args.disaggregated:
+        from servelab.disagg.router import DisaggClient
+
+        log.info(
+            "servelab serve: starting %d prefill + %d decode workers for %s (KV transport: %s)",
+            args.prefill_workers,
+            args.decode_workers,
+            args.model,
+            args.kv_transport,
+        )
+        # The workers' default engine is the disaggregated one; a test factory replaces it.
+        return DisaggClient(args, metrics, TimelineStore(), engine_factory=engine_factory)
+    core_cfg = ipc.CoreConfig(
+        model=args.model,
+        engine=dataclasses.asdict(args.engine_config()),
+        inputs_addr="",
+        outputs_addr="",
+        device=args.device,
+        torch_threads=args.torch_threads,
+        log_level=args.log_level,
+    )
+    if engine_factory is not None:
+        core_cfg.engine_factory = engine_factory
+    log.info(
+        "servelab serve: starting the engine core for %s (%d torch threads; this process keeps "
+        "one thread for HTTP)",
+        args.model,
+        args.torch_threads,
+    )
+    return EngineClient(core_cfg, metrics, TimelineStore())
+
+
 async def serve(
     args: ServerArgs,
     *,
@@ -67,24 +103,7 @@ async def serve(
     """
     stop = stop or asyncio.Event()
     metrics = ServerMetrics(args.model_name)
-    core_cfg = ipc.CoreConfig(
-        model=args.model,
-        engine=dataclasses.asdict(args.engine_config()),
-        inputs_addr="",
-        outputs_addr="",
-        device=args.device,
-        torch_threads=args.torch_threads,
-        log_level=args.log_level,
-    )
-    if engine_factory is not None:
-        core_cfg.engine_factory = engine_factory
-    client = EngineClient(core_cfg, metrics, TimelineStore())
-    log.info(
-        "servelab serve: starting the engine core for %s (%d torch threads; this process keeps "
-        "one thread for HTTP)",
-        args.model,
-        args.torch_threads,
-    )
+    client = _make_client(args, metrics, engine_factory)
     t0 = time.monotonic()
     tok_task = (
         None

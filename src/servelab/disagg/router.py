@@ -1,0 +1,753 @@
+"""The router of disaggregated serving: the API process's handle on P prefill + D decode workers.
+
+``DisaggClient`` offers the same surface as ``server.engine_client.EngineClient`` (submit,
+abort, streams, metrics, timelines, utility calls, liveness), so the HTTP layer is unchanged.
+
+Contract:
+- **Routing.** A request goes to the live prefill worker with the fewest requests routed to it
+  and not yet handed off (queue length). Its first token is streamed as soon as that worker
+  sends it. The hand-off then goes to the live decode worker with the most free KV blocks
+  (its last report minus blocks asked for since) that has room for the prompt's blocks.
+- **Backpressure.** When no decode worker has room, the request waits in a FIFO hand-off
+  queue with its blocks held on the prefill worker, and new requests are held at the router
+  instead of being prefilled; nothing is dropped. A decode worker that refused is not asked
+  again before it reports progress.
+- **Timeouts.** Every wait has one and each is reported to the client and in
+  ``servelab:kv_transfer_failures{reason}``: held or in the hand-off queue longer than
+  ``handoff_timeout``; a reservation or transfer longer than ``transfer_timeout``. The
+  request fails and its blocks are freed on both sides (the router aborts it everywhere).
+- **Faults.** When a worker dies, every request it holds ends with an ``engine_dead`` error
+  naming it, the other workers keep serving, and ``/health`` lists it as dead (503 only
+  once no prefill or no decode worker is left).
+- **Accounting.** Each request ends exactly once: with the engine's final output (its
+  timeline continued from the prefill side to the decode side, plus ``kv_transfer``), or
+  with the router's own error when a hand-off fails. Late outputs of a closed request (an
+  abort crossing a hand-off) are ignored.
+- Step records of all workers get one increasing ``step_id`` (the worker's own is kept as
+  ``worker_step_id``) and ``replica``/``role``, as in the simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import enum
+import itertools
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from servelab.disagg import protocol, shm
+from servelab.disagg.cpus import describe, split_cpus, usable_cpus
+from servelab.disagg.metrics import DisaggMetrics
+from servelab.disagg.protocol import KVEvents, WorkerConfig, WorkerReady
+from servelab.server import ipc
+from servelab.server.args import ServerArgs
+from servelab.server.core_process import CoreProcess, CoreStartupError, EngineDeadError
+from servelab.server.engine_client import CALL_TIMEOUT_S, EXIT_TIMEOUT_S, RequestStream
+from servelab.server.metrics import ServerMetrics
+from servelab.server.timelines import TimelineStore
+from servelab.vocab import FinishReason, RequestTimeline
+
+log = logging.getLogger("servelab.disagg")
+
+_TICK_S = 0.1  # deadline checks
+_SUMMED_STATS = (
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "evictions",
+    "num_preemptions",
+    "num_waiting",
+    "num_running",
+)
+_GAUGES = ("kv_blocks_used", "kv_blocks_total", "num_waiting", "num_running")
+
+
+class Stage(str, enum.Enum):
+    HELD = "held"  # at the router: decode workers are full
+    PREFILL = "prefill"  # on a prefill worker, before its first token
+    HANDOFF = "handoff"  # parked on the prefill worker, waiting for a decode worker
+    RESERVING = "reserving"  # a decode worker was asked to reserve blocks
+    TRANSFER = "transfer"  # blocks on their way
+    DECODE = "decode"  # decoding on a decode worker
+
+
+_METRIC_STAGE = {Stage.RESERVING: "transfer"}
+
+
+@dataclass
+class _Worker:
+    index: int
+    role: str
+    name: str
+    proc: CoreProcess
+    config: WorkerConfig
+    ready: WorkerReady | None = None
+    alive: bool = False
+    dead_reason: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    busy: float = 0.0
+    idle: float = 0.0
+    outstanding: int = 0  # prefill: routed here, not yet parked or finished
+    free_blocks: int = 0  # decode: last reported
+    asked: dict[str, int] = field(default_factory=dict)  # decode: unanswered reservations
+    refused: bool = False  # decode: refused since its last report
+    adds_sent: int = 0
+    adds_seen: int = 0
+    calls: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def describe(self) -> dict[str, Any]:
+        info = self.ready.info if self.ready else None
+        return {
+            "index": self.index,
+            "name": self.name,
+            "role": self.role,
+            "pid": self.pid,
+            "alive": self.alive,
+            "error": self.dead_reason,
+            "torch_threads": info.torch_threads if info else self.config.core.torch_threads,
+            "cpus": self.ready.cpus if self.ready else self.config.cpus,
+            "kv_address": self.ready.kv_address if self.ready else None,
+            "num_kv_blocks": info.num_kv_blocks if info else None,
+            "kv_blocks_used": self.stats.get("kv_blocks_used"),
+            "num_running": self.stats.get("num_running"),
+            "num_waiting": self.stats.get("num_waiting"),
+        }
+
+
+@dataclass
+class _Req:
+    add: ipc.AddRequest
+    stream: RequestStream | None
+    stage: Stage = Stage.HELD
+    prefill: int | None = None
+    decode: int | None = None
+    deadline: float = float("inf")
+    parked: protocol.Parked | None = None
+    need_blocks: int = 0
+    sent: bool = False  # the prefill worker has let go of the blocks
+    aborting: bool = False
+    transfer: dict[str, Any] = field(default_factory=dict)
+    num_output_tokens: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.add.request_id
+
+
+class DisaggClient:
+    """Starts, feeds and watches the workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        metrics: ServerMetrics,
+        timelines: TimelineStore,
+        engine_factory: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.args = args
+        self.metrics = metrics
+        self.dmetrics = DisaggMetrics(metrics.registry, args.model_name)
+        self.timelines = timelines
+        self.clock = clock
+        self.info: ipc.CoreInfo | None = None
+        self.handoff_timeout = args.kv_handoff_timeout
+        self.transfer_timeout = args.kv_transfer_timeout
+        # The decode worker times a transfer out itself (and says why); the router's own
+        # deadline is the backstop for a worker that went silent, so it allows twice as long.
+        self._transfer_backstop = 2 * args.kv_transfer_timeout
+        self._session = uuid.uuid4().hex[:12]
+        self._kv_dir = tempfile.mkdtemp(prefix="servelab-kv-")
+        self._reqs: dict[str, _Req] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._held: collections.deque[str] = collections.deque()
+        self._handoff: collections.deque[str] = collections.deque()
+        self._steps = itertools.count()
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closing = False
+        self.workers = self._make_workers(engine_factory)
+
+    # ---- workers ----
+
+    def _make_workers(self, engine_factory: str | None) -> list[_Worker]:
+        a = self.args
+        roles = ["prefill"] * a.prefill_workers + ["decode"] * a.decode_workers
+        names = [
+            f"{role}-{i if role == 'prefill' else i - a.prefill_workers}"
+            for i, role in enumerate(roles)
+        ]
+        plan = split_cpus(usable_cpus(), len(roles), a.threads)
+        self.cpu_plan = describe(plan, names)
+        engine = dataclasses.asdict(a.engine_config())
+        workers = []
+        for i, (role, name, cpus) in enumerate(zip(roles, names, plan)):
+            proc = CoreProcess(
+                "servelab.disagg.worker", protocol.decode_worker_output, f"{name} worker"
+            )
+            core = ipc.CoreConfig(
+                model=a.model,
+                engine=engine,
+                inputs_addr=proc.inputs_addr,
+                outputs_addr=proc.outputs_addr,
+                device=a.device,
+                torch_threads=cpus.threads,
+                log_level=a.log_level,
+                engine_factory=engine_factory or "servelab.disagg.worker:build_engine",
+            )
+            cfg = WorkerConfig(
+                core=core,
+                role=role,
+                index=i,
+                name=name,
+                transport=a.kv_transport,
+                kv_host=a.kv_host,
+                kv_dir=self._kv_dir,
+                session=self._session,
+                transfer_timeout=a.kv_transfer_timeout,
+                cpus=cpus.cpus,
+            )
+            workers.append(_Worker(i, role, name, proc, cfg))
+        return workers
+
+    def _live(self, role: str) -> list[_Worker]:
+        return [w for w in self.workers if w.role == role and w.alive]
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closing and bool(self._live("prefill")) and bool(self._live("decode"))
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self.alive:
+            return None
+        dead = [w.dead_reason for w in self.workers if w.dead_reason]
+        missing = [r for r in ("prefill", "decode") if not self._live(r)]
+        return f"no {' or '.join(missing)} worker is running" + (
+            f" ({'; '.join(dead)})" if dead else ""
+        )
+
+    def health_report(self) -> tuple[bool, dict[str, Any]]:
+        """(serving, body): serving while a prefill and a decode worker are alive."""
+        ok = self.alive
+        degraded = any(not w.alive for w in self.workers)
+        status = "ok" if ok and not degraded else ("degraded" if ok else "down")
+        return ok, {"status": status, "workers": [w.describe() for w in self.workers]}
+
+    def workers_info(self) -> list[dict[str, Any]]:
+        return [w.describe() for w in self.workers]
+
+    async def start(self) -> ipc.CoreInfo:
+        """Start every worker at once; raise CoreStartupError naming the one that failed."""
+        log.info("servelab serve --disaggregated: %s", self.cpu_plan)
+
+        async def start_one(w: _Worker) -> None:
+            try:
+                msg = await w.proc.start(msgspec.json.encode(w.config))
+            except CoreStartupError as e:
+                raise CoreStartupError(f"{w.name} worker: {e}") from None
+            if not isinstance(msg, WorkerReady):
+                raise CoreStartupError(f"{w.name} worker sent {type(msg).__name__} before Ready")
+            w.ready, w.alive, w.stats = msg, True, msg.stats
+            w.free_blocks = msg.stats["kv_blocks_total"] - msg.stats["kv_blocks_used"]
+
+        results = await asyncio.gather(
+            *(start_one(w) for w in self.workers), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        infos = [w.ready.info for w in self.workers if w.ready]
+        first = infos[0]
+        self.info = msgspec.structs.replace(
+            first,
+            max_model_len=min(i.max_model_len for i in infos),
+            num_kv_blocks=min(i.num_kv_blocks for i in infos),
+            pid=os.getpid(),
+        )
+        self.metrics.set_baseline(self._summed_stats())
+        for w in self.workers:
+            self._tasks.append(asyncio.create_task(self._receive_loop(w), name=f"sl-{w.name}"))
+            self._tasks.append(asyncio.create_task(self._watch(w), name=f"sl-{w.name}-watch"))
+        self._tasks.append(asyncio.create_task(self._tick(), name="servelab-disagg-tick"))
+        self._publish()
+        return self.info
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        await asyncio.gather(*(w.proc.stop(EXIT_TIMEOUT_S) for w in self.workers))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for rid in list(self._reqs):
+            self._close_with_error(rid, "the server is shutting down", dead=True)
+        for w in self.workers:
+            w.alive = False
+            self._fail_calls(w, "the server is shutting down")
+            w.proc.close()
+        shm.remove_session(self._session)
+        with contextlib.suppress(OSError):
+            for p in os.scandir(self._kv_dir):
+                os.unlink(p.path)
+            os.rmdir(self._kv_dir)
+
+    async def _watch(self, w: _Worker) -> None:
+        code = await w.proc.wait_exit()
+        if self._closing:
+            return
+        w.alive = False
+        w.dead_reason = f"{w.name} worker (pid {w.pid}) exited unexpectedly (exit code {code})"
+        log.error("servelab serve: %s; the other workers keep serving", w.dead_reason)
+        shm.remove_session(self._session, w.index)
+        self._fail_calls(w, w.dead_reason)
+        for r in list(self._reqs.values()):
+            if w.index in (r.prefill, r.decode) and self._depends_on(r, w):
+                self._worker_lost(r, w)
+        self._dispatch()
+        self._publish()
+
+    @staticmethod
+    def _depends_on(r: _Req, w: _Worker) -> bool:
+        if r.prefill == w.index:
+            return r.stage in (Stage.PREFILL, Stage.HANDOFF) or (
+                r.stage in (Stage.RESERVING, Stage.TRANSFER) and not r.sent
+            )
+        return r.decode == w.index and r.stage in (Stage.RESERVING, Stage.TRANSFER, Stage.DECODE)
+
+    def _worker_lost(self, r: _Req, w: _Worker) -> None:
+        """``w`` is gone while holding part of ``r``: end ``r``, free its other side."""
+        if r.stage in (Stage.RESERVING, Stage.TRANSFER):
+            self.dmetrics.transfer_failed("worker_died")
+        self._abort_everywhere(r)
+        reason = w.dead_reason or f"the {w.name} worker is not accepting requests"
+        self._close_with_error(r.rid, f"{reason}; the request could not finish", dead=True)
+
+    def _send(self, w: _Worker, msg: Any) -> bool:
+        if not w.alive:
+            return False
+        try:
+            w.proc.send(msg)
+        except EngineDeadError:
+            return False
+        return True
+
+    def _fail_calls(self, w: _Worker, reason: str) -> None:
+        for fut in w.calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+        w.calls.clear()
+
+    # ---- requests (the EngineClient surface) ----
+
+    @property
+    def num_waiting(self) -> int:
+        """Held at the router, queued on prefill workers, and adds still in transit."""
+        prefill = self._live("prefill")
+        return len(self._held) + sum(
+            w.stats.get("num_waiting", 0) + w.adds_sent - w.adds_seen for w in prefill
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams or request_id in self._reqs
+
+    def submit(self, req: ipc.AddRequest) -> RequestStream:
+        if not self.alive:
+            raise EngineDeadError(self.dead_reason or "the workers are not running")
+        stream = RequestStream(req.request_id)
+        r = _Req(req, stream)
+        self._reqs[req.request_id] = r
+        self._streams[req.request_id] = stream
+        if self._held or self._handoff:  # decode is full: prefill waits
+            r.deadline = self.clock() + self.handoff_timeout
+            self._held.append(req.request_id)
+        else:
+            self._to_prefill(r)
+        self._publish()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: end the request wherever it is and free its blocks."""
+        stream = self._streams.pop(request_id, None)
+        r = self._reqs.get(request_id)
+        if r is None or (stream is not None and stream.finished):
+            return
+        r.stream = None
+        if r.stage is Stage.HELD:
+            self._held.remove(request_id)
+            self._close(r, self._router_timeline(r, FinishReason.ABORT))
+            return
+        if r.stage is Stage.HANDOFF:
+            self._handoff.remove(request_id)
+        r.aborting = True
+        self._abort_everywhere(r)
+
+    def abort_all(self) -> int:
+        streams = list(self._streams.items())
+        for rid, stream in streams:
+            self.abort(rid)
+            stream.push(ipc.Output(rid, [], "", True, "abort", 0, 0))
+        return len(streams)
+
+    async def call(self, method: str) -> Any:
+        """Run an engine utility method on every live worker; True only if all agree."""
+        live = [w for w in self.workers if w.alive]
+        if not live or not self.alive:
+            raise EngineDeadError(self.dead_reason or "the workers are not running")
+        loop = asyncio.get_running_loop()
+        futs = []
+        for w in live:
+            call_id = next(self._call_ids)
+            fut: asyncio.Future[Any] = loop.create_future()
+            w.calls[call_id] = fut
+            futs.append((w, call_id, fut))
+            self._send(w, ipc.UtilityCall(call_id, method))
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(f for _, _, f in futs)), CALL_TIMEOUT_S
+            )
+        finally:
+            for w, call_id, _ in futs:
+                w.calls.pop(call_id, None)
+        return all(results)
+
+    # ---- routing ----
+
+    def _to_prefill(self, r: _Req) -> None:
+        live = self._live("prefill")
+        if not live:
+            self._close_with_error(r.rid, self.dead_reason or "no prefill worker", dead=True)
+            return
+        w = min(live, key=lambda x: (x.outstanding, x.index))
+        r.stage, r.prefill, r.deadline = Stage.PREFILL, w.index, float("inf")
+        w.outstanding += 1
+        w.adds_sent += 1
+        if not self._send(w, r.add):
+            self._worker_lost(r, w)
+
+    def _pick_decode(self, need: int) -> _Worker | None:
+        def free(w: _Worker) -> int:
+            return w.free_blocks - sum(w.asked.values())
+
+        fits = [w for w in self._live("decode") if not w.refused and free(w) >= need]
+        return max(fits, key=lambda w: (free(w), -w.index), default=None)
+
+    def _dispatch(self) -> None:
+        """Start hand-offs in FIFO order while decode workers have room, then release held
+        requests to prefill once no hand-off waits."""
+        if not self._live("decode"):  # nothing can decode: end what waits for it
+            for rid in [*self._handoff, *self._held]:
+                self._abort_everywhere(self._reqs[rid])
+                self._close_with_error(rid, self.dead_reason or "no decode worker", dead=True)
+        while self._handoff:
+            r = self._reqs[self._handoff[0]]
+            w = self._pick_decode(r.need_blocks)
+            if w is None:
+                break
+            self._handoff.popleft()
+            assert r.parked is not None
+            r.stage, r.decode = Stage.RESERVING, w.index
+            r.deadline = self.clock() + self._transfer_backstop
+            w.asked[r.rid] = r.need_blocks
+            msg = protocol.ImportKV(
+                r.rid,
+                r.add.prompt_token_ids,
+                r.parked.first_token,
+                r.add.sampling,
+                r.add.priority,
+                r.parked.timeline,
+                r.prefill or 0,
+            )
+            if not self._send(w, msg):
+                self._worker_lost(r, w)
+        while self._held and not self._handoff:
+            self._to_prefill(self._reqs[self._held.popleft()])
+        self._publish()
+
+    # ---- worker messages ----
+
+    async def _receive_loop(self, w: _Worker) -> None:
+        while True:
+            msg = await w.proc.recv()
+            if isinstance(msg, ipc.StepBatch):
+                self._on_batch(w, msg)
+            elif isinstance(msg, KVEvents):
+                self._on_events(w, msg)
+            elif isinstance(msg, ipc.UtilityResult):
+                fut = w.calls.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    if msg.error is None:
+                        fut.set_result(msg.result)
+                    else:
+                        fut.set_exception(RuntimeError(f"{w.name}: {msg.error}"))
+
+    def _on_batch(self, w: _Worker, batch: ipc.StepBatch) -> None:
+        m = self.metrics
+        m.core_to_api.observe(max(0.0, self.clock() - batch.sent_at))
+        for delay in batch.add_delays:
+            m.api_to_core.observe(max(0.0, delay))
+        w.stats, w.adds_seen = batch.stats, batch.added_total
+        w.busy, w.idle = batch.busy, batch.idle
+        if w.role == "decode":
+            w.free_blocks = batch.stats["kv_blocks_total"] - batch.stats["kv_blocks_used"]
+            w.refused = False
+        if batch.record is not None:
+            record = dict(batch.record)
+            record["worker_step_id"] = record["step_id"]
+            record.update(step_id=next(self._steps), replica=w.index, role=w.role)
+            m.observe_step(record)
+            self.timelines.add_step(record)
+        for out in batch.outputs:
+            self._on_output(w, out)
+        self._dispatch()
+
+    def _on_output(self, w: _Worker, out: ipc.Output) -> None:
+        r = self._reqs.get(out.request_id)
+        if r is None:
+            return  # closed already (e.g. an abort that crossed a hand-off)
+        n_new = len(out.new_token_ids)
+        first = n_new > 0 and out.num_output_tokens == n_new
+        self.metrics.observe_tokens(out.num_prompt_tokens if first else 0, n_new)
+        r.num_output_tokens = out.num_output_tokens or r.num_output_tokens
+        if not out.finished:
+            if r.stream is not None:
+                r.stream.push(out)
+            return
+        if r.stage is Stage.PREFILL and r.prefill is not None:
+            self.workers[r.prefill].outstanding -= 1
+        if out.timeline is None:  # rejected by the engine before it had a timeline
+            self.metrics.observe_rejected_by_engine()
+            self._drop(r)
+            if r.stream is not None:
+                r.stream.push(out)
+            return
+        if r.transfer:
+            out.timeline["kv_transfer"] = dict(r.transfer)
+        self._close(r, out.timeline, out)
+
+    def _on_events(self, w: _Worker, ev: KVEvents) -> None:
+        if w.role == "decode":
+            w.free_blocks = ev.free_blocks
+        now = self.clock()
+        for p in ev.parked:
+            r = self._live_req(p.request_id)
+            if r is None:
+                continue
+            w.outstanding -= 1
+            r.stage, r.parked, r.need_blocks = Stage.HANDOFF, p, p.num_blocks
+            r.deadline = now + self.handoff_timeout
+            r.transfer = {"prefill_worker": w.index, "transport": self.args.kv_transport}
+            r.transfer["parked"] = p.parked_at
+            self._handoff.append(r.rid)
+        for res in ev.reserved:
+            w.asked.pop(res.request_id, None)
+            r = self._live_req(res.request_id)
+            if r is None:
+                continue
+            r.stage, r.deadline = Stage.TRANSFER, now + self._transfer_backstop
+            r.transfer.update(decode_worker=w.index, skipped_blocks=res.skip_blocks)
+            p = self.workers[r.prefill or 0]
+            address = w.ready.kv_address if w.ready else None
+            if not self._send(p, protocol.SendKV(r.rid, address or "", res.skip_blocks, w.index)):
+                self._worker_lost(r, p)
+        for ref in ev.refused:
+            w.asked.pop(ref.request_id, None)
+            r = self._live_req(ref.request_id)
+            if r is None:
+                continue
+            if ref.retry:
+                w.refused = True
+                r.stage, r.decode = Stage.HANDOFF, None
+                r.deadline = min(r.deadline, now + self.handoff_timeout)
+                self._handoff.appendleft(r.rid)
+            else:
+                self.dmetrics.transfer_failed("refused")
+                self._fail(r, f"the decode worker {w.name} refused the request: {ref.error}", 400)
+        for s in ev.sent:
+            r = self._live_req(s.request_id)
+            if r is not None:
+                r.sent = True
+                r.transfer.update(start=s.start, sent=s.end, bytes=s.nbytes, blocks=s.num_blocks)
+        for imp in ev.imported:
+            r = self._live_req(imp.request_id)
+            if r is None:
+                continue
+            r.stage, r.deadline = Stage.DECODE, float("inf")
+            t = r.transfer
+            t.update(received=imp.received, end=imp.end)
+            t["seconds"] = imp.end - t.get("start", imp.received)
+            t["handoff_wait"] = t.get("start", imp.received) - t.get("parked", imp.received)
+            self.dmetrics.transfer_ok(
+                t["seconds"], imp.nbytes, imp.num_blocks, t.get("skipped_blocks", 0)
+            )
+            self.dmetrics.handoff_wait.observe(max(0.0, t["handoff_wait"]))
+        for f in ev.failed:
+            r = self._live_req(f.request_id)
+            if r is None:
+                continue
+            self.dmetrics.transfer_failed(f.reason)
+            self._fail(r, f"KV transfer failed ({f.reason}) on {w.name}: {f.error}", 503)
+        self._dispatch()
+
+    def _live_req(self, request_id: str) -> _Req | None:
+        r = self._reqs.get(request_id)
+        return None if r is None or r.aborting else r
+
+    # ---- deadlines ----
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(_TICK_S)
+            now = self.clock()
+            for r in [r for r in self._reqs.values() if r.deadline <= now and not r.aborting]:
+                self._timed_out(r)
+
+    def _timed_out(self, r: _Req) -> None:
+        self.dmetrics.transfer_failed("timeout")
+        if r.stage in (Stage.HELD, Stage.HANDOFF):
+            what = (
+                f"no decode worker had room for its {r.need_blocks or 'prompt'} KV blocks "
+                f"within {self.handoff_timeout:g} s (--kv-handoff-timeout); add decode "
+                "workers or KV memory, or lower the load"
+            )
+        else:
+            what = (
+                f"the KV transfer did not complete within {self._transfer_backstop:g} s "
+                "(twice --kv-transfer-timeout)"
+            )
+        self._fail(r, f"request timed out in the {r.stage.value} stage: {what}", 503)
+
+    # ---- ending requests ----
+
+    def _abort_everywhere(self, r: _Req) -> None:
+        """Tell every worker that may hold the request's blocks to free them."""
+        if r.prefill is not None and not r.sent:
+            self._send(self.workers[r.prefill], ipc.Abort([r.rid]))
+        if r.decode is not None:
+            self._send(self.workers[r.decode], ipc.Abort([r.rid]))
+
+    def _fail(self, r: _Req, message: str, status: int) -> None:
+        """End a request with the router's error; free its blocks on both sides."""
+        self._abort_everywhere(r)
+        self._close_with_error(r.rid, message, status=status)
+
+    def _close_with_error(
+        self, rid: str, message: str, status: int = 503, dead: bool = False
+    ) -> None:
+        r = self._reqs.get(rid)
+        if r is None:
+            return
+        with contextlib.suppress(ValueError):
+            self._held.remove(rid)
+        with contextlib.suppress(ValueError):
+            self._handoff.remove(rid)
+        if r.stage is Stage.PREFILL and r.prefill is not None:
+            self.workers[r.prefill].outstanding -= 1
+        reason = FinishReason.ABORT if r.aborting else FinishReason.ERROR
+        tl = self._router_timeline(r, reason, None if r.aborting else message)
+        if r.stream is not None and dead:
+            r.stream.fail(message)
+            r.stream = None
+        out = ipc.Output(
+            rid,
+            [],
+            "",
+            True,
+            reason.value,
+            len(r.add.prompt_token_ids),
+            r.num_output_tokens,
+            error=None if r.aborting else message,
+            error_status=status,
+        )
+        self._close(r, tl, out)
+
+    def _router_timeline(
+        self, r: _Req, reason: FinishReason, error: str | None = None
+    ) -> dict[str, Any]:
+        """The best timeline the router has for a request it ends itself."""
+        if r.parked is not None:
+            tl = RequestTimeline.from_dict(r.parked.timeline)
+        else:
+            arrival = r.add.arrival_time
+            tl = RequestTimeline(
+                r.rid,
+                arrival,
+                r.add.priority,
+                len(r.add.prompt_token_ids),
+                queued=[arrival],
+            )
+        tl.finished, tl.finish_reason, tl.error = self.clock(), reason, error
+        tl.output_tokens = r.num_output_tokens
+        d = tl.to_dict()
+        if r.transfer:
+            d["kv_transfer"] = dict(r.transfer)
+        return d
+
+    def _close(self, r: _Req, timeline: dict[str, Any], out: ipc.Output | None = None) -> None:
+        """Record how the request ended (once) and give its stream the final output."""
+        self._drop(r)
+        self.timelines.add_timeline(timeline)
+        self.metrics.observe_finished(RequestTimeline.from_dict(timeline))
+        if out is not None:
+            out.timeline = timeline
+            if r.stream is not None:
+                r.stream.push(out)
+        self._streams.pop(r.rid, None)
+        self._publish()
+
+    def _drop(self, r: _Req) -> None:
+        self._reqs.pop(r.rid, None)
+        self._streams.pop(r.rid, None)
+
+    # ---- metrics ----
+
+    def _summed_stats(self) -> dict[str, Any]:
+        total: dict[str, Any] = dict.fromkeys(_SUMMED_STATS, 0)
+        for w in self.workers:
+            for k in _SUMMED_STATS:
+                if w.alive or k not in _GAUGES:
+                    total[k] += w.stats.get(k, 0)
+        total["num_waiting"] += len(self._held)
+        total["kv_usage"] = (
+            total["kv_blocks_used"] / total["kv_blocks_total"] if total["kv_blocks_total"] else 0.0
+        )
+        return total
+
+    def _publish(self) -> None:
+        """Refresh the aggregate engine gauges/counters and the per-worker and stage gauges."""
+        if self.info is None:
+            return
+        self.metrics.update_engine(
+            self._summed_stats(),
+            sum(w.busy for w in self.workers),
+            sum(w.idle for w in self.workers),
+        )
+        for w in self.workers:
+            self.dmetrics.worker(w.name, w.role, w.alive, w.stats)
+        counts: dict[str, int] = collections.Counter(
+            _METRIC_STAGE.get(r.stage, r.stage.value) for r in self._reqs.values()
+        )
+        self.dmetrics.stages(counts)
