@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -162,10 +163,55 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class LaunchedServer:
-    """A ``servelab serve`` child process on a loopback port."""
+def split_cpus() -> tuple[set[int], set[int]] | None:
+    """(client CPUs, server CPUs) when there are at least two CPUs to split, else None.
 
-    def __init__(self, model: str, engine_args: str, log_path: Path, api_key: str | None = None):
+    The client keeps the first CPU and the server gets the rest: on a 2-core machine a
+    client and a server that share both cores distort each other's timings.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or shutil.which("taskset") is None:
+        return None
+    return {cpus[0]}, set(cpus[1:])
+
+
+# Several launched servers can be up at once (a matrix); the client's own affinity is
+# restored when the last of them stops.
+_pins = 0
+_client_affinity: set[int] | None = None
+
+
+def _pin_client(cpus: set[int]) -> None:
+    global _pins, _client_affinity
+    if _pins == 0:
+        _client_affinity = os.sched_getaffinity(0)
+    _pins += 1
+    os.sched_setaffinity(0, cpus)
+
+
+def _unpin_client() -> None:
+    global _pins
+    _pins -= 1
+    if _pins == 0 and _client_affinity:
+        os.sched_setaffinity(0, _client_affinity)
+
+
+class LaunchedServer:
+    """A ``servelab serve`` child process on a loopback port.
+
+    With ``pin`` (the default) and two or more CPUs, the server runs under ``taskset`` on
+    all CPUs but the first, and this process is moved to the first until ``stop()``
+    restores its affinity; the recorded command shows the pinning.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        engine_args: str,
+        log_path: Path,
+        api_key: str | None = None,
+        pin: bool = True,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine_args = engine_args
@@ -176,7 +222,11 @@ class LaunchedServer:
                     f"--engine-args must not set {flag}: the benchmark picks it "
                     "(use --model for the model; give --url to test a server you started)"
                 )
+        split = split_cpus() if pin else None
+        self._pinned = split is not None
+        pin_prefix = ["taskset", "-c", ",".join(map(str, sorted(split[1])))] if split else []
         self.command = [
+            *pin_prefix,
             sys.executable,
             "-m",
             "servelab.cli",
@@ -201,6 +251,8 @@ class LaunchedServer:
             env=env,
             start_new_session=True,
         )
+        if split:
+            _pin_client(split[0])
 
     def log_tail(self, n: int = 25) -> str:
         try:
@@ -243,5 +295,8 @@ class LaunchedServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if self._pinned:
+            _unpin_client()
+            self._pinned = False
         self._log.close()
         return self.proc.returncode
