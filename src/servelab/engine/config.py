@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from servelab.engine.spec.config import SpeculativeConfig
 
 
 @dataclass
@@ -22,6 +25,15 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_queue: int | None = None  # waiting requests beyond which the server answers 429
+    # vLLM's speculative config as JSON data, e.g. {"method": "ngram", "num_speculative_tokens":
+    # 4}; None: no speculation. A dict, so the config survives asdict() and the JSON hop.
+    speculative_config: dict[str, Any] | None = None
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The validated speculative config, or None (ValueError if it is malformed)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -34,3 +46,4 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        self.speculative()

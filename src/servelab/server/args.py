@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from servelab.engine.config import EngineConfig
+from servelab.engine.spec.config import parse_speculative_config
 
 DEFAULT_MODEL = "smollm2-135m"
 API_KEY_ENV = "SERVELAB_API_KEY"
@@ -83,6 +84,7 @@ class ServerArgs:
     threads: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    speculative_config: str | None = None  # vLLM's JSON, e.g. '{"method": "ngram", ...}'
     # Disaggregated prefill/decode (servelab.disagg): separate worker processes and KV pools.
     disaggregated: bool = False
     prefill_workers: int = 1
@@ -127,6 +129,10 @@ class ServerArgs:
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
             raise ValueError(f"--device {self.device!r} is not known: use cpu, cuda or cuda:N")
         self._validate_disagg()
+        if self.speculative_config is not None and self.disaggregated:
+            raise ValueError(
+                "--speculative-config does not work with --disaggregated yet; drop one of them"
+            )
         self.engine_config().validate()
 
     def _validate_disagg(self) -> None:
@@ -174,6 +180,8 @@ class ServerArgs:
             cfg.num_kv_blocks = self.num_gpu_blocks_override
         if self.kv_cache_memory is not None:
             cfg.kv_cache_memory_gb = parse_size_gb(self.kv_cache_memory)
+        if self.speculative_config is not None:
+            cfg.speculative_config = parse_speculative_config(self.speculative_config).to_dict()
         return cfg
 
     @property

@@ -55,6 +55,11 @@ def serve(
         30.0, help="On SIGTERM, seconds to let in-flight requests finish before aborting them."
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    speculative_config: str | None = typer.Option(
+        None,
+        help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": '
+        "4}'; methods: ngram (prompt_lookup_min/max), draft (model), self-draft (num_layers).",
+    ),
     disaggregated: bool = typer.Option(
         False,
         "--disaggregated",
@@ -95,6 +100,7 @@ def serve(
         threads=threads,
         shutdown_timeout=shutdown_timeout,
         log_level=log_level,
+        speculative_config=speculative_config,
         disaggregated=disaggregated,
         prefill_workers=prefill_workers,
         decode_workers=decode_workers,
@@ -108,6 +114,9 @@ def serve(
     try:
         args.validate()
         resolve_model(args.model)  # an unknown model fails now, not after a process start
+        draft = args.engine_config().speculative()
+        if draft is not None and draft.model is not None:
+            resolve_model(draft.model)
     except ValueError as e:
         typer.echo(f"servelab serve: error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -7,7 +7,12 @@ counters on exposition, as in vLLM (``vllm:prompt_tokens`` is scraped as
 ``vllm:prompt_tokens_total``). Request histograms are observed when a request finishes,
 from its server-side RequestTimeline (vocab.py defines the phase durations).
 
-To extend (spec decode, KV transfer): add the metric in ``ServerMetrics.__init__`` and
+Speculative decoding: vLLM's ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos`` (label ``position``,
+0-based), counted from each finished request's ``RequestTimeline.spec`` (so a request
+counts once it ends, aborts included). Like vLLM, they appear only once speculation ran.
+
+To extend (KV transfer): add the metric in ``ServerMetrics.__init__`` and
 an ``observe_*``/``update_*`` method fed from ``EngineClient``; nothing else changes.
 """
 
@@ -282,6 +287,7 @@ class ServerMetrics:
         )
         self._labels = values
         self._totals: dict[str, float] = {}
+        self._spec: dict[str, Any] | None = None  # created at the first speculative request
 
     def set_baseline(self, stats: dict[str, Any]) -> None:
         """Engine totals at `ready` (after warm-up): counters count from there."""
@@ -320,11 +326,46 @@ class ServerMetrics:
         if new_output_tokens:
             self.generation_tokens.inc(new_output_tokens)
 
+    def _spec_counters(self) -> dict[str, Any]:
+        if self._spec is None:
+            labels, r, values = ["model_name", "engine"], self.registry, self._labels
+            self._spec = {
+                name: Counter(f"vllm:spec_decode_{name}", doc, labels, registry=r).labels(*values)
+                for name, doc in (
+                    ("num_drafts", "Number of spec decoding drafts."),
+                    ("num_draft_tokens", "Number of draft tokens."),
+                    ("num_accepted_tokens", "Number of accepted tokens."),
+                )
+            }
+            self._spec["per_pos"] = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                [*labels, "position"],
+                registry=r,
+            )
+        return self._spec
+
+    def observe_spec(self, tl: RequestTimeline) -> None:
+        """The speculative proposals of a finished request (vLLM's spec_decode counters)."""
+        proposals = [s for s in tl.spec if s.proposed]
+        if not proposals:
+            return
+        c = self._spec_counters()
+        c["num_drafts"].inc(len(proposals))
+        c["num_draft_tokens"].inc(sum(s.proposed for s in proposals))
+        c["num_accepted_tokens"].inc(sum(s.accepted for s in proposals))
+        for s in proposals:
+            for pos in range(s.proposed):  # a proposed position shows 0 until one is accepted
+                child = c["per_pos"].labels(*self._labels, str(pos))
+                if pos < s.accepted:
+                    child.inc()
+
     def observe_finished(self, tl: RequestTimeline) -> None:
-        """A request the engine finished (aborts included): its finish reason, and the
-        phase durations of the ones that completed (stop or length)."""
+        """A request the engine finished (aborts included): its finish reason, its
+        speculative proposals, and the phase durations of the ones that completed."""
         reason = tl.finish_reason.value if tl.finish_reason else FinishReason.ERROR.value
         self.success[reason].inc()
+        self.observe_spec(tl)
         if reason not in (FinishReason.STOP.value, FinishReason.LENGTH.value):
             return
         self.req_prompt.observe(tl.prompt_tokens)
