@@ -5,6 +5,11 @@ or the simulator's cost model). It validates requests, runs steps, decides when 
 is finished (EOS, stop ids, stop strings, max_tokens, the context limit), detokenizes
 incrementally, and keeps every request's timeline and every step's record.
 
+Speculative decoding (``config.speculative_config``, or a ``proposer``): each step first
+asks the proposer for drafts for the decoding requests (``servelab.engine.spec``); the
+scheduler verifies them in the same step and the step record counts what was proposed and
+accepted. Without it nothing here changes.
+
 Clock: every timestamp comes from ``clock()`` (the simulator passes a virtual clock that its
 executor advances inside ``execute``); nothing here reads the wall clock itself.
 """
@@ -26,10 +31,13 @@ from servelab.engine.kv_cache import KVCacheManager
 from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.scheduler import Scheduler, SchedulerOutput
+from servelab.engine.spec.kv_rollback import RollbackKVCacheManager
 from servelab.engine.stats import EngineStats
 from servelab.vocab import FinishReason, RequestTimeline, StepRecord
 
 if TYPE_CHECKING:
+    from servelab.engine.spec.decoder import SpeculativeDecoder
+    from servelab.engine.spec.proposer import Proposer
     from servelab.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,6 +73,8 @@ class LLMEngine:
     - Finished requests' timelines and every step record are kept in bounded deques
       (``finished_timelines``, ``step_records``, newest last) for ``/v1/timelines``.
     - Once no request is unfinished, every KV block has reference count 0.
+    - ``proposer`` (optional) replaces the proposer that ``config.speculative_config`` names
+      (EAGLE-style heads, tests); it needs a speculative config for the draft count.
     """
 
     def __init__(
@@ -74,12 +84,20 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         history: int = 10_000,
+        proposer: Proposer | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
         self.clock = clock
         self.config = _resolve_config(config, executor)
-        self.kv_cache = KVCacheManager(
+        spec = self.config.speculative()
+        if proposer is not None and spec is None:
+            raise ValueError(
+                "a proposer needs speculative_config (at least num_speculative_tokens), e.g. "
+                '{"method": "ngram", "num_speculative_tokens": 4}'
+            )
+        kv_cls = RollbackKVCacheManager if spec is not None else KVCacheManager
+        self.kv_cache = kv_cls(
             self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.kv_cache)
@@ -92,6 +110,11 @@ class LLMEngine:
         )
         self.finished_timelines: deque[RequestTimeline] = deque(maxlen=history)
         self.step_records: deque[StepRecord] = deque(maxlen=history)
+        self.spec: SpeculativeDecoder | None = None
+        if spec is not None:
+            from servelab.engine.spec.factory import build_decoder
+
+            self.spec = build_decoder(spec, executor, self.config, proposer)
 
     @classmethod
     def from_model(
@@ -238,7 +261,12 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             return EngineStepResult([], None)
         start = self.clock()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule(start)
+        if self.spec is not None:
+            for rid in out.preempted:
+                self.spec.preempted(rid)
         if not out.entries:
             return EngineStepResult([], None)
         kv_used = self.kv_cache.num_used_blocks
@@ -249,6 +277,10 @@ class LLMEngine:
             return EngineStepResult(self._fail_batch(out, e), None)
         end = self.clock()
         new_tokens = self.scheduler.update_from_output(out, result, start, end)
+        speculated = [e for e in out.entries if e.num_draft_tokens]
+        if self.spec is not None:
+            for e in speculated:
+                self.spec.observe(e.request.request_id, e.num_draft_tokens, e.num_accepted)
         outputs = [
             self._emit(self._requests[rid], tokens, end) for rid, tokens in new_tokens.items()
         ]
@@ -260,6 +292,8 @@ class LLMEngine:
             decode_seqs=len(out.decode),
             prefill=out.prefill,
             decode=out.decode,
+            spec_proposed=sum(e.num_draft_tokens for e in speculated),
+            spec_accepted=sum(e.num_accepted for e in speculated),
             kv_blocks_used=kv_used,
             kv_blocks_total=self.kv_cache.num_blocks,
             num_waiting=self.num_waiting,
@@ -330,6 +364,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         self.scheduler.finish_request(req, reason, now)
+        if self.spec is not None:
+            self.spec.finished(req.request_id)
         del self._requests[req.request_id]
         self._detok.pop(req.request_id, None)
         self.finished_timelines.append(req.timeline)

@@ -7,6 +7,9 @@ Contract:
   sampled token during decode, everything again after a preemption (recompute).
 - ``phase`` is the DESIGN.md lifecycle: QUEUED until admitted, PREFILL until the step that
   samples, then DECODE; a preemption sends it back to QUEUED with its output kept.
+- ``spec_token_ids`` are draft tokens proposed for the next step (speculative decoding).
+  They are never part of ``token_ids``: the scheduler appends only the ones the executor
+  verified, and clears them after every step and at preemption.
 - ``admit_seq`` orders admissions (larger = admitted more recently); the scheduler preempts
   the lowest priority first, then the most recently admitted.
 """
@@ -41,6 +44,7 @@ class Request:
         # Prompt tokens served from the prefix cache at the latest admission; reported with
         # the first prefill chunk after that admission, then cleared.
         self.pending_cached_tokens = 0
+        self.spec_token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.timeline = RequestTimeline(
             request_id=request_id,

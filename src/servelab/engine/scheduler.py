@@ -20,6 +20,12 @@ Policy (docs/design/scheduler.md has the reasoning):
   so any prompt the context allows is admissible.
 - A preempted request returns to the front of its priority class, keeps its output, and is
   recomputed as a prefill of prompt + output (the prefix cache often still holds most of it).
+- Speculative decoding: a decode also takes its draft tokens (``Request.spec_token_ids``),
+  as many as the remaining budget allows; if the blocks for them are short it decodes
+  without drafts rather than preempt anyone. After the step the accepted drafts join the
+  request's tokens and computed K/V, and the blocks past ``blocks_needed(num_computed)``,
+  which hold only rejected drafts, are freed (``RollbackKVCacheManager.trim``; the engine
+  supplies that KV manager whenever drafts can occur).
 
 Contract with the engine: ``schedule(now)`` -> ``SchedulerOutput`` (the ``BatchPlan`` to run
 plus what it means for each request); after the executor ran it, ``update_from_output``
@@ -37,7 +43,7 @@ from servelab.engine.config import EngineConfig
 from servelab.engine.kv_cache import KVCacheManager, PrefixHit
 from servelab.engine.plan import BatchPlan, ScheduledSeq, StepOutput
 from servelab.engine.request import Request
-from servelab.vocab import FinishReason, Phase, PrefillChunk
+from servelab.vocab import FinishReason, Phase, PrefillChunk, SpecRecord
 
 
 class WaitingQueue:
@@ -93,6 +99,8 @@ class ScheduledEntry:
     num_tokens: int  # tokens computed this step
     is_prefill: bool  # a prefill chunk (prompt or recompute) rather than a decode
     cached_tokens: int = 0  # prefix-cache tokens skipped at the admission this chunk starts
+    num_draft_tokens: int = 0  # speculative tokens verified after the decode token
+    num_accepted: int = 0  # of those, how many the executor accepted (set after the step)
 
 
 @dataclass
@@ -122,12 +130,12 @@ class _Step:
         self.admitted: list[str] = []
         self.preempted: list[str] = []
 
-    def add(self, req: Request, num_tokens: int) -> None:
+    def add(self, req: Request, num_tokens: int, num_drafts: int = 0) -> None:
         self.entries[req.request_id] = ScheduledEntry(
-            req, num_tokens, req.phase is Phase.PREFILL, req.pending_cached_tokens
+            req, num_tokens, req.phase is Phase.PREFILL, req.pending_cached_tokens, num_drafts
         )
         req.pending_cached_tokens = 0
-        self.budget -= num_tokens
+        self.budget -= num_tokens + num_drafts
 
 
 class Scheduler:
@@ -200,13 +208,17 @@ class Scheduler:
             n = min(pending, step.budget)
             if n < pending and not self.config.enable_chunked_prefill:
                 continue
-            while not self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n):
+            drafts = min(len(req.spec_token_ids), step.budget - n)
+            while not self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n + drafts):
+                if drafts:  # speculation never preempts anyone
+                    drafts = 0
+                    continue
                 victim = max(self.running, key=_preemption_order)
                 self._preempt(victim, step, now)
                 if victim is req:
                     break
             else:
-                step.add(req, n)
+                step.add(req, n, drafts)
 
     def _admit_waiting(self, step: _Step, now: float) -> None:
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -276,6 +288,7 @@ class Scheduler:
         self.kv_cache.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.pending_cached_tokens = 0
+        victim.spec_token_ids = []
         victim.phase = Phase.QUEUED
         victim.timeline.preemptions.append(now)
         victim.timeline.queued.append(now)
@@ -284,7 +297,7 @@ class Scheduler:
         step.preempted.append(victim.request_id)
         undone = step.entries.pop(victim.request_id, None)
         if undone is not None:
-            step.budget += undone.num_tokens
+            step.budget += undone.num_tokens + undone.num_draft_tokens
 
     def _scheduled_seq(self, e: ScheduledEntry) -> ScheduledSeq:
         req = e.request
@@ -299,6 +312,7 @@ class Scheduler:
             sampling=req.sampling_params,
             num_output_tokens=req.num_output_tokens,
             banned_token_ids=req.banned_token_ids() if sample else [],
+            draft_token_ids=req.spec_token_ids[: e.num_draft_tokens],
         )
 
     # ---- after the step ----
@@ -308,8 +322,9 @@ class Scheduler:
     ) -> dict[str, list[int]]:
         """Advance the scheduled requests; return the new tokens per request (plan order).
 
-        Records each prefill chunk and each token time (the step's end) in the timelines and
-        registers newly computed full blocks in the prefix cache.
+        Records each prefill chunk, each token time (the step's end) and each verified
+        proposal in the timelines, keeps accepted drafts (rolling back the blocks of rejected
+        ones), and registers newly computed full blocks in the prefix cache.
         """
         new_tokens: dict[str, list[int]] = {}
         for e in out.entries:
@@ -320,13 +335,18 @@ class Scheduler:
                     PrefillChunk(out.plan.step_id, start, end, e.num_tokens, e.cached_tokens)
                 )
             req.num_computed_tokens += e.num_tokens
-            self.kv_cache.cache_blocks(rid, req.token_ids, req.num_computed_tokens)
             if req.num_computed_tokens < req.num_tokens:
-                continue  # a chunk that did not reach the end of the prompt
+                # a chunk that did not reach the end of the prompt
+                self.kv_cache.cache_blocks(rid, req.token_ids, req.num_computed_tokens)
+                continue
             tokens = result.sampled.get(rid)
             if not tokens:
                 raise RuntimeError(f"the executor returned no sampled token for request {rid!r}")
+            if e.num_draft_tokens:
+                self._accept_drafts(e, tokens, out.plan.step_id)
+            req.spec_token_ids = []
             req.token_ids.extend(tokens)
+            self.kv_cache.cache_blocks(rid, req.token_ids, req.num_computed_tokens)
             req.phase = Phase.DECODE
             tl = req.timeline
             if tl.first_token is None:
@@ -335,6 +355,22 @@ class Scheduler:
             tl.output_tokens = req.num_output_tokens
             new_tokens[rid] = tokens
         return new_tokens
+
+    def _accept_drafts(self, e: ScheduledEntry, tokens: list[int], step_id: int) -> None:
+        """Check the executor's verdict on the entry's drafts, record it, count the accepted
+        drafts as computed and free the blocks that hold only rejected ones."""
+        req = e.request
+        drafts = req.spec_token_ids[: e.num_draft_tokens]
+        accepted = len(tokens) - 1
+        if not 0 <= accepted <= len(drafts) or tokens[:accepted] != drafts[:accepted]:
+            raise RuntimeError(
+                f"the executor returned {tokens} for request {req.request_id!r} with drafts "
+                f"{drafts}: expected the accepted drafts followed by one token"
+            )
+        e.num_accepted = accepted
+        req.timeline.spec.append(SpecRecord(step_id, len(drafts), accepted))
+        req.num_computed_tokens += accepted
+        self.kv_cache.trim(req.request_id, req.num_computed_tokens)
 
 
 def _preemption_order(req: Request) -> tuple[int, int]:

@@ -62,8 +62,8 @@ class SpeculativeConfig:
         unknown = sorted(set(d) - allowed)
         if unknown:
             raise ValueError(
-                f"speculative config: {', '.join(unknown)} do(es) not apply to method "
-                f"{method!r}; its fields are {', '.join(sorted(allowed))}"
+                f"speculative config: method {method!r} takes no {', '.join(unknown)}; its "
+                f"fields are {', '.join(sorted(allowed))}"
             )
         k = _positive_int(d, "num_speculative_tokens", required=True)
         if k > MAX_SPECULATIVE_TOKENS:
