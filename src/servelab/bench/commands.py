@@ -188,6 +188,18 @@ def bench(
         False, help="Replace a run already in --out.", rich_help_panel=_OUTPUT
     ),
     quiet: bool = typer.Option(False, help="No live progress display.", rich_help_panel=_OUTPUT),
+    workers: int = typer.Option(
+        1,
+        help="Client worker processes sharing one schedule (for loads one process cannot "
+        "drive); with --ray-address, Ray actors.",
+        rich_help_panel=_LOAD,
+    ),
+    ray_address: str | None = typer.Option(
+        None,
+        help="Run the workers as Ray actors spread over this cluster: auto, HOST:PORT or "
+        "ray://HOST:PORT (pip install 'servelab[ray]').",
+        rich_help_panel=_LOAD,
+    ),
 ) -> None:
     """Benchmark an OpenAI-compatible endpoint with a workload-shaped load."""
     from servelab.analyze.summary import SLO, Trim
@@ -202,6 +214,15 @@ def bench(
         raise _bad("--trace", "a trace sets its own lengths and arrivals; drop --workload")
     if find_max_rate and sweep is not None:
         raise _bad("--find-max-rate", "choose --sweep or --find-max-rate, not both")
+    if workers < 1:
+        raise _bad("--workers", f"{workers}: give 1 or more")
+    if ray_address is not None:
+        from servelab.bench.distributed.ray_workers import check_address
+
+        try:
+            check_address(ray_address)
+        except ValueError as e:
+            raise _bad("--ray-address", str(e)) from None
     if find_max_rate and concurrency is not None:
         raise _bad("--find-max-rate", "it searches over --rate (open loop); drop --concurrency")
     on = off = None
@@ -267,6 +288,8 @@ def bench(
             timeout=_seconds("--timeout", timeout) or 600.0,
             command=redact(["servelab", *sys.argv[1:]]),
             overwrite=overwrite,
+            workers=workers,
+            ray_address=ray_address,
         )
     except ValueError as e:
         typer.echo(f"servelab bench: error: {e}", err=True)

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -25,6 +25,7 @@ from servelab import __version__
 from servelab.analyze.summary import SLO, Trim, measured_window, summarize
 from servelab.bench.client import Target
 from servelab.bench.collect import MetricsScraper, TimelineCollector
+from servelab.bench.distributed.clock import timing_error_budget
 from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
 from servelab.bench.monitor import ClientHealth, LoopMonitor
@@ -36,6 +37,9 @@ from servelab.bench.search import find_max_rate
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.workload import WorkloadSpec, load_workload
 from servelab.vocab import ClientRecord
+
+if TYPE_CHECKING:
+    from servelab.bench.distributed.driver import DistributedStage, WorkerPool
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_WORKLOAD = "chat"
@@ -67,6 +71,12 @@ class BenchOptions:
     timeout: float = 600.0
     command: list[str] = field(default_factory=list)  # argv with the API key redacted
     overwrite: bool = False
+    workers: int = 1  # > 1: local worker processes (bench.distributed)
+    ray_address: str | None = None  # run the workers as Ray actors on this cluster
+
+    @property
+    def distributed(self) -> bool:
+        return self.workers > 1 or self.ray_address is not None
 
 
 @dataclass
@@ -165,6 +175,7 @@ class Bench:
         self.max_rate: dict[str, Any] | None = None
         self.warnings: list[str] = []
         self.stamping: str | None = None
+        self.pool: WorkerPool | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -232,6 +243,22 @@ class Bench:
             else (self.info.model_id or self.o.model or "")
         )
 
+    async def _start_workers(self, target: Target) -> WorkerPool:
+        from servelab.bench.distributed.driver import WorkerPool
+
+        o = self.o
+        where = f"Ray actors on {o.ray_address}" if o.ray_address else "local processes"
+        with self.console.status(f"starting {o.workers} bench workers ({where}) ..."):
+            pool = await WorkerPool.start(
+                o.workers, target, ray_address=o.ray_address, tag=self.run_tag
+            )
+        if o.ray_address is None and o.workers > (os.cpu_count() or 1):
+            self.warnings.append(
+                f"{o.workers} worker processes on {os.cpu_count()} CPUs: they compete for "
+                "cores (each worker's self-check says if it was starved)"
+            )
+        return pool
+
     # ------------------------------------------------------------------ stages
 
     def _plan(self, stage: Stage) -> Plan | Any:
@@ -272,34 +299,52 @@ class Bench:
             if collector is not None:
                 collector.finished(rec)
 
-        runner = Runner(
-            http,
-            target,
-            stage.load,
-            run_tag=self.run_tag + (f"-{len(self.stages)}" if stage.label else ""),
-            stage=stage.label,
-            on_send=progress.on_send,
-            on_record=on_record,
-        )
-        monitor = LoopMonitor()
+        run_tag = self.run_tag + (f"-{len(self.stages)}" if stage.label else "")
+        monitor = LoopMonitor()  # with workers, the driver's: informational
         await scraper.start()
         if collector is not None:
             collector.start()
         monitor.start()
         progress.start()
+        dist: DistributedStage | None = None
         try:
-            stage.result = await runner.run(plan)
+            if self.pool is not None:
+                dist = await self.pool.run_stage(
+                    plan,
+                    stage.load,
+                    run_tag=run_tag,
+                    stage=stage.label,
+                    on_send=progress.on_send,
+                    on_record=on_record,
+                )
+                stage.result = dist.result
+            else:
+                runner = Runner(
+                    http,
+                    target,
+                    stage.load,
+                    run_tag=run_tag,
+                    stage=stage.label,
+                    on_send=lambda _req: progress.on_send(),
+                    on_record=on_record,
+                )
+                stage.result = await runner.run(plan)
         finally:
             await monitor.stop()
             await progress.stop()
             if collector is not None:
                 await collector.stop()
             await scraper.stop()
-        stage.health = monitor.report(stage.result.records, open_loop=not stage.load.closed)
+        own = monitor.report(stage.result.records, open_loop=not stage.load.closed)
+        stage.health = dist.health if dist is not None else own
         stage.plan_info = {
             **stage.plan_info,
             "scrapes": scraper.scrapes,
             **({"server_timelines": collector.report()} if collector else {}),
+            "timing_error_budget_s": dist.report["timing_error_budget_s"]
+            if dist is not None
+            else timing_error_budget(own.loop_lag.get("p99")),
+            **({"distributed": {**dist.report, "driver": own.to_dict()}} if dist else {}),
         }
         if stage.result.interrupted:
             self.interrupted = True
@@ -353,7 +398,7 @@ class Bench:
             stage = Stage(f"rate={rate:.4g}", replace(self.o.load, rate=rate, concurrency=None))
             self.stages.append(stage)
             await self._run_stage(stage, http, target)
-            if self.interrupted:
+            if self.interrupted or self._lost_workers():
                 return None
             frac = (stage.summary or {}).get("overall", {}).get("goodput", {}).get("fraction")
             healthy = bool(stage.health and stage.health.valid)
@@ -363,6 +408,10 @@ class Bench:
         self.max_rate = {"goodput_target": self.o.goodput_target, **result.to_dict()}
 
     # ------------------------------------------------------------------ outputs
+
+    def _lost_workers(self) -> bool:
+        """A worker was lost: later stages would not run the load they plan, so stop."""
+        return self.pool is not None and bool(self.pool.lost)
 
     def _manifest(self) -> dict[str, Any]:
         o = self.o
@@ -426,6 +475,13 @@ class Bench:
             "window": window,
             "max_rate": self.max_rate,
             "interrupted": self.interrupted,
+            "workers": self.pool.describe() if self.pool else None,
+            "complete": not self._lost_workers(),
+            "timing_error_budget_s": max(
+                (s.plan_info["timing_error_budget_s"] for s in stages if s.health),
+                key=lambda b: b["across_workers_s"],
+                default=None,
+            ),
             "valid": not reasons,
             "invalid_reason": "; ".join(reasons) if reasons else None,
             "warnings": self.warnings,
@@ -504,17 +560,22 @@ class Bench:
             )
             http = HttpClient(self.info.url)
             try:
+                if o.distributed:
+                    self.pool = await self._start_workers(target)
                 if o.find_max_rate:
                     await self._find_max_rate(http, target)
                 else:
                     for stage in _stages(o):
                         self.stages.append(stage)
                         await self._run_stage(stage, http, target)
-                        if self.interrupted:
+                        if self.interrupted or self._lost_workers():
                             break
             finally:
                 self.stamping = http.stamping
                 await http.close()
+                if self.pool is not None:
+                    self.stamping = self.pool.stamping
+                    await self.pool.close()
         finally:
             manifest = self._manifest()
             self.rundir.write_json("manifest.json", manifest)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from servelab.bench.client import Outcome, Target, send
@@ -50,6 +50,30 @@ def sessions(plan: Iterable[PlannedRequest]) -> Iterator[list[PlannedRequest]]:
         yield current
 
 
+def request_id(run_tag: str, req: PlannedRequest) -> str:
+    """The id a planned request is sent and recorded under in a run tagged ``run_tag``."""
+    return f"{run_tag}-{req.request_id}"
+
+
+def _session_taker(
+    plan: Iterable[PlannedRequest] | AsyncIterator[list[PlannedRequest]],
+) -> Callable[[], Awaitable[list[PlannedRequest] | None]]:
+    """The next session of a plan, or None at its end; one call at a time per worker."""
+    if isinstance(plan, AsyncIterator):
+        feed = plan
+
+        async def take_fed() -> list[PlannedRequest] | None:
+            return await anext(feed, None)
+
+        return take_fed
+    it = sessions(plan)
+
+    async def take() -> list[PlannedRequest] | None:
+        return next(it, None)
+
+    return take
+
+
 class Runner:
     """Runs one stage. ``on_send``/``on_record`` feed the display and the run directory."""
 
@@ -61,7 +85,7 @@ class Runner:
         *,
         run_tag: str,
         stage: str | None = None,
-        on_send: Callable[[], None] | None = None,
+        on_send: Callable[[PlannedRequest], None] | None = None,
         on_record: Callable[[ClientRecord], None] | None = None,
     ) -> None:
         self.http = http
@@ -69,7 +93,7 @@ class Runner:
         self.load = load
         self.run_tag = run_tag
         self.stage = stage
-        self._on_send = on_send or (lambda: None)
+        self._on_send = on_send or (lambda req: None)
         self._on_record = on_record or (lambda r: None)
         self.records: list[ClientRecord] = []
         self.sent = 0
@@ -78,11 +102,23 @@ class Runner:
         self.records.append(rec)
         self._on_record(rec)
 
-    async def run(self, plan: Iterable[PlannedRequest]) -> StageResult:
-        start = time.monotonic()
+    async def run(
+        self,
+        plan: Iterable[PlannedRequest] | AsyncIterator[list[PlannedRequest]],
+        start_at: float | None = None,
+    ) -> StageResult:
+        """Execute ``plan``; every request ends as one record.
+
+        ``start_at`` (a ``time.monotonic()`` value) starts the stage then instead of now:
+        the distributed workers' common start. A closed loop may also take an async
+        iterator of sessions, which receives more sessions while the stage runs.
+        """
+        start = time.monotonic() if start_at is None else start_at
         tasks: set[asyncio.Task[None]] = set()
         interrupted = False
         try:
+            if start_at is not None:
+                await asyncio.sleep(max(0.0, start_at - time.monotonic()))
             if self.load.closed:
                 await self._closed(plan, start, tasks)
             else:
@@ -99,8 +135,13 @@ class Runner:
         )
 
     async def _open(
-        self, plan: Iterable[PlannedRequest], t0: float, tasks: set[asyncio.Task[None]]
+        self,
+        plan: Iterable[PlannedRequest] | AsyncIterator[list[PlannedRequest]],
+        t0: float,
+        tasks: set[asyncio.Task[None]],
     ) -> None:
+        if isinstance(plan, AsyncIterator):
+            raise TypeError("an open loop needs its whole plan up front, not a session feed")
         loop = asyncio.get_running_loop()
         for turns in sessions(plan):
             due = t0 + (turns[0].send_time or 0.0)
@@ -112,15 +153,18 @@ class Runner:
             task.add_done_callback(tasks.discard)
 
     async def _closed(
-        self, plan: Iterable[PlannedRequest], start: float, tasks: set[asyncio.Task[None]]
+        self,
+        plan: Iterable[PlannedRequest] | AsyncIterator[list[PlannedRequest]],
+        start: float,
+        tasks: set[asyncio.Task[None]],
     ) -> None:
         assert self.load.concurrency is not None
-        it = sessions(plan)
+        take = _session_taker(plan)
         stop_at = start + self.load.duration if self.load.duration else None
 
         async def worker() -> None:
             while stop_at is None or time.monotonic() < stop_at:
-                turns = next(it, None)
+                turns = await take()
                 if turns is None:
                     return
                 await self._session(turns, time.monotonic())
@@ -148,7 +192,7 @@ class Runner:
             history.append((req.prompt, outcome.text))
 
     def _rid(self, req: PlannedRequest) -> str:
-        return f"{self.run_tag}-{req.request_id}"
+        return request_id(self.run_tag, req)
 
     def _compose(
         self, req: PlannedRequest, history: list[tuple[str, str]]
@@ -171,7 +215,7 @@ class Runner:
     ) -> Outcome:
         prompt, planned_in = self._compose(req, history)
         self.sent += 1
-        self._on_send()
+        self._on_send(req)
         outcome = await send(
             self.http,
             self.target,

@@ -1,0 +1,186 @@
+"""Distributed bench, the parts without processes: partition, clocks, feed, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from servelab.bench.client import Target
+from servelab.bench.distributed.clock import measure_offset, timing_error_budget
+from servelab.bench.distributed.partition import (
+    concurrency_over_time,
+    partition,
+    split_concurrency,
+)
+from servelab.bench.distributed.worker import SessionFeed
+from servelab.bench.http import HttpClient
+from servelab.bench.plan import LoadSpec, PlannedRequest, build_plan
+from servelab.bench.runner import Runner, sessions
+from servelab.bench.testing import tiny_tokenizer
+from servelab.bench.testserver import Schedule, TestServer
+from servelab.bench.workload import WorkloadSpec
+from servelab.vocab import ClientRecord
+
+SPEC = {
+    "name": "mix",
+    "classes": [
+        {"name": "single", "weight": 1, "input": 12, "output": 4},
+        {
+            "name": "conv",
+            "weight": 1,
+            "input": 10,
+            "output": 3,
+            "session": {"turns": {"dist": "uniform", "min": 1, "max": 4}, "think_time": 0},
+        },
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return build_plan(
+        WorkloadSpec.model_validate(SPEC),
+        LoadSpec(rate=10, requests=60),
+        7,
+        tokenizer=tiny_tokenizer(),
+    )
+
+
+def test_split_concurrency_is_even_and_never_empty():
+    assert split_concurrency(10, 4) == [3, 3, 2, 2]
+    assert split_concurrency(3, 8) == [1, 1, 1]  # fewer streams than workers: fewer workers
+    assert split_concurrency(2000, 4) == [500] * 4
+    with pytest.raises(ValueError):
+        split_concurrency(0, 2)
+
+
+@pytest.mark.parametrize("weights", [[1, 1, 1], [3, 1], [1]])
+def test_partition_deals_whole_sessions_and_its_union_is_the_plan(plan, weights):
+    shares = partition(plan, weights)
+    ids = [r.request_id for share in shares for r in share]
+    assert sorted(ids) == sorted(r.request_id for r in plan)  # disjoint, nothing lost
+    assert len(set(ids)) == len(ids)
+    owner = {}
+    for i, share in enumerate(shares):
+        assert [r.index for r in share] == sorted(r.index for r in share)  # plan order kept
+        for r in share:
+            if r.session_id is not None:
+                assert owner.setdefault(r.session_id, i) == i  # a session on one worker
+    n_sessions = [len(list(sessions(share))) for share in shares]
+    total = sum(n_sessions)
+    for n, w in zip(n_sessions, weights, strict=True):
+        assert abs(n - total * w / sum(weights)) <= 1  # shares follow the weights
+    with pytest.raises(ValueError, match="weight"):
+        partition(plan, [1, 0])
+
+
+def _rec(rid: str, send: float, done: float | None, error: str | None = None) -> ClientRecord:
+    return ClientRecord(rid, "c", intended_send=send, actual_send=send, done=done, error=error)
+
+
+def test_concurrency_over_time_is_time_weighted():
+    recs = [
+        _rec("a", 0.0, 2.0),
+        _rec("b", 1.0, 2.0),
+        _rec("c", 2.0, 3.0),  # starts as a and b end: back to back, not a third in flight
+        _rec("s", 0.5, None, error="skipped: never sent"),
+    ]
+    c = concurrency_over_time(recs, 0.0, 4.0)
+    assert c["max"] == 2
+    assert c["mean"] == pytest.approx((2.0 + 1.0 + 1.0) / 4.0)
+    assert [v for t, v in c["series"] if t == pytest.approx(1.5)] == [pytest.approx(2.0)]
+    assert concurrency_over_time([], 0.0, 1.0)["max"] == 0
+
+
+def _fake_ping(offset: float, delays: list[tuple[float, float]], boot: str):
+    """A worker whose clock is the driver's + offset, answering after out/back delays."""
+    import time
+
+    it = iter(delays)
+
+    async def ping():
+        out, back = next(it)
+        await asyncio.sleep(out)
+        t = time.monotonic() + offset
+        await asyncio.sleep(back)
+        return t, boot
+
+    return ping
+
+
+def test_clock_offset_is_found_within_half_the_best_round_trip():
+    delays = [(0.03, 0.001), (0.002, 0.002), (0.001, 0.02), (0.004, 0.004)]
+    c = asyncio.run(measure_offset(_fake_ping(12.5, delays, "b"), 4, local_boot="a"))
+    assert c.rtt_min_s < 0.01  # the symmetric fast sample was chosen
+    assert abs(c.offset_s - 12.5) <= c.uncertainty_s
+    assert not c.same_host and c.applied_offset_s == c.offset_s
+    assert c.applied_uncertainty_s == c.uncertainty_s
+    assert c.to_driver(c.to_worker(100.0)) == pytest.approx(100.0)
+
+
+def test_same_host_clock_is_shared_only_when_the_measurement_agrees():
+    same = asyncio.run(measure_offset(_fake_ping(0.0, [(0.001, 0.001)] * 3, "a"), 3, "a"))
+    assert same.same_host and same.applied_offset_s == 0.0 and same.applied_uncertainty_s == 0.0
+    # same boot id but a clearly shifted clock (a time namespace): apply what was measured
+    shifted = asyncio.run(measure_offset(_fake_ping(5.0, [(0.001, 0.001)] * 3, "a"), 3, "a"))
+    assert shifted.same_host and shifted.applied_offset_s == pytest.approx(5.0, abs=0.01)
+
+
+def test_timing_error_budget_adds_the_clock_terms_across_workers():
+    c = asyncio.run(measure_offset(_fake_ping(3.0, [(0.002, 0.002)] * 2, "x"), 2, "y"))
+    c.drift_s = -0.0004
+    b = timing_error_budget(0.002, [c])
+    assert b["within_one_worker_s"] == 0.002
+    assert b["across_workers_s"] == pytest.approx(0.002 + c.uncertainty_s + 0.0004)
+    assert timing_error_budget(None)["across_workers_s"] == 0.0
+
+
+def test_session_feed_serves_waiting_streams_then_ends():
+    async def go():
+        feed = SessionFeed()
+        got: list[str] = []
+
+        async def stream():
+            async for turns in feed:
+                got.append(turns[0].request_id)
+
+        tasks = [asyncio.ensure_future(stream()) for _ in range(3)]
+        await asyncio.sleep(0.02)  # every stream waits on the empty feed
+        feed.put([[PlannedRequest(f"r{i}", i, "c", "p", 1, 1)] for i in range(5)])
+        await asyncio.sleep(0)
+        feed.close()
+        await asyncio.wait_for(asyncio.gather(*tasks), 2)
+        return got, feed.wait_s
+
+    got, waited = asyncio.run(go())
+    assert sorted(got) == [f"r{i}" for i in range(5)]  # each session to exactly one stream
+    assert waited > 0
+
+
+def test_a_closed_loop_runs_from_a_feed_and_starts_at_the_given_time():
+    server = TestServer(Schedule(ttft=0.01, itl=0.002))
+
+    async def go(url):
+        import time
+
+        feed = SessionFeed()
+        feed.put([[PlannedRequest(f"r{i:06d}", i, "c", "hi", 1, 3)] for i in range(4)])
+        http = HttpClient(url)
+        runner = Runner(http, Target(url, "test-model"), LoadSpec(concurrency=2), run_tag="t")
+        at = time.monotonic() + 0.2
+        task = asyncio.ensure_future(runner.run(feed, start_at=at))
+        await asyncio.sleep(0.4)
+        feed.put([[PlannedRequest("r000004", 4, "c", "hi", 1, 3)]])
+        feed.close()
+        res = await asyncio.wait_for(task, 10)
+        await http.close()
+        return res, at
+
+    with server.running() as url:
+        res, at = asyncio.run(go(url))
+    assert res.start == at
+    assert min(r.actual_send for r in res.records) >= at
+    assert sorted(r.request_id for r in res.records) == [f"t-r{i:06d}" for i in range(5)]
+    assert all(r.ok for r in res.records)
+    assert "t-r000004" in server.served  # the session fed while the loop ran was sent too
