@@ -530,6 +530,13 @@ class Bench:
                 f"[bold]max rate meeting SLOs for {self.o.goodput_target:.0%} of requests: "
                 f"{'none found' if best is None else f'{best:.3g} req/s'}[/bold]"
             )
+        if self.pool is not None:
+            from servelab.bench.distributed.driver import report_line
+
+            for st in self.stages:
+                if "distributed" in st.plan_info:
+                    where = f"{st.label}: " if st.label else ""
+                    c.print(f"workers: {where}{report_line(st.plan_info['distributed'])}")
         for w in self.warnings:
             c.print(f"[yellow]warning:[/yellow] {w}")
         if not manifest["valid"]:

@@ -525,3 +525,23 @@ class _StageRun:
             "timing_error_budget_s": timing_error_budget(health.loop_lag.get("p99"), clocks),
         }
         return DistributedStage(result, health, report)
+
+
+def report_line(report: dict[str, Any]) -> str:
+    """A stage's distributed report in one console line: workers, concurrency, clocks, loss."""
+    ws = report["workers"]
+    conc = report["concurrency"]
+    target = f" (target {conc['target']})" if conc["target"] else ""
+    measured = max(w["clock"]["uncertainty_s"] for w in ws)
+    applied = max(w["clock"]["applied_uncertainty_s"] for w in ws)
+    clock = (
+        "one shared clock"
+        if all(w["clock"]["applied_offset_s"] == 0.0 for w in ws)
+        else f"clock offsets known to +/-{applied * 1e3:.2f} ms"
+    )
+    lost = report["lost"]
+    tail = f"; LOST {lost['share']:.1%} of the plan" if lost else ""
+    return (
+        f"{len(ws)} {report['mode']}: in flight mean {conc['mean']:.1f}{target}, max "
+        f"{conc['max']}; {clock} (measured to +/-{measured * 1e6:.0f} us){tail}"
+    )
