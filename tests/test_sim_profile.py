@@ -61,19 +61,22 @@ def test_profile_then_simulate_agrees_with_a_real_run(engine, tmp_path):
     # keeping the faster, because other processes on this machine slow runs down at random.
     sp = SamplingParams(max_tokens=OUTPUT, ignore_eos=True, temperature=0.0)
     prompts = [[(i * 131 + j * 7) % 20000 + 1 for j in range(PROMPT)] for i in range(N_REQ)]
-    runs = []
+    runs, shapes = [], []
     for attempt in range(2):
         t0 = time.monotonic()
         for i, ids in enumerate(prompts):
             engine.add_request(
                 f"real{attempt}-{i}", prompt_token_ids=ids, sampling_params=sp, arrival_time=t0
             )
+        steps = []
         while engine.has_unfinished():
-            engine.step()
+            rec = engine.step().record
+            steps.append((rec.prefill_tokens, rec.decode_seqs))
         engine.reset_prefix_cache()
         runs.append(
             [t for t in engine.finished_timelines if t.request_id.startswith(f"real{attempt}-")]
         )
+        shapes.append(steps)
     real = min(runs, key=lambda tls: max(t.finished for t in tls) - tls[0].arrival)
 
     # The simulated run of the same requests on the profile.
@@ -81,6 +84,8 @@ def test_profile_then_simulate_agrees_with_a_real_run(engine, tmp_path):
     reqs = [SimRequest(f"sim{i}", 0.0, ids, OUTPUT) for i, ids in enumerate(prompts)]
     res = simulate(Scenario(target, reqs))
     assert target.engine_config.num_kv_blocks == engine.config.num_kv_blocks
+    # Exact, whatever the machine's speed: the same scheduler ran the same batches.
+    assert [(s["prefill_tokens"], s["decode_seqs"]) for s in res.steps] == shapes[0] == shapes[1]
 
     def stats(tls):
         ttft = statistics.median(t.first_token - t.arrival for t in tls)
@@ -88,8 +93,8 @@ def test_profile_then_simulate_agrees_with_a_real_run(engine, tmp_path):
         return ttft, e2e
 
     (r_ttft, r_e2e), (s_ttft, s_e2e) = stats(real), stats(res.timelines)
-    # Loose (within 2x): the machine is shared and its speed varies from minute to minute;
-    # a cost model that lost prefill or decode work is off by far more.
-    assert 0.5 < s_ttft / r_ttft < 2.0
-    assert 0.5 < s_e2e / r_e2e < 2.0
+    # Loose (within 3x): the machine is shared and its speed drifts by 2x from minute to
+    # minute; a cost model that lost prefill or decode work is off by far more.
+    assert 1 / 3 < s_ttft / r_ttft < 3
+    assert 1 / 3 < s_e2e / r_e2e < 3
     assert model.fit_error < 0.05
