@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from servelab.bench.client import Target
-from servelab.bench.distributed.clock import measure_offset, timing_error_budget
+from servelab.bench.distributed.clock import boot_id, measure_offset, timing_error_budget
+from servelab.bench.distributed.driver import WorkerPool
 from servelab.bench.distributed.partition import (
     concurrency_over_time,
     partition,
     split_concurrency,
 )
-from servelab.bench.distributed.worker import SessionFeed
+from servelab.bench.distributed.protocol import (
+    DONE,
+    FAILED,
+    RECORDS,
+    SENT,
+    StageDone,
+    StageJob,
+    WorkerInfo,
+)
+from servelab.bench.distributed.worker import SessionFeed, WorkerCore
 from servelab.bench.http import HttpClient
+from servelab.bench.monitor import ClientHealth
 from servelab.bench.plan import LoadSpec, PlannedRequest, build_plan
-from servelab.bench.runner import Runner, sessions
+from servelab.bench.runner import START_DELAY_S, Runner, request_id, sessions
 from servelab.bench.testing import tiny_tokenizer
 from servelab.bench.testserver import Schedule, TestServer
 from servelab.bench.workload import WorkloadSpec
@@ -95,8 +107,6 @@ def test_concurrency_over_time_is_time_weighted():
 
 def _fake_ping(offset: float, delays: list[tuple[float, float]], boot: str):
     """A worker whose clock is the driver's + offset, answering after out/back delays."""
-    import time
-
     it = iter(delays)
 
     async def ping():
@@ -162,8 +172,6 @@ def test_a_closed_loop_runs_from_a_feed_and_starts_at_the_given_time():
     server = TestServer(Schedule(ttft=0.01, itl=0.002))
 
     async def go(url):
-        import time
-
         feed = SessionFeed()
         feed.put([[PlannedRequest(f"r{i:06d}", i, "c", "hi", 1, 3)] for i in range(4)])
         http = HttpClient(url)
@@ -184,3 +192,97 @@ def test_a_closed_loop_runs_from_a_feed_and_starts_at_the_given_time():
     assert sorted(r.request_id for r in res.records) == [f"t-r{i:06d}" for i in range(5)]
     assert all(r.ok for r in res.records)
     assert "t-r000004" in server.served  # the session fed while the loop ran was sent too
+
+
+class FakeWorker:
+    """A worker that records the first ``ok`` requests of its share, has the next one in
+    flight, then reports its stage failed (or, with ``ok=None``, finishes them all)."""
+
+    kind = "fake"
+
+    def __init__(self, index: int, ok: int | None = None) -> None:
+        self.info = WorkerInfo(index, 100 + index, "here", boot_id())
+        self.ok = ok
+        self.lost = None
+        self.job: StageJob | None = None
+        self.at = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.lost is None
+
+    def describe(self) -> str:
+        return f"worker {self.info.index}"
+
+    async def ping(self):
+        return time.monotonic(), boot_id()
+
+    async def setup(self, job: StageJob) -> None:
+        self.job = job
+
+    async def feed(self, sessions, end=False) -> None:
+        raise AssertionError("not fed")
+
+    async def start(self, at: float) -> None:
+        self.at = at
+
+    async def stop(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def events(self):
+        assert self.job is not None
+        share, tag = self.job.share, self.job.run_tag
+        n = len(share) if self.ok is None else self.ok
+        sent = [(request_id(tag, r), self.at + 0.01 * i) for i, r in enumerate(share[: n + 1])]
+        recs = [
+            ClientRecord(request_id(tag, r), r.workload_class, t, t, done=t + 0.5)
+            for r, (_, t) in zip(share[:n], sent, strict=False)
+        ]
+        yield [(SENT, sent), (RECORDS, recs)]
+        if self.ok is None:
+            yield [(DONE, StageDone(self.at, self.at + 1, n, False, ClientHealth(), "x", 0, 0))]
+        else:
+            yield [(FAILED, "Traceback (most recent call last):\n  ...\nValueError: boom\n")]
+
+
+def test_a_failed_worker_has_its_unrecorded_share_recorded_as_lost(plan):
+    pool = WorkerPool([FakeWorker(0), FakeWorker(1, ok=2)], Target("http://x", "m"), "fake")
+    load = LoadSpec(rate=10, requests=60)
+    written: list[ClientRecord] = []
+    stage = asyncio.run(pool.run_stage(list(plan), load, run_tag="t", on_record=written.append))
+    assert sorted(r.request_id for r in written) == sorted(f"t-{p.request_id}" for p in plan)
+    assert written == stage.result.records
+    lost = [r for r in written if not r.ok]
+    assert all(r.error.startswith("worker_lost: worker 1 failed: ValueError: boom") for r in lost)
+    assert sum(r.error.endswith("while it was in flight") for r in lost) == 1
+    assert len(lost) == stage.report["workers"][1]["assigned"] - 2
+    assert stage.report["lost"]["share"] == pytest.approx(len(lost) / len(plan))
+    assert "ValueError: boom" in stage.report["lost"]["errors"][0]
+    assert not stage.report["complete"] and pool.lost == ["worker 1 failed: ValueError: boom"]
+    assert not stage.health.valid and "incomplete" in stage.health.reasons[-1]
+    # lost first turns keep their planned send time on the driver's clock
+    start = stage.result.start
+    by_id = {f"t-{p.request_id}": p for p in plan}
+    for r in lost:
+        p = by_id[r.request_id]
+        if p.turn == 0 and not r.error.endswith("in flight"):
+            assert r.intended_send - start == pytest.approx(START_DELAY_S + p.send_time)
+
+
+def test_a_worker_whose_stage_raises_reports_it_as_its_last_event():
+    async def go():
+        core = WorkerCore(3, Target("http://127.0.0.1:9", "m"))
+        core.setup(StageJob(LoadSpec(rate=1, requests=1), "t", None, fed=True))
+        core.start(time.monotonic())
+        batches = []
+        while (batch := await asyncio.wait_for(core.next_batch(), 5)) is not None:
+            batches.append(batch)
+        await core.close()
+        return batches
+
+    batches = asyncio.run(go())
+    assert [kind for b in batches for kind, _ in b] == [FAILED]
+    assert "TypeError: an open loop needs its whole plan" in batches[0][0][1]

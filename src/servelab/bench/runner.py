@@ -58,7 +58,7 @@ def request_id(run_tag: str, req: PlannedRequest) -> str:
 def _session_taker(
     plan: Iterable[PlannedRequest] | AsyncIterator[list[PlannedRequest]],
 ) -> Callable[[], Awaitable[list[PlannedRequest] | None]]:
-    """The next session of a plan, or None at its end; one call at a time per worker."""
+    """The next session of a plan, or None at its end (a feed may make the caller wait)."""
     if isinstance(plan, AsyncIterator):
         feed = plan
 
@@ -75,7 +75,8 @@ def _session_taker(
 
 
 class Runner:
-    """Runs one stage. ``on_send``/``on_record`` feed the display and the run directory."""
+    """Runs one stage. ``on_send(req)``/``on_record(rec)`` feed the display, the run
+    directory and a distributed worker's reports."""
 
     def __init__(
         self,
@@ -165,8 +166,8 @@ class Runner:
         async def worker() -> None:
             while stop_at is None or time.monotonic() < stop_at:
                 turns = await take()
-                if turns is None:
-                    return
+                if turns is None or (stop_at is not None and time.monotonic() >= stop_at):
+                    return  # the end of the plan, or a feed that made this stream wait too long
                 await self._session(turns, time.monotonic())
 
         loop = asyncio.get_running_loop()

@@ -269,9 +269,13 @@ class _StageRun:
         except WorkerLost as e:
             raise RuntimeError(f"a bench worker was lost before the stage began: {e}") from None
         self.start_at = time.monotonic() + START_LEAD_S + 4 * max(c.rtt_min_s for c in clocks)
-        await asyncio.gather(
-            *(p.worker.start(p.clock.to_worker(self.start_at)) for p in self.parts)
+        started = await asyncio.gather(
+            *(p.worker.start(p.clock.to_worker(self.start_at)) for p in self.parts),
+            return_exceptions=True,
         )
+        for e in started:  # a worker lost here is found and recorded by its pump
+            if isinstance(e, BaseException) and not isinstance(e, WorkerLost):
+                raise e
         tasks = [asyncio.get_running_loop().create_task(self._pump(p)) for p in self.parts]
         interrupted = False
         try:
