@@ -96,15 +96,8 @@ class Pair:
         return parked
 
     def reserve(self, parked: Parked, sp: SamplingParams) -> Reserved | Refused:
-        msg = ImportKV(
-            parked.request_id,
-            self.p.get_request(parked.request_id).prompt_token_ids,
-            parked.first_token,
-            sp.__dict__,
-            0,
-            parked.timeline,
-            0,
-        )
+        prompt = self.p.get_request(parked.request_id).prompt_token_ids
+        msg = ImportKV(parked.request_id, prompt, sp.__dict__, 0, parked.timeline["arrival"], 0)
         return self.d.reserve_import(msg, deadline=1e18)
 
     def send(self, rid: str, skip: int) -> None:
@@ -288,7 +281,7 @@ def test_failed_transfers_end_the_request_and_free_blocks(
     assert isinstance(msg, Reserved)
     pair.d._reserved["r0"].deadline = 0.0
     (expired,) = pair.d.expire_reservations(now=1.0)
-    assert expired[0] == "r0" and "transfer timeout" in expired[1]
+    assert expired[0] == "r0" and "did not arrive" in expired[1]
     assert pair.d.get_timeline("r0").finish_reason is FinishReason.ERROR
     pair.p.abort("r0")  # what the router does on the other side
     # r1: the blocks belong to other tokens (hash mismatch)
@@ -348,7 +341,7 @@ def test_shm_sender_removes_segments_nobody_read(tmp_path: Path) -> None:
         from servelab.disagg.protocol import KVHeader
 
         blocks = [torch.arange(12, dtype=torch.float32).view(3, 4)] * 2
-        header = KVHeader("x", 3, 0, 2, [], "float32", [3, 4], 96, 0.0)
+        header = KVHeader("x", 7, {}, 3, 0, 2, [], "float32", [3, 4], 96, 0.0)
         sender.send(receiver.address, header, blocks)
         (segment,) = shm.SHM_DIR.glob(f"{shm.PREFIX}{session}-3-*")
         sender.housekeeping(now=float("inf"))

@@ -8,13 +8,14 @@
   ``take_parked()`` lists the newly parked requests; ``send_kv`` reads a parked request's
   blocks, hands them to a transport with their prefix-cache chain hashes, and then forgets the
   request and frees its blocks, whether or not the transport accepted them.
-- **Decode role.** ``reserve_import`` validates a prefilled request exactly as ``add_request``
-  does, allocates its prompt's blocks (leading blocks this pool already caches are reused,
-  not transferred) and continues the prefill side's timeline; ``commit_import`` checks the
-  transferred blocks' hashes, writes them, registers them in the prefix cache and puts the
-  request in the running list, its first token pending, as if it had been prefilled here.
-  The detokenizer is brought to the prefill side's state by replaying the first token, and
-  seeded sampling continues at output index 1, so the output equals colocated serving.
+- **Decode role.** ``reserve_import`` validates a request exactly as ``add_request`` does and
+  allocates its prompt's blocks (leading blocks this pool already caches are reused, not
+  transferred), usually while the prefill worker is still computing it; ``commit_import``
+  checks the transferred blocks' hashes, writes them, registers them in the prefix cache,
+  adopts the prefill side's timeline and first token, and puts the request in the running
+  list with that token pending, as if it had been prefilled here. The detokenizer is brought
+  to the prefill side's state by replaying the first token, and seeded sampling continues at
+  output index 1, so the output equals colocated serving.
 - ``abort`` frees a parked request or a reservation like any other request.
 
 Block accounting: a parked request or a reservation holds its blocks until sent, committed,
@@ -28,6 +29,7 @@ members ``_requests``, ``_detok``, ``_finish``, ``KVCacheManager._chain_hashes``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ from servelab.disagg.protocol import (
 from servelab.engine.engine import EngineStepResult, LLMEngine
 from servelab.engine.kv_cache import KVCacheManager
 from servelab.engine.sampling_params import SamplingParams
+from servelab.engine.stats import EngineStats
 from servelab.vocab import FinishReason, Phase, RequestTimeline
 
 
@@ -86,6 +89,17 @@ class DisaggEngine(LLMEngine):
         self._parked.pop(request_id, None)
         self._reserved.pop(request_id, None)
         return super().abort(request_id)
+
+    def stats(self) -> EngineStats:
+        """The engine's stats, with parked and reserved requests counted as running: they
+        hold KV blocks, so an engine reporting no running request holds no block."""
+        st = super().stats()
+        return dataclasses.replace(
+            st, num_running=st.num_running + self.num_parked + self.num_reserved
+        )
+
+    def is_parked(self, request_id: str) -> bool:
+        return request_id in self._parked
 
     @property
     def num_parked(self) -> int:
@@ -148,7 +162,14 @@ class DisaggEngine(LLMEngine):
         self._new_parked = []
         return out
 
-    def send_kv(self, request_id: str, skip_blocks: int, send: Any, worker_index: int = 0) -> Sent:
+    def send_kv(
+        self,
+        request_id: str,
+        skip_blocks: int,
+        send: Any,
+        worker_index: int = 0,
+        decode_worker: int = 0,
+    ) -> Sent:
         """Send a parked request's blocks ``[skip_blocks:]``: ``send(header, blocks) -> bytes``.
 
         The request is forgotten and its blocks freed afterwards, also when ``send`` raises
@@ -173,6 +194,8 @@ class DisaggEngine(LLMEngine):
             blocks = self._move_blocks().read_blocks(kv.block_table(request_id)[skip_blocks:n])
             header = KVHeader(
                 request_id=request_id,
+                first_token=req.output_token_ids[0],
+                timeline=req.timeline.to_dict(),
                 prefill_worker=worker_index,
                 skip_blocks=skip_blocks,
                 num_blocks=len(blocks),
@@ -183,7 +206,7 @@ class DisaggEngine(LLMEngine):
                 sent_at=start,
             )
             nbytes = send(header, blocks)
-            return Sent(request_id, nbytes, len(blocks), start, self.clock())
+            return Sent(request_id, decode_worker, nbytes, len(blocks), start, self.clock())
         finally:
             self._release(request_id)
 
@@ -198,7 +221,7 @@ class DisaggEngine(LLMEngine):
     # ---- decode role ----
 
     def reserve_import(self, msg: ImportKV, deadline: float) -> Reserved | Refused:
-        """Take over a prefilled request: validate it and allocate its prompt's blocks.
+        """Get ready to take a request over: validate it and allocate its prompt's blocks.
 
         Refused with ``retry=True`` when the pool lacks room now (counting one block of
         growth per running request and the ``max_num_seqs`` cap); ``retry=False`` when the
@@ -206,14 +229,12 @@ class DisaggEngine(LLMEngine):
         """
         rid = msg.request_id
         try:
-            sp = SamplingParams(**msg.sampling)
-            timeline = RequestTimeline.from_dict(msg.timeline)
             self.add_request(
                 rid,
                 prompt_token_ids=msg.prompt_token_ids,
-                sampling_params=sp,
+                sampling_params=SamplingParams(**msg.sampling),
                 priority=msg.priority,
-                arrival_time=timeline.arrival,
+                arrival_time=msg.arrival_time,
             )
         except (TypeError, ValueError) as e:
             return Refused(rid, retry=False, error=str(e))
@@ -237,13 +258,6 @@ class DisaggEngine(LLMEngine):
                 retry=True,
                 error=f"no room: {kv.num_free_blocks} free blocks, {busy} sequences",
             )
-        req.timeline = timeline  # the prefill side's record continues here
-        first = msg.first_token
-        req.token_ids.append(first)
-        detok = self._detok.get(rid)
-        if detok is not None:  # reach the prefill side's state; its text was sent from there
-            detok.add(first, 1 >= sp.min_tokens)
-            detok.take(final=False)
         self._reserved[rid] = _Reservation(len(hit.blocks), need, deadline)
         return Reserved(rid, len(hit.blocks), need)
 
@@ -258,6 +272,7 @@ class DisaggEngine(LLMEngine):
         Raises TransferError (after ending the request with ERROR and freeing its blocks)
         when the payload does not match the reservation or the hashes disagree, and
         KeyError for a request with no reservation (aborted or expired: ignore the payload).
+        The request's timeline becomes the prefill side's (in the header), continued here.
         """
         rid = header.request_id
         res = self._reserved[rid]
@@ -284,6 +299,13 @@ class DisaggEngine(LLMEngine):
         table = kv.block_table(rid)
         self._move_blocks().write_blocks(table[res.skip_blocks : res.num_blocks], blocks)
         del self._reserved[rid]
+        req.timeline = RequestTimeline.from_dict(header.timeline)
+        first = header.first_token
+        req.token_ids.append(first)
+        detok = self._detok.get(rid)
+        if detok is not None:  # reach the prefill side's state; its text was sent from there
+            detok.add(first, 1 >= req.sampling_params.min_tokens)
+            detok.take(final=False)
         req.num_computed_tokens = len(prompt)
         kv.cache_blocks(rid, req.token_ids, len(prompt))
         req.phase = Phase.DECODE
@@ -298,8 +320,9 @@ class DisaggEngine(LLMEngine):
         out = []
         for rid in expired:
             error = (
-                f"the KV blocks of request {rid!r} did not arrive within the transfer timeout; "
-                "the prefill worker may be overloaded or gone (raise --kv-transfer-timeout)"
+                f"the KV blocks of request {rid!r} did not arrive while its blocks were "
+                "reserved (--kv-handoff-timeout + --kv-transfer-timeout); the prefill worker "
+                "may be overloaded or gone"
             )
             self.fail_request(rid, error)
             out.append((rid, error))

@@ -6,13 +6,13 @@ messages. msgspec msgpack, tagged by type, so one decoder reads a whole channel.
 
 Hand-off of one request (prefill worker P, decode worker D, router R)::
 
-    R -> P  AddRequest          P prefills, samples the first token (streamed at once),
-    P -> R  KVEvents.parked     keeps the request's KV blocks ("parked")
-    R -> D  ImportKV            D checks the request, allocates its blocks (reusing any
-    D -> R  KVEvents.reserved   it has cached: ``skip_blocks``), or refuses (no room)
-    R -> P  SendKV              P sends blocks [skip_blocks:] with their chain hashes
-    P ~> D  KVHeader + blocks   through the transport; P frees its blocks
-    P -> R  KVEvents.sent
+    R -> D  ImportKV            at arrival: D checks the request and reserves its prompt's
+    R -> P  AddRequest          blocks (reusing any it has cached: ``skip_blocks``) while P
+    D -> R  KVEvents.reserved   prefills; or D refuses (no room: R holds or retries)
+    R -> P  SendKV              usually reaches P before its prefill ends
+    P -> R  KVEvents.parked     P sampled the first token (streamed at once), keeps the blocks
+    P ~> D  KVHeader + blocks   at once when SendKV is there: blocks [skip_blocks:] with their
+    P -> R  KVEvents.sent       chain hashes, the first token and the prefill timeline
     D -> R  KVEvents.imported   D wrote and registered the blocks; decoding continues on D
 
 Any side that fails reports ``KVEvents.failed`` after freeing its own blocks; the router
@@ -42,7 +42,8 @@ class WorkerConfig(msgspec.Struct):
     kv_host: str = "127.0.0.1"  # socket transport: the decode worker binds and advertises this
     kv_dir: str = ""  # shm transport: where the notification sockets live
     session: str = ""  # names this server's shared-memory segments (for clean-up)
-    transfer_timeout: float = 30.0
+    transfer_timeout: float = 30.0  # prefill: unread shm segments are removed after this
+    reservation_timeout: float = 660.0  # decode: a reservation without payload ends after this
     cpus: list[int] | None = None  # CPU affinity; None keeps the inherited one
 
 
@@ -57,19 +58,19 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True):
 
 
 class ImportKV(msgspec.Struct, tag=True, array_like=True):
-    """Ask a decode worker to take over a prefilled request: reserve its KV blocks."""
+    """Ask a decode worker to take a request over after its prefill: reserve its KV blocks."""
 
     request_id: str
     prompt_token_ids: list[int]
-    first_token: int
     sampling: dict[str, Any]
     priority: int
-    timeline: dict[str, Any]  # the prefill side's RequestTimeline.to_dict()
+    arrival_time: float
     prefill_worker: int
 
 
 class SendKV(msgspec.Struct, tag=True, array_like=True):
-    """Tell a prefill worker to send a parked request's blocks ``[skip_blocks:]``."""
+    """Tell a prefill worker where to send a request's blocks ``[skip_blocks:]``: at once if
+    it is parked, else as soon as it parks."""
 
     request_id: str
     address: str
@@ -104,6 +105,7 @@ class Refused(msgspec.Struct, array_like=True):
 
 class Sent(msgspec.Struct, array_like=True):
     request_id: str
+    decode_worker: int
     nbytes: int
     num_blocks: int
     start: float  # before the blocks were read
@@ -162,10 +164,13 @@ class KVHeader(msgspec.Struct, array_like=True):
     ``block_hashes`` are the prefix-cache chain hashes of the transferred *full* blocks
     (the last block may be partial and has none); the receiver checks them against its own,
     so a block can only land where it belongs, and registers the blocks under them.
-    ``segment`` names the shared-memory segment (shm transport only).
+    ``first_token`` and ``timeline`` (the prefill side's RequestTimeline.to_dict()) complete
+    the request on the decode side. ``segment`` names the shared-memory segment (shm only).
     """
 
     request_id: str
+    first_token: int
+    timeline: dict[str, Any]
     prefill_worker: int
     skip_blocks: int
     num_blocks: int

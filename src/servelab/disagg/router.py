@@ -4,18 +4,21 @@
 abort, streams, metrics, timelines, utility calls, liveness), so the HTTP layer is unchanged.
 
 Contract:
-- **Routing.** A request goes to the live prefill worker with the fewest requests routed to it
-  and not yet handed off (queue length). Its first token is streamed as soon as that worker
-  sends it. The hand-off then goes to the live decode worker with the most free KV blocks
-  (its last report minus blocks asked for since) that has room for the prompt's blocks.
-- **Backpressure.** When no decode worker has room, the request waits in a FIFO hand-off
-  queue with its blocks held on the prefill worker, and new requests are held at the router
-  instead of being prefilled; nothing is dropped. A decode worker that refused is not asked
-  again before it reports progress.
+- **Routing.** On arrival a request is given a decode worker: the live one with the most free
+  KV blocks (its last report minus reservations asked for since) that has room for the
+  prompt's blocks, which it reserves while the request is prefilled; and a prefill worker:
+  the live one with the fewest requests routed to it and not yet handed off (queue length).
+  The first token is streamed as soon as the prefill worker sends it, and the blocks follow
+  to the decode worker at once. ``max_tokens=1`` requests need no decode worker.
+- **Backpressure.** When no decode worker has room, requests wait at the router in FIFO order
+  (a request already on a prefill worker whose reservation was refused keeps its place at
+  the front, its blocks held there): prefill waits, nothing is dropped. A decode worker that
+  refused is not asked again before it reports progress.
 - **Timeouts.** Every wait has one and each is reported to the client and in
-  ``servelab:kv_transfer_failures{reason}``: held or in the hand-off queue longer than
-  ``handoff_timeout``; a reservation or transfer longer than ``transfer_timeout``. The
-  request fails and its blocks are freed on both sides (the router aborts it everywhere).
+  ``servelab:kv_transfer_failures{reason}``: waiting for decode room longer than
+  ``handoff_timeout`` (from arrival, or from the first token for a parked request); the
+  transfer not done ``transfer_timeout`` after the first token (or after the reservation, if
+  later). The request fails and its blocks are freed on both sides (aborted everywhere).
 - **Faults.** When a worker dies, every request it holds ends with an ``engine_dead`` error
   naming it, the other workers keep serving, and ``/health`` lists it as dead (503 only
   once no prefill or no decode worker is left).
@@ -75,15 +78,17 @@ _GAUGES = ("kv_blocks_used", "kv_blocks_total", "num_waiting", "num_running")
 
 
 class Stage(str, enum.Enum):
-    HELD = "held"  # at the router: decode workers are full
+    HELD = "held"  # at the router: no decode worker has room
     PREFILL = "prefill"  # on a prefill worker, before its first token
-    HANDOFF = "handoff"  # parked on the prefill worker, waiting for a decode worker
-    RESERVING = "reserving"  # a decode worker was asked to reserve blocks
-    TRANSFER = "transfer"  # blocks on their way
+    HANDOFF = "handoff"  # parked on the prefill worker, no decode reservation yet
+    TRANSFER = "transfer"  # parked, reservation asked or made: blocks about to move
     DECODE = "decode"  # decoding on a decode worker
 
 
-_METRIC_STAGE = {Stage.RESERVING: "transfer"}
+class Reserve(str, enum.Enum):
+    NONE = "none"  # waiting in the router's FIFO for decode room
+    ASKED = "asked"  # ImportKV sent
+    RESERVED = "reserved"  # blocks held on the decode worker; SendKV sent
 
 
 @dataclass
@@ -135,6 +140,7 @@ class _Req:
     add: ipc.AddRequest
     stream: RequestStream | None
     stage: Stage = Stage.HELD
+    reserve: Reserve = Reserve.NONE
     prefill: int | None = None
     decode: int | None = None
     deadline: float = float("inf")
@@ -143,6 +149,7 @@ class _Req:
     sent: bool = False  # the prefill worker has let go of the blocks
     aborting: bool = False
     transfer: dict[str, Any] = field(default_factory=dict)
+    deferred: list[tuple[_Worker, Any]] = field(default_factory=list)  # see _replay
     num_output_tokens: int = 0
 
     @property
@@ -169,15 +176,11 @@ class DisaggClient:
         self.info: ipc.CoreInfo | None = None
         self.handoff_timeout = args.kv_handoff_timeout
         self.transfer_timeout = args.kv_transfer_timeout
-        # The decode worker times a transfer out itself (and says why); the router's own
-        # deadline is the backstop for a worker that went silent, so it allows twice as long.
-        self._transfer_backstop = 2 * args.kv_transfer_timeout
         self._session = uuid.uuid4().hex[:12]
         self._kv_dir = tempfile.mkdtemp(prefix="servelab-kv-")
         self._reqs: dict[str, _Req] = {}
         self._streams: dict[str, RequestStream] = {}
-        self._held: collections.deque[str] = collections.deque()
-        self._handoff: collections.deque[str] = collections.deque()
+        self._awaiting: collections.deque[str] = collections.deque()  # need decode room
         self._steps = itertools.count()
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -221,6 +224,8 @@ class DisaggClient:
                 kv_dir=self._kv_dir,
                 session=self._session,
                 transfer_timeout=a.kv_transfer_timeout,
+                # The router times hand-offs out; a decode worker's own limit is a backstop.
+                reservation_timeout=a.kv_handoff_timeout + 2 * a.kv_transfer_timeout,
                 cpus=cpus.cpus,
             )
             workers.append(_Worker(i, role, name, proc, cfg))
@@ -328,15 +333,13 @@ class DisaggClient:
 
     @staticmethod
     def _depends_on(r: _Req, w: _Worker) -> bool:
-        if r.prefill == w.index:
-            return r.stage in (Stage.PREFILL, Stage.HANDOFF) or (
-                r.stage in (Stage.RESERVING, Stage.TRANSFER) and not r.sent
-            )
-        return r.decode == w.index and r.stage in (Stage.RESERVING, Stage.TRANSFER, Stage.DECODE)
+        if r.prefill == w.index and not r.sent:
+            return r.stage in (Stage.PREFILL, Stage.HANDOFF, Stage.TRANSFER)
+        return r.decode == w.index and r.stage is not Stage.HELD
 
     def _worker_lost(self, r: _Req, w: _Worker) -> None:
         """``w`` is gone while holding part of ``r``: end ``r``, free its other side."""
-        if r.stage in (Stage.RESERVING, Stage.TRANSFER):
+        if r.stage is Stage.TRANSFER:
             self.dmetrics.transfer_failed("worker_died")
         self._abort_everywhere(r)
         reason = w.dead_reason or f"the {w.name} worker is not accepting requests"
@@ -363,7 +366,7 @@ class DisaggClient:
     def num_waiting(self) -> int:
         """Held at the router, queued on prefill workers, and adds still in transit."""
         prefill = self._live("prefill")
-        return len(self._held) + sum(
+        return self._num_held() + sum(
             w.stats.get("num_waiting", 0) + w.adds_sent - w.adds_seen for w in prefill
         )
 
@@ -378,14 +381,16 @@ class DisaggClient:
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "the workers are not running")
         stream = RequestStream(req.request_id)
-        r = _Req(req, stream)
+        assert self.info is not None
+        r = _Req(req, stream, need_blocks=-(-len(req.prompt_token_ids) // self.info.block_size))
         self._reqs[req.request_id] = r
         self._streams[req.request_id] = stream
-        if self._held or self._handoff:  # decode is full: prefill waits
-            r.deadline = self.clock() + self.handoff_timeout
-            self._held.append(req.request_id)
-        else:
+        if req.sampling.get("max_tokens", 2) <= 1:  # it ends at its first token
             self._to_prefill(r)
+        else:
+            r.deadline = self.clock() + self.handoff_timeout
+            self._awaiting.append(req.request_id)
+            self._dispatch()
         self._publish()
         return stream
 
@@ -396,12 +401,11 @@ class DisaggClient:
         if r is None or (stream is not None and stream.finished):
             return
         r.stream = None
+        with contextlib.suppress(ValueError):
+            self._awaiting.remove(request_id)
         if r.stage is Stage.HELD:
-            self._held.remove(request_id)
             self._close(r, self._router_timeline(r, FinishReason.ABORT))
             return
-        if r.stage is Stage.HANDOFF:
-            self._handoff.remove(request_id)
         r.aborting = True
         self._abort_everywhere(r)
 
@@ -456,36 +460,38 @@ class DisaggClient:
         return max(fits, key=lambda w: (free(w), -w.index), default=None)
 
     def _dispatch(self) -> None:
-        """Start hand-offs in FIFO order while decode workers have room, then release held
-        requests to prefill once no hand-off waits."""
+        """Give decode reservations in FIFO order while decode workers have room; a request
+        not yet on a prefill worker goes there at the same time."""
         if not self._live("decode"):  # nothing can decode: end what waits for it
-            for rid in [*self._handoff, *self._held]:
+            for rid in list(self._awaiting):
                 self._abort_everywhere(self._reqs[rid])
                 self._close_with_error(rid, self.dead_reason or "no decode worker", dead=True)
-        while self._handoff:
-            r = self._reqs[self._handoff[0]]
+        while self._awaiting:
+            r = self._reqs[self._awaiting[0]]
             w = self._pick_decode(r.need_blocks)
             if w is None:
                 break
-            self._handoff.popleft()
-            assert r.parked is not None
-            r.stage, r.decode = Stage.RESERVING, w.index
-            r.deadline = self.clock() + self._transfer_backstop
+            self._awaiting.popleft()
+            r.reserve, r.decode = Reserve.ASKED, w.index
             w.asked[r.rid] = r.need_blocks
+            if r.stage is Stage.HANDOFF:
+                r.stage, r.deadline = Stage.TRANSFER, self.clock() + self.transfer_timeout
             msg = protocol.ImportKV(
                 r.rid,
                 r.add.prompt_token_ids,
-                r.parked.first_token,
                 r.add.sampling,
                 r.add.priority,
-                r.parked.timeline,
+                r.add.arrival_time,
                 r.prefill or 0,
             )
             if not self._send(w, msg):
                 self._worker_lost(r, w)
-        while self._held and not self._handoff:
-            self._to_prefill(self._reqs[self._held.popleft()])
+            elif r.stage is Stage.HELD:
+                self._to_prefill(r)
         self._publish()
+
+    def _num_held(self) -> int:
+        return sum(1 for rid in self._awaiting if self._reqs[rid].stage is Stage.HELD)
 
     # ---- worker messages ----
 
@@ -528,6 +534,9 @@ class DisaggClient:
         r = self._reqs.get(out.request_id)
         if r is None:
             return  # closed already (e.g. an abort that crossed a hand-off)
+        if w.role == "decode" and r.parked is None and not r.aborting:
+            r.deferred.append((w, out))  # the prefill side's first token is not in yet
+            return
         n_new = len(out.new_token_ids)
         first = n_new > 0 and out.num_output_tokens == n_new
         self.metrics.observe_tokens(out.num_prompt_tokens if first else 0, n_new)
@@ -538,13 +547,19 @@ class DisaggClient:
             return
         if r.stage is Stage.PREFILL and r.prefill is not None:
             self.workers[r.prefill].outstanding -= 1
+        if w.role == "prefill" and r.decode is not None:  # ended at its first token
+            self._send(self.workers[r.decode], ipc.Abort([r.rid]))  # free the reservation
         if out.timeline is None:  # rejected by the engine before it had a timeline
             self.metrics.observe_rejected_by_engine()
             self._drop(r)
             if r.stream is not None:
                 r.stream.push(out)
             return
-        if r.transfer:
+        owner = r.decode if r.stage is Stage.DECODE else r.prefill
+        if r.aborting and w.index != owner:
+            # The other side's copy (e.g. a reservation's) lacks what the client already got.
+            out.timeline = self._router_timeline(r, FinishReason.ABORT)
+        elif r.transfer:
             out.timeline["kv_transfer"] = dict(r.transfer)
         self._close(r, out.timeline, out)
 
@@ -557,17 +572,21 @@ class DisaggClient:
             if r is None:
                 continue
             w.outstanding -= 1
-            r.stage, r.parked, r.need_blocks = Stage.HANDOFF, p, p.num_blocks
-            r.deadline = now + self.handoff_timeout
-            r.transfer = {"prefill_worker": w.index, "transport": self.args.kv_transport}
+            r.parked = p
+            r.transfer.update(prefill_worker=w.index, transport=self.args.kv_transport)
             r.transfer["parked"] = p.parked_at
-            self._handoff.append(r.rid)
+            if r.reserve is Reserve.NONE:
+                r.stage, r.deadline = Stage.HANDOFF, now + self.handoff_timeout
+            else:
+                r.stage, r.deadline = Stage.TRANSFER, now + self.transfer_timeout
         for res in ev.reserved:
             w.asked.pop(res.request_id, None)
             r = self._live_req(res.request_id)
             if r is None:
                 continue
-            r.stage, r.deadline = Stage.TRANSFER, now + self._transfer_backstop
+            r.reserve = Reserve.RESERVED
+            if r.stage is Stage.TRANSFER:
+                r.deadline = max(r.deadline, now + self.transfer_timeout)
             r.transfer.update(decode_worker=w.index, skipped_blocks=res.skip_blocks)
             p = self.workers[r.prefill or 0]
             address = w.ready.kv_address if w.ready else None
@@ -578,11 +597,12 @@ class DisaggClient:
             r = self._live_req(ref.request_id)
             if r is None:
                 continue
-            if ref.retry:
+            if ref.retry:  # keep its place at the front; its prefill goes on meanwhile
                 w.refused = True
-                r.stage, r.decode = Stage.HANDOFF, None
-                r.deadline = min(r.deadline, now + self.handoff_timeout)
-                self._handoff.appendleft(r.rid)
+                r.reserve, r.decode = Reserve.NONE, None
+                if r.stage is Stage.TRANSFER:
+                    r.stage, r.deadline = Stage.HANDOFF, now + self.handoff_timeout
+                self._awaiting.appendleft(r.rid)
             else:
                 self.dmetrics.transfer_failed("refused")
                 self._fail(r, f"the decode worker {w.name} refused the request: {ref.error}", 400)
@@ -595,22 +615,46 @@ class DisaggClient:
             r = self._live_req(imp.request_id)
             if r is None:
                 continue
-            r.stage, r.deadline = Stage.DECODE, float("inf")
-            t = r.transfer
-            t.update(received=imp.received, end=imp.end)
-            t["seconds"] = imp.end - t.get("start", imp.received)
-            t["handoff_wait"] = t.get("start", imp.received) - t.get("parked", imp.received)
-            self.dmetrics.transfer_ok(
-                t["seconds"], imp.nbytes, imp.num_blocks, t.get("skipped_blocks", 0)
-            )
-            self.dmetrics.handoff_wait.observe(max(0.0, t["handoff_wait"]))
+            if r.parked is None:
+                r.deferred.append((w, imp))
+            else:
+                self._imported(r, imp)
         for f in ev.failed:
             r = self._live_req(f.request_id)
             if r is None:
                 continue
             self.dmetrics.transfer_failed(f.reason)
             self._fail(r, f"KV transfer failed ({f.reason}) on {w.name}: {f.error}", 503)
+        for p in ev.parked:
+            r = self._reqs.get(p.request_id)
+            if r is not None and r.deferred:
+                self._replay(r)
         self._dispatch()
+
+    def _imported(self, r: _Req, imp: protocol.Imported) -> None:
+        r.stage, r.deadline = Stage.DECODE, float("inf")
+        t = r.transfer
+        t.update(received=imp.received, end=imp.end)
+        t["seconds"] = imp.end - t.get("start", imp.received)
+        t["handoff_wait"] = t.get("start", imp.received) - t.get("parked", imp.received)
+        self.dmetrics.transfer_ok(
+            t["seconds"], imp.nbytes, imp.num_blocks, t.get("skipped_blocks", 0)
+        )
+        self.dmetrics.handoff_wait.observe(max(0.0, t["handoff_wait"]))
+
+    def _replay(self, r: _Req) -> None:
+        """Handle what the decode worker sent before the prefill side's messages arrived.
+
+        The two workers' channels are read by separate tasks, so the decode side's first
+        tokens can overtake the prefill side's first token and hand-off events."""
+        deferred, r.deferred = r.deferred, []
+        for w, item in deferred:
+            if self._reqs.get(r.rid) is not r:
+                return
+            if isinstance(item, ipc.Output):
+                self._on_output(w, item)
+            elif not r.aborting:
+                self._imported(r, item)
 
     def _live_req(self, request_id: str) -> _Req | None:
         r = self._reqs.get(request_id)
@@ -629,14 +673,14 @@ class DisaggClient:
         self.dmetrics.transfer_failed("timeout")
         if r.stage in (Stage.HELD, Stage.HANDOFF):
             what = (
-                f"no decode worker had room for its {r.need_blocks or 'prompt'} KV blocks "
-                f"within {self.handoff_timeout:g} s (--kv-handoff-timeout); add decode "
-                "workers or KV memory, or lower the load"
+                f"no decode worker had room for its {r.need_blocks} KV blocks within "
+                f"{self.handoff_timeout:g} s (--kv-handoff-timeout); add decode workers or "
+                "KV memory, or lower the load"
             )
         else:
             what = (
-                f"the KV transfer did not complete within {self._transfer_backstop:g} s "
-                "(twice --kv-transfer-timeout)"
+                f"the KV transfer did not complete within {self.transfer_timeout:g} s "
+                "(--kv-transfer-timeout)"
             )
         self._fail(r, f"request timed out in the {r.stage.value} stage: {what}", 503)
 
@@ -660,10 +704,6 @@ class DisaggClient:
         r = self._reqs.get(rid)
         if r is None:
             return
-        with contextlib.suppress(ValueError):
-            self._held.remove(rid)
-        with contextlib.suppress(ValueError):
-            self._handoff.remove(rid)
         if r.stage is Stage.PREFILL and r.prefill is not None:
             self.workers[r.prefill].outstanding -= 1
         reason = FinishReason.ABORT if r.aborting else FinishReason.ERROR
@@ -721,6 +761,8 @@ class DisaggClient:
     def _drop(self, r: _Req) -> None:
         self._reqs.pop(r.rid, None)
         self._streams.pop(r.rid, None)
+        with contextlib.suppress(ValueError):
+            self._awaiting.remove(r.rid)
 
     # ---- metrics ----
 
@@ -730,7 +772,7 @@ class DisaggClient:
             for k in _SUMMED_STATS:
                 if w.alive or k not in _GAUGES:
                     total[k] += w.stats.get(k, 0)
-        total["num_waiting"] += len(self._held)
+        total["num_waiting"] += self._num_held()
         total["kv_usage"] = (
             total["kv_blocks_used"] / total["kv_blocks_total"] if total["kv_blocks_total"] else 0.0
         )
@@ -747,7 +789,5 @@ class DisaggClient:
         )
         for w in self.workers:
             self.dmetrics.worker(w.name, w.role, w.alive, w.stats)
-        counts: dict[str, int] = collections.Counter(
-            _METRIC_STAGE.get(r.stage, r.stage.value) for r in self._reqs.values()
-        )
+        counts: dict[str, int] = collections.Counter(r.stage.value for r in self._reqs.values())
         self.dmetrics.stages(counts)

@@ -6,10 +6,12 @@ outputs) over a ``DisaggEngine``, plus the hand-off messages of ``protocol.py``:
 
 - **prefill**: requests arrive as ``AddRequest``; after the step that samples a request's
   first token the StepBatch carrying that token goes out first, then ``KVEvents.parked``.
-  ``SendKV`` sends the parked blocks through the transport and frees them.
+  ``SendKV`` says where the blocks go: they are sent the moment the request parks (or at
+  once if it already has), and freed (``sent``, or ``failed``).
 - **decode**: ``ImportKV`` reserves blocks (``reserved``/``refused``); payloads arriving on
   the transport are checked, written and decoded from the next step (``imported``). A
-  reservation whose payload has not come within ``transfer_timeout`` ends with ``failed``.
+  reservation whose payload has not come within ``reservation_timeout`` ends with
+  ``failed`` (a backstop: the router times transfers out itself and aborts).
 
 Events produced while handling inputs and payloads are sent before the iteration's
 StepBatch, so the router always learns that a request moved before it sees its tokens.
@@ -82,6 +84,7 @@ class WorkerCore(core.EngineCore):
                 worker=wcfg.index,
                 timeout=wcfg.transfer_timeout,
             )
+        self._sends: dict[str, SendKV] = {}  # where to send requests that have not parked yet
         self._events = self._new_events()
 
     def _new_events(self) -> KVEvents:
@@ -111,14 +114,20 @@ class WorkerCore(core.EngineCore):
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, ImportKV):
-            deadline = time.monotonic() + self.wcfg.transfer_timeout
+            deadline = time.monotonic() + self.wcfg.reservation_timeout
             result = self.engine.reserve_import(msg, deadline)
             if isinstance(result, Reserved):
                 self._events.reserved.append(result)
             else:
                 self._events.refused.append(result)
         elif isinstance(msg, SendKV):
-            self._send_kv(msg)
+            if self.engine.is_parked(msg.request_id):
+                self._send_kv(msg)
+            elif self.engine.get_request(msg.request_id) is not None:
+                self._sends[msg.request_id] = msg  # sent when it parks
+            else:
+                error = f"request {msg.request_id!r} is not on this prefill worker (aborted?)"
+                self._events.failed.append(Failed(msg.request_id, "send", error))
         else:
             super()._handle(msg)
 
@@ -130,7 +139,9 @@ class WorkerCore(core.EngineCore):
             return sender.send(msg.address, header, blocks)
 
         try:
-            sent = self.engine.send_kv(msg.request_id, msg.skip_blocks, send, self.wcfg.index)
+            sent = self.engine.send_kv(
+                msg.request_id, msg.skip_blocks, send, self.wcfg.index, msg.decode_worker
+            )
         except TransferError as e:
             self._events.failed.append(Failed(msg.request_id, "send", str(e)))
             return
@@ -169,7 +180,14 @@ class WorkerCore(core.EngineCore):
             payload.release()
 
     def after_batch(self) -> None:
-        self._events.parked.extend(self.engine.take_parked())
+        parked = self.engine.take_parked()
+        self._events.parked.extend(parked)
+        for p in parked:
+            msg = self._sends.pop(p.request_id, None)
+            if msg is not None:
+                self._send_kv(msg)
+        if self._sends:  # requests that finished at their first token or were aborted
+            self._sends = {rid: m for rid, m in self._sends.items() if self.engine.get_request(rid)}
         self._flush_events()
 
     def _flush_events(self) -> bool:
