@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 import time
 
@@ -15,7 +14,7 @@ from servelab.engine.sampling_params import SamplingParams
 from servelab.model.tokenizer import Tokenizer
 from servelab.server.args import ServerArgs
 from servelab.sim.executor import PacedExecutor
-from servelab.sim.realtime import ENV_VAR, build_realtime_engine, build_target
+from servelab.sim.realtime import build_realtime_engine, build_target
 from servelab.sim.work import StepWork
 
 SPEC = "l4:llama-3.1-8b"  # ~70 ms per decode step: long enough to measure through HTTP
@@ -64,11 +63,7 @@ def test_server_with_the_simulated_engine_answers_openai_with_simulated_timing()
     import openai
     from test_server_fakes import ServerThread
 
-    os.environ[ENV_VAR] = SPEC
-    server = ServerThread(
-        ServerArgs(model="smollm2-135m", port=0, threads=1),
-        engine_factory="servelab.sim.realtime:build_engine",
-    )
+    server = ServerThread(ServerArgs(model="smollm2-135m", port=0, threads=1, simulate=SPEC))
     try:
         server.start()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
@@ -87,7 +82,6 @@ def test_server_with_the_simulated_engine_answers_openai_with_simulated_timing()
                 text += chunk.choices[0].text
     finally:
         server.stop()
-        os.environ.pop(ENV_VAR, None)
     assert "quick brown fox" in text
     target = build_target(SPEC, EngineConfig())
     w = StepWork()

@@ -84,6 +84,7 @@ class ServerArgs:
     threads: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    simulate: str | None = None  # HARDWARE:MODEL: stream at the simulator's timings
     speculative_config: str | None = None  # vLLM's JSON, e.g. '{"method": "ngram", ...}'
     # Disaggregated prefill/decode (servelab.disagg): separate worker processes and KV pools.
     disaggregated: bool = False
@@ -129,6 +130,12 @@ class ServerArgs:
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
             raise ValueError(f"--device {self.device!r} is not known: use cpu, cuda or cuda:N")
         self._validate_disagg()
+        if self.simulate is not None:
+            if self.disaggregated:
+                raise ValueError("--simulate does not work with --disaggregated; drop one of them")
+            from servelab.sim.realtime import build_target
+
+            build_target(self.simulate, self.engine_config())
         if self.speculative_config is not None and self.disaggregated:
             raise ValueError(
                 "--speculative-config does not work with --disaggregated yet; drop one of them"

@@ -55,6 +55,11 @@ def serve(
         30.0, help="On SIGTERM, seconds to let in-flight requests finish before aborting them."
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    simulate: str | None = typer.Option(
+        None,
+        help="Serve the real API with simulated timings, e.g. h200:llama-3.1-8b "
+        "(see servelab sim --help).",
+    ),
     speculative_config: str | None = typer.Option(
         None,
         help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": '
@@ -100,6 +105,7 @@ def serve(
         threads=threads,
         shutdown_timeout=shutdown_timeout,
         log_level=log_level,
+        simulate=simulate,
         speculative_config=speculative_config,
         disaggregated=disaggregated,
         prefill_workers=prefill_workers,

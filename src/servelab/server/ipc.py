@@ -143,5 +143,6 @@ class CoreConfig(msgspec.Struct):
     device: str | None = None
     torch_threads: int = 1
     log_level: str = "info"
+    simulate: str | None = None  # HARDWARE:MODEL: simulated timings (servelab.sim.realtime)
     # "module:function" returning an engine; tests pass a fake to test the processes and IPC.
     engine_factory: str = "servelab.server.core:build_engine"

@@ -76,6 +76,9 @@ def _make_client(
         torch_threads=args.torch_threads,
         log_level=args.log_level,
     )
+    if args.simulate is not None:
+        core_cfg.simulate = args.simulate
+        core_cfg.engine_factory = "servelab.sim.realtime:build_engine"
     if engine_factory is not None:
         core_cfg.engine_factory = engine_factory
     log.info(
