@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.rundir import Run
-from servelab.analyze.summary import _metric_values, describe
+from servelab.analyze.summary import metric_values, describe
 from servelab.vocab import LATENCY_METRICS, ClientRecord
 
 STATS = ("p50", "p90", "p95", "p99", "mean")
@@ -284,7 +284,7 @@ def compare(
     raw_p: list[list[float | None]] = []
     for scope in scopes:
         for metric in LATENCY_METRICS:
-            vals = [_metric_values(_records(g, scope), metric) for g in gs]
+            vals = [metric_values(_records(g, scope), metric) for g in gs]
             stats = [describe(v, grp, n_boot=400, seed=seed) for v, grp in vals]
             tests = [{}] + [permutation_pvalues(vals[0], v, n_perm, seed) for v in vals[1:]]
             for s in STATS:

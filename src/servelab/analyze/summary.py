@@ -434,9 +434,11 @@ def bucket_label(input_tokens: int, edges: Sequence[int] = DEFAULT_BUCKET_EDGES)
     return f">={lo}"
 
 
-def _metric_values(
+def metric_values(
     records: Sequence[ClientRecord], metric: str
 ) -> tuple[list[float], list[int] | None]:
+    """One metric's finite values over ``records``, and for ``itl`` (pooled gaps) the
+    index of the request each gap belongs to, so resampling can move whole requests."""
     if metric == "itl":
         vals: list[float] = []
         grp: list[int] = []
@@ -496,7 +498,7 @@ def summarize_group(
     in_tokens = sum(r.input_tokens for r in completed)
     latency = {}
     for metric in LATENCY_METRICS:
-        vals, grp = _metric_values(ok, metric)
+        vals, grp = metric_values(ok, metric)
         latency[metric] = describe(
             vals, grp, confidence=confidence, n_boot=n_boot, seed=seed
         ).to_dict()
