@@ -210,6 +210,11 @@ class WorkerCore(core.EngineCore):
 
 def main() -> int:
     wcfg = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerConfig)
+    logging.basicConfig(  # before the core's own set-up, so every line names the worker
+        level=wcfg.core.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [{wcfg.name}] %(message)s",
+        stream=sys.stderr,
+    )
     if wcfg.cpus:
         os.sched_setaffinity(0, wcfg.cpus)  # before torch creates its thread pools
 
