@@ -200,6 +200,20 @@ def test_seeded_sampling_and_stop_strings_equal_colocated(
     pair.assert_clean()
 
 
+def test_speculative_decoding_on_the_decode_side_keeps_the_output(
+    tiny: LoadedModel, pair_factory: Any
+) -> None:
+    prompts = [tiny.tokenizer.encode(t) for t in TEXTS]
+    sps = [GREEDY] * len(prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    pair = pair_factory(speculative_config=spec)
+    pair.run(prompts, sps)
+    for i, r in enumerate(colocated(tiny, prompts, sps)):
+        assert pair.tokens[f"r{i}"] == r.token_ids
+    assert sum(s.spec_proposed for s in pair.d.step_records) > 0  # it did speculate
+    pair.assert_clean()
+
+
 def test_large_prompt_kv_arrives_exactly(tiny: LoadedModel, pair_factory: Any) -> None:
     prompt = (tiny.tokenizer.encode(" ".join(TEXTS)) * 40)[:1500]
     pair = pair_factory(block_size=16, num_kv_blocks=200, max_num_batched_tokens=512)

@@ -215,6 +215,8 @@ class DisaggEngine(LLMEngine):
         self._parked.pop(request_id, None)
         req = self._requests.pop(request_id)
         self._detok.pop(request_id, None)
+        if self.spec is not None:  # speculative decoding: forget any per-request state
+            self.spec.finished(request_id)
         self.kv_cache.free(request_id)
         req.phase = Phase.FINISHED
 

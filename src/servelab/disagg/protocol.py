@@ -129,11 +129,11 @@ class Failed(msgspec.Struct, array_like=True):
 class KVEvents(msgspec.Struct, tag=True, array_like=True):
     """What a worker's hand-off machinery did in one loop iteration.
 
-    ``free_blocks`` is the worker's KV blocks free after these events, so the router's view
-    of a decode pool is never older than its last message.
+    ``stats`` are the worker's EngineStats after these events (a dict, as in StepBatch), so
+    the router's view of a worker is never older than its last message.
     """
 
-    free_blocks: int
+    stats: dict[str, Any]
     parked: list[Parked] = []
     reserved: list[Reserved] = []
     refused: list[Refused] = []

@@ -116,6 +116,10 @@ class _Worker:
     def pid(self) -> int | None:
         return self.proc.pid
 
+    def update(self, stats: dict[str, Any]) -> None:
+        self.stats = stats
+        self.free_blocks = stats["kv_blocks_total"] - stats["kv_blocks_used"]
+
     def describe(self) -> dict[str, Any]:
         info = self.ready.info if self.ready else None
         return {
@@ -273,8 +277,8 @@ class DisaggClient:
                 raise CoreStartupError(f"{w.name} worker: {e}") from None
             if not isinstance(msg, WorkerReady):
                 raise CoreStartupError(f"{w.name} worker sent {type(msg).__name__} before Ready")
-            w.ready, w.alive, w.stats = msg, True, msg.stats
-            w.free_blocks = msg.stats["kv_blocks_total"] - msg.stats["kv_blocks_used"]
+            w.ready, w.alive = msg, True
+            w.update(msg.stats)
 
         results = await asyncio.gather(
             *(start_one(w) for w in self.workers), return_exceptions=True
@@ -515,11 +519,9 @@ class DisaggClient:
         m.core_to_api.observe(max(0.0, self.clock() - batch.sent_at))
         for delay in batch.add_delays:
             m.api_to_core.observe(max(0.0, delay))
-        w.stats, w.adds_seen = batch.stats, batch.added_total
-        w.busy, w.idle = batch.busy, batch.idle
-        if w.role == "decode":
-            w.free_blocks = batch.stats["kv_blocks_total"] - batch.stats["kv_blocks_used"]
-            w.refused = False
+        w.adds_seen, w.busy, w.idle = batch.added_total, batch.busy, batch.idle
+        w.update(batch.stats)
+        w.refused = False  # it made progress: worth asking again
         if batch.record is not None:
             record = dict(batch.record)
             record["worker_step_id"] = record["step_id"]
@@ -564,8 +566,7 @@ class DisaggClient:
         self._close(r, out.timeline, out)
 
     def _on_events(self, w: _Worker, ev: KVEvents) -> None:
-        if w.role == "decode":
-            w.free_blocks = ev.free_blocks
+        w.update(ev.stats)
         now = self.clock()
         for p in ev.parked:
             r = self._live_req(p.request_id)

@@ -88,7 +88,7 @@ class WorkerCore(core.EngineCore):
         self._events = self._new_events()
 
     def _new_events(self) -> KVEvents:
-        return KVEvents(free_blocks=0)
+        return KVEvents(stats={})
 
     def warm_up(self) -> None:
         super().warm_up()  # as a plain engine: nothing is parked during warm-up
@@ -193,7 +193,7 @@ class WorkerCore(core.EngineCore):
     def _flush_events(self) -> bool:
         if not self._events:
             return False
-        self._events.free_blocks = self.engine.kv_cache.num_free_blocks
+        self._events.stats = core.stats_dict(self.engine)
         self.outputs.send(protocol.encode(self._events))
         self._events = self._new_events()
         return True

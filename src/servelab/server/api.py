@@ -226,6 +226,9 @@ async def _stream(
             n_prompt = last.num_prompt_tokens or n_prompt
             n_out = last.num_output_tokens or n_out
             if last.finish_reason == "error":
+                if any(o.new_token_ids for o in outs):  # tokens that came just before it
+                    text = "".join(o.new_text for o in outs)
+                    await resp.write(sse(shape.chunk(text, None, first)))
                 await resp.write(
                     sse(APIError(last.error_status, last.error or "engine error").body())
                 )
