@@ -27,7 +27,12 @@ from servelab.model.sampler import filtered_probs
 from servelab.vocab import FinishReason, Phase
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
-SELF_DRAFT = {"method": "self-draft", "num_speculative_tokens": 3, "num_layers": 1}
+SELF_DRAFT = {
+    "method": "self-draft",
+    "num_speculative_tokens": 3,
+    "num_layers": 1,
+    "adaptive": False,
+}
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps",

@@ -117,27 +117,27 @@ def test_bad_flag_exits_2_with_a_message(value: str, needle: str) -> None:
 
 
 def test_policy_grows_shrinks_and_backs_off() -> None:
-    p = DraftLengthPolicy(num_speculative_tokens=4)
+    p = DraftLengthPolicy(num_speculative_tokens=8)
+    assert p.next_length("r") == 8
+    p.observe("r", 8, 3)  # paid, partly accepted: one more than accepted
     assert p.next_length("r") == 4
-    p.observe("r", 4, 1)  # partly accepted: one more than accepted
-    assert p.next_length("r") == 2
-    p.observe("r", 2, 2)  # all accepted: doubles, capped at k
-    assert p.next_length("r") == 4
-    p.observe("r", 4, 0)  # a miss: down to one draft
-    assert p.next_length("r") == 1
-    p.observe("r", 1, 0)  # a second miss in a row: skip two steps
-    assert [p.next_length("r") for _ in range(3)] == [0, 0, 1]
-    for _ in range(10):  # keeps missing: the pause grows, but is capped
+    p.observe("r", 4, 4)  # all accepted: doubles, capped at k
+    assert p.next_length("r") == 8
+    p.observe("r", 8, 1)  # did not pay: a skipped step, then one more than accepted
+    assert [p.next_length("r") for _ in range(2)] == [0, 2]
+    p.observe("r", 2, 0)  # a second failure in a row: four steps skipped
+    assert [p.next_length("r") for _ in range(5)] == [0, 0, 0, 0, 1]
+    for _ in range(10):  # keeps failing: the pause grows, but is capped
         p.observe("r", 1, 0)
     skipped = 0
     while p.next_length("r") == 0:
         skipped += 1
     assert skipped == MAX_SKIP_STEPS
-    p.observe("r", 1, 1)  # any acceptance resets the backoff
+    p.observe("r", 1, 1)  # all accepted resets the backoff
     p.observe("r", 2, 0)
-    assert p.next_length("r") == 1
+    assert [p.next_length("r") for _ in range(2)] == [0, 1]
     p.remove("r")
-    assert p.next_length("r") == 4
+    assert p.next_length("r") == 8
     fixed = DraftLengthPolicy(4, adaptive=False)
     fixed.observe("x", 4, 0)
     fixed.observe("x", 4, 0)

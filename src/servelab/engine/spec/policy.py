@@ -1,14 +1,18 @@
 """How many drafts to ask for, per request: back off when proposals keep failing.
 
-Drafts cost time (more query rows in the verification step, and for a draft model its
-own forwards), so a request whose proposals are rejected should ask for fewer, and one whose
-proposals keep failing outright should stop asking for a while. Per request:
+Drafts cost time: more query rows in the verification step, and for a draft model its own
+forwards. On a CPU the first extra row is the expensive one (a one-row product runs as a
+matrix-vector kernel, two or more rows as a matrix-matrix kernel at a fraction of the
+bandwidth), so a verification step with drafts costs about two plain decode steps at batch
+1 (docs/design/spec_decode.md): a proposal pays only when at least ``PAYING_ACCEPTED``
+drafts are accepted. Per request:
 
 - every draft accepted: the length doubles (up to ``num_speculative_tokens``);
-- some accepted: the next length is one more than the number accepted;
-- none accepted: the length drops to 1, and after the second such proposal in a row the
-  request skips proposing for 2, 4, 8 ... (at most ``MAX_SKIP_STEPS``) steps; any
-  accepted draft resets that.
+- at least ``PAYING_ACCEPTED`` accepted: the next length is one more than the number
+  accepted;
+- fewer (a failed proposal): the length drops to one more than the number accepted, and
+  the request skips proposing for 1, 4, 16 ... (at most ``MAX_SKIP_STEPS``) steps as such
+  failures follow each other; a proposal that pays resets that.
 
 A proposal that found nothing (an n-gram miss) changes nothing: it cost nothing.
 With ``adaptive`` off every request asks for ``num_speculative_tokens`` every step.
@@ -18,13 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_SKIP_STEPS = 16
+PAYING_ACCEPTED = 2
+MAX_SKIP_STEPS = 64
 
 
 @dataclass
 class _State:
     length: int
-    misses: int = 0  # proposals in a row with nothing accepted
+    misses: int = 0  # failed proposals in a row
     skip: int = 0  # steps left without proposing
 
 
@@ -54,14 +59,13 @@ class DraftLengthPolicy:
         if accepted == proposed:
             st.length = min(self.k, 2 * st.length)
             st.misses = 0
-        elif accepted:
-            st.length = min(self.k, accepted + 1)
+            return
+        st.length = min(self.k, accepted + 1)
+        if accepted >= PAYING_ACCEPTED:
             st.misses = 0
         else:
-            st.length = 1
             st.misses += 1
-            if st.misses >= 2:
-                st.skip = min(MAX_SKIP_STEPS, 2 ** (st.misses - 1))
+            st.skip = min(MAX_SKIP_STEPS, 4 ** (st.misses - 1))
 
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
