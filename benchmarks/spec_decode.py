@@ -182,8 +182,8 @@ def greedy_identity(arms: list[Arm], args: argparse.Namespace, tok: Tokenizer) -
     }
 
 
-def _fmt(v: float | None, scale: float = 1.0, unit: str = "") -> str:
-    return "-" if v is None else f"{v * scale:,.1f}{unit}"
+def _fmt(v: float | None, scale: float = 1.0, unit: str = "", digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:,.{digits}f}{unit}"
 
 
 def report(results: dict[str, dict[str, list[dict[str, Any]]]], arms: list[Arm]) -> list[str]:
@@ -195,7 +195,7 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], arms: list[Arm])
 
     head = (
         f"{'cell':<18}{'arm':<12}{'out tok/s':>10}{'x off':>7}{'TPOT p50':>10}{'x off':>7}"
-        f"{'ITL p50':>9}{'ITL p99':>9}{'accept':>8}{'acc len':>8}{'valid':>6}"
+        f"{'ITL p50':>10}{'ITL p99':>10}{'accept':>8}{'acc len':>8}{'valid':>6}"
     )
     lines = [head]
     for cell, by_arm in results.items():
@@ -207,10 +207,11 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], arms: list[Arm])
             acc = med(rows, "acceptance_rate")
             lines.append(
                 f"{cell:<18}{arm.name:<12}{_fmt(tps):>10}"
-                f"{_fmt(tps / base_tps if tps and base_tps else None, 1, 'x'):>7}"
+                f"{_fmt(tps / base_tps if tps and base_tps else None, 1, 'x', 2):>7}"
                 f"{_fmt(tpot, 1e3, 'ms'):>10}"
-                f"{_fmt(base_tpot / tpot if tpot and base_tpot else None, 1, 'x'):>7}"
-                f"{_fmt(med(rows, 'itl_p50'), 1e3, 'ms'):>9}{_fmt(med(rows, 'itl_p99'), 1e3, 'ms'):>9}"
+                f"{_fmt(base_tpot / tpot if tpot and base_tpot else None, 1, 'x', 2):>7}"
+                f"{_fmt(med(rows, 'itl_p50'), 1e3, 'ms'):>10}"
+                f"{_fmt(med(rows, 'itl_p99'), 1e3, 'ms'):>10}"
                 f"{_fmt(acc, 100, '%'):>8}{_fmt(med(rows, 'mean_accepted_length')):>8}"
                 f"{'yes' if all(r['valid'] for r in rows) else 'NO':>6}"
             )
