@@ -22,13 +22,12 @@ from servelab.bench.client import Target
 from servelab.bench.distributed.protocol import (
     DONE,
     FAILED,
-    StageJob,
+    WorkerCalls,
     WorkerInfo,
     WorkerLost,
     encode,
     read_message,
 )
-from servelab.bench.plan import PlannedRequest
 
 EXIT_WAIT_S = 5.0
 
@@ -43,7 +42,7 @@ def _how_it_ended(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class ProcessWorker:
+class ProcessWorker(WorkerCalls):
     """One local worker process (see the module doc)."""
 
     kind = "process"
@@ -131,21 +130,6 @@ class ProcessWorker:
         return await fut
 
     # ------------------------------------------------------------------ the worker calls
-
-    async def ping(self) -> tuple[float, str | None]:
-        return await self._call("ping")
-
-    async def setup(self, job: StageJob) -> None:
-        await self._call("setup", job)
-
-    async def feed(self, sessions: list[list[PlannedRequest]], end: bool = False) -> None:
-        await self._call("feed", sessions, end)
-
-    async def start(self, at: float) -> None:
-        await self._call("start", at)
-
-    async def stop(self) -> None:
-        await self._call("stop")
 
     async def events(self) -> AsyncIterator[list[tuple[str, Any]]]:
         """The stage's event batches up to its final event; ``WorkerLost`` if it dies first."""

@@ -95,3 +95,26 @@ async def read_message(reader: asyncio.StreamReader) -> Any | None:
 
 class WorkerLost(Exception):
     """A worker died or can no longer be reached; the message says which and how."""
+
+
+class WorkerCalls:
+    """The driver's calls on one worker, over whatever ``_call(op, *args)`` a handle
+    provides (a socket to a local process, or a Ray actor method)."""
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def ping(self) -> tuple[float, str | None]:
+        return await self._call("ping")
+
+    async def setup(self, job: StageJob) -> None:
+        await self._call("setup", job)
+
+    async def feed(self, sessions: list[list[PlannedRequest]], end: bool = False) -> None:
+        await self._call("feed", sessions, end)
+
+    async def start(self, at: float) -> None:
+        await self._call("start", at)
+
+    async def stop(self) -> None:
+        await self._call("stop")

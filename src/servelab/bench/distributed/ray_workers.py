@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from servelab.bench.client import Target
-from servelab.bench.distributed.protocol import StageJob, WorkerInfo, WorkerLost
+from servelab.bench.distributed.protocol import StageJob, WorkerCalls, WorkerInfo, WorkerLost
 from servelab.bench.distributed.worker import WorkerCore
 from servelab.bench.plan import PlannedRequest
 
@@ -121,7 +121,7 @@ class BenchActor:
         await self.core.close()
 
 
-class RayWorker:
+class RayWorker(WorkerCalls):
     """The driver's handle on one ``BenchActor``."""
 
     kind = "ray"
@@ -151,21 +151,6 @@ class RayWorker:
             return await getattr(self.actor, method).remote(*args)
         except self._ray.exceptions.RayActorError as e:
             raise self._gone(e) from None
-
-    async def ping(self) -> tuple[float, str | None]:
-        return await self._call("ping")
-
-    async def setup(self, job: StageJob) -> None:
-        await self._call("setup", job)
-
-    async def feed(self, sessions: list[list[PlannedRequest]], end: bool = False) -> None:
-        await self._call("feed", sessions, end)
-
-    async def start(self, at: float) -> None:
-        await self._call("start", at)
-
-    async def stop(self) -> None:
-        await self._call("stop")
 
     async def events(self) -> AsyncIterator[list[tuple[str, Any]]]:
         if self.lost is not None:
