@@ -218,20 +218,7 @@ class Simulation:
             self._push(max(intended, now), _SEND, (req, intended))
 
     def _send(self, t: float, req: SimRequest, intended: float) -> None:
-        rec = ClientRecord(
-            stream=req.stream,
-            request_id=req.request_id,
-            workload_class=req.workload_class,
-            intended_send=intended,
-            actual_send=t,
-            input_tokens=len(req.prompt_token_ids),
-            requested_output_tokens=req.max_tokens,
-            session_id=req.session_id,
-            turn=req.turn,
-            prefix_group=req.prefix_group,
-            stage=req.stage,
-        )
-        self._clients[req.request_id] = _Client(req, rec)
+        self._clients[req.request_id] = _Client(req, _client_record(req, intended, t))
         self._push(t + self.delay, _ARRIVE, req.request_id)
 
     def _add(
@@ -296,20 +283,8 @@ class Simulation:
 
     def _skip(self, reqs: list[SimRequest], failed: str, t: float) -> None:
         for req in reqs:
-            rec = ClientRecord(
-                request_id=req.request_id,
-                workload_class=req.workload_class,
-                intended_send=t,
-                actual_send=t,
-                input_tokens=len(req.prompt_token_ids),
-                requested_output_tokens=req.max_tokens,
-                stream=req.stream,
-                session_id=req.session_id,
-                turn=req.turn,
-                prefix_group=req.prefix_group,
-                stage=req.stage,
-                error=f"skipped: turn {failed} of this session failed, so it was not sent",
-            )
+            rec = _client_record(req, t, t)
+            rec.error = f"skipped: turn {failed} of this session failed, so it was not sent"
             self._clients[req.request_id] = _Client(req, rec)
             self._skip(self._children.pop(req.request_id, []), failed, t)
 
@@ -447,4 +422,21 @@ def _merge(prefill: RequestTimeline, decode: RequestTimeline) -> RequestTimeline
         finish_reason=decode.finish_reason,
         output_tokens=prefill.output_tokens + decode.output_tokens,
         error=decode.error,
+    )
+
+
+def _client_record(req: SimRequest, intended: float, actual: float) -> ClientRecord:
+    """The client's record of a planned request sent (or skipped) at ``actual``."""
+    return ClientRecord(
+        request_id=req.request_id,
+        workload_class=req.workload_class,
+        intended_send=intended,
+        actual_send=actual,
+        input_tokens=len(req.prompt_token_ids),
+        requested_output_tokens=req.max_tokens,
+        stream=req.stream,
+        session_id=req.session_id,
+        turn=req.turn,
+        prefix_group=req.prefix_group,
+        stage=req.stage,
     )
