@@ -7,18 +7,22 @@ plus the LM head. Side by side in one run:
 
 - ``torch``: ``F.linear(x, W)`` (MKL on CPU);
 - ``np_xwt``: numpy ``x @ W.T`` on zero-copy views (OpenBLAS);
-- ``np_wxt``: numpy ``(W @ x.T).T`` (OpenBLAS, the other operand order).
+- ``np_wxt``: numpy ``(W @ x.T).T`` (OpenBLAS, the other operand order);
+- ``servelab``: servelab's own AVX2 kernel (``servelab.model.cpu_kernels``), up to its
+  ``MAX_ROWS``.
 
 Prints ms per pass, effective GB/s (weight bytes / time), and each variant's ratio to
-torch. ``servelab.model.linear`` routes row counts up to ``NUMPY_MAX_ROWS`` to numpy on
-CPU; the table is where that threshold comes from. Figures are provisional whenever
+torch. ``servelab.model.linear`` routes decode-sized row counts to servelab's kernel (or,
+where it is not built, to numpy up to 16 rows) and larger ones to torch; the table is
+where those thresholds come from. Figures are provisional whenever
 other work shares the machine: compare ratios within one run, never absolute numbers.
 
 With ``--model NAME`` it then measures the model itself through ``TorchModelRunner``,
 each figure next to its limit measured in the same run: a decode step at batch 1 and 8
 against the bandwidth floor (a torch sum over the same weight bytes), and a 512-token
-prefill against the GEMM throughput of the same shapes; both with servelab's kernel
-routing and with stock ``F.linear``.
+prefill against the GEMM throughput of the same shapes; with servelab's routing, with its
+CPU kernels switched off (numpy/OpenBLAS for decode, gathered SDPA), and with stock
+``F.linear``.
 
 Usage: python benchmarks/kernels.py [--rows 1,4,16,64,256] [--threads N] [--repeat 5]
                                     [--model smollm2-135m] [--skip-kernels]
@@ -34,6 +38,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from threadpoolctl import threadpool_limits
+
+import servelab  # noqa: F401  (sets OMP_WAIT_POLICY before torch's pool starts)
+from servelab.model import cpu_kernels
 
 # (name, out_features, in_features) of one SmolLM2-135M layer with fused q/k/v and gate/up.
 LAYER_SHAPES = [
@@ -60,11 +67,14 @@ def variants(mats: list[torch.Tensor], rows: int) -> dict[str, Callable[[], obje
     xs = {m.shape[1]: torch.randn(rows, m.shape[1]) for m in mats}
     xs_np = {k: v.numpy() for k, v in xs.items()}
     w_np = [m.numpy() for m in mats]
-    return {
+    out = {
         "torch": lambda: [F.linear(xs[m.shape[1]], m) for m in mats],
         "np_xwt": lambda: [xs_np[w.shape[1]] @ w.T for w in w_np],
         "np_wxt": lambda: [np.ascontiguousarray((w @ xs_np[w.shape[1]].T).T) for w in w_np],
     }
+    if rows <= cpu_kernels.MAX_ROWS and cpu_kernels.available():
+        out["servelab"] = lambda: [cpu_kernels.linear(xs[m.shape[1]], m) for m in mats]
+    return out
 
 
 def _decode_plan(step: int, batch: int, ctx: int, token: int):
@@ -118,9 +128,12 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
     prompt = list(range(100, 100 + prompt_len))
     table = list(range(-(-prompt_len // 16)))
     model_flops_per_token = 2 * sum(m.numel() for m in layer_mats)
-    for routed in (True, False):
+    modes = {"servelab routing": (True, True), "kernels off     ": (True, False)}
+    modes["stock F.linear  "] = (False, False)
+    for label, (routed, kernels) in modes.items():
         lin.use_numpy_on_cpu = routed
-        label = "servelab routing" if routed else "stock F.linear  "
+        cpu_kernels.enabled = kernels
+        runner.paged_kernel = kernels and runner.config.head_dim % 16 == 0
         for batch in (1, batch_max):
             step = iter(range(10**6))
             t = _best(
@@ -135,6 +148,7 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
             f"{achieved:.0f} GFLOP/s = {achieved / (gemm_flops / gemm / 1e9):.0%} of GEMM"
         )
     lin.use_numpy_on_cpu = True
+    cpu_kernels.enabled = True
 
 
 def main() -> None:
@@ -146,6 +160,7 @@ def main() -> None:
     ap.add_argument("--skip-kernels", action="store_true", help="only the --model section")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    cpu_kernels.set_num_threads(args.threads)
     layer_mats = [torch.randn(o, i) for _ in range(NUM_LAYERS) for _, o, i in LAYER_SHAPES]
     head = [torch.randn(*LM_HEAD)]
     gb_layers = sum(m.numel() for m in layer_mats) * 4 / 1e9

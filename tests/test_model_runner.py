@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,3 +249,31 @@ def test_cuda_runner_matches_cpu(tiny_llama_dir: Path) -> None:
         runner.allocate_kv(64, BLOCK)
         outs.append(generate_alone(runner, Seq("a", list(ids), 0), 10))
     assert outs[0] == outs[1]
+
+
+def test_decode_attention_kernel_matches_gathered_sdpa(tiny: LoadedModel) -> None:
+    """The CPU kernel (K/V read in place) and the fallback (blocks gathered for SDPA) give
+    the same logits for a batch of decodes, a draft run and a short chunk."""
+    from servelab.model import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels not built here")
+    texts = ["Hello world! How are you", "Numbers like 12345 and 678", "A paged KV cache"]
+    logits = []
+    for kernel in (True, False):
+        runner = make_runner(tiny)
+        runner.paged_kernel = kernel
+        seqs = [Seq(str(i), prompt(tiny, t), 40 * i) for i, t in enumerate(texts)]
+        for s in seqs:
+            step(runner, [(s, s.chunk(len(s.tokens) - 3, sample=False))])
+        plan = BatchPlan(
+            1,
+            [
+                seqs[0].chunk(1),
+                dataclasses.replace(seqs[1].chunk(1), draft_token_ids=seqs[1].tokens[-2:]),
+                seqs[2].chunk(3),
+            ],
+        )
+        logits.append(runner.logits(plan)[0])
+    assert logits[0].shape[0] == 1 + 3 + 1
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelab.model import cpu_kernels
 from servelab.model.config import ModelConfig
 from servelab.model.linear import linear
 from servelab.model.rope import rope_table
@@ -42,6 +43,10 @@ class AttentionGroup:
       consecutive (a zero-copy view); each sequence sees ``n * block_size`` positions;
     - ``mask`` [B, 1, max_q, n * block_size] additive (0 / -inf), in the compute dtype:
       causality and the end of each context; None when every key is visible.
+
+    Or (``tables`` set) the sequences go to servelab's CPU kernel, which reads K/V in place:
+    query token ``rows[i]`` (int32 batch index) of sequence ``seq[i]`` at position ``pos[i]``,
+    with block tables ``tables`` [B, max_blocks] int32 (see ``cpu_kernels.paged_attention``).
     """
 
     fresh: bool
@@ -53,6 +58,10 @@ class AttentionGroup:
     kv_blocks: torch.Tensor | None = None
     kv_block_range: tuple[int, int] | None = None
     mask: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    seq: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
 
 
 @dataclass
@@ -149,6 +158,11 @@ def _attention(
     single = len(groups) == 1 and (groups[0].fresh or groups[0].tokens is not None)
     out = None if single else q.new_empty(q.shape)
     for g in groups:
+        if g.tables is not None:
+            if kv is None:
+                raise ValueError("a paged attention group needs the KV cache")
+            cpu_kernels.paged_attention(q, kv[0], kv[1], out, g.rows, g.seq, g.pos, g.tables)
+            continue
         if g.fresh:
             s = g.tokens
             o = F.scaled_dot_product_attention(

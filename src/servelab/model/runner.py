@@ -11,8 +11,8 @@ Contract (``servelab.engine.executor.Executor`` plus KV transfer):
 - ``read_blocks``/``write_blocks``/``copy_blocks`` move whole blocks (all layers, K and V);
   a block's data is one tensor ``[num_layers, 2, block_size, n_kv_heads, head_dim]`` on
   the runner's device.
-- Thread count: ``num_threads`` applies to torch and to OpenBLAS, which the CPU linear
-  layers use. None keeps torch's count (all cores by default, or what the caller set with
+- Thread count: ``num_threads`` applies to torch, to OpenBLAS and to servelab's CPU
+  kernels, which the CPU linear layers and decode attention use. None keeps torch's count (all cores by default, or what the caller set with
   ``torch.set_num_threads`` before building the runner).
 """
 
@@ -23,6 +23,7 @@ import time
 import torch
 
 from servelab.engine.plan import BatchPlan, ScheduledSeq, StepOutput
+from servelab.model import cpu_kernels
 from servelab.model.llama import AttentionGroup, ForwardBatch
 from servelab.model.loader import LoadedModel
 from servelab.model.sampler import Sampler
@@ -43,6 +44,7 @@ def set_num_threads(num_threads: int | None) -> int:
     n = num_threads or torch.get_num_threads()
     torch.set_num_threads(n)
     threadpool_limits(limits=n, user_api="blas")
+    cpu_kernels.set_num_threads(n)
     return n
 
 
@@ -60,6 +62,14 @@ class TorchModelRunner:
         self.device = torch.device(device) if device is not None else loaded.device
         self.model = loaded.model.to(self.device)
         self.num_threads = set_num_threads(num_threads) if self.device.type == "cpu" else None
+        # Decode attention reads the paged cache in place through servelab's CPU kernel
+        # where it is built; elsewhere blocks are gathered for torch's SDPA.
+        self.paged_kernel = (
+            self.device.type == "cpu"
+            and self.model.embed.dtype == torch.float32
+            and loaded.config.head_dim % 16 == 0
+            and cpu_kernels.available()
+        )
         cfg = loaded.config
         self.config = cfg
         self.max_model_len: int = cfg.max_model_len
@@ -179,7 +189,9 @@ class TorchModelRunner:
             else:
                 groups.append(self._paged_group([(s, off, n)]))
         if short:
-            groups.append(self._paged_group(short))
+            groups.append(
+                self._kernel_group(short) if self.paged_kernel else self._paged_group(short)
+            )
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
@@ -189,6 +201,28 @@ class TorchModelRunner:
             sample_index=torch.tensor(sample_index, dtype=torch.long, device=dev),
         )
         return batch, sampled
+
+    def _kernel_group(self, items: list[tuple[ScheduledSeq, int, int]]) -> AttentionGroup:
+        """Attention metadata for the CPU kernel: per query token its batch row, sequence
+        and position; per sequence its block table (padded with block 0, never read)."""
+        bs = self.block_size
+        rows, seq, pos, tables = [], [], [], []
+        width = max(-(-(s.start_pos + n) // bs) for s, _, n in items)
+        for i, (s, off, n) in enumerate(items):
+            rows += range(off, off + n)
+            seq += [i] * n
+            pos += range(s.start_pos, s.start_pos + n)
+            table = s.block_table[:width]
+            tables.append(table + [0] * (width - len(table)))
+        as_int = {"dtype": torch.int32}
+        return AttentionGroup(
+            fresh=False,
+            batch_size=len(items),
+            rows=torch.tensor(rows, **as_int),
+            seq=torch.tensor(seq, **as_int),
+            pos=torch.tensor(pos, **as_int),
+            tables=torch.tensor(tables, **as_int),
+        )
 
     def _paged_group(self, items: list[tuple[ScheduledSeq, int, int]]) -> AttentionGroup:
         """Attention metadata for sequences that read their context from the cache."""

@@ -1,0 +1,159 @@
+"""servelab's own CPU kernels for decode-shaped work (``csrc/cpu_kernels.c``), via ctypes.
+
+Contract:
+- ``available()`` is True when the kernels are built and loaded: an x86-64 CPU with AVX2
+  and FMA, a C compiler (``$CC`` or ``cc``) with OpenMP, and ``SERVELAB_CPU_KERNELS`` not
+  set to ``0``. The library is compiled once per source version into
+  ``$SERVELAB_CACHE_DIR/kernels`` (default ``~/.cache/servelab/kernels``); a failed build
+  is reported once as a warning and the callers fall back to numpy/torch.
+- ``linear(x, w, b)``: ``x @ w.T + b`` for fp32 CPU tensors, ``x`` [m, k] and ``w`` [n, k]
+  contiguous; meant for the few rows of decode (``MAX_ROWS``).
+- ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
+  read in place from the paged cache (no gather); see its docstring.
+- ``set_num_threads(n)`` sets the kernels' thread count (the runner's count).
+
+Why: see the C file's header. Numerics: fp32 throughout, sums in a different order than
+BLAS, so results agree with the torch path to float rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 32  # above this, prefill-sized products go to BLAS, which tiles for cache
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+
+enabled = True  # benchmarks flip this to compare against BLAS and torch
+_lib: ctypes.CDLL | None = None
+_tried = False
+_threads = 1
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SERVELAB_CACHE_DIR") or Path.home() / ".cache" / "servelab"
+    return Path(root) / "kernels"
+
+
+def _cpu_supported() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def _build() -> Path:
+    src = _SOURCE.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC or install gcc)")
+    digest = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{cc} failed: {e.stderr.strip()[-500:]}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("SERVELAB_CPU_KERNELS", "1") == "0" or not _cpu_supported():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as e:
+        warnings.warn(
+            f"servelab CPU kernels unavailable ({e}); decode falls back to BLAS and torch",
+            stacklevel=2,
+        )
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.sl_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
+    lib.sl_linear.restype = None
+    lib.sl_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p]
+    lib.sl_paged_attention.argtypes += [i64, i64, i64, i64, ctypes.c_float, i32]
+    lib.sl_paged_attention.restype = None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return enabled and _load() is not None
+
+
+def set_num_threads(n: int) -> None:
+    global _threads
+    _threads = max(1, int(n))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    lib = _load()
+    assert lib is not None, "check cpu_kernels.available() first"
+    x = x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib.sl_linear(
+        x.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
+        m, n, k, _threads,
+    )  # fmt: skip
+    return y
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    seq: torch.Tensor,
+    pos: torch.Tensor,
+    tables: torch.Tensor,
+) -> None:
+    """Write into ``out[rows[t]]`` the attention of query ``q[rows[t]]`` over positions
+    ``0..pos[t]`` of sequence ``seq[t]``, whose cache blocks are ``tables[seq[t]]``.
+
+    ``q`` [T, n_q, d] (any token stride, heads contiguous), ``out`` [T, n_q, d] contiguous,
+    ``k_cache``/``v_cache`` [num_blocks, block_size, n_kv, d] contiguous, ``rows``/``seq``/
+    ``pos`` int32 [N], ``tables`` int32 [B, max_blocks] contiguous.
+    """
+    lib = _load()
+    assert lib is not None, "check cpu_kernels.available() first"
+    _, n_q, d = q.shape
+    _, bs, n_kv, _ = k_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous():
+        raise ValueError("paged_attention needs heads contiguous in q and a contiguous out")
+    lib.sl_paged_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
+        out.data_ptr(), n_q, n_kv, d, bs, d**-0.5, _threads,
+    )  # fmt: skip

@@ -1,0 +1,250 @@
+// Decode-shaped CPU kernels (fp32, AVX2 + FMA, OpenMP), called through ctypes.
+//
+// Why they exist: decode multiplies a few rows by every weight, so each step should cost
+// one streaming read of the weights. OpenBLAS's GEMV gets ~14 GB/s here and its GEMM for
+// 2-32 rows is several times slower than that; attention over a paged cache through
+// torch needs a gather of every block per layer. These kernels read each weight and each
+// cached K/V row once per step, straight from where it lives.
+//
+// Contracts (all arrays row-major, fp32 unless said):
+// sl_linear: y[m, n] = x[m, k] . w[n, k]^T (+ b[n] when b != NULL).
+// sl_paged_attention: for each of N query tokens t, the batch row rows[t] of q (row stride
+//   q_stride floats, heads contiguous) attends causally to positions 0..pos[t] of sequence
+//   seq[t], whose block table is tables[seq[t] * table_stride ...]; K/V of position p live
+//   at cache[(table[p / bs] * bs + p % bs) * n_kv * d + h * d ...]. The result goes to row
+//   rows[t] of out ([rows, n_q, d], contiguous).
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// One tile: R input rows against C weight rows, R * C accumulators held in registers
+// (always inlined with constant R and C, so the arrays become registers). With R = 1 the
+// loop is bandwidth-bound and runs two accumulator sets to keep enough FMAs in flight.
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t k,
+                                                        const float *w, float *y, int64_t ldy,
+                                                        const int R, const int C) {
+    __m256 acc[4][4], acc2[4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; c++) acc2[c] = _mm256_setzero_ps();
+    int64_t i = 0;
+    if (R == 1) {
+        for (; i + 16 <= k; i += 16) {
+            __m256 xa = _mm256_loadu_ps(x + i), xb = _mm256_loadu_ps(x + i + 8);
+            for (int c = 0; c < C; c++) {
+                acc[0][c] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c * k + i), xa, acc[0][c]);
+                acc2[c] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c * k + i + 8), xb, acc2[c]);
+            }
+        }
+    }
+    for (; i + 8 <= k; i += 8) {
+        __m256 wv[4];
+        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + c * k + i);
+        for (int r = 0; r < R; r++) {
+            __m256 u = _mm256_loadu_ps(x + r * k + i);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], u, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum(r == 0 ? _mm256_add_ps(acc[0][c], acc2[c]) : acc[r][c]);
+            for (int64_t j = i; j < k; j++) s += x[r * k + j] * w[c * k + j];
+            y[r * ldy + c] = s;
+        }
+}
+
+// Weight rows [j0, j1) against all m input rows: 4-row input tiles against 3 weight rows
+// (12 accumulators), the remaining 1-3 input rows against 4 weight rows.
+static void linear_block(const float *x, const float *w, float *y, int64_t m, int64_t n,
+                         int64_t k, int64_t j0, int64_t j1) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) {
+        int64_t j = j0;
+        for (; j + 3 <= j1; j += 3) tile(x + r * k, k, w + j * k, y + r * n + j, n, 4, 3);
+        for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 4, 1);
+    }
+    for (; r < m; r += (m - r >= 2 ? 2 : 1)) {
+        const int R = m - r >= 2 ? 2 : 1;
+        int64_t j = j0;
+        if (R == 2) {
+            for (; j + 4 <= j1; j += 4) tile(x + r * k, k, w + j * k, y + r * n + j, n, 2, 4);
+            for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 2, 1);
+        } else {
+            for (; j + 4 <= j1; j += 4) tile(x + r * k, k, w + j * k, y + r * n + j, n, 1, 4);
+            for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 1, 1);
+        }
+    }
+}
+
+void sl_linear(const float *x, const float *w, const float *b, float *y, int64_t m, int64_t n,
+               int64_t k, int num_threads) {
+    // Blocks of 48 weight rows: a multiple of both tiles, and small enough to balance.
+    const int64_t block = 48;
+    int64_t nblocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t bi = 0; bi < nblocks; bi++) {
+        int64_t j0 = bi * block, j1 = j0 + block < n ? j0 + block : n;
+        linear_block(x, w, y, m, n, k, j0, j1);
+        if (b)
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t j = j0; j < j1; j++) y[r * n + j] += b[j];
+    }
+}
+
+// e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
+// polynomial (relative error ~2e-7, below fp32 rounding of the softmax sums); inputs
+// below -87 flush to 0, as softmax wants for masked-out scores.
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// In place: s[0..len) <- softmax(s).
+static void softmax(float *s, int64_t len) {
+    float mx = -INFINITY;
+    for (int64_t p = 0; p < len; p++) mx = s[p] > mx ? s[p] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 8 <= len; p += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
+        _mm256_storeu_ps(s + p, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    for (; p < len; p++) {
+        s[p] = expf(s[p] - mx);
+        sum += s[p];
+    }
+    __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (p = 0; p + 8 <= len; p += 8) _mm256_storeu_ps(s + p, _mm256_mul_ps(_mm256_loadu_ps(s + p), inv));
+    for (; p < len; p++) s[p] /= sum;
+}
+
+// Scores of the G query heads that share one KV head, over positions [0, len): two
+// positions at a time, each dot split in two chains, so 4G independent FMA chains hide
+// the FMA latency. d is a multiple of 16 (checked by the caller). Walks the block table
+// block by block: no division per position.
+static inline __attribute__((always_inline)) void scores_g(const float *q, const float *k_cache,
+                                                           const int32_t *table, int64_t bs,
+                                                           int64_t row, int64_t d, int64_t len,
+                                                           float scale, float *s, const int G) {
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const float *blk = k_cache + (int64_t)table[p0 / bs] * bs * row;
+        int64_t n = len - p0 < bs ? len - p0 : bs;
+        for (int64_t j = 0; j < n; j += 2) {
+            const int two = j + 1 < n;
+            const float *k0 = blk + j * row, *k1 = two ? k0 + row : k0;
+            __m256 a[8][2], b[8][2];
+            for (int g = 0; g < G; g++) a[g][0] = a[g][1] = b[g][0] = b[g][1] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 16) {
+                __m256 ka0 = _mm256_loadu_ps(k0 + i), kb0 = _mm256_loadu_ps(k0 + i + 8);
+                __m256 ka1 = _mm256_loadu_ps(k1 + i), kb1 = _mm256_loadu_ps(k1 + i + 8);
+                for (int g = 0; g < G; g++) {
+                    __m256 qa = _mm256_loadu_ps(q + g * d + i);
+                    __m256 qb = _mm256_loadu_ps(q + g * d + i + 8);
+                    a[g][0] = _mm256_fmadd_ps(qa, ka0, a[g][0]);
+                    a[g][1] = _mm256_fmadd_ps(qb, kb0, a[g][1]);
+                    b[g][0] = _mm256_fmadd_ps(qa, ka1, b[g][0]);
+                    b[g][1] = _mm256_fmadd_ps(qb, kb1, b[g][1]);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                s[g * len + p0 + j] = hsum(_mm256_add_ps(a[g][0], a[g][1])) * scale;
+                if (two) s[g * len + p0 + j + 1] = hsum(_mm256_add_ps(b[g][0], b[g][1])) * scale;
+            }
+        }
+    }
+}
+
+static void scores(const float *q, const float *k_cache, const int32_t *table, int64_t bs,
+                   int64_t row, int64_t d, int64_t len, float scale, float *s, int64_t G) {
+    switch (G) {
+        case 1: scores_g(q, k_cache, table, bs, row, d, len, scale, s, 1); return;
+        case 2: scores_g(q, k_cache, table, bs, row, d, len, scale, s, 2); return;
+        case 3: scores_g(q, k_cache, table, bs, row, d, len, scale, s, 3); return;
+        case 4: scores_g(q, k_cache, table, bs, row, d, len, scale, s, 4); return;
+        default:
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                int64_t n = G - g0 < 4 ? G - g0 : 4;
+                // A slice of heads: its scores land in rows g0.. of s (len apart).
+                for (int64_t g = 0; g < n; g++)
+                    scores_g(q + (g0 + g) * d, k_cache, table, bs, row, d, len, scale,
+                             s + (g0 + g) * len, 1);
+            }
+    }
+}
+
+// o[0..d) = sum_p w[p] * V[p]: up to 8 accumulators of 8 lanes held in registers.
+static void weighted_values(const float *w, const float *v_cache, const int32_t *table,
+                            int64_t bs, int64_t row, int64_t d, int64_t len, float *o) {
+    for (int64_t i0 = 0; i0 < d; i0 += 64) {
+        int64_t nv = (d - i0) / 8 < 8 ? (d - i0) / 8 : 8;
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t p0 = 0; p0 < len; p0 += bs) {
+            const float *blk = v_cache + (int64_t)table[p0 / bs] * bs * row + i0;
+            int64_t n = len - p0 < bs ? len - p0 : bs;
+            for (int64_t j = 0; j < n; j++) {
+                const float *vp = blk + j * row;
+                __m256 pw = _mm256_set1_ps(w[p0 + j]);
+                for (int c = 0; c < 8; c++)
+                    if (c < nv) acc[c] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vp + 8 * c), acc[c]);
+            }
+        }
+        for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + i0 + 8 * c, acc[c]);
+    }
+}
+
+void sl_paged_attention(const float *q, int64_t q_stride, const float *k_cache,
+                        const float *v_cache, const int32_t *tables, int64_t table_stride,
+                        const int32_t *rows, const int32_t *seq, const int32_t *pos, int64_t N,
+                        float *out, int64_t n_q, int64_t n_kv, int64_t d, int64_t bs,
+                        float scale, int num_threads) {
+    const int64_t group = n_q / n_kv;
+    const int64_t row = n_kv * d;  // floats per cached position
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *s = NULL;
+        int64_t cap = 0;
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < N * n_kv; item++) {
+            int64_t t = item / n_kv, h = item % n_kv, len = (int64_t)pos[t] + 1;
+            const int32_t *table = tables + (int64_t)seq[t] * table_stride;
+            if (len * group > cap) {
+                free(s);
+                cap = len * group;
+                s = (float *)malloc(sizeof(float) * cap);
+            }
+            const float *qh = q + (int64_t)rows[t] * q_stride + h * group * d;
+            float *o = out + ((int64_t)rows[t] * n_q + h * group) * d;
+            scores(qh, k_cache + h * d, table, bs, row, d, len, scale, s, group);
+            for (int64_t g = 0; g < group; g++) {
+                softmax(s + g * len, len);
+                weighted_values(s + g * len, v_cache + h * d, table, bs, row, d, len, o + g * d);
+            }
+        }
+        free(s);
+    }
+}

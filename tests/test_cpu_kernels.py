@@ -1,0 +1,59 @@
+"""servelab's CPU kernels agree with torch: the linear product and paged attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelab.model import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built here")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 32])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (53, 37), (192, 576)])
+def test_linear_matches_torch(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, b = (torch.randn(s, generator=g) for s in ((m, k), (n, k), (n,)))
+    torch.testing.assert_close(cpu_kernels.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.linear(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n_q", "n_kv", "d"), [(9, 3, 64), (4, 4, 16), (8, 1, 32), (12, 2, 64)])
+def test_paged_attention_matches_sdpa(threads: int, n_q: int, n_kv: int, d: int) -> None:
+    """Sequences of different lengths, blocks scattered through the pool, several query
+    tokens for one sequence (drafts): each query sees exactly its causal prefix."""
+    cpu_kernels.set_num_threads(threads)
+    g = torch.Generator().manual_seed(n_q * 100 + d)
+    bs, num_blocks = 4, 64
+    k_cache = torch.randn(num_blocks, bs, n_kv, d, generator=g)
+    v_cache = torch.randn(num_blocks, bs, n_kv, d, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    seqs = [(1, 1), (13, 1), (22, 5), (40, 1)]  # (context length incl. new tokens, queries)
+    tables, rows, seq, pos, refs = [], [], [], [], []
+    width = max(-(-c // bs) for c, _ in seqs)
+    q = torch.randn(sum(n for _, n in seqs), n_q + n_kv, d, generator=g)[:, :n_q]  # strided
+    t = 0
+    for i, (ctx, n) in enumerate(seqs):
+        table = [perm.pop() for _ in range(-(-ctx // bs))]
+        tables.append(table + [0] * (width - len(table)))
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
+        keys = k_cache.view(-1, n_kv, d)[slots].transpose(0, 1)  # [n_kv, ctx, d]
+        vals = v_cache.view(-1, n_kv, d)[slots].transpose(0, 1)
+        for j in range(n):
+            p = ctx - n + j
+            rows.append(t)
+            seq.append(i)
+            pos.append(p)
+            ref = F.scaled_dot_product_attention(
+                q[t].unsqueeze(1), keys[:, : p + 1], vals[:, : p + 1], enable_gqa=True
+            )
+            refs.append(ref.squeeze(1))
+            t += 1
+    out = torch.full((t, n_q, d), float("nan"))
+    as_int = {"dtype": torch.int32}
+    cpu_kernels.paged_attention(
+        q, k_cache, v_cache, out, torch.tensor(rows, **as_int), torch.tensor(seq, **as_int),
+        torch.tensor(pos, **as_int), torch.tensor(tables, **as_int),
+    )  # fmt: skip
+    torch.testing.assert_close(out, torch.stack(refs), rtol=1e-4, atol=1e-5)
