@@ -57,3 +57,35 @@ def test_paged_attention_matches_sdpa(threads: int, n_q: int, n_kv: int, d: int)
         torch.tensor(pos, **as_int), torch.tensor(tables, **as_int),
     )  # fmt: skip
     torch.testing.assert_close(out, torch.stack(refs), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_glue_kernels_match_torch(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RMSNorm (strided rows), SwiGLU and RoPE + cache store: kernel vs torch path."""
+    from servelab.model import ops
+    from servelab.model.config import ModelConfig
+    from servelab.model.rope import rope_table
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2, 72, generator=g)[:, 1]  # rows 144 floats apart
+    w = torch.randn(72, generator=g)
+    torch.testing.assert_close(
+        cpu_kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (72,), w, 1e-5), rtol=1e-5, atol=1e-5
+    )
+    gu = torch.randn(rows, 2 * 44, generator=g) * 4
+    ref = F.silu(gu[:, :44]) * gu[:, 44:]
+    torch.testing.assert_close(cpu_kernels.silu_mul(gu), ref, rtol=1e-5, atol=1e-5)
+
+    n_q, n_kv, d = 6, 2, 32
+    cfg = ModelConfig("llama", 100, n_q * d, 64, 1, n_q, n_kv, d, max_position_embeddings=256)
+    rotary = ops.Rotary(rope_table(cfg, 256, "cpu"), torch.randint(0, 256, (rows,), generator=g))
+    slots = torch.randperm(64, generator=g)[:rows]
+    qkv = torch.randn(rows, (n_q + 2 * n_kv) * d, generator=g)
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(cpu_kernels, "enabled", on)
+        kv = (torch.zeros(16, 4, n_kv, d), torch.zeros(16, 4, n_kv, d))
+        q, k, v = ops.rotate_and_store(qkv.clone(), n_q, n_kv, rotary, kv, slots)
+        results.append((q, k, v, *kv))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,11 @@ Contract:
   contiguous; meant for the few rows of decode (``MAX_ROWS``).
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
-- ``set_num_threads(n)`` sets the kernels' thread count (the runner's count).
+- ``rms_norm``, ``silu_mul``, ``rope_store``: the per-token glue of a decoder layer, one
+  call each (see ``servelab.model.ops``, which picks them or the torch equivalents).
+- ``set_num_threads(n)`` sets the kernels' thread count (the runner's count). The library
+  links ``libgomp.so.1``, which resolves to the copy torch already loaded, so the kernels
+  and torch's ops share one OpenMP thread pool.
 
 Why: see the C file's header. Numerics: fp32 throughout, sums in a different order than
 BLAS, so results agree with the torch path to float rounding, not bit for bit.
@@ -102,6 +106,11 @@ def _load() -> ctypes.CDLL | None:
     lib.sl_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p]
     lib.sl_paged_attention.argtypes += [i64, i64, i64, i64, ctypes.c_float, i32]
     lib.sl_paged_attention.restype = None
+    lib.sl_rms_norm.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float, i32]
+    lib.sl_silu_mul.argtypes = [p, p, i64, i64, i32]
+    lib.sl_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, i32]
+    for f in (lib.sl_rms_norm, lib.sl_silu_mul, lib.sl_rope_store):
+        f.restype = None
     _lib = lib
     return lib
 
@@ -156,4 +165,48 @@ def paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
         out.data_ptr(), n_q, n_kv, d, bs, d**-0.5, _threads,
+    )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` [rows, dim] (rows may be strided), scaled by ``w``."""
+    rows, dim = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((rows, dim), dtype=torch.float32)
+    _lib.sl_rms_norm(
+        x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), rows, dim, eps, _threads
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` [rows, 2 * inter] contiguous: [rows, inter]."""
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=torch.float32)
+    _lib.sl_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _threads)
+    return out
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    n_q: int,
+    n_kv: int,
+    rope: torch.Tensor,
+    positions: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor] | None,
+    slots: torch.Tensor | None,
+) -> None:
+    """Rotate, in place, the q and k heads of ``qkv`` [rows, (n_q + 2 n_kv) * d]
+    (contiguous, rotary pairs adjacent) by ``rope`` [max_pos, d / 2, 2] (cos, sin) at
+    ``positions`` (int64); then store each row's k and v at its cache slot (int64 ``slots``)
+    in ``kv`` = (K, V) [num_blocks, block_size, n_kv, d], when given."""
+    rows, width = qkv.shape
+    d = width // (n_q + 2 * n_kv)
+    k_ptr = v_ptr = s_ptr = None
+    if kv is not None:
+        k_ptr, v_ptr, s_ptr = kv[0].data_ptr(), kv[1].data_ptr(), slots.data_ptr()
+    _lib.sl_rope_store(
+        qkv.data_ptr(), rows, n_q, n_kv, d, rope.data_ptr(), positions.data_ptr(),
+        k_ptr, v_ptr, s_ptr, _threads,
     )  # fmt: skip

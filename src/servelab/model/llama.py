@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab.model import cpu_kernels
+from servelab.model import cpu_kernels, ops
 from servelab.model.config import ModelConfig
 from servelab.model.linear import linear
 from servelab.model.rope import rope_table
@@ -111,28 +111,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: torch.Tensor,
+        rotary: ops.Rotary,
         batch: ForwardBatch,
         kv: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         cfg = self.cfg
         n_tok, nq, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.rms_norm(x, (cfg.hidden_size,), self.ln1, cfg.rms_norm_eps)
+        h = ops.rms_norm(x, self.ln1, cfg.rms_norm_eps)
         qkv = linear(h, self.qkv_w, self.qkv_b)
-        qk_width = (nq + nkv) * hd
-        qk = torch.view_as_complex(qkv[:, :qk_width].view(n_tok, nq + nkv, hd // 2, 2))
-        qk = torch.view_as_real(qk * rope).view(n_tok, nq + nkv, hd)
-        q, k = qk[:, :nq], qk[:, nq:]
-        v = qkv[:, qk_width:].view(n_tok, nkv, hd)
-        if kv is not None:
-            kv[0].view(-1, nkv, hd).index_copy_(0, batch.slot_mapping, k)
-            kv[1].view(-1, nkv, hd).index_copy_(0, batch.slot_mapping, v)
+        q, k, v = ops.rotate_and_store(qkv, nq, nkv, rotary, kv, batch.slot_mapping)
         attn = _attention(q, k, v, batch.groups, kv)
-        x = x + linear(attn.view(n_tok, nq * hd), self.o_w)
-        h = F.rms_norm(x, (cfg.hidden_size,), self.ln2, cfg.rms_norm_eps)
-        gate_up = linear(h, self.gate_up_w)
-        inter = cfg.intermediate_size
-        x += linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down_w)
+        x = x + linear(attn.reshape(n_tok, nq * hd), self.o_w)
+        h = ops.rms_norm(x, self.ln2, cfg.rms_norm_eps)
+        x += linear(ops.swiglu(linear(h, self.gate_up_w)), self.down_w)
         return x
 
 
@@ -228,13 +219,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         x = F.embedding(batch.input_ids, self.embed)
-        rope = self.rope[batch.positions].unsqueeze(1)
+        rotary = ops.Rotary(self.rope, batch.positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, batch, kv_caches[i] if kv_caches is not None else None)
+            x = layer(x, rotary, batch, kv_caches[i] if kv_caches is not None else None)
         if batch.sample_index is not None:
             x = x[batch.sample_index]
-        x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
-        return linear(x, self.lm_head)
+        return linear(ops.rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head)
 
 
 def causal_batch(token_ids: list[list[int]], device: torch.device | str = "cpu") -> ForwardBatch:

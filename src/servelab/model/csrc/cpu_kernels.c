@@ -248,3 +248,74 @@ void sl_paged_attention(const float *q, int64_t q_stride, const float *k_cache,
         free(s);
     }
 }
+
+// ---- the per-token glue between the matrix products --------------------------------
+// One call each instead of the 3-8 small torch ops they replace: at decode sizes the ops'
+// dispatch cost, not their arithmetic, is what a step pays for.
+
+// out[r] = x[r] / rms(x[r]) * w, rows of x x_stride floats apart.
+void sl_rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows,
+                 int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * dim;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum(acc);
+        for (; i < dim; i++) ss += xr[i] * xr[i];
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(ss / dim + eps));
+        for (i = 0; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv),
+                                                  _mm256_loadu_ps(w + i)));
+        for (; i < dim; i++) o[i] = xr[i] * (1.0f / sqrtf(ss / dim + eps)) * w[i];
+    }
+}
+
+// out[r, i] = silu(gu[r, i]) * gu[r, inter + i]: SwiGLU on the fused gate/up product.
+void sl_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= inter; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+// Rotary embedding in place on the q and k heads of each token's fused qkv row (heads'
+// rotary pairs adjacent: (2i, 2i + 1), as the loader lays them out), then the token's k
+// and v are stored at its cache slot. rope is [max_pos, d / 2] of (cos, sin) pairs.
+void sl_rope_store(float *qkv, int64_t rows, int64_t n_q, int64_t n_kv, int64_t d,
+                   const float *rope, const int64_t *positions, float *k_cache,
+                   float *v_cache, const int64_t *slots, int num_threads) {
+    const int64_t width = (n_q + 2 * n_kv) * d, rot = (n_q + n_kv) * d;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = qkv + r * width;
+        const float *cs = rope + positions[r] * d;  // d / 2 pairs of 2 floats
+        for (int64_t h = 0; h < rot; h += d)
+            for (int64_t i = 0; i < d; i += 2) {
+                float a = row[h + i], b = row[h + i + 1], c = cs[i], s = cs[i + 1];
+                row[h + i] = a * c - b * s;
+                row[h + i + 1] = a * s + b * c;
+            }
+        if (k_cache) {
+            float *kd = k_cache + slots[r] * n_kv * d, *vd = v_cache + slots[r] * n_kv * d;
+            for (int64_t i = 0; i < n_kv * d; i++) {
+                kd[i] = row[n_q * d + i];
+                vd[i] = row[rot + i];
+            }
+        }
+    }
+}
