@@ -30,6 +30,9 @@ Usage: python benchmarks/kernels.py [--rows 1,4,16,64,256] [--threads N] [--repe
 
 from __future__ import annotations
 
+import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
+
+# isort: split
 import argparse
 import time
 from collections.abc import Callable
@@ -39,7 +42,6 @@ import torch
 import torch.nn.functional as F
 from threadpoolctl import threadpool_limits
 
-import servelab  # noqa: F401  (sets OMP_WAIT_POLICY before torch's pool starts)
 from servelab.model import cpu_kernels
 
 # (name, out_features, in_features) of one SmolLM2-135M layer with fused q/k/v and gate/up.
