@@ -11,8 +11,17 @@ coroutine gets the bytes) show why servelab stamps bytes in ``data_received``.
 
 Targets (issue 4): p99 error <= 1 ms at 200 streams; >= 20,000 streamed tokens/s per core.
 
+With ``--peers``, the same server then times other benchmark clients beside servelab's: each
+client (``servelab bench`` and the peers that ``benchmarks/peers/install.sh`` installed: ``vllm
+bench serve``, GuideLLM, AIPerf) runs as a subprocess on the client core, sends the same requests
+(about 200 prompt tokens, 60 streamed output tokens, N in flight), and its per-request output
+file is joined by request id with the server's timelines. Per client: the TTFT p50/p95 it
+reported, the true TTFT p50/p95 of the same requests (server: first token written - request
+arrived), their differences, and the error of every inter-chunk gap where the client records them.
+
     .venv/bin/python benchmarks/client_accuracy.py            # the full ladder, up to 500 streams
     .venv/bin/python benchmarks/client_accuracy.py --quick    # a short check
+    .venv/bin/python benchmarks/client_accuracy.py --quick --peers   # and the clients side by side
 """
 
 from __future__ import annotations
@@ -21,17 +30,24 @@ import argparse
 import asyncio
 import os
 import resource
+import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import msgspec
 import numpy as np
 
+# the sibling folder: on sys.path as the script's own (and distributed_client.py adds it)
+from peers.clients import ClientFailed, Job, Reported, clients, local_tokenizer, run_client
+
 from servelab.bench.client import Target, send
 from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
 from servelab.bench.testserver import Schedule, run_test_server
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -151,10 +167,108 @@ async def measure(url: str, lv: Level, client: str, tag: str) -> dict[str, float
     }
 
 
+def compare(reported: list[Reported], tls: dict[str, dict]) -> dict[str, float | int]:
+    """A client's reported TTFTs and gaps against the server's timelines of the same requests."""
+    rep, true, itl_err = [], [], []
+    unmatched = gaps_differ = 0
+    for r in reported:
+        tl = tls.get(r.request_id)
+        if tl is None or tl["first_token"] is None:
+            unmatched += 1
+            continue
+        rep.append(r.ttft)
+        true.append(tl["first_token"] - tl["arrival"])
+        if r.itls is not None:
+            gaps = np.diff(tl["token_times"])
+            if len(gaps) == len(r.itls):
+                itl_err.extend(np.asarray(r.itls) - gaps)
+            else:
+                gaps_differ += 1
+    if not rep:
+        raise ClientFailed("none of its request ids is known to the server")
+    rep_ms, true_ms = np.asarray(rep) * 1e3, np.asarray(true) * 1e3
+    out: dict[str, float | int] = {
+        "n": len(rep),
+        "unmatched": unmatched,
+        "gaps_differ": gaps_differ,
+    }
+    for q in (50, 95):
+        out[f"rep_p{q}"] = float(np.percentile(rep_ms, q))
+        out[f"true_p{q}"] = float(np.percentile(true_ms, q))
+        out[f"err_p{q}"] = out[f"rep_p{q}"] - out[f"true_p{q}"]
+    if itl_err:
+        e = np.asarray(itl_err) * 1e3
+        out["itl_err_p50"] = float(np.percentile(e, 50))
+        out["itl_err_p99"] = float(np.percentile(e, 99))
+    return out
+
+
+def compare_clients(
+    url: str, streams: list[int], tokens: int, peers_dir: Path, out_dir: Path, cpu: int | None
+) -> None:
+    """Run every client at each stream count against the server at ``url``; print a table."""
+    try:
+        tok = local_tokenizer(peers_dir / "hf-cache")
+    except ClientFailed as e:
+        print(f"\nno client comparison: the peers' tokenizer could not be made ({e})")
+        return
+    print(
+        f"\nclients side by side: {tokens} output tokens, ~200 prompt tokens, /v1/completions; "
+        f"outputs in {out_dir}"
+    )
+    print(
+        f"{'client':9} {'streams':>7} {'n':>4} {'TTFT p50':>8} {'true':>6} {'err':>7} "
+        f"{'TTFT p95':>8} {'true':>6} {'err':>7} {'ITL err p50':>11} {'p99':>7}  note"
+    )
+    for n in streams:
+        for client in clients(peers_dir):
+            job = Job(url, n, max(100, 2 * n), tokens, f"{client.name}-{n}-{os.getpid()}")
+            try:
+                reported, note = run_client(client, job, tok, out_dir / f"{n}-{client.name}", cpu)
+                tls = run_loop(_timelines(url, [r.request_id for r in reported]))
+                m = compare(reported, tls)
+            except (ClientFailed, OSError, subprocess.SubprocessError) as e:
+                print(f"{client.name:9} {n:7d}  skipped: {e}", flush=True)
+                continue
+            notes = [note] if note else []
+            if m["n"] < job.requests:
+                notes.append(f"{job.requests - m['n']} of {job.requests} requests not reported")
+            if m["gaps_differ"]:
+                notes.append(f"{m['gaps_differ']} requests' gap counts differ from the server's")
+            itl = (
+                f"{m['itl_err_p50']:11.3f} {m['itl_err_p99']:7.3f}"
+                if "itl_err_p50" in m
+                else f"{'-':>11} {'-':>7}"
+            )
+            print(
+                f"{client.name:9} {n:7d} {m['n']:4d} {m['rep_p50']:8.1f} {m['true_p50']:6.1f} "
+                f"{m['err_p50']:+7.1f} {m['rep_p95']:8.1f} {m['true_p95']:6.1f} "
+                f"{m['err_p95']:+7.1f} {itl}  {'; '.join(notes)}",
+                flush=True,
+            )
+    print("(ms; err = reported - true percentile; ITL err per inter-chunk gap, reported - written)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few small levels only")
     ap.add_argument("--no-aiohttp", action="store_true", help="skip the plain-aiohttp comparison")
+    ap.add_argument(
+        "--peers", action="store_true", help="then time servelab bench and the peer clients"
+    )
+    ap.add_argument(
+        "--peers-dir",
+        type=Path,
+        default=ROOT / ".venv-peers",
+        help="where benchmarks/peers/install.sh put the peers' venvs",
+    )
+    ap.add_argument("--peer-streams", default="20,200", help="stream counts for --peers")
+    ap.add_argument(
+        "--peers-out",
+        type=Path,
+        default=ROOT / "runs" / "client_peers",
+        help="the clients' output files",
+    )
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     client_cpu, server_cpu = cpus[0], cpus[-1]
@@ -186,6 +300,15 @@ def main() -> None:
                     f"{m['tokens_per_core_s']:10.0f}",
                     flush=True,
                 )
+        if args.peers:
+            compare_clients(
+                url,
+                [int(n) for n in args.peer_streams.split(",")],
+                60,
+                args.peers_dir,
+                args.peers_out,
+                client_cpu if len(cpus) > 1 else None,
+            )
 
 
 if __name__ == "__main__":
