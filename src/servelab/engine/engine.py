@@ -173,6 +173,10 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         limit = self._vocab_size
+        # The usual prompt (plain ints in range) is checked by C loops; only a prompt that
+        # fails that pays for the per-token search that names the bad ids.
+        if set(map(type, ids)) == {int} and min(ids) >= 0 and (not limit or max(ids) < limit):
+            return ids
         bad = [t for t in ids if not isinstance(t, int) or t < 0 or (limit and t >= limit)]
         if bad:
             raise ValueError(
@@ -281,17 +285,17 @@ class LLMEngine:
         if self.spec is not None:
             for e in speculated:
                 self.spec.observe(e.request.request_id, e.num_draft_tokens, e.num_accepted)
-        outputs = [
-            self._emit(self._requests[rid], tokens, end) for rid, tokens in new_tokens.items()
-        ]
+        requests, emit = self._requests, self._emit
+        outputs = [emit(requests[rid], tokens, end) for rid, tokens in new_tokens.items()]
+        prefill, decode = out.prefill, out.decode  # each builds a new container: read once
         record = StepRecord(
             step_id=out.plan.step_id,
             start=start,
             end=end,
-            prefill_tokens=sum(out.prefill.values()),
-            decode_seqs=len(out.decode),
-            prefill=out.prefill,
-            decode=out.decode,
+            prefill_tokens=sum(prefill.values()),
+            decode_seqs=len(decode),
+            prefill=prefill,
+            decode=decode,
             spec_proposed=sum(e.num_draft_tokens for e in speculated),
             spec_accepted=sum(e.num_accepted for e in speculated),
             kv_blocks_used=kv_used,
@@ -306,12 +310,15 @@ class LLMEngine:
         """Apply the stop rules to this step's new tokens and build the request's output."""
         sp = req.sampling_params
         detok = self._detok.get(req.request_id)
-        before = req.num_output_tokens - len(tokens)
+        n_prompt = req.num_prompt_tokens
+        n_out = len(req.token_ids) - n_prompt - len(tokens)  # output tokens before this step
+        # Finished by length at max_tokens or when prompt + output fill the context.
+        length_limit = min(sp.max_tokens, self.config.max_model_len - n_prompt)
         reason: FinishReason | None = None
         kept = 0
         for tok in tokens:
             kept += 1
-            n_out = before + kept
+            n_out += 1
             check = n_out >= sp.min_tokens  # vLLM: no stop rule applies before min_tokens
             if check and (tok in sp.stop_token_ids or (tok in self._eos and not sp.ignore_eos)):
                 reason = FinishReason.STOP  # the stop token's text is not output
@@ -319,7 +326,7 @@ class LLMEngine:
             if detok is not None and detok.add(tok, check):
                 reason = FinishReason.STOP
                 break
-            if n_out >= sp.max_tokens or req.num_prompt_tokens + n_out >= self.config.max_model_len:
+            if n_out >= length_limit:
                 reason = FinishReason.LENGTH
                 break
         if kept < len(tokens):  # tokens after a stop (speculative decoding) are dropped
@@ -330,15 +337,17 @@ class LLMEngine:
         text = detok.take(final=reason is not None) if detok is not None else ""
         if reason is not None:
             self._finish(req, reason, now)
+        # Positional (field order): one per sequence per step, and keywords cost more.
+        # n_out counts the output after any tokens past a stop were dropped.
         return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=list(tokens),
-            new_text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            timeline=req.timeline,
+            req.request_id,
+            list(tokens),
+            text,
+            reason is not None,
+            reason,
+            n_prompt,
+            n_out,
+            req.timeline,
         )
 
     def _fail_batch(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:

@@ -72,6 +72,7 @@ class KVCacheManager:
         self._cached: dict[BlockKey, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[int]] = {}  # chain hashes of a request's full blocks
+        self._keys: dict[str, list[BlockKey]] = {}  # and their keys (hashes[i] == hash(keys[i]))
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already cached
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -111,29 +112,35 @@ class KVCacheManager:
 
     # ---- prefix cache ----
 
-    def _chain_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[int]:
-        """Chain hashes of the first ``num_blocks`` full blocks, memoised per request."""
+    def _chain(
+        self, request_id: str, token_ids: list[int], num_blocks: int
+    ) -> tuple[list[BlockKey], list[int]]:
+        """Keys and chain hashes of (at least) the first ``num_blocks`` full blocks, memoised
+        per request: each block's token tuple is built once, not at every lookup."""
+        keys = self._keys.setdefault(request_id, [])
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
         parent = hashes[-1] if hashes else _ROOT_HASH
         for i in range(len(hashes), num_blocks):
-            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            parent = hash(key)
+            keys.append(key)
             hashes.append(parent)
-        return hashes
+        return keys, hashes
 
-    def _key(self, hashes: list[int], token_ids: list[int], i: int) -> BlockKey:
-        bs = self.block_size
-        return (hashes[i - 1] if i else _ROOT_HASH, tuple(token_ids[i * bs : (i + 1) * bs]))
+    def _chain_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[int]:
+        """Chain hashes of the first ``num_blocks`` full blocks, memoised per request."""
+        return self._chain(request_id, token_ids, num_blocks)[1]
 
     def lookup(self, request_id: str, token_ids: list[int]) -> PrefixHit:
         """Cached blocks for the start of ``token_ids`` (see the module contract)."""
         if not self.enable_prefix_caching or not token_ids:
             return PrefixHit()
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = self._chain_hashes(request_id, token_ids, max_blocks)
+        keys = self._chain(request_id, token_ids, max_blocks)[0]
         blocks: list[int] = []
         for i in range(max_blocks):
-            block_id = self._cached.get(self._key(hashes, token_ids, i))
+            block_id = self._cached.get(keys[i])
             if block_id is None:
                 break
             blocks.append(block_id)
@@ -143,17 +150,21 @@ class KVCacheManager:
         """Register the request's full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
+        num_full = num_computed_tokens // self.block_size
+        start = self._num_registered.get(request_id, 0)
+        # Most calls (a decode step inside a block) register nothing: answer before any work.
+        if num_full <= start:
+            return
         table = self._tables.get(request_id)
         if table is None:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(table))
-        start = self._num_registered.get(request_id, 0)
+        num_full = min(num_full, len(table))
         if num_full <= start:
             return
-        hashes = self._chain_hashes(request_id, token_ids, num_full)
+        keys = self._chain(request_id, token_ids, num_full)[0]
         for i in range(start, num_full):
             block = self._blocks[table[i]]
-            key = self._key(hashes, token_ids, i)
+            key = keys[i]
             # Another request may have computed the same content first: keep that copy.
             if block.key is None and key not in self._cached:
                 block.key = key
@@ -176,6 +187,9 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Grow the request's block table to cover ``num_tokens`` (all or nothing)."""
         table = self._tables.get(request_id)
+        # Fast path: the table already covers the tokens (most decode steps), so nothing changes.
+        if table is not None and num_tokens <= len(table) * self.block_size:
+            return True
         first = table is None
         prefix = hit.blocks if (hit is not None and first) else []
         have = len(prefix) if first else len(table)
@@ -218,6 +232,7 @@ class KVCacheManager:
         """Drop the request's references and forget it (see the module contract)."""
         table = self._tables.pop(request_id, [])
         self._hashes.pop(request_id, None)
+        self._keys.pop(request_id, None)
         self._num_registered.pop(request_id, None)
         # Tail blocks are the least likely to be shared, so they are freed (and evicted) first.
         for block_id in reversed(table):

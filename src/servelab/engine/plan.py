@@ -21,6 +21,12 @@ class ScheduledSeq:
     block_size]`` at slot ``p % block_size``). Attention for those tokens reads
     positions ``0 .. start_pos + i`` from the cache (causal).
 
+    ``block_table`` is the KV-cache manager's own list for the request, not a copy (a
+    copy per sequence per step was the simulator's largest single cost). An executor
+    reads it during ``execute`` only: it must not change it, and must not keep it (or
+    this plan) past the step, because the scheduler grows, trims and frees it afterwards.
+    The other lists (``token_ids``, ``banned_token_ids``, ``draft_token_ids``) are the plan's own.
+
     If ``sample`` is True the executor samples one next token from the logits of the
     last token in ``token_ids`` (logits are computed only there). With
     ``draft_token_ids`` (speculative decoding) those tokens follow ``token_ids`` in

@@ -35,6 +35,9 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
+        # An attribute, not a property: the prompt never changes and the engine reads this
+        # for every sequence of every step.
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = list(eos_token_ids)
         self.priority = priority
@@ -55,20 +58,16 @@ class Request:
         )
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def finished(self) -> bool:

@@ -195,21 +195,27 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         entries = list(step.entries.values())
-        plan = BatchPlan(step_id, [self._scheduled_seq(e) for e in entries])
+        scheduled_seq = self._scheduled_seq
+        plan = BatchPlan(step_id, [scheduled_seq(e) for e in entries])
         return SchedulerOutput(plan, entries, step.admitted, step.preempted)
 
     def _schedule_running(self, step: _Step, now: float) -> None:
+        # Runs for every running request every step: attribute lookups are hoisted.
+        allocate = self.kv_cache.allocate
+        chunked = self.config.enable_chunked_prefill
         for req in list(self.running):
-            if step.budget <= 0:
+            budget = step.budget
+            if budget <= 0:
                 break
             if req.phase is Phase.QUEUED:  # preempted earlier in this loop
                 continue
-            pending = req.num_tokens - req.num_computed_tokens
-            n = min(pending, step.budget)
-            if n < pending and not self.config.enable_chunked_prefill:
+            computed = req.num_computed_tokens
+            pending = len(req.token_ids) - computed
+            n = min(pending, budget)
+            if n < pending and not chunked:
                 continue
-            drafts = min(len(req.spec_token_ids), step.budget - n)
-            while not self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n + drafts):
+            drafts = min(len(req.spec_token_ids), budget - n) if req.spec_token_ids else 0
+            while not allocate(req.request_id, computed + n + drafts):
                 if drafts:  # speculation never preempts anyone
                     drafts = 0
                     continue
@@ -302,17 +308,21 @@ class Scheduler:
     def _scheduled_seq(self, e: ScheduledEntry) -> ScheduledSeq:
         req = e.request
         start = req.num_computed_tokens
-        sample = start + e.num_tokens == req.num_tokens
+        end = start + e.num_tokens
+        num_tokens = len(req.token_ids)
+        sample = end == num_tokens
         return ScheduledSeq(
-            request_id=req.request_id,
-            token_ids=req.token_ids[start : start + e.num_tokens],
-            start_pos=start,
-            block_table=list(self.kv_cache.block_table(req.request_id)),
-            sample=sample,
-            sampling=req.sampling_params,
-            num_output_tokens=req.num_output_tokens,
-            banned_token_ids=req.banned_token_ids() if sample else [],
-            draft_token_ids=req.spec_token_ids[: e.num_draft_tokens],
+            req.request_id,
+            req.token_ids[start:end],
+            start,
+            # The live table, not a copy: plan.py's contract lets executors read it during
+            # the step only. Copying it cost more than the rest of a decode's scheduling.
+            self.kv_cache.block_table(req.request_id),
+            sample,
+            req.sampling_params,
+            num_tokens - req.num_prompt_tokens,
+            req.banned_token_ids() if sample else [],
+            req.spec_token_ids[: e.num_draft_tokens] if e.num_draft_tokens else [],
         )
 
     # ---- after the step ----
@@ -327,32 +337,37 @@ class Scheduler:
         ones), and registers newly computed full blocks in the prefix cache.
         """
         new_tokens: dict[str, list[int]] = {}
+        # Runs for every scheduled sequence every step: attribute lookups are hoisted.
+        step_id = out.plan.step_id
+        sampled = result.sampled
+        cache_blocks = self.kv_cache.cache_blocks
         for e in out.entries:
             req = e.request
             rid = req.request_id
+            token_ids = req.token_ids
             if e.is_prefill:
                 req.timeline.chunks.append(
-                    PrefillChunk(out.plan.step_id, start, end, e.num_tokens, e.cached_tokens)
+                    PrefillChunk(step_id, start, end, e.num_tokens, e.cached_tokens)
                 )
             req.num_computed_tokens += e.num_tokens
-            if req.num_computed_tokens < req.num_tokens:
+            if req.num_computed_tokens < len(token_ids):
                 # a chunk that did not reach the end of the prompt
-                self.kv_cache.cache_blocks(rid, req.token_ids, req.num_computed_tokens)
+                cache_blocks(rid, token_ids, req.num_computed_tokens)
                 continue
-            tokens = result.sampled.get(rid)
+            tokens = sampled.get(rid)
             if not tokens:
                 raise RuntimeError(f"the executor returned no sampled token for request {rid!r}")
             if e.num_draft_tokens:
-                self._accept_drafts(e, tokens, out.plan.step_id)
+                self._accept_drafts(e, tokens, step_id)
             req.spec_token_ids = []
-            req.token_ids.extend(tokens)
-            self.kv_cache.cache_blocks(rid, req.token_ids, req.num_computed_tokens)
+            token_ids.extend(tokens)
+            cache_blocks(rid, token_ids, req.num_computed_tokens)
             req.phase = Phase.DECODE
             tl = req.timeline
             if tl.first_token is None:
                 tl.first_token = end
             tl.token_times.extend([end] * len(tokens))
-            tl.output_tokens = req.num_output_tokens
+            tl.output_tokens = len(token_ids) - req.num_prompt_tokens
             new_tokens[rid] = tokens
         return new_tokens
 
