@@ -227,7 +227,7 @@ def compare_clients(
                 reported, note = run_client(client, job, tok, out_dir / f"{n}-{client.name}", cpu)
                 tls = run_loop(_timelines(url, [r.request_id for r in reported]))
                 m = compare(reported, tls)
-            except (ClientFailed, OSError, subprocess.SubprocessError) as e:
+            except (ClientFailed, OSError, subprocess.SubprocessError, aiohttp.ClientError) as e:
                 print(f"{client.name:9} {n:7d}  skipped: {e}", flush=True)
                 continue
             notes = [note] if note else []
