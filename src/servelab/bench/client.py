@@ -26,6 +26,7 @@ import msgspec
 
 from servelab.bench.http import HttpClient, StreamResult
 from servelab.bench.prompts import TokenizerLike
+from servelab.bench.recount import Recounter
 from servelab.vocab import ClientRecord
 
 _decode = msgspec.json.Decoder().decode
@@ -219,11 +220,14 @@ async def send(
     prefix_group: str | None = None,
     stage: str | None = None,
     on_abort: Callable[[ClientRecord], None] | None = None,
+    recounter: Recounter | None = None,
 ) -> Outcome:
     """Send one request and return its record (every failure is recorded, not raised).
 
     If the caller is cancelled mid-request, the record of what arrived so far goes to
-    ``on_abort`` (error ``aborted: ...``) before the cancellation propagates.
+    ``on_abort`` (error ``aborted: ...``) before the cancellation propagates. The client
+    re-count of the output (with ``target.tokenizer``) waits its turn in ``recounter``
+    when one is given (many streams share it), else it runs inline.
     """
     body = _encode(request_body(target, prompt, max_tokens, stream, priority))
     rec = ClientRecord(
@@ -246,13 +250,14 @@ async def send(
         await http.post_stream(
             target.path, body, target.headers(request_id), handler, target.timeout, res
         )
+        counted = await recounter.count("".join(col.texts)) if recounter is not None else None
     except asyncio.CancelledError:
         if on_abort is not None:
             _fill(rec, res, col, target.tokenizer)
             rec.error = "aborted: the benchmark was interrupted while this request was in flight"
             on_abort(rec)
         raise
-    text = _fill(rec, res, col, target.tokenizer)
+    text = _fill(rec, res, col, target.tokenizer, counted)
     rec.error = _error(res, col, stream, target.timeout)
     if not stream and rec.chunk_tokens:
         rec.chunk_tokens[0] = rec.output_tokens
@@ -260,15 +265,25 @@ async def send(
 
 
 def _fill(
-    rec: ClientRecord, res: StreamResult, col: _Collector, tokenizer: TokenizerLike | None
+    rec: ClientRecord,
+    res: StreamResult,
+    col: _Collector,
+    tokenizer: TokenizerLike | None,
+    counted: int | None = None,
 ) -> str:
-    """Copy the wire times into the record and settle its token counts; return the text."""
+    """Copy the wire times into the record and settle its token counts; return the text.
+
+    ``counted``: the client re-count of the text, if already made (else made here).
+    """
     rec.actual_send = res.sent
     rec.first_byte = res.first_byte
     rec.done = res.last_byte
     rec.status = res.status
     text = "".join(col.texts)
-    _finish_counts(rec, col, text, tokenizer)
+    if counted is None and tokenizer is not None:
+        counted = len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
+    rec.client_output_tokens = counted
+    _finish_counts(rec, col, tokenizer)
     return text
 
 
@@ -287,13 +302,7 @@ def _error(res: Any, col: _Collector, stream: bool, timeout: float | None) -> st
     return None
 
 
-def _finish_counts(
-    rec: ClientRecord, col: _Collector, text: str, tokenizer: TokenizerLike | None
-) -> None:
-    if tokenizer is not None and text:
-        rec.client_output_tokens = len(tokenizer.encode(text, add_special_tokens=False))
-    elif tokenizer is not None:
-        rec.client_output_tokens = 0
+def _finish_counts(rec: ClientRecord, col: _Collector, tokenizer: TokenizerLike | None) -> None:
     usage = col.usage or {}
     if "completion_tokens" in usage:
         rec.output_tokens = int(usage["completion_tokens"])

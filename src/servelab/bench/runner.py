@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from servelab.bench.client import Outcome, Target, send
 from servelab.bench.http import HttpClient
 from servelab.bench.plan import LoadSpec, PlannedRequest
+from servelab.bench.recount import Recounter
 from servelab.vocab import ClientRecord
 
 START_DELAY_S = 0.05  # the first intended send is this far after the run starts
@@ -98,6 +99,8 @@ class Runner:
         self._on_record = on_record or (lambda r: None)
         self.records: list[ClientRecord] = []
         self.sent = 0
+        # one queue of re-counts for all streams, so a wave of finished requests is spread
+        self._recounter = Recounter(target.tokenizer) if target.tokenizer is not None else None
 
     def _record(self, rec: ClientRecord) -> None:
         self.records.append(rec)
@@ -233,6 +236,7 @@ class Runner:
             prefix_group=req.prefix_group,
             stage=self.stage,
             on_abort=self._record,
+            recounter=self._recounter,
         )
         self._record(outcome.record)
         return outcome
