@@ -75,9 +75,19 @@ class RunDir:
         self.requests.write_line(record_line(rec))
 
     def add_timeline(self, timeline: dict[str, Any]) -> None:
+        self._server_file().write(timeline)
+
+    def add_timeline_json(self, raw: bytes | msgspec.Raw) -> None:
+        """A timeline already in JSON (as a server sent it), kept to one line."""
+        line = bytes(raw)
+        if b"\n" in line:
+            line = _encode(msgspec.json.decode(line))
+        self._server_file().write_line(line + b"\n")
+
+    def _server_file(self) -> JsonlAppender:
         if self._server is None:
             self._server = JsonlAppender(self.path / "server.jsonl")
-        self._server.write(timeline)
+        return self._server
 
     def add_step(self, step: dict[str, Any]) -> None:
         if self._steps is None:
