@@ -83,3 +83,39 @@ def test_a_failed_turn_skips_the_rest_of_its_session(url):
 def test_sessions_group_consecutive_turns():
     plan = [_req(0, 0, "a", 0), _req(1, None, "a", 1), _req(2, 1), _req(3, 2, "b", 0)]
     assert [[r.index for r in s] for s in sessions(plan)] == [[0, 1], [2], [3]]
+
+
+def test_a_stream_goes_on_while_its_last_output_is_counted(url):
+    """The client re-count is off the stream's path, and a record goes out only once counted."""
+    sent_at_count: list[int] = []
+    counts_at_record: list[int | None] = []
+    runner: list[Runner] = []
+
+    class CharTokenizer:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            sent_at_count.append(runner[0].sent)
+            return [0] * len(text)
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return ""
+
+    async def go():
+        http = HttpClient(url)
+        target = Target(url, "test-model", tokenizer=CharTokenizer())
+        r = Runner(
+            http,
+            target,
+            LoadSpec(concurrency=1),
+            run_tag="t",
+            on_record=lambda rec: counts_at_record.append(rec.client_output_tokens),
+        )
+        runner.append(r)
+        res = await r.run([_req(i) for i in range(3)])
+        await http.close()
+        return res
+
+    res = asyncio.run(go())
+    assert len(res.records) == 3 and all(r.ok for r in res.records)
+    assert sent_at_count[:2] == [2, 3], "the next request waited for the previous count"
+    assert all(c is not None and c > 0 for c in counts_at_record)
+    assert [r.client_output_tokens for r in res.records] == counts_at_record

@@ -83,10 +83,15 @@ class Target:
 
 @dataclass
 class Outcome:
-    """A finished request: its record and the text the server returned."""
+    """A finished request: its record and the text the server returned.
+
+    ``counting`` (only when ``send`` was given a recounter) is the task that settles the
+    record's token counts; the record is final once it is done.
+    """
 
     record: ClientRecord
     text: str
+    counting: asyncio.Task[None] | None = None
 
 
 def request_body(
@@ -226,8 +231,9 @@ async def send(
 
     If the caller is cancelled mid-request, the record of what arrived so far goes to
     ``on_abort`` (error ``aborted: ...``) before the cancellation propagates. The client
-    re-count of the output (with ``target.tokenizer``) waits its turn in ``recounter``
-    when one is given (many streams share it), else it runs inline.
+    re-count of the output (with ``target.tokenizer``) runs inline, or, given a
+    ``recounter`` (which many streams share), waits its turn there in ``Outcome.counting``
+    while the caller goes on: its next request need not wait for a count.
     """
     body = _encode(request_body(target, prompt, max_tokens, stream, priority))
     rec = ClientRecord(
@@ -250,41 +256,57 @@ async def send(
         await http.post_stream(
             target.path, body, target.headers(request_id), handler, target.timeout, res
         )
-        counted = await recounter.count("".join(col.texts)) if recounter is not None else None
     except asyncio.CancelledError:
         if on_abort is not None:
             _fill(rec, res, col, target.tokenizer)
             rec.error = "aborted: the benchmark was interrupted while this request was in flight"
             on_abort(rec)
         raise
-    text = _fill(rec, res, col, target.tokenizer, counted)
     rec.error = _error(res, col, stream, target.timeout)
-    if not stream and rec.chunk_tokens:
-        rec.chunk_tokens[0] = rec.output_tokens
-    return Outcome(rec, text)
+    if recounter is None or target.tokenizer is None:
+        return Outcome(rec, _fill(rec, res, col, target.tokenizer))
+    _wire_times(rec, res)
+    text = "".join(col.texts)
+    counting = asyncio.get_running_loop().create_task(
+        _count_later(rec, col, text, target.tokenizer, recounter)
+    )
+    return Outcome(rec, text, counting)
 
 
-def _fill(
-    rec: ClientRecord,
-    res: StreamResult,
-    col: _Collector,
-    tokenizer: TokenizerLike | None,
-    counted: int | None = None,
-) -> str:
-    """Copy the wire times into the record and settle its token counts; return the text.
-
-    ``counted``: the client re-count of the text, if already made (else made here).
-    """
+def _wire_times(rec: ClientRecord, res: StreamResult) -> None:
     rec.actual_send = res.sent
     rec.first_byte = res.first_byte
     rec.done = res.last_byte
     rec.status = res.status
+
+
+def _fill(
+    rec: ClientRecord, res: StreamResult, col: _Collector, tokenizer: TokenizerLike | None
+) -> str:
+    """Copy the wire times into the record and settle its token counts; return the text."""
+    _wire_times(rec, res)
     text = "".join(col.texts)
-    if counted is None and tokenizer is not None:
+    counted = None
+    if tokenizer is not None:
         counted = len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
+    _settle_counts(rec, col, tokenizer, counted)
+    return text
+
+
+async def _count_later(
+    rec: ClientRecord, col: _Collector, text: str, tokenizer: TokenizerLike, recounter: Recounter
+) -> None:
+    _settle_counts(rec, col, tokenizer, await recounter.count(text))
+
+
+def _settle_counts(
+    rec: ClientRecord, col: _Collector, tokenizer: TokenizerLike | None, counted: int | None
+) -> None:
+    """The record's token counts, given the client re-count (None: no tokenizer)."""
     rec.client_output_tokens = counted
     _finish_counts(rec, col, tokenizer)
-    return text
+    if not rec.stream and rec.chunk_tokens:
+        rec.chunk_tokens[0] = rec.output_tokens
 
 
 def _error(res: Any, col: _Collector, stream: bool, timeout: float | None) -> str | None:

@@ -17,6 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from servelab.bench.client import Outcome, Target, send
 from servelab.bench.http import HttpClient
@@ -99,8 +100,10 @@ class Runner:
         self._on_record = on_record or (lambda r: None)
         self.records: list[ClientRecord] = []
         self.sent = 0
-        # one queue of re-counts for all streams, so a wave of finished requests is spread
+        # one queue of re-counts for all streams, so a wave of finished requests is spread;
+        # a request is recorded once counted, while its stream goes on to the next one
         self._recounter = Recounter(target.tokenizer) if target.tokenizer is not None else None
+        self._counting: set[asyncio.Task[None]] = set()
 
     def _record(self, rec: ClientRecord) -> None:
         self.records.append(rec)
@@ -134,6 +137,7 @@ class Runner:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._counting, return_exceptions=True)  # every record is in
         return StageResult(
             self.stage, start, time.monotonic(), self.sent, self.records, interrupted
         )
@@ -238,8 +242,16 @@ class Runner:
             on_abort=self._record,
             recounter=self._recounter,
         )
-        self._record(outcome.record)
+        if outcome.counting is None:
+            self._record(outcome.record)
+        else:
+            self._counting.add(outcome.counting)
+            outcome.counting.add_done_callback(partial(self._counted, outcome.record))
         return outcome
+
+    def _counted(self, rec: ClientRecord, task: asyncio.Task[None]) -> None:
+        self._counting.discard(task)
+        self._record(rec)  # even if its count failed: a request is never dropped
 
     def _skipped(self, req: PlannedRequest, failed_id: str) -> ClientRecord:
         now = time.monotonic()
