@@ -5,7 +5,9 @@ request (a few microseconds per token, all in one call). In a closed loop many s
 finish together: counted inline, a wave of 200 finished requests held the loop for tens
 of milliseconds, and every stream still running was read (and stamped, if its reads
 coalesced) that much later. Here the counts queue and one runs per loop turn, so the
-loop polls its sockets between any two of them and is held for one count at most.
+loop polls its sockets between any two of them and is held for one count at most. The
+stream does not wait for its count (``client.send`` leaves it in ``Outcome.counting``):
+the runner starts its next request at once and writes the record when it is counted.
 """
 
 from __future__ import annotations
