@@ -320,7 +320,7 @@ class LLMEngine:
             kept += 1
             n_out += 1
             check = n_out >= sp.min_tokens  # vLLM: no stop rule applies before min_tokens
-            if check and (tok in sp.stop_token_ids or (tok in self._eos and not sp.ignore_eos)):
+            if check and (tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self._eos)):
                 reason = FinishReason.STOP  # the stop token's text is not output
                 break
             if detok is not None and detok.add(tok, check):

@@ -162,13 +162,14 @@ class KVCacheManager:
         if num_full <= start:
             return
         keys = self._chain(request_id, token_ids, num_full)[0]
+        blocks, cached = self._blocks, self._cached
         for i in range(start, num_full):
-            block = self._blocks[table[i]]
+            block = blocks[table[i]]
             key = keys[i]
             # Another request may have computed the same content first: keep that copy.
-            if block.key is None and key not in self._cached:
+            # (setdefault hashes the key once; no key maps to a block whose key is None.)
+            if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
                 block.key = key
-                self._cached[key] = block.block_id
         self._num_registered[request_id] = num_full
 
     def reset_prefix_cache(self) -> bool:
@@ -208,8 +209,7 @@ class KVCacheManager:
         for b in prefix:
             self._ref(b)
             table.append(b)
-        for _ in range(need_new):
-            table.append(self._take_block())
+        table += self._take_blocks(need_new)
         return True
 
     def _ref(self, block_id: int) -> None:
@@ -218,15 +218,20 @@ class KVCacheManager:
             del self._evictable[block_id]
         block.ref_count += 1
 
-    def _take_block(self) -> int:
-        block_id, _ = self._evictable.popitem(last=False)
-        block = self._blocks[block_id]
-        if block.key is not None:
-            del self._cached[block.key]
-            block.key = None
-            self.evictions += 1
-        block.ref_count = 1
-        return block_id
+    def _take_blocks(self, n: int) -> list[int]:
+        """Hand out ``n`` blocks from the front of the queue, evicting cached ones."""
+        evictable, blocks = self._evictable, self._blocks
+        taken = []
+        for _ in range(n):
+            block_id, _ = evictable.popitem(last=False)
+            block = blocks[block_id]
+            if block.key is not None:
+                del self._cached[block.key]
+                block.key = None
+                self.evictions += 1
+            block.ref_count = 1
+            taken.append(block_id)
+        return taken
 
     def free(self, request_id: str) -> None:
         """Drop the request's references and forget it (see the module contract)."""
@@ -234,15 +239,16 @@ class KVCacheManager:
         self._hashes.pop(request_id, None)
         self._keys.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        evictable, blocks = self._evictable, self._blocks
         # Tail blocks are the least likely to be shared, so they are freed (and evicted) first.
         for block_id in reversed(table):
-            block = self._blocks[block_id]
+            block = blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._evictable[block_id] = None
+                evictable[block_id] = None
                 if block.key is None:
                     # Holds nothing reusable: hand it out before any cached block.
-                    self._evictable.move_to_end(block_id, last=False)
+                    evictable.move_to_end(block_id, last=False)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""

@@ -20,10 +20,12 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -312,8 +314,9 @@ class Simulation:
                 "the KV pool may be too small for a request (raise num_kv_blocks)"
             )
         client_t = end + self.delay
+        clients = self._clients
         for out in result.outputs:
-            c = self._clients[out.request_id]
+            c = clients[out.request_id]
             rec_c = c.record
             if out.new_token_ids:
                 rec_c.chunk_times.append(client_t)
@@ -359,6 +362,26 @@ class Simulation:
         if orphans:
             raise ValueError(f"requests wait for unknown request ids: {orphans[:3]}")
         self._pump(T0)
+        with _cyclic_gc_paused():
+            self._loop()
+        records = [
+            self._clients[r.request_id].record
+            for r in self.requests
+            if r.request_id in self._clients
+        ]
+        ends = [r.clock.now for r in self.replicas]
+        return SimResult(
+            records=records,
+            timelines=self._timelines,
+            steps=self.steps,
+            replicas=[self._replica_summary(r) for r in self.replicas],
+            topology=self.topology,
+            num_steps=self.num_steps,
+            sim_duration=max([*ends, *(r.done or T0 for r in records)]) - T0,
+        )
+
+    def _loop(self) -> None:
+        """Advance the earliest of the next event and the furthest-behind busy replica."""
         replicas = self.replicas
         events = self._events
         while True:
@@ -383,21 +406,6 @@ class Simulation:
             else:
                 assert busy is not None
                 self._step(busy)
-        records = [
-            self._clients[r.request_id].record
-            for r in self.requests
-            if r.request_id in self._clients
-        ]
-        ends = [r.clock.now for r in replicas]
-        return SimResult(
-            records=records,
-            timelines=self._timelines,
-            steps=self.steps,
-            replicas=[self._replica_summary(r) for r in replicas],
-            topology=self.topology,
-            num_steps=self.num_steps,
-            sim_duration=max([*ends, *(r.done or T0 for r in records)]) - T0,
-        )
 
     def _replica_summary(self, r: Replica) -> dict[str, Any]:
         from dataclasses import asdict
@@ -409,6 +417,24 @@ class Simulation:
             "busy_time": r.executor.busy_time,
             "stats": asdict(r.engine.stats()),
         }
+
+
+@contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (process-wide) for the event loop.
+
+    The loop allocates millions of short-lived objects (plans, outputs, step records)
+    beside a heap that grows with every request; the collector kept walking that heap
+    (about 6% of a whole-trace replay) and found no cycles: reference counting frees
+    everything the loop makes. Any cycle made meanwhile is collected once it resumes.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _merge(prefill: RequestTimeline, decode: RequestTimeline) -> RequestTimeline:

@@ -56,7 +56,9 @@ class SimTarget:
         from servelab.engine.engine import LLMEngine
 
         ex = self.make_executor(clock, seed)
-        return LLMEngine(ex, self.engine_config, tokenizer=None, clock=clock), ex
+        # history=0: the loop takes step records and timelines from each step's result; the
+        # engine's own deques (for /v1/timelines) would only keep 10,000 dead steps alive.
+        return LLMEngine(ex, self.engine_config, tokenizer=None, clock=clock, history=0), ex
 
     def with_engine_args(self, **kwargs: Any) -> SimTarget:
         """The same target with some EngineConfig fields changed (a sweep point)."""
