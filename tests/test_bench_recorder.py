@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from servelab.bench.collect import _decode_reply
-from servelab.bench.recorder import RunDir
+from servelab.bench.recorder import RunDir, read_records
+from servelab.vocab import ClientRecord
 
 
 def test_timelines_are_written_as_sent_one_per_line(tmp_path):
@@ -29,3 +30,37 @@ def test_timelines_are_written_as_sent_one_per_line(tmp_path):
 def test_a_reply_without_timelines_or_steps_reads_as_empty():
     reply = _decode_reply(b"{}")
     assert reply.timelines == [] and reply.steps == []
+
+
+def test_records_read_back_equal_to_what_was_written(tmp_path):
+    done = ClientRecord(
+        request_id="t-r000001",
+        workload_class="chat",
+        intended_send=10.0,
+        actual_send=10.001,
+        input_tokens=200,
+        requested_output_tokens=3,
+        stream=True,
+        session_id="s1",
+        turn=1,
+        prefix_group="g0",
+        stage="rate=2",
+    )
+    done.chunk_times, done.chunk_tokens = [10.1, 10.2, 10.3], [1, 1, 1]
+    done.output_tokens, done.client_output_tokens, done.done = 3, 3, 10.31
+    done.server_timeline = {"request_id": "t-r000001", "token_times": [10.09]}
+    failed = ClientRecord(
+        request_id="t-r000002",
+        workload_class="chat",
+        intended_send=11.0,
+        actual_send=11.0,
+        input_tokens=20,
+        requested_output_tokens=None,
+        stream=False,
+        error="timeout: no complete response within 5s",
+    )
+    rd = RunDir(tmp_path)
+    for rec in (done, failed):
+        rd.add_record(rec)
+    rd.close()
+    assert read_records(tmp_path / "requests.jsonl") == [done, failed]
