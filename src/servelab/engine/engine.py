@@ -310,8 +310,8 @@ class LLMEngine:
         """Apply the stop rules to this step's new tokens and build the request's output."""
         sp = req.sampling_params
         detok = self._detok.get(req.request_id)
-        n_prompt = req.num_prompt_tokens
-        n_out = len(req.token_ids) - n_prompt - len(tokens)  # output tokens before this step
+        n_prompt, n_new = req.num_prompt_tokens, len(tokens)
+        n_out = len(req.token_ids) - n_prompt - n_new  # output tokens before this step
         # Finished by length at max_tokens or when prompt + output fill the context.
         length_limit = min(sp.max_tokens, self.config.max_model_len - n_prompt)
         reason: FinishReason | None = None
@@ -329,8 +329,8 @@ class LLMEngine:
             if n_out >= length_limit:
                 reason = FinishReason.LENGTH
                 break
-        if kept < len(tokens):  # tokens after a stop (speculative decoding) are dropped
-            drop = len(tokens) - kept
+        if kept < n_new:  # tokens after a stop (speculative decoding) are dropped
+            drop = n_new - kept
             del req.token_ids[-drop:]
             del req.timeline.token_times[-drop:]
             tokens = tokens[:kept]

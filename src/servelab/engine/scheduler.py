@@ -370,7 +370,10 @@ class Scheduler:
             tl = req.timeline
             if tl.first_token is None:
                 tl.first_token = end
-            tl.token_times.extend([end] * len(tokens))
+            if len(tokens) == 1:  # the usual case; spares building a one-item list
+                tl.token_times.append(end)
+            else:
+                tl.token_times.extend([end] * len(tokens))
             tl.output_tokens = len(token_ids) - req.num_prompt_tokens
             new_tokens[rid] = tokens
         return new_tokens

@@ -63,15 +63,14 @@ def work_of_plan(plan: BatchPlan, imported: set[str] | frozenset = frozenset()) 
     tokens = prefill = decode = seqs = logits = kv_read = 0
     pairs = 0.0
     for s in plan.seqs:
-        n = len(s.token_ids)
+        drafts = len(s.draft_token_ids)
+        n = len(s.token_ids) + drafts
         start = s.start_pos
-        if s.draft_token_ids:
-            n += len(s.draft_token_ids)
         if imported and s.request_id in imported:
             if not s.sample:
                 continue
             start, n = start + n - 1, 1
-        lg = (1 + len(s.draft_token_ids)) if s.sample else 0
+        lg = 1 + drafts if s.sample else 0
         tokens += n
         seqs += 1
         logits += lg
