@@ -2,10 +2,18 @@
 
 import os
 
-# Decode routes matrix-vector products through OpenBLAS while torch runs the other ops on
-# its OpenMP pool. With OpenMP's default spin-waiting, torch's idle threads hold the cores
-# that OpenBLAS's threads need: a SmolLM2 decode step at 2 threads measured 270 ms spinning
-# vs 45 ms passive (1 thread: 62 ms). It must be set before torch loads, hence here.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from servelab.model import kernel_build
+
+# torch's OpenMP pool runs servelab's CPU kernels and torch's own ops; how its idle threads
+# wait is read once, when torch loads, hence here. Measured on 2 cores, SmolLM2 decode at
+# 2 threads: with the kernels, sleeping at once (PASSIVE) costs a wake-up per kernel call,
+# 50 ms a step, while spinning ~30k iterations first keeps the threads for the next call,
+# 30 ms. Without them (OpenBLAS fallback), any spinning starves OpenBLAS's own threads:
+# 95-270 ms spinning, 53 ms passive. A user's own setting of either variable wins.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    if kernel_build.expected():
+        os.environ["GOMP_SPINCOUNT"] = "30000"
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.rundir import Run
-from servelab.analyze.summary import metric_values, describe
+from servelab.analyze.summary import describe, metric_values
 from servelab.vocab import LATENCY_METRICS, ClientRecord
 
 STATS = ("p50", "p90", "p95", "p99", "mean")

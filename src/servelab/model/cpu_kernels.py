@@ -3,7 +3,7 @@
 Contract:
 - ``available()`` is True when the kernels are built and loaded: an x86-64 CPU with AVX2
   and FMA, a C compiler (``$CC`` or ``cc``) with OpenMP, and ``SERVELAB_CPU_KERNELS`` not
-  set to ``0``. The library is compiled once per source version into
+  set to ``0``. ``kernel_build`` compiles the library once per source version into
   ``$SERVELAB_CACHE_DIR/kernels`` (default ``~/.cache/servelab/kernels``); a failed build
   is reported once as a warning and the callers fall back to numpy/torch.
 - ``linear(x, w, b)``: ``x @ w.T + b`` for fp32 CPU tensors, ``x`` [m, k] and ``w`` [n, k]
@@ -23,19 +23,14 @@ BLAS, so results agree with the torch path to float rounding, not bit for bit.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 
+from servelab.model import kernel_build
+
 MAX_ROWS = 32  # above this, prefill-sized products go to BLAS, which tiles for cache
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 
 enabled = True  # benchmarks flip this to compare against BLAS and torch
 _lib: ctypes.CDLL | None = None
@@ -43,57 +38,15 @@ _tried = False
 _threads = 1
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("SERVELAB_CACHE_DIR") or Path.home() / ".cache" / "servelab"
-    return Path(root) / "kernels"
-
-
-def _cpu_supported() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
-
-
-def _build() -> Path:
-    src = _SOURCE.read_bytes()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (set CC or install gcc)")
-    digest = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernels-{digest}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes never load half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        os.replace(tmp, out)
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"{cc} failed: {e.stderr.strip()[-500:]}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
 def _load() -> ctypes.CDLL | None:
     global _lib, _tried
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("SERVELAB_CPU_KERNELS", "1") == "0" or not _cpu_supported():
+    if os.environ.get("SERVELAB_CPU_KERNELS", "1") == "0" or not kernel_build.cpu_supported():
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(kernel_build.build()))
     except (OSError, RuntimeError) as e:
         warnings.warn(
             f"servelab CPU kernels unavailable ({e}); decode falls back to BLAS and torch",

@@ -1,0 +1,69 @@
+"""Building servelab's CPU kernels (``csrc/cpu_kernels.c``); imports no torch.
+
+Contract:
+- ``expected()``: whether the kernels should be usable here (x86-64 with AVX2 and FMA, a C
+  compiler, ``SERVELAB_CPU_KERNELS`` not ``0``). Cheap: no compilation. ``servelab``'s
+  ``__init__`` uses it to pick the OpenMP wait policy before torch loads.
+- ``build()``: the path of the compiled library, compiling it once per source version into
+  ``$SERVELAB_CACHE_DIR/kernels`` (default ``~/.cache/servelab/kernels``). Raises
+  RuntimeError with the compiler's message when that fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def cpu_supported() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def expected() -> bool:
+    return (
+        os.environ.get("SERVELAB_CPU_KERNELS", "1") != "0"
+        and cpu_supported()
+        and _compiler() is not None
+    )
+
+
+def build() -> Path:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC or install gcc)")
+    src = _SOURCE.read_bytes()
+    digest = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    root = os.environ.get("SERVELAB_CACHE_DIR") or Path.home() / ".cache" / "servelab"
+    out = Path(root) / "kernels" / f"cpu_kernels-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True, capture_output=True, text=True
+        )
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{cc} failed: {e.stderr.strip()[-500:]}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
