@@ -277,3 +277,22 @@ def test_decode_attention_kernel_matches_gathered_sdpa(tiny: LoadedModel) -> Non
         logits.append(runner.logits(plan)[0])
     assert logits[0].shape[0] == 1 + 3 + 1
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_draw_follows_the_weights() -> None:
+    """Inverse-transform sampling: frequencies match the weights (chi-square), a zero
+    weight is never drawn, and a seeded generator repeats its draws."""
+    from scipy.stats import chisquare
+
+    from servelab.model.sampler import draw
+
+    weights = torch.tensor([0.0, 1.0, 2.0, 0.0, 4.0, 1.0])
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(6)
+    for _ in range(4000):
+        counts[draw(weights, gen)] += 1
+    assert counts[0] == counts[3] == 0
+    expected = weights[[1, 2, 4, 5]] / weights.sum() * 4000
+    assert chisquare(counts[[1, 2, 4, 5]].numpy(), expected.numpy()).pvalue > 1e-3
+    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert [draw(weights, a) for _ in range(20)] == [draw(weights, b) for _ in range(20)]

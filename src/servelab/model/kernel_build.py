@@ -58,7 +58,10 @@ def build() -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True, capture_output=True, text=True
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
         )
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:

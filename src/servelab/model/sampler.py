@@ -49,6 +49,16 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(x, dim=-1)
 
 
+def draw(weights: torch.Tensor, gen: torch.Generator) -> int:
+    """One index of ``weights`` (>= 0, any positive sum) with probability proportional to its
+    weight, by inverse transform: one uniform draw. ``torch.multinomial`` draws one
+    exponential per vocabulary entry, ~1.2 ms for 49k entries on this CPU, per sampled
+    sequence per step. An index of weight 0 is never drawn."""
+    cdf = torch.cumsum(weights, 0)
+    u = torch.rand((), generator=gen, device=weights.device) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=weights.numel() - 1))
+
+
 class Sampler:
     """Picks tokens for the sampled sequences of a step. ``seed`` seeds unseeded requests."""
 
@@ -105,8 +115,8 @@ class Sampler:
                 continue
             residual = probs[i].clone()
             residual[draft] = 0.0
-            tokens.append(int(torch.multinomial(residual, 1, generator=gen)))
+            tokens.append(draw(residual, gen))
             return tokens
         gen = self._generator(s.sampling, s.num_output_tokens + len(drafts))
-        tokens.append(int(torch.multinomial(probs[len(drafts)], 1, generator=gen)))
+        tokens.append(draw(probs[len(drafts)], gen))
         return tokens
