@@ -636,6 +636,11 @@ class DisaggClient:
         r.stage, r.deadline = Stage.DECODE, float("inf")
         t = r.transfer
         t.update(received=imp.received, end=imp.end)
+        # The sender's own report (``sent``) comes on the prefill worker's channel and can
+        # arrive after a short decode has already finished; what the receiver counted is
+        # the same, so the record is complete either way.
+        t.setdefault("blocks", imp.num_blocks)
+        t.setdefault("bytes", imp.nbytes)
         t["seconds"] = imp.end - t.get("start", imp.received)
         t["handoff_wait"] = t.get("start", imp.received) - t.get("parked", imp.received)
         self.dmetrics.transfer_ok(
