@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
 
@@ -71,7 +72,7 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
         )
         console.print(t)
     if d.stalls_by_cause:
-        t = Table(title="ITL stalls (gaps >= 3x the request's median) by cause")
+        t = Table(title=f"ITL stalls (gaps >= {STALL_FACTOR:g}x the request's median) by cause")
         t.add_column("cause")
         t.add_column("count", justify="right")
         t.add_column("time lost (s)", justify="right")

@@ -15,6 +15,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
+from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
 from servelab.analyze.rundir import Run
@@ -164,7 +165,9 @@ def findings_html(d: Diagnosis) -> str:
             for c, v in sorted(d.stalls_by_cause.items(), key=lambda kv: -kv[1]["excess_seconds"])
         )
         parts.append(
-            "<h3>ITL stalls by cause</h3><table><tr><th class='l'>cause</th><th>count</th>"
+            f"<h3>ITL stalls by cause</h3><p class='note'>Gaps of {STALL_FACTOR:g}x the "
+            "request's median or more; a finding above may count only the longest ones.</p>"
+            "<table><tr><th class='l'>cause</th><th>count</th>"
             "<th>time lost (s)</th></tr>" + rows + "</table>"
         )
     return "".join(parts)
