@@ -130,8 +130,11 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
     prompt = list(range(100, 100 + prompt_len))
     table = list(range(-(-prompt_len // 16)))
     model_flops_per_token = 2 * sum(m.numel() for m in layer_mats)
-    modes = {"servelab routing": (True, True), "kernels off     ": (True, False)}
-    modes["stock F.linear  "] = (False, False)
+    modes = {
+        "servelab routing": (True, True),
+        "kernels off     ": (True, False),
+        "stock F.linear  ": (False, False),
+    }
     for label, (routed, kernels) in modes.items():
         lin.use_numpy_on_cpu = routed
         cpu_kernels.enabled = kernels

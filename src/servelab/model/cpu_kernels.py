@@ -23,7 +23,6 @@ BLAS, so results agree with the torch path to float rounding, not bit for bit.
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 
 import torch
@@ -43,7 +42,7 @@ def _load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("SERVELAB_CPU_KERNELS", "1") == "0" or not kernel_build.cpu_supported():
+    if not kernel_build.wanted():
         return None
     try:
         lib = ctypes.CDLL(str(kernel_build.build()))

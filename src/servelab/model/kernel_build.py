@@ -34,12 +34,13 @@ def cpu_supported() -> bool:
     return " avx2" in flags and " fma" in flags
 
 
+def wanted() -> bool:
+    """Not switched off (``SERVELAB_CPU_KERNELS=0``) and a CPU they run on."""
+    return os.environ.get("SERVELAB_CPU_KERNELS", "1") != "0" and cpu_supported()
+
+
 def expected() -> bool:
-    return (
-        os.environ.get("SERVELAB_CPU_KERNELS", "1") != "0"
-        and cpu_supported()
-        and _compiler() is not None
-    )
+    return wanted() and _compiler() is not None
 
 
 def build() -> Path:

@@ -149,9 +149,9 @@ def _attention(
     single = len(groups) == 1 and (groups[0].fresh or groups[0].tokens is not None)
     out = None if single else q.new_empty(q.shape)
     for g in groups:
+        if not g.fresh and kv is None:
+            raise ValueError("a paged attention group needs the KV cache")
         if g.tables is not None:
-            if kv is None:
-                raise ValueError("a paged attention group needs the KV cache")
             cpu_kernels.paged_attention(q, kv[0], kv[1], out, g.rows, g.seq, g.pos, g.tables)
             continue
         if g.fresh:
@@ -167,8 +167,6 @@ def _attention(
                 return o
             out[s] = o
             continue
-        if kv is None:
-            raise ValueError("a paged attention group needs the KV cache")
         if g.tokens is not None:
             qg = q[g.tokens].view(g.batch_size, g.max_q, *q.shape[1:])
         else:

@@ -12,8 +12,9 @@ Contract (``servelab.engine.executor.Executor`` plus KV transfer):
   a block's data is one tensor ``[num_layers, 2, block_size, n_kv_heads, head_dim]`` on
   the runner's device.
 - Thread count: ``num_threads`` applies to torch, to OpenBLAS and to servelab's CPU
-  kernels, which the CPU linear layers and decode attention use. None keeps torch's count (all cores by default, or what the caller set with
-  ``torch.set_num_threads`` before building the runner).
+  kernels, which the CPU linear layers and decode attention use. None keeps torch's count
+  (all cores by default, or what the caller set with ``torch.set_num_threads`` before
+  building the runner).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def set_num_threads(num_threads: int | None) -> int:
     threadpool_limits(limits=n, user_api="blas")
     cpu_kernels.set_num_threads(n)
     return n
+
+
+def _padded_table(table: list[int], width: int) -> list[int]:
+    """The first ``width`` block ids of ``table``; past its end, block 0 (padding that
+    attention masks out or never reads)."""
+    return table[:width] + [0] * (width - len(table))
 
 
 class TorchModelRunner:
@@ -212,8 +219,7 @@ class TorchModelRunner:
             rows += range(off, off + n)
             seq += [i] * n
             pos += range(s.start_pos, s.start_pos + n)
-            table = s.block_table[:width]
-            tables.append(table + [0] * (width - len(table)))
+            tables.append(_padded_table(s.block_table, width))
         as_int = {"dtype": torch.int32}
         return AttentionGroup(
             fresh=False,
@@ -252,11 +258,7 @@ class TorchModelRunner:
         else:
             # Blocks past a sequence's table are padding: block 0, masked out.
             g.kv_blocks = torch.tensor(
-                [
-                    b
-                    for s, _, _ in items
-                    for b in (s.block_table[:n_blocks] + [0] * n_blocks)[:n_blocks]
-                ],
+                [b for s, _, _ in items for b in _padded_table(s.block_table, n_blocks)],
                 device=dev,
             )
         if max_q > 1 or any(c != width for c in ctx):
