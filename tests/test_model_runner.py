@@ -279,6 +279,44 @@ def test_decode_attention_kernel_matches_gathered_sdpa(tiny: LoadedModel) -> Non
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_decoder_stack_matches_layer_by_layer(model_type: str, make_tiny_llama) -> None:
+    """All layers in one kernel call (decode steps) against one layer at a time: the same
+    logits and the same K/V written to the cache, with qkv bias (Qwen2) and without, for
+    decodes, a draft run and a short chunk at 1 and 2 threads."""
+    from servelab.model import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels not built here")
+    loaded = load_model(str(make_tiny_llama(model_type=model_type)), device="cpu")
+    texts = ["Hello world! How are you", "Numbers like 12345 and 678", "A paged KV cache"]
+    for threads in (1, 2):
+        logits, caches = [], []
+        for fused in (True, False):
+            runner = make_runner(loaded)
+            cpu_kernels.set_num_threads(threads)
+            runner.model.fuse_decode = fused
+            runner.model._stack = None
+            seqs = [Seq(str(i), prompt(loaded, t), 40 * i) for i, t in enumerate(texts)]
+            for s in seqs:
+                step(runner, [(s, s.chunk(len(s.tokens) - 3, sample=False))])
+            plan = BatchPlan(
+                1,
+                [
+                    seqs[0].chunk(1),
+                    dataclasses.replace(seqs[1].chunk(1), draft_token_ids=seqs[1].tokens[-2:]),
+                    seqs[2].chunk(3),
+                ],
+            )
+            logits.append(runner.logits(plan)[0])
+            assert (runner.model._stack is not None) == fused  # the path under test ran
+            caches.append(runner.kv.clone())
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[0], caches[1], atol=1e-5, rtol=1e-5)
+        assert caches[0].abs().sum() > 0
+    cpu_kernels.set_num_threads(1)
+
+
 def test_draw_follows_the_weights() -> None:
     """Inverse-transform sampling: frequencies match the weights (chi-square), a zero
     weight is never drawn, and a seeded generator repeats its draws."""

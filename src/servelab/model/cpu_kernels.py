@@ -12,6 +12,8 @@ Contract:
   read in place from the paged cache (no gather); see its docstring.
 - ``rms_norm``, ``silu_mul``, ``rope_store``: the per-token glue of a decoder layer, one
   call each (see ``servelab.model.ops``, which picks them or the torch equivalents).
+- ``decoder_stack(...)``: every decoder layer of a few-token batch whose attention is all
+  on the paged kernel, in one call (``LlamaForCausalLM`` uses it for decode steps).
 - ``set_num_threads(n)`` sets the kernels' thread count (the runner's count). The library
   links ``libgomp.so.1``, which resolves to the copy torch already loaded, so the kernels
   and torch's ops share one OpenMP thread pool.
@@ -61,7 +63,9 @@ def _load() -> ctypes.CDLL | None:
     lib.sl_rms_norm.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float, i32]
     lib.sl_silu_mul.argtypes = [p, p, i64, i64, i32]
     lib.sl_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, i32]
-    for f in (lib.sl_rms_norm, lib.sl_silu_mul, lib.sl_rope_store):
+    lib.sl_decoder_stack.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    lib.sl_decoder_stack.argtypes += [p, p, p, p, i64, p, p, p, i64, i64, i32]
+    for f in (lib.sl_rms_norm, lib.sl_silu_mul, lib.sl_rope_store, lib.sl_decoder_stack):
         f.restype = None
     _lib = lib
     return lib
@@ -161,4 +165,48 @@ def rope_store(
     _lib.sl_rope_store(
         qkv.data_ptr(), rows, n_q, n_kv, d, rope.data_ptr(), positions.data_ptr(),
         k_ptr, v_ptr, s_ptr, _threads,
+    )  # fmt: skip
+
+
+# The order of one layer's tensors in ``decoder_stack``'s pointer table (the C struct).
+LAYER_TENSORS = ("ln1", "qkv_w", "qkv_b", "o_w", "ln2", "gate_up_w", "down_w", "k", "v")
+
+
+def layer_table(layers: list[dict[str, torch.Tensor | None]]) -> torch.Tensor:
+    """The pointer table ``decoder_stack`` reads: per layer, the addresses of its
+    ``LAYER_TENSORS`` (fp32, contiguous; ``qkv_b`` may be None). The tensors must outlive
+    every call that uses the table."""
+    ptrs = [0 if t[name] is None else t[name].data_ptr() for t in layers for name in LAYER_TENSORS]
+    return torch.tensor(ptrs, dtype=torch.int64)
+
+
+def decoder_stack(
+    x: torch.Tensor,
+    table: torch.Tensor,
+    n_layers: int,
+    shape: tuple[int, int, int, int, float],
+    rope: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_size: int,
+    rows: torch.Tensor,
+    seq: torch.Tensor,
+    pos: torch.Tensor,
+    tables: torch.Tensor,
+) -> None:
+    """Run ``n_layers`` decoder layers on ``x`` [m, hidden] (contiguous, updated in place
+    to the last layer's output, before the final norm), storing each token's K/V at its
+    ``slots`` (int64) in the caches named by ``table`` (``layer_table``).
+
+    ``shape`` = (n_q, n_kv, head_dim, intermediate, rms eps); ``rope`` [max_pos, d / 2, 2]
+    (cos, sin) at int64 ``positions``; attention as in ``paged_attention``: query token
+    ``rows[t]`` of sequence ``seq[t]`` at ``pos[t]`` over block tables ``tables``.
+    """
+    m, hidden = x.shape
+    n_q, n_kv, d, inter, eps = shape
+    _lib.sl_decoder_stack(
+        x.data_ptr(), m, table.data_ptr(), n_layers, hidden, n_q, n_kv, d, inter, eps,
+        rope.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+        tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
+        block_size, _threads,
     )  # fmt: skip

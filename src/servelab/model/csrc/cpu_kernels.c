@@ -13,6 +13,11 @@
 //   seq[t], whose block table is tables[seq[t] * table_stride ...]; K/V of position p live
 //   at cache[(table[p / bs] * bs + p % bs) * n_kv * d + h * d ...]. The result goes to row
 //   rows[t] of out ([rows, n_q, d], contiguous).
+// sl_decoder_stack: every decoder layer of a few-token batch in one call (see its comment).
+//
+// Each kernel's body is a function with an orphaned `omp for`: called from sl_<name> it
+// runs in that call's own parallel region; called from sl_decoder_stack it shares the
+// stack's one region, so a layer costs barriers between phases instead of thread wake-ups.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -30,7 +35,7 @@ static inline float hsum(__m256 v) {
 // loop is bandwidth-bound and runs two accumulator sets to keep enough FMAs in flight.
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t k,
                                                         const float *w, float *y, int64_t ldy,
-                                                        const int R, const int C) {
+                                                        const int R, const int C, int add) {
     __m256 acc[4][4], acc2[4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
@@ -57,46 +62,53 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
         for (int c = 0; c < C; c++) {
             float s = hsum(r == 0 ? _mm256_add_ps(acc[0][c], acc2[c]) : acc[r][c]);
             for (int64_t j = i; j < k; j++) s += x[r * k + j] * w[c * k + j];
-            y[r * ldy + c] = s;
+            y[r * ldy + c] = add ? y[r * ldy + c] + s : s;
         }
 }
 
 // Weight rows [j0, j1) against all m input rows: 4-row input tiles against 3 weight rows
-// (12 accumulators), the remaining 1-3 input rows against 4 weight rows.
+// (12 accumulators), the remaining 1-3 input rows against 4 weight rows. add: y += x.w^T.
 static void linear_block(const float *x, const float *w, float *y, int64_t m, int64_t n,
-                         int64_t k, int64_t j0, int64_t j1) {
+                         int64_t k, int64_t j0, int64_t j1, int add) {
     int64_t r = 0;
     for (; r + 4 <= m; r += 4) {
         int64_t j = j0;
-        for (; j + 3 <= j1; j += 3) tile(x + r * k, k, w + j * k, y + r * n + j, n, 4, 3);
-        for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 4, 1);
+        for (; j + 3 <= j1; j += 3) tile(x + r * k, k, w + j * k, y + r * n + j, n, 4, 3, add);
+        for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 4, 1, add);
     }
     for (; r < m; r += (m - r >= 2 ? 2 : 1)) {
         const int R = m - r >= 2 ? 2 : 1;
         int64_t j = j0;
         if (R == 2) {
-            for (; j + 4 <= j1; j += 4) tile(x + r * k, k, w + j * k, y + r * n + j, n, 2, 4);
-            for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 2, 1);
+            for (; j + 4 <= j1; j += 4) tile(x + r * k, k, w + j * k, y + r * n + j, n, 2, 4, add);
+            for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 2, 1, add);
         } else {
-            for (; j + 4 <= j1; j += 4) tile(x + r * k, k, w + j * k, y + r * n + j, n, 1, 4);
-            for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 1, 1);
+            for (; j + 4 <= j1; j += 4) tile(x + r * k, k, w + j * k, y + r * n + j, n, 1, 4, add);
+            for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 1, 1, add);
         }
+    }
+}
+
+// y[m, n] (+)= x[m, k] . w[n, k]^T + b: the weight rows split among the team in blocks of
+// 48 (a multiple of both tiles, small enough to balance); add keeps y's values (a residual).
+static void linear_for(const float *x, const float *w, const float *b, float *y, int64_t m,
+                       int64_t n, int64_t k, int add) {
+    const int64_t block = 48;
+    int64_t nblocks = (n + block - 1) / block;
+#pragma omp for schedule(static)
+    for (int64_t bi = 0; bi < nblocks; bi++) {
+        int64_t j0 = bi * block, j1 = j0 + block < n ? j0 + block : n;
+        linear_block(x, w, y, m, n, k, j0, j1, add);
+        if (b)
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t j = j0; j < j1; j++) y[r * n + j] += b[j];
     }
 }
 
 void sl_linear(const float *x, const float *w, const float *b, float *y, int64_t m, int64_t n,
                int64_t k, int num_threads) {
-    // Blocks of 48 weight rows: a multiple of both tiles, and small enough to balance.
-    const int64_t block = 48;
-    int64_t nblocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t bi = 0; bi < nblocks; bi++) {
-        int64_t j0 = bi * block, j1 = j0 + block < n ? j0 + block : n;
-        linear_block(x, w, y, m, n, k, j0, j1);
-        if (b)
-            for (int64_t r = 0; r < m; r++)
-                for (int64_t j = j0; j < j1; j++) y[r * n + j] += b[j];
-    }
+#pragma omp parallel num_threads(num_threads)
+    linear_for(x, w, b, y, m, n, k, 0);
 }
 
 // e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
@@ -217,36 +229,43 @@ static void weighted_values(const float *w, const float *v_cache, const int32_t 
     }
 }
 
+static void attention_for(const float *q, int64_t q_stride, const float *k_cache,
+                          const float *v_cache, const int32_t *tables, int64_t table_stride,
+                          const int32_t *rows, const int32_t *seq, const int32_t *pos,
+                          int64_t N, float *out, int64_t n_q, int64_t n_kv, int64_t d,
+                          int64_t bs, float scale) {
+    const int64_t group = n_q / n_kv;
+    const int64_t row = n_kv * d;  // floats per cached position
+    float *s = NULL;
+    int64_t cap = 0;
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < N * n_kv; item++) {
+        int64_t t = item / n_kv, h = item % n_kv, len = (int64_t)pos[t] + 1;
+        const int32_t *table = tables + (int64_t)seq[t] * table_stride;
+        if (len * group > cap) {
+            free(s);
+            cap = len * group;
+            s = (float *)malloc(sizeof(float) * cap);
+        }
+        const float *qh = q + (int64_t)rows[t] * q_stride + h * group * d;
+        float *o = out + ((int64_t)rows[t] * n_q + h * group) * d;
+        scores(qh, k_cache + h * d, table, bs, row, d, len, scale, s, group);
+        for (int64_t g = 0; g < group; g++) {
+            softmax(s + g * len, len);
+            weighted_values(s + g * len, v_cache + h * d, table, bs, row, d, len, o + g * d);
+        }
+    }
+    free(s);
+}
+
 void sl_paged_attention(const float *q, int64_t q_stride, const float *k_cache,
                         const float *v_cache, const int32_t *tables, int64_t table_stride,
                         const int32_t *rows, const int32_t *seq, const int32_t *pos, int64_t N,
                         float *out, int64_t n_q, int64_t n_kv, int64_t d, int64_t bs,
                         float scale, int num_threads) {
-    const int64_t group = n_q / n_kv;
-    const int64_t row = n_kv * d;  // floats per cached position
 #pragma omp parallel num_threads(num_threads)
-    {
-        float *s = NULL;
-        int64_t cap = 0;
-#pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < N * n_kv; item++) {
-            int64_t t = item / n_kv, h = item % n_kv, len = (int64_t)pos[t] + 1;
-            const int32_t *table = tables + (int64_t)seq[t] * table_stride;
-            if (len * group > cap) {
-                free(s);
-                cap = len * group;
-                s = (float *)malloc(sizeof(float) * cap);
-            }
-            const float *qh = q + (int64_t)rows[t] * q_stride + h * group * d;
-            float *o = out + ((int64_t)rows[t] * n_q + h * group) * d;
-            scores(qh, k_cache + h * d, table, bs, row, d, len, scale, s, group);
-            for (int64_t g = 0; g < group; g++) {
-                softmax(s + g * len, len);
-                weighted_values(s + g * len, v_cache + h * d, table, bs, row, d, len, o + g * d);
-            }
-        }
-        free(s);
-    }
+    attention_for(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq, pos, N, out,
+                  n_q, n_kv, d, bs, scale);
 }
 
 // ---- the per-token glue between the matrix products --------------------------------
@@ -254,9 +273,9 @@ void sl_paged_attention(const float *q, int64_t q_stride, const float *k_cache,
 // dispatch cost, not their arithmetic, is what a step pays for.
 
 // out[r] = x[r] / rms(x[r]) * w, rows of x x_stride floats apart.
-void sl_rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows,
-                 int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+static void rms_norm_for(const float *x, int64_t x_stride, const float *w, float *out,
+                         int64_t rows, int64_t dim, float eps) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *o = out + r * dim;
@@ -276,9 +295,17 @@ void sl_rms_norm(const float *x, int64_t x_stride, const float *w, float *out, i
     }
 }
 
+// The glue's own parallel regions only open for many rows: for a few, waking the team
+// costs more than the work.
+void sl_rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows,
+                 int64_t dim, float eps, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows > 8)
+    rms_norm_for(x, x_stride, w, out, rows, dim, eps);
+}
+
 // out[r, i] = silu(gu[r, i]) * gu[r, inter + i]: SwiGLU on the fused gate/up product.
-void sl_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+static void silu_mul_for(const float *gu, float *out, int64_t rows, int64_t inter) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
@@ -293,14 +320,19 @@ void sl_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int n
     }
 }
 
+void sl_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows > 8)
+    silu_mul_for(gu, out, rows, inter);
+}
+
 // Rotary embedding in place on the q and k heads of each token's fused qkv row (heads'
 // rotary pairs adjacent: (2i, 2i + 1), as the loader lays them out), then the token's k
 // and v are stored at its cache slot. rope is [max_pos, d / 2] of (cos, sin) pairs.
-void sl_rope_store(float *qkv, int64_t rows, int64_t n_q, int64_t n_kv, int64_t d,
-                   const float *rope, const int64_t *positions, float *k_cache,
-                   float *v_cache, const int64_t *slots, int num_threads) {
+static void rope_store_for(float *qkv, int64_t rows, int64_t n_q, int64_t n_kv, int64_t d,
+                           const float *rope, const int64_t *positions, float *k_cache,
+                           float *v_cache, const int64_t *slots) {
     const int64_t width = (n_q + 2 * n_kv) * d, rot = (n_q + n_kv) * d;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *row = qkv + r * width;
         const float *cs = rope + positions[r] * d;  // d / 2 pairs of 2 floats
@@ -318,4 +350,55 @@ void sl_rope_store(float *qkv, int64_t rows, int64_t n_q, int64_t n_kv, int64_t 
             }
         }
     }
+}
+
+void sl_rope_store(float *qkv, int64_t rows, int64_t n_q, int64_t n_kv, int64_t d,
+                   const float *rope, const int64_t *positions, float *k_cache,
+                   float *v_cache, const int64_t *slots, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows > 8)
+    rope_store_for(qkv, rows, n_q, n_kv, d, rope, positions, k_cache, v_cache, slots);
+}
+
+// ---- a whole decoder stack per call ------------------------------------------------
+// A few-token step (decode, drafts, short chunks: every token's attention on the paged
+// kernel) pays per layer ~10 kernel calls from Python, each with its own team wake-up;
+// at batch 1 that was ~7 ms of a ~30 ms step. Here all layers run in one parallel
+// region, phases separated by barriers.
+
+// One layer's tensors, in this order (the caller passes n_layers of these back to back).
+typedef struct {
+    const float *ln1, *qkv_w, *qkv_b, *o_w, *ln2, *gate_up_w, *down_w;
+    float *k_cache, *v_cache;  // [num_blocks, bs, n_kv, d]
+} layer_ptrs;
+
+// x [m, hidden] (the embedded tokens) becomes the last layer's output, before the final
+// norm. qkv_b may be NULL. Token r is at positions[r] and stores its K/V at slots[r];
+// attention as in sl_paged_attention over the N query tokens rows/seq/pos (normally
+// every token of the batch).
+void sl_decoder_stack(float *x, int64_t m, const layer_ptrs *layers, int64_t n_layers,
+                      int64_t hidden, int64_t n_q, int64_t n_kv, int64_t d, int64_t inter,
+                      float eps, const float *rope, const int64_t *positions,
+                      const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                      const int32_t *rows, const int32_t *seq, const int32_t *pos, int64_t N,
+                      int64_t bs, int num_threads) {
+    const int64_t width = (n_q + 2 * n_kv) * d;
+    const float scale = 1.0f / sqrtf((float)d);
+    float *h = malloc(sizeof(float) * m * hidden), *qkv = malloc(sizeof(float) * m * width);
+    float *att = malloc(sizeof(float) * m * n_q * d);
+    float *gu = malloc(sizeof(float) * m * 2 * inter), *act = malloc(sizeof(float) * m * inter);
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t l = 0; l < n_layers; l++) {
+        const layer_ptrs *L = layers + l;
+        rms_norm_for(x, hidden, L->ln1, h, m, hidden, eps);
+        linear_for(h, L->qkv_w, L->qkv_b, qkv, m, width, hidden, 0);
+        rope_store_for(qkv, m, n_q, n_kv, d, rope, positions, L->k_cache, L->v_cache, slots);
+        attention_for(qkv, width, L->k_cache, L->v_cache, tables, table_stride, rows, seq, pos,
+                      N, att, n_q, n_kv, d, bs, scale);
+        linear_for(att, L->o_w, NULL, x, m, hidden, n_q * d, 1);
+        rms_norm_for(x, hidden, L->ln2, h, m, hidden, eps);
+        linear_for(h, L->gate_up_w, NULL, gu, m, 2 * inter, hidden, 0);
+        silu_mul_for(gu, act, m, inter);
+        linear_for(act, L->down_w, NULL, x, m, hidden, inter, 1);
+    }
+    free(h), free(qkv), free(att), free(gu), free(act);
 }
