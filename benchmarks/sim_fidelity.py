@@ -2,6 +2,7 @@
 and run those for real in the same session.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--rate 0.3] [--requests 12] [--source runs|grid]
+        [--reuse runs/fidelity-...]
 
 1. ``servelab bench`` runs the training workloads for real (the embedded server, the
    default model) and ``servelab profile --from-run`` turns their steps into a profile
@@ -13,6 +14,9 @@ and run those for real in the same session.
    percentiles, 5% on throughput), and writes ``fidelity.json``. Beside it, an in-sample
    control: the same run simulated on a profile of its own steps, which separates what
    the simulator gets wrong from how much the machine's speed drifted between runs.
+
+``--reuse DIR`` takes the real runs from an earlier output directory and redoes only the
+profiles and simulations (seconds): for working on the simulator against fixed real runs.
 
 Real runs on a 2-core machine shared with other work are slow and noisy: keep the rate
 and request counts small, and quote the figures as provisional.
@@ -93,18 +97,25 @@ def main() -> None:
     ap.add_argument("--source", choices=("runs", "grid"), default="runs")
     ap.add_argument("--grid", default="default", help="grid for --source grid (default, quick)")
     ap.add_argument("--out", default=f"runs/fidelity-{time.strftime('%Y%m%d-%H%M%S')}")
+    ap.add_argument("--reuse", metavar="DIR", help="real runs from this earlier --out")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
+    def real_run(name: str, workload: str) -> Path:
+        if a.reuse:
+            d = Path(a.reuse) / name
+            if not (d / "steps.jsonl").is_file():
+                raise SystemExit(f"--reuse: no real run at {d}")
+            return d
+        d = out / name
+        run([*SERVELAB, "bench", *load_args(a, workload), "--out", str(d), "--quiet"])
+        return d
+
     profile = out / "profile.json"
     if a.source == "runs":
-        train_dirs = []
-        for w in a.train.split(","):
-            d = out / f"train-{w}"
-            run([*SERVELAB, "bench", *load_args(a, w), "--out", str(d), "--quiet"])
-            train_dirs.append(str(d))
+        train_dirs = [str(real_run(f"train-{w}", w)) for w in a.train.split(",")]
         from_runs = [arg for d in train_dirs for arg in ("--from-run", d)]
         run([*SERVELAB, "profile", *from_runs, "--out", str(profile)])
     else:
@@ -112,8 +123,7 @@ def main() -> None:
 
     results = {}
     for w in a.heldout.split(","):
-        real, sim = out / f"real-{w}", out / f"sim-{w}"
-        run([*SERVELAB, "bench", *load_args(a, w), "--out", str(real), "--quiet"])
+        real, sim = real_run(f"real-{w}", w), out / f"sim-{w}"
         run([*SERVELAB, "sim", "--profile", str(profile), *load_args(a, w), "--out", str(sim)])
         # In-sample control: a profile made of this very run's steps. Its error is what the
         # simulator itself gets wrong (scheduling, client, interpolation); the held-out error

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from servelab.engine.plan import BatchPlan, StepOutput
@@ -54,6 +55,8 @@ class SimExecutor:
     from a seeded generator). Placeholders cycle through ``placeholder_ids`` and are
     never an EOS id, so requests end by ``max_tokens``. Request ids in ``imported``
     had their prompt KV transferred in (disaggregated decode) and pay no prefill.
+    With ``step_noise`` (a :class:`~servelab.sim.noise.NoiseSampler`), each step's
+    predicted time is multiplied by its next factor.
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class SimExecutor:
         placeholder_ids: list[int] | None = None,
         spec_acceptance: float = 0.7,
         seed: int = 0,
+        step_noise: Callable[[], float] | None = None,
     ) -> None:
         self.cost_model = cost_model
+        self.step_noise = step_noise
         self.clock = clock
         self.max_model_len = max_model_len
         self.eos_token_ids = list(eos_token_ids or [])
@@ -90,7 +95,8 @@ class SimExecutor:
         self.num_blocks = num_blocks
 
     def predict(self, plan: BatchPlan) -> float:
-        return self.cost_model.predict(work_of_plan(plan, self.imported))
+        dt = self.cost_model.predict(work_of_plan(plan, self.imported))
+        return dt if self.step_noise is None else dt * self.step_noise()
 
     def _sample(self, plan: BatchPlan) -> dict[str, list[int]]:
         ph = self._placeholders

@@ -13,7 +13,9 @@ carries the weight-bound matmuls, whose cost is far from linear at small row cou
 on this CPU (ANCHORS.md); the linear terms carry attention, per-sequence work and the
 LM head. Every coefficient is non-negative (non-negative least squares, relative
 error weighting), so predictions grow with work. The engine's own per-step time
-(``meta["overhead"]``: ``per_step + per_seq * seqs``) is added on top.
+(``meta["overhead"]``: ``per_step + per_seq * seqs``) is added on top. A table from real
+runs also carries how far steps strayed from this fit (``meta["step_noise"]``,
+:mod:`servelab.sim.noise`); the executor applies it, so ``predict`` stays the typical time.
 """
 
 from __future__ import annotations
@@ -126,7 +128,6 @@ class ProfiledCostModel:
                 "(re-run `servelab profile`)"
             )
         self.table = table
-        self._overhead_step = self._overhead_seq = 0.0
         self.knots = _knots([s.work.tokens for s in table.samples])
         k = len(self.knots)
         rows = []
@@ -158,20 +159,26 @@ class ProfiledCostModel:
         last = (g[-1] - g[-2]) / (kn[-1] - kn[-2]) if k > 1 else g[0] / max(kn[0], 1.0)
         overall = (g[-1] - g[0]) / (kn[-1] - kn[0]) if k > 1 else last
         self._tail_slope = max(last, overall, 0.0)
-        errs = [abs(self.predict(s.work) - s.time) / s.time for s in table.samples if s.time > 0]
+        errs = [
+            abs(self.interpolate(s.work) - s.time) / s.time for s in table.samples if s.time > 0
+        ]
         self.fit_error = float(np.median(errs)) if errs else math.nan
-        # The engine's own time around each step (servelab.sim.profiler), added afterwards so
-        # that fit_error measures the interpolation alone.
+        # The engine's own time around each step (servelab.sim.profiler).
         overhead = table.meta.get("overhead", {})
         self._overhead_step = float(overhead.get("per_step", 0.0))
         self._overhead_seq = float(overhead.get("per_seq", 0.0))
         self.name = f"profile:{table.device}:{table.model}"
 
     def predict(self, w: StepWork) -> float:
-        t = self._overhead_step + self._overhead_seq * w.seqs
+        """The step's time: the engine's overhead around it plus :meth:`interpolate`."""
+        return self._overhead_step + self._overhead_seq * w.seqs + self.interpolate(w)
+
+    def interpolate(self, w: StepWork) -> float:
+        """The fitted executor time alone (what the table's samples measured)."""
         if w.tokens > self.knots[-1]:
-            t += self.g[-1] + self._tail_slope * (w.tokens - self.knots[-1])
+            t = self.g[-1] + self._tail_slope * (w.tokens - self.knots[-1])
         else:
+            t = 0.0
             for i, wt in _hat(self.knots, w.tokens):
                 t += wt * self.g[i]
         c = self.coef

@@ -132,8 +132,6 @@ def measure_engine_overhead(
     engine: Any, requests: int = 6, prompt: int = 48, output: int = 24
 ) -> dict[str, float]:
     """Per-step engine time outside the executor on a short real run: ``per_step + per_seq * seqs``."""
-    import numpy as np
-
     runner = engine.executor
     spent: list[float] = []
     real_execute = runner.execute
@@ -161,10 +159,21 @@ def measure_engine_overhead(
     finally:
         runner.execute = real_execute
         engine.reset_prefix_cache()
+    return fit_overhead(rows)
+
+
+def fit_overhead(rows: list[tuple[int, float]]) -> dict[str, float]:
+    """``per_step + per_seq * seqs`` fitted to ``(seqs, seconds)`` rows by least squares
+    (the mean, which is what every step pays on average); the median with no per-sequence
+    term when the slope comes out negative or there are too few rows to fit one."""
+    import numpy as np
+
+    if not rows:
+        return {"per_step": 0.0, "per_seq": 0.0, "steps": 0}
     x = np.array([[1.0, s] for s, _ in rows])
     y = np.array([o for _, o in rows])
     (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-    if b < 0:
+    if b < 0 or len(rows) < 3:
         a, b = float(np.median(y)), 0.0
     return {"per_step": max(float(a), 0.0), "per_seq": float(b), "steps": len(rows)}
 
@@ -222,24 +231,35 @@ def profile(
 def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> ProfileTable:
     """A profile made of the steps of real runs ("profile on one set of workloads").
 
-    Each recorded step becomes a sample (its rebuilt work and its duration); the engine's
-    overhead is the busy gap between steps (``replay.busy_gap``). The KV layout, context
-    and engine config come from the first run's manifest when it recorded them.
+    Each recorded step becomes a sample (its rebuilt work and its duration). The overhead
+    is fitted to the busy gaps between steps (``replay.busy_gaps``) against the sequences
+    of the step before; the step noise (``sim.noise``) is measured from each step's duration
+    over the fitted model's, in step order. The KV layout, context and engine config come
+    from the first run's manifest when it recorded them.
     """
     from servelab.analyze.rundir import load_run
-    from servelab.sim.replay import busy_gap, measured_steps
+    from servelab.sim.noise import StepNoise
+    from servelab.sim.profiled import ProfiledCostModel
+    from servelab.sim.replay import busy_gaps, measured_steps
 
-    samples: list[ProfileSample] = []
-    gaps: list[float] = []
+    per_run: list[list[ProfileSample]] = []
+    gaps: list[tuple[int, float]] = []
     meta: dict[str, Any] = {"from_runs": list(run_dirs)}
     for d in run_dirs:
         run = load_run(d)
         steps = measured_steps(run)
-        samples += [ProfileSample(m.work, m.duration) for m in steps if m.duration > 0]
-        gaps.append(busy_gap(steps))
+        per_run.append([ProfileSample(m.work, m.duration) for m in steps if m.duration > 0])
+        gaps += busy_gaps(steps)
         if "engine_config" not in meta and run.engine_config:
             meta["engine_config"] = {
                 k: v for k, v in run.engine_config.items() if k in EngineConfig.__dataclass_fields__
             }
-    meta["overhead"] = {"per_step": statistics.median(gaps), "per_seq": 0.0}
-    return ProfileTable(model=model, device=device, samples=samples, meta=meta)
+    table = ProfileTable(model, device, [s for run in per_run for s in run], meta)
+    fitted = ProfiledCostModel(table)
+    noise = StepNoise.measure(
+        [[s.time / fitted.interpolate(s.work) for s in run] for run in per_run]
+    )
+    if noise is not None:
+        meta["step_noise"] = noise.to_dict()
+    meta["overhead"] = fit_overhead(gaps)
+    return table

@@ -8,6 +8,7 @@ context of each sequence in each step, hence its :class:`StepWork`.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass
 
@@ -71,8 +72,20 @@ def measured_steps(run: Run) -> list[MeasuredStep]:
     return out
 
 
+def busy_gaps(steps: list[MeasuredStep], idle_threshold: float = 0.05) -> list[tuple[int, float]]:
+    """``(sequences in the step before, gap)`` for every gap between one step's end and the
+    next one's start while the engine is busy (gaps above ``idle_threshold`` seconds are
+    idle time, not overhead). The gap holds the engine's and the server's work on the
+    step's outputs (stop rules, detokenization, one stream write per sequence) and the
+    scheduling of the next step."""
+    return [
+        (prev.work.seqs, m.gap)
+        for prev, m in itertools.pairwise(steps)
+        if m.gap is not None and 0 <= m.gap < idle_threshold
+    ]
+
+
 def busy_gap(steps: list[MeasuredStep], idle_threshold: float = 0.05) -> float:
-    """Median time between one step's end and the next one's start while the engine is
-    busy (gaps above ``idle_threshold`` seconds are idle time, not overhead)."""
-    gaps = [m.gap for m in steps if m.gap is not None and 0 <= m.gap < idle_threshold]
+    """Median of :func:`busy_gaps` (0 when there is none)."""
+    gaps = [g for _, g in busy_gaps(steps, idle_threshold)]
     return statistics.median(gaps) if gaps else 0.0

@@ -14,6 +14,7 @@ from servelab.engine.config import EngineConfig
 from servelab.sim.executor import CostModel, PacedExecutor, SimExecutor, VirtualClock
 from servelab.sim.hardware import Hardware, get_hardware
 from servelab.sim.modelspec import ModelSpec, load_model_spec
+from servelab.sim.noise import StepNoise
 from servelab.sim.profiled import ProfiledCostModel, ProfileTable
 from servelab.sim.roofline import Efficiency, RooflineCostModel
 
@@ -23,7 +24,8 @@ class SimTarget:
     """One replica's cost model, engine config and model facts.
 
     ``kv_bytes_per_token`` is per device: it sizes the KV pool (through the engine's own
-    ``kv_cache_memory_gb`` rule) and the disaggregated KV transfer.
+    ``kv_cache_memory_gb`` rule) and the disaggregated KV transfer. ``step_noise``, when
+    measured, varies each step's time as real steps vary (one seeded series per replica).
     """
 
     cost_model: CostModel
@@ -34,6 +36,7 @@ class SimTarget:
     eos_token_ids: list[int] = field(default_factory=list)
     placeholder_ids: list[int] = field(default_factory=lambda: [1000])
     spec_acceptance: float = 0.7
+    step_noise: StepNoise | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def make_executor(self, clock: VirtualClock | None = None, seed: int = 0) -> SimExecutor:
@@ -46,6 +49,7 @@ class SimTarget:
             "placeholder_ids": self.placeholder_ids,
             "spec_acceptance": self.spec_acceptance,
             "seed": seed,
+            "step_noise": self.step_noise.sampler(seed) if self.step_noise else None,
         }
         if clock is None:
             return PacedExecutor(self.cost_model, **kwargs)
@@ -133,6 +137,7 @@ def profile_target(
         spec = load_model_spec(t.model)
         kv, max_len = spec.kv_bytes_per_token(4), spec.max_model_len
     cfg = engine_config or EngineConfig(**meta.get("engine_config", {}))
+    noise = meta.get("step_noise")
     return SimTarget(
         cost_model=ProfiledCostModel(t),
         engine_config=cfg,
@@ -140,5 +145,6 @@ def profile_target(
         kv_bytes_per_token=kv,
         label=f"profile:{t.device}:{t.model}",
         eos_token_ids=list(meta.get("eos_token_ids", [])),
+        step_noise=StepNoise.from_dict(noise) if noise else None,
         info={"profile_device": t.device, "model": t.model},
     )
