@@ -9,11 +9,13 @@ import statistics
 
 import pytest
 
+from servelab.analyze.rundir import load_run
 from servelab.bench.plan import LoadSpec
 from servelab.engine.config import EngineConfig
 from servelab.sim.noise import StepNoise
 from servelab.sim.profiled import ProfileSample, ProfileTable
 from servelab.sim.profiler import fit_overhead, table_from_runs
+from servelab.sim.replay import measured_steps
 from servelab.sim.rundir import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
 from servelab.sim.target import profile_target
@@ -40,15 +42,17 @@ def test_step_noise_measures_spread_and_correlation_and_replays_them():
     noise = StepNoise.measure(runs)
     assert noise is not None and noise.steps == 1800
     q = noise.log_quantiles
-    # The quartiles of N(0, 0.1) are at -/+0.0674; quantile 10 of 40 is 25%.
-    assert q[10] == pytest.approx(-0.0674, abs=0.015) and q[30] == pytest.approx(0.0674, abs=0.015)
+    # The quartiles of N(0, 0.1) are at -/+0.0674 (quantiles 25 and 75 of 0..100 sit at
+    # 25.25% and 74.75%).
+    assert q[25] == pytest.approx(-0.0674, abs=0.015) and q[75] == pytest.approx(0.0674, abs=0.015)
     assert noise.autocorr == pytest.approx(0.7, abs=0.06)
 
     draw = noise.sampler(seed=0)
     logs = [math.log(draw()) for _ in range(20000)]
     assert statistics.pstdev(logs) == pytest.approx(0.1, rel=0.1)
     assert _lag1(logs) == pytest.approx(0.7, abs=0.05)
-    assert min(logs) >= q[0] and max(logs) <= q[-1]  # never outside what was measured
+    # Never outside the stored quantiles: the 0.5% on each side are clipped to them.
+    assert q[0] - 1e-12 <= min(logs) and max(logs) <= q[-1] + 1e-12
 
     again, other = noise.sampler(seed=0), noise.sampler(seed=1)
     first = [again() for _ in range(5)]
@@ -108,19 +112,47 @@ def test_simulated_steps_vary_as_measured_and_stay_deterministic(tmp_path):
     noisy, res = _itls(target)
     again, _ = _itls(profile_target(_table(noise)))
     assert noisy == again  # seeded per replica
-    # The typical step time is unchanged; the spread is the measured one.
+    # The typical step time is unchanged.
     assert statistics.fmean(noisy) == pytest.approx(statistics.fmean(plain), rel=0.05)
-    q = statistics.quantiles
-    spread = q(noisy, n=20)[17] / q(noisy, n=20)[1]
-    assert spread > 1.2 * (q(plain, n=20)[17] / q(plain, n=20)[1])
 
-    # A run directory of the noisy simulation measures back to about the same noise.
+    # Each step strays from the cost model as measured, and alike its neighbour.
     run = write_run_dir(tmp_path / "run", res, target=target.describe(), n_boot=0)
+    steps = measured_steps(load_run(run))
+    logs = [math.log(m.duration / target.cost_model.predict(m.work)) for m in steps]
+    assert statistics.pstdev(logs) == pytest.approx(0.12, rel=0.2)
+    assert _lag1(logs) == pytest.approx(0.6, abs=0.1)
+    # And a profile made from that run measures about the same noise back.
     table = table_from_runs([str(run)], "smollm2-135m")
     back = StepNoise.from_dict(table.meta["step_noise"])
-    assert back.log_quantiles[30] - back.log_quantiles[10] == pytest.approx(
-        noise.log_quantiles[30] - noise.log_quantiles[10], rel=0.3
+    assert back.log_quantiles[75] - back.log_quantiles[25] == pytest.approx(
+        noise.log_quantiles[75] - noise.log_quantiles[25], rel=0.2
     )
     # The simulator's steps are back to back (its overhead is inside each step).
     assert table.meta["overhead"]["per_step"] == pytest.approx(0.0, abs=1e-9)
     assert EngineConfig(**table.meta["engine_config"]).max_num_seqs == 16
+
+
+def test_resend_divergence_is_drawn_per_request_and_measured_back(tmp_path):
+    import dataclasses
+
+    from servelab.sim import history
+    from servelab.sim.target import roofline_target
+
+    draws = [history.divergence_at(0.01, f"r{i}") for i in range(4000)]
+    assert statistics.fmean(draws) == pytest.approx(99, rel=0.1)  # geometric: (1 - p) / p
+    assert draws[:50] == [history.divergence_at(0.01, f"r{i}") for i in range(50)]
+    assert history.divergence_at(0.0, "r0") == math.inf
+
+    target = roofline_target("h200", "llama-3.1-8b", engine_config=EngineConfig(max_num_seqs=64))
+    load = LoadSpec(rate=4.0, requests=80)
+    measured = {}
+    for p in (0.0, 0.004):
+        reqs, _, _ = load_requests("agent", load, 0, 8192, resend_divergence=p)
+        t = dataclasses.replace(target, resend_divergence=p)
+        res = simulate(Scenario(t, reqs))
+        run = write_run_dir(tmp_path / f"p{p}", res, target=t.describe(), n_boot=0)
+        measured[p] = history.measure([load_run(run)])
+    exact, lossy = measured[0.0], measured[0.004]
+    assert exact is not None and exact["turns"] > 100 and exact["diverged"] == 0
+    assert lossy is not None and lossy["diverged"] > 50
+    assert lossy["per_token"] == pytest.approx(0.004, rel=0.25)

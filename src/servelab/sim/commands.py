@@ -243,7 +243,9 @@ def sim(
             length_scale=length_scale,
         )
         max_len = target.engine_config.max_model_len or target.max_model_len
-        reqs, info, slos = load_requests(workload, load, seed, max_len, endpoint)
+        reqs, info, slos = load_requests(
+            workload, load, seed, max_len, endpoint, resend_divergence=target.resend_divergence
+        )
         if slo is not None:
             override = SLO.parse(slo)
             slos = {k: v.merged(override) for k, v in slos.items()} if slos else override
@@ -372,7 +374,12 @@ def _capacity(
 
         def at_rate(r: float) -> Any:
             reqs, _, _ = load_requests(
-                workload, dataclasses.replace(load, rate=r), seed, max_len, endpoint
+                workload,
+                dataclasses.replace(load, rate=r),
+                seed,
+                max_len,
+                endpoint,
+                resend_divergence=scenario.target.resend_divergence,
             )
             return simulate(dataclasses.replace(scenario, requests=reqs), keep_steps=False)
 

@@ -22,14 +22,18 @@ import random
 from dataclasses import dataclass
 from statistics import NormalDist
 
-QUANTILES = 41  # stored quantiles of the log ratio, at 0, 2.5%, ..., 100%
+# Stored quantiles of the log ratio: QUANTILES of them, evenly spaced in probability from
+# TAIL to 1 - TAIL. The extremes are left out: a single stalled step among a thousand
+# would otherwise stretch the whole last interval of the table.
+QUANTILES = 101
+TAIL = 0.005
 _STD = NormalDist()
 
 
 @dataclass(frozen=True)
 class StepNoise:
     """``log_quantiles``: quantiles of log(measured / predicted) at evenly spaced
-    probabilities from 0 to 1; ``autocorr``: lag-1 correlation of consecutive steps
+    probabilities from ``TAIL`` to ``1 - TAIL``; ``autocorr``: lag-1 correlation of consecutive steps
     (of their normal scores); ``steps``: how many steps it was measured on."""
 
     log_quantiles: tuple[float, ...]
@@ -44,7 +48,8 @@ class StepNoise:
         n = len(pooled)
         if n < 20:
             return None
-        quantiles = tuple(_interp(pooled, q * (n - 1) / (QUANTILES - 1)) for q in range(QUANTILES))
+        probs = [TAIL + (1 - 2 * TAIL) * i / (QUANTILES - 1) for i in range(QUANTILES)]
+        quantiles = tuple(_interp(pooled, p * (n - 1)) for p in probs)
         # Normal scores (ranks through the Gaussian quantile), so that the correlation is the
         # latent AR(1) coefficient whatever the shape of the distribution.
         rank = {x: i for i, x in enumerate(pooled)}
@@ -87,7 +92,8 @@ class NoiseSampler:
 
     def __call__(self) -> float:
         self._z = self._phi * self._z + self._innov * self._rng.gauss(0.0, 1.0)
-        return math.exp(_interp(self._q, _STD.cdf(self._z) * self._last))
+        pos = (_STD.cdf(self._z) - TAIL) / (1 - 2 * TAIL) * self._last
+        return math.exp(_interp(self._q, min(max(pos, 0.0), self._last)))
 
 
 def _interp(values: list[float] | tuple[float, ...], pos: float) -> float:

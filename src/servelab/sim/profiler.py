@@ -234,10 +234,12 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
     Each recorded step becomes a sample (its rebuilt work and its duration). The overhead
     is fitted to the busy gaps between steps (``replay.busy_gaps``) against the sequences
     of the step before; the step noise (``sim.noise``) is measured from each step's duration
-    over the fitted model's, in step order. The KV layout, context and engine config come
-    from the first run's manifest when it recorded them.
+    over the fitted model's, in step order, and the resent-history divergence
+    (``sim.history``) from the sessions' prefix hits. The KV layout, context and engine
+    config come from the first run's manifest when it recorded them.
     """
     from servelab.analyze.rundir import load_run
+    from servelab.sim import history
     from servelab.sim.noise import StepNoise
     from servelab.sim.profiled import ProfiledCostModel
     from servelab.sim.replay import busy_gaps, measured_steps
@@ -245,8 +247,8 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
     per_run: list[list[ProfileSample]] = []
     gaps: list[tuple[int, float]] = []
     meta: dict[str, Any] = {"from_runs": list(run_dirs)}
-    for d in run_dirs:
-        run = load_run(d)
+    runs = [load_run(d) for d in run_dirs]
+    for run in runs:
         steps = measured_steps(run)
         per_run.append([ProfileSample(m.work, m.duration) for m in steps if m.duration > 0])
         gaps += busy_gaps(steps)
@@ -261,5 +263,8 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
     )
     if noise is not None:
         meta["step_noise"] = noise.to_dict()
+    resend = history.measure(runs)
+    if resend is not None:
+        meta["resend_divergence"] = resend
     meta["overhead"] = fit_overhead(gaps)
     return table

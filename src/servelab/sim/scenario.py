@@ -57,11 +57,13 @@ def load_requests(
     max_model_len: int,
     endpoint: str = "completions",
     tokenizer: Any = None,
+    resend_divergence: float = 0.0,
 ) -> tuple[list[SimRequest], dict[str, Any], dict[str, SLO] | None]:
     """Requests of a workload (through ``bench.plan.build_plan``) or of ``load.trace``.
 
     Returns the requests, what to record about them in the manifest, and the workload's
-    SLOs per class (None for a trace). ``tokenizer`` defaults to the default model's.
+    SLOs per class (None for a trace). ``tokenizer`` defaults to the default model's;
+    ``resend_divergence`` is the target's (``SimTarget``), for multi-turn sessions.
     """
     from servelab.sim.workload import requests_from_plan, requests_from_trace
 
@@ -96,7 +98,10 @@ def load_requests(
     )
     info["workload"] = spec.model_dump(mode="json")
     info["plan"] = plan.info
-    return requests_from_plan(plan, tokenizer, endpoint), info, spec.class_slos()
+    reqs = requests_from_plan(
+        plan, tokenizer, endpoint, resend_divergence=resend_divergence, seed=seed
+    )
+    return reqs, info, spec.class_slos()
 
 
 def slo_of(slos: dict[str, SLO] | SLO | None, workload_class: str) -> SLO:

@@ -26,6 +26,8 @@ class SimTarget:
     ``kv_bytes_per_token`` is per device: it sizes the KV pool (through the engine's own
     ``kv_cache_memory_gb`` rule) and the disaggregated KV transfer. ``step_noise``, when
     measured, varies each step's time as real steps vary (one seeded series per replica).
+    ``resend_divergence``: per answer token, how often a multi-turn client's resent history
+    first differs from the generated tokens (:mod:`servelab.sim.history`; 0: never).
     """
 
     cost_model: CostModel
@@ -37,6 +39,7 @@ class SimTarget:
     placeholder_ids: list[int] = field(default_factory=lambda: [1000])
     spec_acceptance: float = 0.7
     step_noise: StepNoise | None = None
+    resend_divergence: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
 
     def make_executor(self, clock: VirtualClock | None = None, seed: int = 0) -> SimExecutor:
@@ -138,6 +141,7 @@ def profile_target(
         kv, max_len = spec.kv_bytes_per_token(4), spec.max_model_len
     cfg = engine_config or EngineConfig(**meta.get("engine_config", {}))
     noise = meta.get("step_noise")
+    resend = meta.get("resend_divergence") or {}
     return SimTarget(
         cost_model=ProfiledCostModel(t),
         engine_config=cfg,
@@ -146,5 +150,6 @@ def profile_target(
         label=f"profile:{t.device}:{t.model}",
         eos_token_ids=list(meta.get("eos_token_ids", [])),
         step_noise=StepNoise.from_dict(noise) if noise else None,
+        resend_divergence=float(resend.get("per_token", 0.0)),
         info={"profile_device": t.device, "model": t.model},
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from servelab.sim.history import divergence_at
 from servelab.sim.loop import SimRequest
 
 _FILLER = 13  # any id: after a unique first block, the chained block hashes differ anyway
@@ -42,14 +43,20 @@ def requests_from_plan(
     tokenizer: Any,
     endpoint: str = "completions",
     placeholder_ids: list[int] | None = None,
+    resend_divergence: float = 0.0,
+    seed: int = 0,
 ) -> list[SimRequest]:
     """SimRequests for a ``bench.plan.Plan``: same ids, classes, times and lengths.
 
     Later turns of a session are sent ``think_time`` after the previous turn's last byte
     and carry the conversation so far (previous prompt + its output) when the class
-    says ``carry_history``.
+    says ``carry_history``. With ``resend_divergence`` (per answer token,
+    :mod:`servelab.sim.history`) the resent answer differs from the generated tokens from
+    a drawn position on, as a real client's retokenized text does (drawn per ``seed`` and
+    request id).
     """
     ph = placeholder_ids or [1000]
+    resent = min(set(range(1, len(ph) + 2)) - set(ph))  # an id the executor never emits
     out: list[SimRequest] = []
     last_turn: dict[str, tuple[SimRequest, list[int]]] = {}
     for p in plan:
@@ -63,7 +70,11 @@ def requests_from_plan(
             prev, prev_ids = last_turn[p.session_id]
             after, think = prev.request_id, p.think_time
             if p.carry_history:
-                ids = prev_ids + _placeholder_outputs(prev.max_tokens, ph) + ids
+                answer = _placeholder_outputs(prev.max_tokens, ph)
+                cut = divergence_at(resend_divergence, f"{seed}:{p.request_id}")
+                if cut < len(answer):
+                    answer[int(cut) :] = [resent] * (len(answer) - int(cut))
+                ids = prev_ids + answer + ids
         req = SimRequest(
             request_id=p.request_id,
             send_time=p.send_time or 0.0,
