@@ -30,6 +30,13 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// The horizontal sums of four vectors, as lanes 0-3: three hadds and one add instead of
+// four separate reductions (with k = 576 those were ~20% of a 4 x 3 tile's time).
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 // One tile: R input rows against C weight rows, R * C accumulators held in registers
 // (always inlined with constant R and C, so the arrays become registers). With R = 1 the
 // loop is bandwidth-bound and runs two accumulator sets to keep enough FMAs in flight.
@@ -58,9 +65,27 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], u, acc[r][c]);
         }
     }
+    acc[0][0] = _mm256_add_ps(acc[0][0], acc2[0]);
+    for (int c = 1; c < C; c++) acc[0][c] = _mm256_add_ps(acc[0][c], acc2[c]);
+    if (i == k && C == 4) {  // a row's four outputs are adjacent in y
+        for (int r = 0; r < R; r++) {
+            __m128 s = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+            float *yr = y + r * ldy;
+            _mm_storeu_ps(yr, add ? _mm_add_ps(_mm_loadu_ps(yr), s) : s);
+        }
+        return;
+    }
+    if (i == k && R == 4) {  // a column's four outputs, ldy apart
+        for (int c = 0; c < C; c++) {
+            float s[4];
+            _mm_storeu_ps(s, hsum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]));
+            for (int r = 0; r < 4; r++) y[r * ldy + c] = add ? y[r * ldy + c] + s[r] : s[r];
+        }
+        return;
+    }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            float s = hsum(r == 0 ? _mm256_add_ps(acc[0][c], acc2[c]) : acc[r][c]);
+            float s = hsum(acc[r][c]);
             for (int64_t j = i; j < k; j++) s += x[r * k + j] * w[c * k + j];
             y[r * ldy + c] = add ? y[r * ldy + c] + s : s;
         }
