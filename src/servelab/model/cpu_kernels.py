@@ -6,8 +6,9 @@ Contract:
   set to ``0``. ``kernel_build`` compiles the library once per source version into
   ``$SERVELAB_CACHE_DIR/kernels`` (default ``~/.cache/servelab/kernels``); a failed build
   is reported once as a warning and the callers fall back to numpy/torch.
-- ``linear(x, w, b)``: ``x @ w.T + b`` for fp32 CPU tensors, ``x`` [m, k] and ``w`` [n, k]
-  contiguous; meant for the few rows of decode (``MAX_ROWS``).
+- ``linear(x, w, b, residual)``: ``x @ w.T + b`` for fp32 CPU tensors, ``x`` [m, k] and
+  ``w`` [n, k] contiguous, added into ``residual`` in place when given; meant for the few
+  rows of decode (``MAX_ROWS``).
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
 - ``rms_norm``, ``silu_mul``, ``rope_store``: the per-token glue of a decoder layer, one
@@ -55,7 +56,7 @@ def _load() -> ctypes.CDLL | None:
         )
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.sl_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
+    lib.sl_linear.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
     lib.sl_linear.restype = None
     lib.sl_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p]
     lib.sl_paged_attention.argtypes += [i64, i64, i64, i64, ctypes.c_float, i32]
@@ -80,16 +81,23 @@ def set_num_threads(n: int) -> None:
     _threads = max(1, int(n))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ w.T (+ b)``; with ``residual`` ([m, n] contiguous) the product is added into
+    it in place, and it is returned."""
     lib = _load()
     assert lib is not None, "check cpu_kernels.available() first"
     x = x.contiguous()
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32)
+    y = torch.empty((m, n), dtype=torch.float32) if residual is None else residual
     lib.sl_linear(
         x.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
-        m, n, k, _threads,
+        m, n, k, residual is not None, _threads,
     )  # fmt: skip
     return y
 

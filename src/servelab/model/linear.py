@@ -22,16 +22,30 @@ from servelab.model import cpu_kernels
 use_numpy_on_cpu = True  # benchmarks flip this to compare against stock kernels
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T + b`` for 2-D ``x`` ([rows, in]) and ``w`` ([out, in])."""
-    if not (use_numpy_on_cpu and x.device.type == "cpu" and x.dtype == torch.float32):
-        return F.linear(x, w, b)
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ w.T + b`` for 2-D ``x`` ([rows, in]) and ``w`` ([out, in]).
+
+    With ``residual`` ([rows, out], contiguous, no ``b``) the product is added into it in
+    place and it is returned: the decoder's residual adds then cost nothing extra (BLAS
+    accumulates with beta = 1, the CPU kernel adds as it stores).
+    """
+    if residual is not None:
+        assert b is None, "a residual product takes no bias"
+    cpu = x.device.type == "cpu" and x.dtype == torch.float32
     rows = x.shape[0]
-    if rows <= cpu_kernels.MAX_ROWS and cpu_kernels.available():
-        return cpu_kernels.linear(x, w, b)
-    if rows > 16:
-        return F.linear(x, w, b)
-    y = torch.from_numpy(np.ascontiguousarray(np.matmul(w.numpy(), x.contiguous().numpy().T).T))
-    if b is not None:
-        y += b
-    return y
+    if use_numpy_on_cpu and cpu and rows <= cpu_kernels.MAX_ROWS and cpu_kernels.available():
+        return cpu_kernels.linear(x, w, b, residual)
+    if use_numpy_on_cpu and cpu and rows <= 16:
+        y = torch.from_numpy(np.matmul(w.numpy(), x.contiguous().numpy().T).T)
+        if residual is not None:
+            return residual.add_(y)
+        y = y.contiguous()
+        return y.add_(b) if b is not None else y
+    if residual is not None:
+        return residual.addmm_(x, w.t())
+    return F.linear(x, w, b)

@@ -121,10 +121,9 @@ class DecoderLayer(nn.Module):
         qkv = linear(h, self.qkv_w, self.qkv_b)
         q, k, v = ops.rotate_and_store(qkv, nq, nkv, rotary, kv, batch.slot_mapping)
         attn = _attention(q, k, v, batch.groups, kv)
-        x = x + linear(attn.reshape(n_tok, nq * hd), self.o_w)
+        x = linear(attn.reshape(n_tok, nq * hd), self.o_w, residual=x)
         h = ops.rms_norm(x, self.ln2, cfg.rms_norm_eps)
-        x += linear(ops.swiglu(linear(h, self.gate_up_w)), self.down_w)
-        return x
+        return linear(ops.swiglu(linear(h, self.gate_up_w)), self.down_w, residual=x)
 
 
 def _gather_kv(cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

@@ -7,7 +7,7 @@
 // cached K/V row once per step, straight from where it lives.
 //
 // Contracts (all arrays row-major, fp32 unless said):
-// sl_linear: y[m, n] = x[m, k] . w[n, k]^T (+ b[n] when b != NULL).
+// sl_linear: y[m, n] = x[m, k] . w[n, k]^T (+ b[n] when b != NULL); add != 0 adds to y.
 // sl_paged_attention: for each of N query tokens t, the batch row rows[t] of q (row stride
 //   q_stride floats, heads contiguous) attends causally to positions 0..pos[t] of sequence
 //   seq[t], whose block table is tables[seq[t] * table_stride ...]; K/V of position p live
@@ -131,9 +131,9 @@ static void linear_for(const float *x, const float *w, const float *b, float *y,
 }
 
 void sl_linear(const float *x, const float *w, const float *b, float *y, int64_t m, int64_t n,
-               int64_t k, int num_threads) {
+               int64_t k, int add, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    linear_for(x, w, b, y, m, n, k, 0);
+    linear_for(x, w, b, y, m, n, k, add);
 }
 
 // e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
