@@ -221,6 +221,19 @@ def test_non_streaming_request(url, tok):
         assert rec.done >= tls[rec.request_id]["finished"]
 
 
+def test_the_test_server_honours_either_name_of_the_output_limit(url):
+    """``max_completion_tokens`` (OpenAI's newer chat name) caps an answer like
+    ``max_tokens``; with neither the schedule's default (16) applies."""
+    import httpx
+
+    got = []
+    for limit in ({"max_completion_tokens": 3}, {"max_tokens": 2}, {}):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **limit}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body)
+        got.append(r.json()["usage"]["completion_tokens"])
+    assert got == [3, 2, 16]
+
+
 def test_keep_alive_connections_are_reused():
     with run_test_server(Schedule(ttft=0.005, itl=0.002)) as url:
 

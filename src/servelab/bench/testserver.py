@@ -169,7 +169,9 @@ class TestServer:
             return _error(sched.status, f"planted error {sched.status}")
         self._counter += 1
         rid = request.headers.get("X-Request-Id") or f"test-{self._counter}"
-        n = int(body.get("max_tokens") or sched.default_max_tokens)
+        # Chat clients may send OpenAI's newer name for the same limit.
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        n = int(limit or sched.default_max_tokens)
         prompt = _prompt_text(body, chat)
         tl = RequestTimeline(rid, arrival, prompt_tokens=len(prompt.split()), queued=[arrival])
         tl.scheduled.append(arrival)
