@@ -281,8 +281,9 @@ class LLMEngine:
             return EngineStepResult(self._fail_batch(out, e), None)
         end = self.clock()
         new_tokens = self.scheduler.update_from_output(out, result, start, end)
-        speculated = [e for e in out.entries if e.num_draft_tokens]
+        speculated: list = []  # only the speculative decoder gives requests drafts
         if self.spec is not None:
+            speculated = [e for e in out.entries if e.num_draft_tokens]
             for e in speculated:
                 self.spec.observe(e.request.request_id, e.num_draft_tokens, e.num_accepted)
         requests, emit = self._requests, self._emit
@@ -315,6 +316,21 @@ class LLMEngine:
         # Finished by length at max_tokens or when prompt + output fill the context.
         length_limit = min(sp.max_tokens, self.config.max_model_len - n_prompt)
         reason: FinishReason | None = None
+        if n_new == 1 and detok is None:
+            # The usual step without a tokenizer (the simulator): the rules below for one token.
+            tok = tokens[0]
+            n_out += 1
+            if n_out >= sp.min_tokens and (
+                tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self._eos)
+            ):
+                reason = FinishReason.STOP
+            elif n_out >= length_limit:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(req, reason, now)
+            return RequestOutput(
+                req.request_id, [tok], "", reason is not None, reason, n_prompt, n_out, req.timeline
+            )
         kept = 0
         for tok in tokens:
             kept += 1

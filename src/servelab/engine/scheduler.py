@@ -315,6 +315,7 @@ class Scheduler:
         end = start + e.num_tokens
         num_tokens = len(req.token_ids)
         sample = end == num_tokens
+        num_output = num_tokens - req.num_prompt_tokens
         return ScheduledSeq(
             req.request_id,
             req.token_ids[start:end],
@@ -324,8 +325,11 @@ class Scheduler:
             self.kv_cache.block_table(req.request_id),
             sample,
             req.sampling_params,
-            num_tokens - req.num_prompt_tokens,
-            req.banned_token_ids() if sample else [],
+            num_output,
+            # banned_token_ids() is [] from min_tokens on; the test spares the call.
+            req.banned_token_ids()
+            if sample and num_output < req.sampling_params.min_tokens
+            else [],
             req.spec_token_ids[: e.num_draft_tokens] if e.num_draft_tokens else [],
         )
 
@@ -345,6 +349,7 @@ class Scheduler:
         step_id = out.plan.step_id
         sampled = result.sampled
         cache_blocks = self.kv_cache.cache_blocks
+        bs = self.kv_cache.block_size
         for e in out.entries:
             req = e.request
             rid = req.request_id
@@ -353,19 +358,27 @@ class Scheduler:
                 req.timeline.chunks.append(
                     PrefillChunk(step_id, start, end, e.num_tokens, e.cached_tokens)
                 )
+            # Blocks become cacheable only when the computed tokens cross a block boundary;
+            # every earlier full block was registered when it was crossed (or came from the
+            # prefix cache), so a step that crosses none has nothing to register. That is
+            # most decode steps: the call is skipped.
+            blocks_before = req.num_computed_tokens // bs
             req.num_computed_tokens += e.num_tokens
             if req.num_computed_tokens < len(token_ids):
                 # a chunk that did not reach the end of the prompt
-                cache_blocks(rid, token_ids, req.num_computed_tokens)
+                if req.num_computed_tokens // bs > blocks_before:
+                    cache_blocks(rid, token_ids, req.num_computed_tokens)
                 continue
             tokens = sampled.get(rid)
             if not tokens:
                 raise RuntimeError(f"the executor returned no sampled token for request {rid!r}")
             if e.num_draft_tokens:
                 self._accept_drafts(e, tokens, step_id)
-            req.spec_token_ids = []
+            if req.spec_token_ids:
+                req.spec_token_ids = []
             token_ids.extend(tokens)
-            cache_blocks(rid, token_ids, req.num_computed_tokens)
+            if req.num_computed_tokens // bs > blocks_before:
+                cache_blocks(rid, token_ids, req.num_computed_tokens)
             req.phase = _DECODE
             tl = req.timeline
             if tl.first_token is None:

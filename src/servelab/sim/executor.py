@@ -100,11 +100,12 @@ class SimExecutor:
 
     def _sample(self, plan: BatchPlan) -> dict[str, list[int]]:
         ph = self._placeholders
+        nph = len(ph)
         sampled: dict[str, list[int]] = {}
         for s in plan.seqs:
             if not s.sample:
                 continue
-            tok = ph[s.num_output_tokens % len(ph)]
+            tok = ph[s.num_output_tokens % nph]
             if s.draft_token_ids:
                 accepted = 0
                 while (
