@@ -2,18 +2,23 @@
 and run those for real in the same session.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--rate 0.3] [--requests 12] [--source runs|grid]
-        [--reuse runs/fidelity-...]
+        [--sim-seeds 5] [--reuse runs/fidelity-...]
 
 1. ``servelab bench`` runs the training workloads for real (the embedded server, the
    default model) and ``servelab profile --from-run`` turns their steps into a profile
    table (``--source grid`` profiles the batch-shape grid instead).
 2. For each held-out workload: ``servelab bench`` runs it for real, ``servelab sim
-   --profile`` simulates it with the same load and seed.
+   --profile`` simulates it with the same load and seed, once per ``--sim-seed`` in
+   ``0..sim_seeds-1`` (the simulator draws step noise and resent-history divergence; one
+   draw is as random as the real run itself).
 3. Prints, per held-out workload, the relative error of the simulated p50/p95 TTFT, ITL
    and E2E and of the output throughput against the real run (targets: 10% on the
-   percentiles, 5% on throughput), and writes ``fidelity.json``. Beside it, an in-sample
-   control: the same run simulated on a profile of its own steps, which separates what
-   the simulator gets wrong from how much the machine's speed drifted between runs.
+   percentiles, 5% on throughput): the error of the median over the sim seeds, and the
+   range of the single seeds' errors, which shows how far one draw strays (a real run
+   strays as far from its own expectation). Writes ``fidelity.json``. Beside it, an
+   in-sample control: the same run simulated on a profile of its own steps, which
+   separates what the simulator gets wrong from how much the machine's speed drifted
+   between runs.
 
 ``--reuse DIR`` takes the real runs from an earlier output directory and redoes only the
 profiles and simulations (seconds): for working on the simulator against fixed real runs.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -45,9 +51,9 @@ METRICS = [
 INVALID_RUN = 3  # `servelab bench`: finished, but the client could not keep its timing
 
 
-def run(cmd: list[str]) -> None:
+def run(cmd: list[str], quiet: bool = False) -> None:
     print("$", " ".join(cmd[2:] if cmd[:2] == SERVELAB[:2] else cmd), flush=True)
-    code = subprocess.run(cmd, check=False).returncode
+    code = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL if quiet else None).returncode
     if code == INVALID_RUN:
         print(
             "  (the benchmark marked this run invalid: the machine was too busy for exact "
@@ -95,6 +101,7 @@ def main() -> None:
     ap.add_argument("--length-scale", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--source", choices=("runs", "grid"), default="runs")
+    ap.add_argument("--sim-seeds", type=int, default=5, help="simulations per comparison")
     ap.add_argument("--grid", default="default", help="grid for --source grid (default, quick)")
     ap.add_argument("--out", default=f"runs/fidelity-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--reuse", metavar="DIR", help="real runs from this earlier --out")
@@ -121,34 +128,47 @@ def main() -> None:
     else:
         run([*SERVELAB, "profile", "--grid", a.grid, "--out", str(profile)])
 
+    def simulate(table: Path, workload: str, name: str) -> list[dict[str, float]]:
+        """Figures of one simulation per sim seed (run directories name/seedK)."""
+        seeds = []
+        for k in range(a.sim_seeds):
+            d = out / name / f"seed{k}"
+            cmd = [*SERVELAB, "sim", "--profile", str(table), *load_args(a, workload)]
+            run([*cmd, "--sim-seed", str(k), "--out", str(d)], quiet=True)
+            seeds.append(figures(d))
+        return seeds
+
     results = {}
     for w in a.heldout.split(","):
-        real, sim = real_run(f"real-{w}", w), out / f"sim-{w}"
-        run([*SERVELAB, "sim", "--profile", str(profile), *load_args(a, w), "--out", str(sim)])
+        real = real_run(f"real-{w}", w)
+        sims = simulate(profile, w, f"sim-{w}")
         # In-sample control: a profile made of this very run's steps. Its error is what the
         # simulator itself gets wrong (scheduling, client, interpolation); the held-out error
         # minus this one is what changed on the machine between runs.
-        own, insim = out / f"profile-{w}.json", out / f"insim-{w}"
+        own = out / f"profile-{w}.json"
         run([*SERVELAB, "profile", "--from-run", str(real), "--out", str(own)])
-        run([*SERVELAB, "sim", "--profile", str(own), *load_args(a, w), "--out", str(insim)])
-        r, s, i = figures(real), figures(sim), figures(insim)
-        results[w] = {
-            k: {
+        insims = simulate(own, w, f"insim-{w}")
+        r = figures(real)
+        results[w] = {}
+        for k in r:
+            s = statistics.median(f[k] for f in sims)
+            errs = [rel_error(f[k], r[k]) for f in sims]
+            results[w][k] = {
                 "real": r[k],
-                "sim": s[k],
-                "error": rel_error(s[k], r[k]),
-                "in_sample_error": rel_error(i[k], r[k]),
+                "sim": s,
+                "error": rel_error(s, r[k]),
+                "seed_errors": errs,
+                "in_sample_error": rel_error(statistics.median(f[k] for f in insims), r[k]),
             }
-            for k in r
-        }
 
     print(
         f"\nsimulated vs real on this machine ({a.source} profile; rate {a.rate}/s, "
-        f"{a.requests} requests each; {time.perf_counter() - t_start:.0f} s in all)"
+        f"{a.requests} requests each; sim: median of {a.sim_seeds} sim seeds; "
+        f"{time.perf_counter() - t_start:.0f} s in all)"
     )
     header = (
         f"{'workload':10s} {'metric':14s} {'real':>10s} {'sim':>10s} {'error':>8s} "
-        f"{'in-sample':>9s}  target"
+        f"{'one seed':>16s} {'in-sample':>9s}  target"
     )
     print(header)
     for w, res in results.items():
@@ -159,9 +179,11 @@ def main() -> None:
             err_s = "-" if err is None else f"{err:+.1%}"
             ins = v["in_sample_error"]
             ins_s = "-" if ins is None else f"{ins:+.1%}"
+            seed = [e for e in v["seed_errors"] if e is not None]
+            seed_s = f"{min(seed):+.0%}..{max(seed):+.0%}" if seed else "-"
             print(
-                f"{w:10s} {k:14s} {v['real']:10.4g} {v['sim']:10.4g} {err_s:>8s} {ins_s:>9s}  "
-                f"{target:.0%} {mark}"
+                f"{w:10s} {k:14s} {v['real']:10.4g} {v['sim']:10.4g} {err_s:>8s} {seed_s:>16s} "
+                f"{ins_s:>9s}  {target:.0%} {mark}"
             )
     (out / "fidelity.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     print(f"wrote {out / 'fidelity.json'}")

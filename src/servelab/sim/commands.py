@@ -170,6 +170,11 @@ def sim(
     time_scale: float = typer.Option(1.0, help="Trace: multiply its times (2 = twice as slow)."),
     length_scale: float = typer.Option(1.0, help="Multiply every token length."),
     seed: int = typer.Option(0, help="Seed of the plan (the simulation itself is deterministic)."),
+    sim_seed: int = typer.Option(
+        0,
+        help="Seed of the simulator's own draws (step noise, speculative acceptance, resent "
+        "history); repeat with others to see a simulation's spread. --seed stays the plan's.",
+    ),
     endpoint: str = typer.Option(
         "completions", help="completions or chat (as for `servelab bench`)."
     ),
@@ -244,8 +249,15 @@ def sim(
         )
         max_len = target.engine_config.max_model_len or target.max_model_len
         reqs, info, slos = load_requests(
-            workload, load, seed, max_len, endpoint, resend_divergence=target.resend_divergence
+            workload,
+            load,
+            seed,
+            max_len,
+            endpoint,
+            resend_divergence=target.resend_divergence,
+            sim_seed=sim_seed,
         )
+        info["sim_seed"] = sim_seed
         if slo is not None:
             override = SLO.parse(slo)
             slos = {k: v.merged(override) for k, v in slos.items()} if slos else override
@@ -257,6 +269,7 @@ def sim(
             concurrency,
             slos,
             info,
+            sim_seed,
         )
         if find_capacity is not None and sweep:
             raise ValueError("use --find-capacity or --sweep, not both")
@@ -298,6 +311,7 @@ def sim(
                     concurrency,
                     slos,
                     info,
+                    sim_seed,
                 )
             except (TypeError, ValueError) as e:
                 raise _fail(f"sweep point {label}: {e}") from None
@@ -323,6 +337,7 @@ def sim(
                 "sweep_point": point,
                 "trace": info.get("trace"),
                 "plan": info.get("plan"),
+                "sim_seed": sim_seed,
             },
         )
         rows.append(_summary_row(label, res, slos, wall))
@@ -380,6 +395,7 @@ def _capacity(
                 max_len,
                 endpoint,
                 resend_divergence=scenario.target.resend_divergence,
+                sim_seed=scenario.sim_seed,
             )
             return simulate(dataclasses.replace(scenario, requests=reqs), keep_steps=False)
 

@@ -155,6 +155,7 @@ class Simulation:
         step_sink: Callable[[dict[str, Any]], None] | None = None,
         keep_steps: bool = True,
         block_size: int = 16,
+        sim_seed: int = 0,
     ) -> None:
         self.topology = topology or Topology()
         self.topology.validate()
@@ -174,7 +175,8 @@ class Simulation:
         self.steps: list[dict[str, Any]] = []
         self.num_steps = 0
         topo = self.topology
-        seeds = itertools.count()
+        # Replica i draws from seed sim_seed * 100_000 + i (step noise, speculative acceptance).
+        seeds = itertools.count(sim_seed * 100_000)
 
         def make(role: str, n: int) -> list[Replica]:
             out = []

@@ -18,6 +18,9 @@ from servelab.sim.target import SimTarget
 
 @dataclass
 class Scenario:
+    """``sim_seed`` seeds the simulator's own draws (step noise, speculative acceptance);
+    the requests, resent-history draws included, come from ``load_requests``."""
+
     target: SimTarget
     requests: list[SimRequest]
     topology: Topology = field(default_factory=Topology)
@@ -25,6 +28,7 @@ class Scenario:
     max_concurrency: int | None = None
     slos: dict[str, SLO] | SLO | None = None
     info: dict[str, Any] = field(default_factory=dict)  # workload, load, trace report
+    sim_seed: int = 0
 
     def with_topology(self, topology: Topology) -> Scenario:
         return replace(self, topology=topology)
@@ -47,6 +51,7 @@ def simulate(
         keep_steps=keep_steps,
         step_sink=step_sink,
         block_size=t.engine_config.block_size,
+        sim_seed=scenario.sim_seed,
     ).run()
 
 
@@ -58,12 +63,14 @@ def load_requests(
     endpoint: str = "completions",
     tokenizer: Any = None,
     resend_divergence: float = 0.0,
+    sim_seed: int = 0,
 ) -> tuple[list[SimRequest], dict[str, Any], dict[str, SLO] | None]:
     """Requests of a workload (through ``bench.plan.build_plan``) or of ``load.trace``.
 
     Returns the requests, what to record about them in the manifest, and the workload's
     SLOs per class (None for a trace). ``tokenizer`` defaults to the default model's;
-    ``resend_divergence`` is the target's (``SimTarget``), for multi-turn sessions.
+    ``resend_divergence`` is the target's (``SimTarget``), for multi-turn sessions, drawn
+    per ``seed`` and ``sim_seed``.
     """
     from servelab.sim.workload import requests_from_plan, requests_from_trace
 
@@ -99,7 +106,11 @@ def load_requests(
     info["workload"] = spec.model_dump(mode="json")
     info["plan"] = plan.info
     reqs = requests_from_plan(
-        plan, tokenizer, endpoint, resend_divergence=resend_divergence, seed=seed
+        plan,
+        tokenizer,
+        endpoint,
+        resend_divergence=resend_divergence,
+        draw_key=f"{seed}:{sim_seed}",
     )
     return reqs, info, spec.class_slos()
 

@@ -44,7 +44,7 @@ def requests_from_plan(
     endpoint: str = "completions",
     placeholder_ids: list[int] | None = None,
     resend_divergence: float = 0.0,
-    seed: int = 0,
+    draw_key: str = "",
 ) -> list[SimRequest]:
     """SimRequests for a ``bench.plan.Plan``: same ids, classes, times and lengths.
 
@@ -52,8 +52,8 @@ def requests_from_plan(
     and carry the conversation so far (previous prompt + its output) when the class
     says ``carry_history``. With ``resend_divergence`` (per answer token,
     :mod:`servelab.sim.history`) the resent answer differs from the generated tokens from
-    a drawn position on, as a real client's retokenized text does (drawn per ``seed`` and
-    request id).
+    a drawn position on, as a real client's retokenized text does (drawn per ``draw_key``
+    and request id).
     """
     ph = placeholder_ids or [1000]
     resent = min(set(range(1, len(ph) + 2)) - set(ph))  # an id the executor never emits
@@ -71,7 +71,7 @@ def requests_from_plan(
             after, think = prev.request_id, p.think_time
             if p.carry_history:
                 answer = _placeholder_outputs(prev.max_tokens, ph)
-                cut = divergence_at(resend_divergence, f"{seed}:{p.request_id}")
+                cut = divergence_at(resend_divergence, f"{draw_key}:{p.request_id}")
                 if cut < len(answer):
                     answer[int(cut) :] = [resent] * (len(answer) - int(cut))
                 ids = prev_ids + answer + ids
