@@ -189,27 +189,6 @@ def _attention(
     return out
 
 
-def _pack_parameters(module: nn.Module) -> None:
-    """Move every parameter of ``module`` into one fresh allocation (each a view of it).
-
-    Loaded weights can be views of a file mapping (safetensors): 4 KB pages of the page
-    cache. Decode streams all of them every step, and a fresh anonymous allocation gets
-    transparent huge pages (``servelab/__init__`` asks torch for them), which cut the TLB
-    misses of that stream; the loader's arrays are freed once the model holds the copies.
-    """
-    params = list(module.parameters())
-    if len({p.dtype for p in params}) != 1:
-        return
-    sizes = [-(-p.numel() // 16) * 16 for p in params]  # 64-byte aligned starts
-    arena = torch.empty(sum(sizes), dtype=params[0].dtype)
-    offset = 0
-    for p, size in zip(params, sizes):
-        view = arena[offset : offset + p.numel()].view(p.shape)
-        view.copy_(p.data)
-        p.data = view
-        offset += size
-
-
 class LlamaForCausalLM(nn.Module):
     """The decoder with its embedding and LM head. ``forward`` returns logits [S, vocab]."""
 
@@ -228,8 +207,6 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _param(weights["lm_head.weight"])
         self.to(device)
-        if torch.device(device).type == "cpu":
-            _pack_parameters(self)
         self.register_buffer("rope", rope_table(cfg, cfg.max_model_len, device), persistent=False)
         # Few-token steps run all layers in one CPU kernel call (benchmarks flip this).
         self.fuse_decode = True
