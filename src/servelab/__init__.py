@@ -16,10 +16,4 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     else:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-# Decode streams all weights every step; with 4 KB pages that is ~130k TLB misses a step. torch
-# advises transparent huge pages for its large CPU allocations (weights, KV cache) when this
-# is set before its first allocation; on kernels where THP is "madvise" (the common
-# default) nothing else turns them on.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 __version__ = "0.1.0"
