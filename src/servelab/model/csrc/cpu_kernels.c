@@ -37,26 +37,15 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// One tile: R input rows against C weight rows, R * C accumulators held in registers
-// (always inlined with constant R and C, so the arrays become registers). With R = 1 the
-// loop is bandwidth-bound and runs two accumulator sets to keep enough FMAs in flight.
+// One tile: R (2 or 4) input rows against C weight rows, R * C accumulators held in
+// registers (always inlined with constant R and C, so the arrays become registers).
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t k,
                                                         const float *w, float *y, int64_t ldy,
                                                         const int R, const int C, int add) {
-    __m256 acc[4][4], acc2[4];
+    __m256 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int c = 0; c < C; c++) acc2[c] = _mm256_setzero_ps();
     int64_t i = 0;
-    if (R == 1) {
-        for (; i + 16 <= k; i += 16) {
-            __m256 xa = _mm256_loadu_ps(x + i), xb = _mm256_loadu_ps(x + i + 8);
-            for (int c = 0; c < C; c++) {
-                acc[0][c] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c * k + i), xa, acc[0][c]);
-                acc2[c] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c * k + i + 8), xb, acc2[c]);
-            }
-        }
-    }
     for (; i + 8 <= k; i += 8) {
         __m256 wv[4];
         for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + c * k + i);
@@ -65,8 +54,6 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], u, acc[r][c]);
         }
     }
-    acc[0][0] = _mm256_add_ps(acc[0][0], acc2[0]);
-    for (int c = 1; c < C; c++) acc[0][c] = _mm256_add_ps(acc[0][c], acc2[c]);
     if (i == k && C == 4) {  // a row's four outputs are adjacent in y
         for (int r = 0; r < R; r++) {
             __m128 s = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
@@ -91,8 +78,27 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
         }
 }
 
+// x . w over k: for one input row the product is bandwidth-bound, and walking one weight
+// row at a time keeps the read a single sequential stream (4-row tiles interleave four:
+// 4-9% less bandwidth over a 450 MB matrix here). Four accumulators cover the FMA latency.
+static inline float dot(const float *x, const float *w, int64_t k) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < k; i++) s += x[i] * w[i];
+    return s;
+}
+
 // Weight rows [j0, j1) against all m input rows: 4-row input tiles against 3 weight rows
-// (12 accumulators), the remaining 1-3 input rows against 4 weight rows. add: y += x.w^T.
+// (12 accumulators), then pairs of rows against 4 weight rows, a last row one weight row at
+// a time (dot). add: y += x.w^T.
 static void linear_block(const float *x, const float *w, float *y, int64_t m, int64_t n,
                          int64_t k, int64_t j0, int64_t j1, int add) {
     int64_t r = 0;
@@ -108,8 +114,10 @@ static void linear_block(const float *x, const float *w, float *y, int64_t m, in
             for (; j + 4 <= j1; j += 4) tile(x + r * k, k, w + j * k, y + r * n + j, n, 2, 4, add);
             for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 2, 1, add);
         } else {
-            for (; j + 4 <= j1; j += 4) tile(x + r * k, k, w + j * k, y + r * n + j, n, 1, 4, add);
-            for (; j < j1; j++) tile(x + r * k, k, w + j * k, y + r * n + j, n, 1, 1, add);
+            for (; j < j1; j++) {
+                float d = dot(x + r * k, w + j * k, k);
+                y[r * n + j] = add ? y[r * n + j] + d : d;
+            }
         }
     }
 }
