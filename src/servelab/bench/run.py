@@ -369,7 +369,9 @@ class Bench:
             self.warnings.append(
                 f"{where}{t['usage_vs_client_disagreements']} of {t['recounted']} requests: the "
                 "server's usage and the client's re-count of output tokens differ (see metrics.json "
-                "tokens; a different --tokenizer than the server's gives this)"
+                "tokens). A different --tokenizer than the server's gives this; so does, with the "
+                "same one, generated text that re-encodes to other tokens. Token counts come from "
+                "the server's usage where it sent one"
             )
         if t["output_length_not_honoured"]:
             self.warnings.append(
