@@ -77,6 +77,10 @@ _SUMMED_STATS = (
 _GAUGES = ("kv_blocks_used", "kv_blocks_total", "num_waiting", "num_running")
 
 
+# How many finished requests' transfer records wait for a late ``sent`` report.
+_LATE_SENT_KEPT = 1024
+
+
 class Stage(str, enum.Enum):
     HELD = "held"  # at the router: no decode worker has room
     PREFILL = "prefill"  # on a prefill worker, before its first token
@@ -185,6 +189,9 @@ class DisaggClient:
         self._reqs: dict[str, _Req] = {}
         self._streams: dict[str, RequestStream] = {}
         self._awaiting: collections.deque[str] = collections.deque()  # need decode room
+        # Transfer records of finished requests whose sender's report (``sent``) is still on
+        # its way: patched in place (the timeline store holds the same dict) when it comes.
+        self._late_sent: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._steps = itertools.count()
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -563,6 +570,10 @@ class DisaggClient:
             out.timeline = self._router_timeline(r, FinishReason.ABORT)
         elif r.transfer:
             out.timeline["kv_transfer"] = dict(r.transfer)
+            if not r.sent and "end" in r.transfer:
+                self._late_sent[r.rid] = out.timeline["kv_transfer"]
+                while len(self._late_sent) > _LATE_SENT_KEPT:
+                    self._late_sent.popitem(last=False)
         self._close(r, out.timeline, out)
 
     def _on_events(self, w: _Worker, ev: KVEvents) -> None:
@@ -612,6 +623,9 @@ class DisaggClient:
             if r is not None:
                 r.sent = True
                 r.transfer.update(start=s.start, sent=s.end, bytes=s.nbytes, blocks=s.num_blocks)
+            elif (late := self._late_sent.pop(s.request_id, None)) is not None:
+                late.update(start=s.start, sent=s.end, seconds=late["end"] - s.start)
+                late["handoff_wait"] = s.start - late.get("parked", s.start)
         for imp in ev.imported:
             r = self._live_req(imp.request_id)
             if r is None:
