@@ -251,6 +251,24 @@ def test_cuda_runner_matches_cpu(tiny_llama_dir: Path) -> None:
     assert outs[0] == outs[1]
 
 
+def decode_draft_chunk_logits(runner: TorchModelRunner, loaded: LoadedModel) -> torch.Tensor:
+    """Prefill three prompts but their last 3 tokens, then return the logits of one step
+    of short sequences only: a decode, a decode with 2 drafts and a 3-token chunk."""
+    texts = ["Hello world! How are you", "Numbers like 12345 and 678", "A paged KV cache"]
+    seqs = [Seq(str(i), prompt(loaded, t), 40 * i) for i, t in enumerate(texts)]
+    for s in seqs:
+        step(runner, [(s, s.chunk(len(s.tokens) - 3, sample=False))])
+    plan = BatchPlan(
+        1,
+        [
+            seqs[0].chunk(1),
+            dataclasses.replace(seqs[1].chunk(1), draft_token_ids=seqs[1].tokens[-2:]),
+            seqs[2].chunk(3),
+        ],
+    )
+    return runner.logits(plan)[0]
+
+
 def test_decode_attention_kernel_matches_gathered_sdpa(tiny: LoadedModel) -> None:
     """The CPU kernel (K/V read in place) and the fallback (blocks gathered for SDPA) give
     the same logits for a batch of decodes, a draft run and a short chunk."""
@@ -258,23 +276,11 @@ def test_decode_attention_kernel_matches_gathered_sdpa(tiny: LoadedModel) -> Non
 
     if not cpu_kernels.available():
         pytest.skip("CPU kernels not built here")
-    texts = ["Hello world! How are you", "Numbers like 12345 and 678", "A paged KV cache"]
     logits = []
     for kernel in (True, False):
         runner = make_runner(tiny)
         runner.paged_kernel = kernel
-        seqs = [Seq(str(i), prompt(tiny, t), 40 * i) for i, t in enumerate(texts)]
-        for s in seqs:
-            step(runner, [(s, s.chunk(len(s.tokens) - 3, sample=False))])
-        plan = BatchPlan(
-            1,
-            [
-                seqs[0].chunk(1),
-                dataclasses.replace(seqs[1].chunk(1), draft_token_ids=seqs[1].tokens[-2:]),
-                seqs[2].chunk(3),
-            ],
-        )
-        logits.append(runner.logits(plan)[0])
+        logits.append(decode_draft_chunk_logits(runner, tiny))
     assert logits[0].shape[0] == 1 + 3 + 1
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
@@ -289,7 +295,6 @@ def test_decoder_stack_matches_layer_by_layer(model_type: str, make_tiny_llama) 
     if not cpu_kernels.available():
         pytest.skip("CPU kernels not built here")
     loaded = load_model(str(make_tiny_llama(model_type=model_type)), device="cpu")
-    texts = ["Hello world! How are you", "Numbers like 12345 and 678", "A paged KV cache"]
     for threads in (1, 2):
         logits, caches = [], []
         for fused in (True, False):
@@ -297,18 +302,7 @@ def test_decoder_stack_matches_layer_by_layer(model_type: str, make_tiny_llama) 
             cpu_kernels.set_num_threads(threads)
             runner.model.fuse_decode = fused
             runner.model._stack = None
-            seqs = [Seq(str(i), prompt(loaded, t), 40 * i) for i, t in enumerate(texts)]
-            for s in seqs:
-                step(runner, [(s, s.chunk(len(s.tokens) - 3, sample=False))])
-            plan = BatchPlan(
-                1,
-                [
-                    seqs[0].chunk(1),
-                    dataclasses.replace(seqs[1].chunk(1), draft_token_ids=seqs[1].tokens[-2:]),
-                    seqs[2].chunk(3),
-                ],
-            )
-            logits.append(runner.logits(plan)[0])
+            logits.append(decode_draft_chunk_logits(runner, loaded))
             assert (runner.model._stack is not None) == fused  # the path under test ran
             caches.append(runner.kv.clone())
         torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)

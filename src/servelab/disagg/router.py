@@ -81,6 +81,14 @@ _GAUGES = ("kv_blocks_used", "kv_blocks_total", "num_waiting", "num_running")
 _LATE_SENT_KEPT = 1024
 
 
+def _transfer_times(t: dict[str, Any]) -> None:
+    """A transfer record's ``seconds`` (sender's start, or the receiver's pick-up while the
+    sender's report is missing, -> written) and ``handoff_wait`` (parked -> that start)."""
+    start = t.get("start", t["received"])
+    t["seconds"] = t["end"] - start
+    t["handoff_wait"] = start - t.get("parked", t["received"])
+
+
 class Stage(str, enum.Enum):
     HELD = "held"  # at the router: no decode worker has room
     PREFILL = "prefill"  # on a prefill worker, before its first token
@@ -624,8 +632,8 @@ class DisaggClient:
                 r.sent = True
                 r.transfer.update(start=s.start, sent=s.end, bytes=s.nbytes, blocks=s.num_blocks)
             elif (late := self._late_sent.pop(s.request_id, None)) is not None:
-                late.update(start=s.start, sent=s.end, seconds=late["end"] - s.start)
-                late["handoff_wait"] = s.start - late.get("parked", s.start)
+                late.update(start=s.start, sent=s.end)
+                _transfer_times(late)
         for imp in ev.imported:
             r = self._live_req(imp.request_id)
             if r is None:
@@ -655,8 +663,7 @@ class DisaggClient:
         # the same, so the record is complete either way.
         t.setdefault("blocks", imp.num_blocks)
         t.setdefault("bytes", imp.nbytes)
-        t["seconds"] = imp.end - t.get("start", imp.received)
-        t["handoff_wait"] = t.get("start", imp.received) - t.get("parked", imp.received)
+        _transfer_times(t)
         self.dmetrics.transfer_ok(
             t["seconds"], imp.nbytes, imp.num_blocks, t.get("skipped_blocks", 0)
         )

@@ -36,11 +36,11 @@ def linear(
     """
     if residual is not None:
         assert b is None, "a residual product takes no bias"
-    cpu = x.device.type == "cpu" and x.dtype == torch.float32
+    routed = use_numpy_on_cpu and x.device.type == "cpu" and x.dtype == torch.float32
     rows = x.shape[0]
-    if use_numpy_on_cpu and cpu and rows <= cpu_kernels.MAX_ROWS and cpu_kernels.available():
+    if routed and rows <= cpu_kernels.MAX_ROWS and cpu_kernels.available():
         return cpu_kernels.linear(x, w, b, residual)
-    if use_numpy_on_cpu and cpu and rows <= 16:
+    if routed and rows <= 16:
         y = torch.from_numpy(np.matmul(w.numpy(), x.contiguous().numpy().T).T)
         if residual is not None:
             return residual.add_(y)
