@@ -170,7 +170,7 @@ def main() -> None:
     profile = out / "profile.json"
     if a.source == "runs":
         train = parse_cases(a.train, a.rate, ",")
-        train_dirs = [str(real_run(f"train-{c.workload}", c)) for c in train]
+        train_dirs = [str(real_run(f"train-{c.name}", c)) for c in train]
         from_runs = [arg for d in train_dirs for arg in ("--from-run", d)]
         run([*SERVELAB, "profile", *from_runs, "--out", str(profile)])
     else:
