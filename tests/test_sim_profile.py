@@ -11,7 +11,7 @@ from servelab.engine.config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.sim.loop import SimRequest
 from servelab.sim.profiled import ProfiledCostModel, ProfileTable
-from servelab.sim.profiler import build_engine, grid, profile_engine
+from servelab.sim.profiler import build_engine, fitting_shapes, grid, measure_shapes, profile_engine
 from servelab.sim.scenario import Scenario, simulate
 from servelab.sim.target import profile_target
 
@@ -45,6 +45,35 @@ def test_profile_grid_shapes_are_well_formed():
         assert shapes and all(n >= 1 and ctx >= 0 for s in shapes for n, ctx in s)
     with pytest.raises(ValueError, match="quick"):
         grid("huge")
+
+
+def test_each_profiled_sequence_reads_its_own_kv_blocks(engine, monkeypatch):
+    # Sequences sharing blocks read K/V from the CPU caches and measure fast; a real
+    # batch's sequences each have their own.
+    seen = []
+    real_execute = engine.executor.execute
+
+    def spy(plan):  # type: ignore[no-untyped-def]
+        seen.append([list(s.block_table) for s in plan.seqs])
+        return real_execute(plan)
+
+    monkeypatch.setattr(engine.executor, "execute", spy)
+    free = engine.kv_cache.num_free_blocks
+    measure_shapes(engine, [[(1, 40), (1, 40), (3, 20)]], repeats=1)
+    tables = seen[0]
+    assert [len(t) for t in tables] == [3, 3, 2]  # 41, 41 and 23 tokens in blocks of 16
+    assert len({b for t in tables for b in t}) == 8
+    assert engine.kv_cache.num_free_blocks == free  # all handed back
+
+
+def test_shapes_the_kv_pool_cannot_hold_are_left_out(engine):
+    free = engine.kv_cache.num_free_blocks
+    fits = [(1, 16 * (free // 4) - 1)] * 4
+    too_many = fits * 2
+    too_long = [(1, engine.config.max_model_len)]
+    assert fitting_shapes(engine, [fits, too_many, too_long]) == ([fits], [too_many, too_long])
+    with pytest.raises(ValueError, match="kv_cache_memory_gb"):
+        measure_shapes(engine, [too_many])
 
 
 def test_profile_then_simulate_agrees_with_a_real_run(engine, tmp_path):

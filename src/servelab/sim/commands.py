@@ -518,6 +518,11 @@ def profile(
     except ValueError as e:
         raise _fail(str(e)) from None
     table.save(out)
+    if table.meta.get("shapes_left_out"):
+        typer.echo(
+            f"left out {len(table.meta['shapes_left_out'])} shapes whose contexts the KV pool "
+            "cannot hold at once (listed in the table's meta.shapes_left_out)"
+        )
     typer.echo(
         f"wrote {out}: {len(table.samples)} steps, interpolation error median "
         f"{fitted.fit_error:.1%}; use it with `servelab sim --profile {out}`"
