@@ -3,7 +3,7 @@ and run those for real in the same session.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--rate 0.3] [--requests 12] [--source runs|grid]
         [--train chat,codegen,agent] [--heldout "rag;rag --max-num-batched-tokens 256;agent@0.45"]
-        [--sim-seeds 5] [--reuse runs/fidelity-...]
+        [--sim-seeds 5] [--real-repeats 2] [--reuse runs/fidelity-...]
 
 1. ``servelab bench`` runs the training workloads for real (the embedded server, the
    default model) and ``servelab profile --from-run`` turns their steps into a profile
@@ -13,22 +13,26 @@ and run those for real in the same session.
    ``;``) -- ``servelab bench`` runs it for real, ``servelab sim
    --profile`` simulates it with the same load and seed, once per ``--sim-seed`` in
    ``0..sim_seeds-1`` (the simulator draws step noise and resent-history divergence; one
-   draw is as random as the real run itself).
+   draw is as random as the real run itself). Each held-out case runs ``--real-repeats``
+   times for real, the repeats after all cases' first runs, so that the machine's drift
+   over minutes lands between them.
 3. Prints, per held-out case, the relative error of the simulated p50/p95 TTFT, ITL
-   and E2E and of the output throughput against the real run (targets: 10% on the
-   percentiles, 5% on throughput): the error of the median over the sim seeds, and the
-   range of the single seeds' errors, which shows how far one draw strays (a real run
-   strays as far from its own expectation). Writes ``fidelity.json``. Beside it, an
-   in-sample control: the same run simulated on a profile of its own steps, which
+   and E2E and of the output throughput against the mean of the real repeats (targets:
+   10% on the percentiles, 5% on throughput): the error of the median over the sim seeds,
+   and the range of the single seeds' errors, which shows how far one draw strays. Beside
+   them, how far the real repeats are from their mean ("real vs real": the same load on
+   the same machine minutes apart, the floor under any prediction of one run), and an
+   in-sample control: the same runs simulated on a profile of their own steps, which
    separates what the simulator gets wrong from how much the machine's speed drifted
-   between runs.
+   between runs. Writes ``fidelity.json``.
 
 Training covers the contexts the held-out cases reach: a profile made of short-context
 runs alone under-predicts 500-1,200-token decode steps by 8-22% (profile coverage, not the
 simulator; see docs/design/sim.md).
 
-``--reuse DIR`` takes the real runs from an earlier output directory and redoes only the
-profiles and simulations (seconds): for working on the simulator against fixed real runs.
+``--reuse DIR`` takes the real runs from an earlier output directory (as many repeats as
+it holds, up to ``--real-repeats``) and redoes only the profiles and simulations (about a
+minute): for working on the simulator against fixed real runs.
 
 Real runs on a 2-core machine shared with other work are slow and noisy: keep the rate
 and request counts small, and quote the figures as provisional.
@@ -149,6 +153,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--source", choices=("runs", "grid"), default="runs")
     ap.add_argument("--sim-seeds", type=int, default=5, help="simulations per comparison")
+    ap.add_argument("--real-repeats", type=int, default=2, help="real runs of each held-out case")
     ap.add_argument("--grid", default="default", help="grid for --source grid (default, quick)")
     ap.add_argument("--out", default=f"runs/fidelity-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--reuse", metavar="DIR", help="real runs from this earlier --out")
@@ -157,11 +162,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
-    def real_run(name: str, case: Case) -> Path:
+    if a.real_repeats < 1 or a.sim_seeds < 1:
+        raise SystemExit("--real-repeats and --sim-seeds must be at least 1")
+
+    def real_run(name: str, case: Case, required: bool = True) -> Path | None:
         if a.reuse:
             d = Path(a.reuse) / name
             if not (d / "steps.jsonl").is_file():
-                raise SystemExit(f"--reuse: no real run at {d}")
+                if required:
+                    raise SystemExit(f"--reuse: no real run at {d}")
+                return None
             return d
         d = out / name
         run([*SERVELAB, "bench", *load_args(a, case), "--out", str(d), "--quiet"])
@@ -186,38 +196,51 @@ def main() -> None:
             seeds.append(figures(d))
         return seeds
 
+    cases = parse_cases(a.heldout, a.rate, ";")
+    # Repeat-major: every case's first run, then every case's second, ...
+    reals: dict[Case, list[Path]] = {c: [] for c in cases}
+    for rep in range(a.real_repeats):
+        for case in cases:
+            suffix = f"-rep{rep + 1}" if rep else ""
+            d = real_run(f"real-{case.name}{suffix}", case, required=rep == 0)
+            if d is not None:
+                reals[case].append(d)
+
     results = {}
-    for case in parse_cases(a.heldout, a.rate, ";"):
+    for case in cases:
         w = case.label
-        real = real_run(f"real-{case.name}", case)
         sims = simulate(profile, case, f"sim-{case.name}")
-        # In-sample control: a profile made of this very run's steps. Its error is what the
+        # In-sample control: a profile made of this case's own steps. Its error is what the
         # simulator itself gets wrong (scheduling, client, interpolation); the held-out error
         # minus this one is what changed on the machine between runs.
         own = out / f"profile-{case.name}.json"
-        run([*SERVELAB, "profile", "--from-run", str(real), "--out", str(own)])
+        from_runs = [arg for d in reals[case] for arg in ("--from-run", str(d))]
+        run([*SERVELAB, "profile", *from_runs, "--out", str(own)])
         insims = simulate(own, case, f"insim-{case.name}")
-        r = figures(real)
+        repeats = [figures(d) for d in reals[case]]
         results[w] = {}
-        for k in r:
+        for k in repeats[0]:
+            real = statistics.fmean(r[k] for r in repeats)
             s = statistics.median(f[k] for f in sims)
-            errs = [rel_error(f[k], r[k]) for f in sims]
             results[w][k] = {
-                "real": r[k],
+                "real": real,
+                "real_repeats": [r[k] for r in repeats],
+                "real_spread": max(abs(r[k] - real) for r in repeats) / real if real else None,
                 "sim": s,
-                "error": rel_error(s, r[k]),
-                "seed_errors": errs,
-                "in_sample_error": rel_error(statistics.median(f[k] for f in insims), r[k]),
+                "error": rel_error(s, real),
+                "seed_errors": [rel_error(f[k], real) for f in sims],
+                "in_sample_error": rel_error(statistics.median(f[k] for f in insims), real),
             }
 
+    n_real = min(len(v) for v in reals.values())
     print(
         f"\nsimulated vs real on this machine ({a.source} profile of {a.train}; "
-        f"{a.requests} requests each; sim: median of {a.sim_seeds} sim seeds; "
-        f"{time.perf_counter() - t_start:.0f} s in all)"
+        f"{a.requests} requests each; real: mean of {n_real} runs; sim: median of "
+        f"{a.sim_seeds} sim seeds; {time.perf_counter() - t_start:.0f} s in all)"
     )
     header = (
         f"{'case':10s} {'metric':14s} {'real':>10s} {'sim':>10s} {'error':>8s} "
-        f"{'one seed':>16s} {'in-sample':>9s}  target"
+        f"{'one seed':>16s} {'in-sample':>9s} {'real vs real':>12s}  target"
     )
     print(header)
     for w, res in results.items():
@@ -231,9 +254,11 @@ def main() -> None:
             ins_s = "-" if ins is None else f"{ins:+.1%}"
             seed = [e for e in v["seed_errors"] if e is not None]
             seed_s = f"{min(seed):+.0%}..{max(seed):+.0%}" if seed else "-"
+            spread = v["real_spread"]
+            spread_s = "-" if spread is None or len(v["real_repeats"]) < 2 else f"±{spread:.1%}"
             print(
                 f"{'':10s} {k:14s} {v['real']:10.4g} {v['sim']:10.4g} {err_s:>8s} {seed_s:>16s} "
-                f"{ins_s:>9s}  {target:.0%} {mark}"
+                f"{ins_s:>9s} {spread_s:>12s}  {target:.0%} {mark}"
             )
     (out / "fidelity.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     print(f"wrote {out / 'fidelity.json'}")
