@@ -140,21 +140,31 @@ def test_resend_divergence_is_drawn_per_request_and_measured_back(tmp_path):
     from servelab.sim import history
     from servelab.sim.target import roofline_target
 
-    draws = [history.divergence_at(0.01, f"r{i}") for i in range(4000)]
+    hazard = history.Resend(per_token=0.01)
+    draws = [hazard.cut(f"r{i}") for i in range(4000)]
     assert statistics.fmean(draws) == pytest.approx(99, rel=0.1)  # geometric: (1 - p) / p
-    assert draws[:50] == [history.divergence_at(0.01, f"r{i}") for i in range(50)]
-    assert history.divergence_at(0.0, "r0") == math.inf
+    assert draws[:50] == [hazard.cut(f"r{i}") for i in range(50)]
+    assert history.Resend().cut("r0") == math.inf
+    starts = [history.Resend(at_start=0.25).cut(f"r{i}") for i in range(4000)]
+    assert starts.count(0) / 4000 == pytest.approx(0.25, abs=0.03)
+    assert set(starts) == {0, math.inf}
 
     target = roofline_target("h200", "llama-3.1-8b", engine_config=EngineConfig(max_num_seqs=64))
     load = LoadSpec(rate=4.0, requests=80)
     measured = {}
-    for p in (0.0, 0.004):
-        reqs, _, _ = load_requests("agent", load, 0, 8192, resend_divergence=p)
-        t = dataclasses.replace(target, resend_divergence=p)
+    for r in (history.Resend(), history.Resend(0.004), history.Resend(0.004, 0.2)):
+        reqs, _, _ = load_requests("agent", load, 0, 8192, resend=r)
+        t = dataclasses.replace(target, resend=r)
         res = simulate(Scenario(t, reqs))
-        run = write_run_dir(tmp_path / f"p{p}", res, target=t.describe(), n_boot=0)
-        measured[p] = history.measure([load_run(run)])
-    exact, lossy = measured[0.0], measured[0.004]
+        run = write_run_dir(
+            tmp_path / f"p{r.per_token}-{r.at_start}", res, target=t.describe(), n_boot=0
+        )
+        measured[r] = history.measure([load_run(run)])
+    exact, lossy, both = measured.values()
     assert exact is not None and exact["turns"] > 100 and exact["diverged"] == 0
     assert lossy is not None and lossy["diverged"] > 50
     assert lossy["per_token"] == pytest.approx(0.004, rel=0.25)
+    # Divergences in the answer's first block count at the start: a hazard puts few there.
+    assert lossy["at_start"] < 0.08
+    assert both is not None and both["at_start"] == pytest.approx(0.2, abs=0.08)
+    assert both["per_token"] == pytest.approx(0.004, rel=0.3)

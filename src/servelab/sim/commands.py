@@ -254,7 +254,7 @@ def sim(
             seed,
             max_len,
             endpoint,
-            resend_divergence=target.resend_divergence,
+            resend=target.resend,
             sim_seed=sim_seed,
         )
         info["sim_seed"] = sim_seed
@@ -394,7 +394,7 @@ def _capacity(
                 seed,
                 max_len,
                 endpoint,
-                resend_divergence=scenario.target.resend_divergence,
+                resend=scenario.target.resend,
                 sim_seed=scenario.sim_seed,
             )
             return simulate(dataclasses.replace(scenario, requests=reqs), keep_steps=False)

@@ -8,10 +8,12 @@ they first differ and the rest of the history is prefilled again. In the agent w
 here that was 12% more prefill tokens than an exact resend, and a simulation that resent
 the exact tokens had TTFT p50/p95 4%/15% low (docs/design/sim.md).
 
-The simulator models it as a constant hazard: each answer token is, independently with
-probability ``per_token``, the first where the resent history differs. :func:`measure`
-estimates it from real runs (divergences over the answer tokens at risk, at block
-granularity); :func:`divergence_at` draws the position for one request, seeded by its id.
+The simulator models two ways it happens (:class:`Resend`): at the answer's very start,
+where its first tokens meet the end of the prompt text and tokenize together (3-4 of 30
+later agent turns per run here, against 1 that a constant hazard predicts), and then
+independently for each answer token with probability ``per_token``. :func:`measure`
+estimates both from real runs, at block granularity; :meth:`Resend.cut` draws the position
+for one request, seeded by its id.
 """
 
 from __future__ import annotations
@@ -19,20 +21,52 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Resend:
+    """How a resent history diverges: with probability ``at_start`` from the answer's first
+    block, else from each answer token with probability ``per_token`` (0, 0: never)."""
+
+    per_token: float = 0.0
+    at_start: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Resend:
+        d = d or {}
+        return cls(float(d.get("per_token", 0.0)), float(d.get("at_start", 0.0)))
+
+    def cut(self, key: str) -> float:
+        """Answer position where the resent history first differs (``inf``: it never does)."""
+        if self.per_token <= 0 and self.at_start <= 0:
+            return math.inf
+        rng = random.Random(f"resend:{key}")
+        if rng.random() < self.at_start:
+            return 0
+        if self.per_token <= 0:
+            return math.inf
+        if self.per_token >= 1:
+            return 0
+        return math.floor(math.log1p(-rng.random()) / math.log1p(-self.per_token))
+
+
 def measure(runs: list[Any]) -> dict[str, float] | None:
-    """``{"per_token", "turns", "diverged"}`` from loaded runs (``analyze.rundir.Run``);
-    None when no session turn resent a full block of an earlier answer.
+    """``{"per_token", "at_start", "turns", "diverged"}`` from loaded runs
+    (``analyze.rundir.Run``); None when no session turn resent a full block of an earlier
+    answer.
 
     For each later turn whose prompt holds the previous turn's prompt and answer, the
     answer's cacheable tokens (those in full blocks with computed K/V) are at risk. A
-    prefix hit short of them is a divergence in the block after the hit (counted at its
-    middle); a hit over all of them is an answer that came back intact. Evictions would
-    look like divergences: measure on runs whose KV pool was not full.
+    prefix hit that stops in or before the block holding the answer's first token is a
+    divergence at the start (``at_start``, over all turns). Past that block, a hit short of
+    the answer's end is a divergence in the block after the hit (counted at its middle) and
+    a hit over all of it an answer that came back intact; they give ``per_token`` over the
+    tokens at risk. Evictions would look like divergences: measure on runs whose KV pool was
+    not full.
     """
-    diverged = turns = 0
+    diverged = turns = at_start = 0
     at_risk = 0.0
     for run in runs:
         bs = int((run.engine_config or {}).get("block_size", 16))
@@ -52,21 +86,20 @@ def measure(runs: list[Any]) -> dict[str, float] | None:
                     continue
                 hit = b.chunks[0].cached_tokens if b.chunks else b.cached_tokens
                 turns += 1
+                if hit <= start:
+                    at_start += 1
+                    continue
+                first = start // bs * bs + bs  # the end of the answer's first block
                 if hit >= end:
-                    at_risk += end - start
+                    at_risk += end - first
                 else:
                     diverged += 1
-                    at_risk += max(hit - start, 0) + bs / 2
+                    at_risk += hit - first + bs / 2
     if not turns:
         return None
-    return {"per_token": diverged / at_risk, "turns": turns, "diverged": diverged}
-
-
-def divergence_at(per_token: float, key: str) -> float:
-    """Answer position where the resent history first differs (``inf``: it never does)."""
-    if per_token <= 0:
-        return math.inf
-    if per_token >= 1:
-        return 0
-    u = random.Random(f"resend:{key}").random()
-    return math.floor(math.log1p(-u) / math.log1p(-per_token))
+    return {
+        "per_token": diverged / at_risk if at_risk > 0 else 0.0,
+        "at_start": at_start / turns,
+        "turns": turns,
+        "diverged": diverged + at_start,
+    }

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from servelab.analyze.summary import SLO
+from servelab.sim.history import Resend
 from servelab.sim.loop import SimRequest, SimResult, Simulation, Topology
 from servelab.sim.target import SimTarget
 
@@ -62,14 +63,14 @@ def load_requests(
     max_model_len: int,
     endpoint: str = "completions",
     tokenizer: Any = None,
-    resend_divergence: float = 0.0,
+    resend: Resend | None = None,
     sim_seed: int = 0,
 ) -> tuple[list[SimRequest], dict[str, Any], dict[str, SLO] | None]:
     """Requests of a workload (through ``bench.plan.build_plan``) or of ``load.trace``.
 
     Returns the requests, what to record about them in the manifest, and the workload's
     SLOs per class (None for a trace). ``tokenizer`` defaults to the default model's;
-    ``resend_divergence`` is the target's (``SimTarget``), for multi-turn sessions, drawn
+    ``resend`` is the target's (``SimTarget``), for multi-turn sessions, drawn
     per ``seed`` and ``sim_seed``.
     """
     from servelab.sim.workload import requests_from_plan, requests_from_trace
@@ -109,7 +110,7 @@ def load_requests(
         plan,
         tokenizer,
         endpoint,
-        resend_divergence=resend_divergence,
+        resend=resend,
         draw_key=f"{seed}:{sim_seed}",
     )
     return reqs, info, spec.class_slos()

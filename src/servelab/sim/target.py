@@ -13,6 +13,7 @@ from typing import Any
 from servelab.engine.config import EngineConfig
 from servelab.sim.executor import CostModel, PacedExecutor, SimExecutor, VirtualClock
 from servelab.sim.hardware import Hardware, get_hardware
+from servelab.sim.history import Resend
 from servelab.sim.modelspec import ModelSpec, load_model_spec
 from servelab.sim.noise import StepNoise
 from servelab.sim.profiled import ProfiledCostModel, ProfileTable
@@ -26,8 +27,8 @@ class SimTarget:
     ``kv_bytes_per_token`` is per device: it sizes the KV pool (through the engine's own
     ``kv_cache_memory_gb`` rule) and the disaggregated KV transfer. ``step_noise``, when
     measured, varies each step's time as real steps vary (one seeded series per replica).
-    ``resend_divergence``: per answer token, how often a multi-turn client's resent history
-    first differs from the generated tokens (:mod:`servelab.sim.history`; 0: never).
+    ``resend``: where a multi-turn client's resent history first differs from the generated
+    tokens (:mod:`servelab.sim.history`; the default: never).
     """
 
     cost_model: CostModel
@@ -39,7 +40,7 @@ class SimTarget:
     placeholder_ids: list[int] = field(default_factory=lambda: [1000])
     spec_acceptance: float = 0.7
     step_noise: StepNoise | None = None
-    resend_divergence: float = 0.0
+    resend: Resend = field(default_factory=Resend)
     info: dict[str, Any] = field(default_factory=dict)
 
     def make_executor(self, clock: VirtualClock | None = None, seed: int = 0) -> SimExecutor:
@@ -141,7 +142,6 @@ def profile_target(
         kv, max_len = spec.kv_bytes_per_token(4), spec.max_model_len
     cfg = engine_config or EngineConfig(**meta.get("engine_config", {}))
     noise = meta.get("step_noise")
-    resend = meta.get("resend_divergence") or {}
     return SimTarget(
         cost_model=ProfiledCostModel(t),
         engine_config=cfg,
@@ -150,6 +150,6 @@ def profile_target(
         label=f"profile:{t.device}:{t.model}",
         eos_token_ids=list(meta.get("eos_token_ids", [])),
         step_noise=StepNoise.from_dict(noise) if noise else None,
-        resend_divergence=float(resend.get("per_token", 0.0)),
+        resend=Resend.from_dict(meta.get("resend_divergence")),
         info={"profile_device": t.device, "model": t.model},
     )

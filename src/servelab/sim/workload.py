@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelab.sim.history import divergence_at
+from servelab.sim.history import Resend
 from servelab.sim.loop import SimRequest
 
 _FILLER = 13  # any id: after a unique first block, the chained block hashes differ anyway
@@ -43,19 +43,20 @@ def requests_from_plan(
     tokenizer: Any,
     endpoint: str = "completions",
     placeholder_ids: list[int] | None = None,
-    resend_divergence: float = 0.0,
+    resend: Resend | None = None,
     draw_key: str = "",
 ) -> list[SimRequest]:
     """SimRequests for a ``bench.plan.Plan``: same ids, classes, times and lengths.
 
     Later turns of a session are sent ``think_time`` after the previous turn's last byte
     and carry the conversation so far (previous prompt + its output) when the class
-    says ``carry_history``. With ``resend_divergence`` (per answer token,
-    :mod:`servelab.sim.history`) the resent answer differs from the generated tokens from
+    says ``carry_history``. With ``resend`` (:mod:`servelab.sim.history`) the resent
+    answer differs from the generated tokens from
     a drawn position on, as a real client's retokenized text does (drawn per ``draw_key``
     and request id).
     """
     ph = placeholder_ids or [1000]
+    resend = resend or Resend()
     resent = min(set(range(1, len(ph) + 2)) - set(ph))  # an id the executor never emits
     out: list[SimRequest] = []
     last_turn: dict[str, tuple[SimRequest, list[int]]] = {}
@@ -71,7 +72,7 @@ def requests_from_plan(
             after, think = prev.request_id, p.think_time
             if p.carry_history:
                 answer = _placeholder_outputs(prev.max_tokens, ph)
-                cut = divergence_at(resend_divergence, f"{draw_key}:{p.request_id}")
+                cut = resend.cut(f"{draw_key}:{p.request_id}")
                 if cut < len(answer):
                     answer[int(cut) :] = [resent] * (len(answer) - int(cut))
                 ids = prev_ids + answer + ids
