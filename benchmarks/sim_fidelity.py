@@ -177,12 +177,15 @@ def main() -> None:
         run([*SERVELAB, "bench", *load_args(a, case), "--out", str(d), "--quiet"])
         return d
 
+    def profile_runs(run_dirs: list[Path], table: Path) -> None:
+        """``servelab profile --from-run`` over ``run_dirs``, written to ``table``."""
+        from_runs = [arg for d in run_dirs for arg in ("--from-run", str(d))]
+        run([*SERVELAB, "profile", *from_runs, "--out", str(table)])
+
     profile = out / "profile.json"
     if a.source == "runs":
         train = parse_cases(a.train, a.rate, ",")
-        train_dirs = [str(real_run(f"train-{c.name}", c)) for c in train]
-        from_runs = [arg for d in train_dirs for arg in ("--from-run", d)]
-        run([*SERVELAB, "profile", *from_runs, "--out", str(profile)])
+        profile_runs([real_run(f"train-{c.name}", c) for c in train], profile)
     else:
         run([*SERVELAB, "profile", "--grid", a.grid, "--out", str(profile)])
 
@@ -214,8 +217,7 @@ def main() -> None:
         # simulator itself gets wrong (scheduling, client, interpolation); the held-out error
         # minus this one is what changed on the machine between runs.
         own = out / f"profile-{case.name}.json"
-        from_runs = [arg for d in reals[case] for arg in ("--from-run", str(d))]
-        run([*SERVELAB, "profile", *from_runs, "--out", str(own)])
+        profile_runs(reals[case], own)
         insims = simulate(own, case, f"insim-{case.name}")
         repeats = [figures(d) for d in reals[case]]
         results[w] = {}

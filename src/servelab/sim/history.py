@@ -40,8 +40,6 @@ class Resend:
 
     def cut(self, key: str) -> float:
         """Answer position where the resent history first differs (``inf``: it never does)."""
-        if self.per_token <= 0 and self.at_start <= 0:
-            return math.inf
         rng = random.Random(f"resend:{key}")
         if rng.random() < self.at_start:
             return 0

@@ -51,9 +51,8 @@ def requests_from_plan(
     Later turns of a session are sent ``think_time`` after the previous turn's last byte
     and carry the conversation so far (previous prompt + its output) when the class
     says ``carry_history``. With ``resend`` (:mod:`servelab.sim.history`) the resent
-    answer differs from the generated tokens from
-    a drawn position on, as a real client's retokenized text does (drawn per ``draw_key``
-    and request id).
+    answer differs from the generated tokens from a drawn position on, as a real client's
+    retokenized text does (drawn per ``draw_key`` and request id).
     """
     ph = placeholder_ids or [1000]
     resend = resend or Resend()
