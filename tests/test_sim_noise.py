@@ -12,8 +12,9 @@ import pytest
 from servelab.analyze.rundir import load_run
 from servelab.bench.plan import LoadSpec
 from servelab.engine.config import EngineConfig
+from servelab.sim.drift import MIN_ANCHORS, is_anchor, run_speeds
 from servelab.sim.noise import StepNoise
-from servelab.sim.profiled import ProfileSample, ProfileTable
+from servelab.sim.profiled import ProfiledCostModel, ProfileSample, ProfileTable
 from servelab.sim.profiler import fit_overhead, table_from_runs
 from servelab.sim.replay import measured_steps
 from servelab.sim.rundir import write_run_dir
@@ -168,3 +169,45 @@ def test_resend_divergence_is_drawn_per_request_and_measured_back(tmp_path):
     assert lossy["at_start"] < 0.08
     assert both is not None and both["at_start"] == pytest.approx(0.2, abs=0.08)
     assert both["per_token"] == pytest.approx(0.004, rel=0.3)
+
+
+def test_runs_are_levelled_to_their_mean_speed(tmp_path):
+    # Two runs of the same cost model, the second on a machine 25% slower throughout.
+    runs = []
+    for i, speed in enumerate((1.0, 1.25)):
+        table = _table(None)
+        for s in table.samples:
+            s.time *= speed
+        table.meta["overhead"]["per_step"] *= speed
+        target = profile_target(table)
+        reqs, info, _ = load_requests(
+            "chat", LoadSpec(rate=0.5, requests=20, length_scale=0.5), i, 2048
+        )
+        res = simulate(Scenario(target, reqs, info=info))
+        runs.append(
+            str(write_run_dir(tmp_path / f"run{i}", res, target=target.describe(), n_boot=0))
+        )
+    table = table_from_runs(runs, "smollm2-135m")
+    fast, slow = table.meta["run_speeds"]
+    assert slow / fast == pytest.approx(1.25, rel=0.02)
+    assert fast * slow == pytest.approx(1.0)  # relative to the runs' geometric mean
+    # The pooled fit prices the mean speed; without levelling each run alone is priced right
+    # only by chance, and the residual would be the speed gap.
+    fitted = ProfiledCostModel(table)
+    errs = [abs(math.log(s.time / fitted.interpolate(s.work))) for s in table.samples]
+    assert statistics.median(errs) < 0.02
+    # One run, or runs without enough short single-sequence decodes, are left as they are.
+    assert "run_speeds" not in table_from_runs(runs[:1], "smollm2-135m").meta
+
+
+def test_run_speeds_need_anchors_in_every_run():
+    anchor, batch = StepWork(), StepWork()
+    anchor.add(1, 300, 1)
+    for _ in range(4):
+        batch.add(1, 300, 1)
+    assert is_anchor(anchor) and not is_anchor(batch)
+    flat = lambda w: 0.03
+    runs = [[(anchor, 0.03)] * MIN_ANCHORS, [(anchor, 0.036)] * MIN_ANCHORS]
+    speeds = run_speeds(runs, flat)
+    assert speeds is not None and speeds[1] / speeds[0] == pytest.approx(1.2)
+    assert run_speeds([runs[0], [(batch, 0.05)] * 100], flat) is None
