@@ -3,35 +3,38 @@ and run those for real in the same session.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--rate 0.3] [--requests 12] [--source runs|grid]
         [--train chat,codegen,agent] [--heldout "rag;rag --max-num-batched-tokens 256;agent@0.45"]
-        [--sim-seeds 5] [--real-repeats 2] [--reuse runs/fidelity-...]
+        [--sim-seeds 5] [--rounds 2] [--reuse runs/fidelity-...]
 
-1. ``servelab bench`` runs the training workloads for real (the embedded server, the
-   default model) and ``servelab profile --from-run`` turns their steps into a profile
-   table (``--source grid`` profiles the batch-shape grid instead).
-2. For each held-out case -- a workload the profile never saw, or a seen one at another
-   rate or with other engine args (``WORKLOAD[@RATE][ ENGINE ARGS]``, cases separated by
-   ``;``) -- ``servelab bench`` runs it for real, ``servelab sim
-   --profile`` simulates it with the same load and seed, once per ``--sim-seed`` in
-   ``0..sim_seeds-1`` (the simulator draws step noise and resent-history divergence; one
-   draw is as random as the real run itself). Each held-out case runs ``--real-repeats``
-   times for real, the repeats after all cases' first runs, so that the machine's drift
-   over minutes lands between them.
-3. Prints, per held-out case, the relative error of the simulated p50/p95 TTFT, ITL
+1. ``servelab bench`` runs every case for real (the embedded server, the default model):
+   the training workloads and the held-out cases -- a workload the profile never saw, or
+   a seen one at another rate or with other engine args (``WORKLOAD[@RATE][ ENGINE
+   ARGS]``, cases separated by ``;``). It runs them in ``--rounds`` rounds, training and
+   held-out cases alternating within each, so that the machine's drift over minutes falls
+   on both alike.
+2. ``servelab profile --from-run`` turns the training runs' steps into a profile table
+   (``--source grid`` profiles the batch-shape grid instead), levelling the runs to their
+   mean speed (``servelab.sim.drift``).
+3. ``servelab sim --profile`` simulates each held-out case with the same load and seed,
+   once per ``--sim-seed`` in ``0..sim_seeds-1`` (the simulator draws step noise and
+   resent-history divergence; one draw is as random as the real run itself).
+4. Prints, per held-out case, the relative error of the simulated p50/p95 TTFT, ITL
    and E2E and of the output throughput against the mean of the real repeats (targets:
    10% on the percentiles, 5% on throughput): the error of the median over the sim seeds,
    and the range of the single seeds' errors, which shows how far one draw strays. Beside
-   them, how far the real repeats are from their mean ("real vs real": the same load on
-   the same machine minutes apart, the floor under any prediction of one run), and an
-   in-sample control: the same runs simulated on a profile of their own steps, which
-   separates what the simulator gets wrong from how much the machine's speed drifted
-   between runs. Writes ``fidelity.json``.
+   them: the 95% bootstrap interval of one real run's figure (from its ``metrics.json``,
+   averaged over the repeats), which says how well 12 requests pin a percentile down; how
+   far the real repeats are from their mean ("real vs real": the same load on the same
+   machine minutes apart, the floor under any prediction); and an in-sample control: the
+   same runs simulated on a profile of their own steps, which separates what the simulator
+   gets wrong from how much the machine's speed drifted between runs. Writes
+   ``fidelity.json``.
 
 Training covers the contexts the held-out cases reach: a profile made of short-context
 runs alone under-predicts 500-1,200-token decode steps by 8-22% (profile coverage, not the
 simulator; see docs/design/sim.md).
 
-``--reuse DIR`` takes the real runs from an earlier output directory (as many repeats as
-it holds, up to ``--real-repeats``) and redoes only the profiles and simulations (about a
+``--reuse DIR`` takes the real runs from an earlier output directory (as many rounds as it
+holds, up to ``--rounds``) and redoes only the profiles and simulations (about a
 minute): for working on the simulator against fixed real runs.
 
 Real runs on a 2-core machine shared with other work are slow and noisy: keep the rate
@@ -48,6 +51,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
@@ -135,6 +139,18 @@ def figures(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def relative_cis(run_dir: Path) -> dict[str, tuple[float, float]]:
+    """The 95% bootstrap interval of each percentile in ``metrics.json`` (whole requests
+    resampled), relative to the percentile: how well one run pins the figure down."""
+    lat = json.loads((run_dir / "metrics.json").read_text())["overall"]["latency"]
+    out = {}
+    for k, p in METRICS:
+        value, ci = lat[k][p], lat[k].get("ci", {}).get(p)
+        if value and ci:
+            out[f"{k}_{p}"] = (ci[0] / value - 1, ci[1] / value - 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -153,7 +169,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--source", choices=("runs", "grid"), default="runs")
     ap.add_argument("--sim-seeds", type=int, default=5, help="simulations per comparison")
-    ap.add_argument("--real-repeats", type=int, default=2, help="real runs of each held-out case")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="real runs of every case, training and held-out"
+    )
     ap.add_argument("--grid", default="default", help="grid for --source grid (default, quick)")
     ap.add_argument("--out", default=f"runs/fidelity-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--reuse", metavar="DIR", help="real runs from this earlier --out")
@@ -162,10 +180,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
-    if a.real_repeats < 1 or a.sim_seeds < 1:
-        raise SystemExit("--real-repeats and --sim-seeds must be at least 1")
+    if a.rounds < 1 or a.sim_seeds < 1:
+        raise SystemExit("--rounds and --sim-seeds must be at least 1")
 
-    def real_run(name: str, case: Case, required: bool = True) -> Path | None:
+    def real_run(name: str, case: Case, required: bool) -> Path | None:
         if a.reuse:
             d = Path(a.reuse) / name
             if not (d / "steps.jsonl").is_file():
@@ -182,32 +200,38 @@ def main() -> None:
         from_runs = [arg for d in run_dirs for arg in ("--from-run", str(d))]
         run([*SERVELAB, "profile", *from_runs, "--out", str(table)])
 
+    train = parse_cases(a.train, a.rate, ",") if a.source == "runs" else []
+    cases = parse_cases(a.heldout, a.rate, ";")
+    if set(train) & set(cases):
+        raise SystemExit("a held-out case is also a training case: give it another rate or args")
+    # Rounds of real runs, training and held-out cases alternating, so that the machine's
+    # drift over minutes falls on both alike (sim.drift levels the training runs to their
+    # mean speed, which is then the held-out runs' mean speed too).
+    order = [x for pair in zip_longest(train, cases) for x in pair if x is not None]
+    reals: dict[Case, list[Path]] = {c: [] for c in order}
+    for rnd in range(a.rounds):
+        for case in order:
+            kind = "train" if case in train else "real"
+            suffix = f"-rep{rnd + 1}" if rnd else ""
+            d = real_run(f"{kind}-{case.name}{suffix}", case, required=rnd == 0)
+            if d is not None:
+                reals[case].append(d)
+
     profile = out / "profile.json"
     if a.source == "runs":
-        train = parse_cases(a.train, a.rate, ",")
-        profile_runs([real_run(f"train-{c.name}", c) for c in train], profile)
+        profile_runs([d for c in train for d in reals[c]], profile)
     else:
         run([*SERVELAB, "profile", "--grid", a.grid, "--out", str(profile)])
 
-    def simulate(table: Path, case: Case, name: str) -> list[dict[str, float]]:
-        """Figures of one simulation per sim seed (run directories name/seedK)."""
+    def simulate(table: Path, case: Case, name: str) -> list[Path]:
+        """One simulation per sim seed (run directories name/seedK)."""
         seeds = []
         for k in range(a.sim_seeds):
             d = out / name / f"seed{k}"
             cmd = [*SERVELAB, "sim", "--profile", str(table), *load_args(a, case)]
             run([*cmd, "--sim-seed", str(k), "--out", str(d)], quiet=True)
-            seeds.append(figures(d))
+            seeds.append(d)
         return seeds
-
-    cases = parse_cases(a.heldout, a.rate, ";")
-    # Repeat-major: every case's first run, then every case's second, ...
-    reals: dict[Case, list[Path]] = {c: [] for c in cases}
-    for rep in range(a.real_repeats):
-        for case in cases:
-            suffix = f"-rep{rep + 1}" if rep else ""
-            d = real_run(f"real-{case.name}{suffix}", case, required=rep == 0)
-            if d is not None:
-                reals[case].append(d)
 
     results = {}
     for case in cases:
@@ -220,36 +244,46 @@ def main() -> None:
         profile_runs(reals[case], own)
         insims = simulate(own, case, f"insim-{case.name}")
         repeats = [figures(d) for d in reals[case]]
+        repeat_cis = [relative_cis(d) for d in reals[case]]
+        seeds = [figures(d) for d in sims]
+        insample = [figures(d) for d in insims]
         results[w] = {}
         for k in repeats[0]:
             real = statistics.fmean(r[k] for r in repeats)
-            s = statistics.median(f[k] for f in sims)
+            s = statistics.median(f[k] for f in seeds)
+            cis = [c[k] for c in repeat_cis if k in c]
             results[w][k] = {
                 "real": real,
                 "real_repeats": [r[k] for r in repeats],
                 "real_spread": max(abs(r[k] - real) for r in repeats) / real if real else None,
+                "one_run_ci": [statistics.fmean(c[i] for c in cis) for i in (0, 1)]
+                if cis
+                else None,
                 "sim": s,
                 "error": rel_error(s, real),
-                "seed_errors": [rel_error(f[k], real) for f in sims],
-                "in_sample_error": rel_error(statistics.median(f[k] for f in insims), real),
+                "seed_errors": [rel_error(f[k], real) for f in seeds],
+                "in_sample_error": rel_error(statistics.median(f[k] for f in insample), real),
             }
 
-    n_real = min(len(v) for v in reals.values())
+    n_real = min(len(reals[c]) for c in cases)
     print(
         f"\nsimulated vs real on this machine ({a.source} profile of {a.train}; "
         f"{a.requests} requests each; real: mean of {n_real} runs; sim: median of "
         f"{a.sim_seeds} sim seeds; {time.perf_counter() - t_start:.0f} s in all)"
     )
     header = (
-        f"{'case':10s} {'metric':14s} {'real':>10s} {'sim':>10s} {'error':>8s} "
-        f"{'one seed':>16s} {'in-sample':>9s} {'real vs real':>12s}  target"
+        f"{'case':10s} {'metric':14s} {'real':>10s} {'one run CI':>14s} {'sim':>10s} "
+        f"{'error':>8s} {'one seed':>13s} {'in-sample':>9s} {'real vs real':>12s}  target"
     )
     print(header)
+    within = total = 0
     for w, res in results.items():
         print(w)
         for k, v in res.items():
             target = 0.05 if k == "output_tok_s" else 0.10
             err = v["error"]
+            total += err is not None
+            within += err is not None and abs(err) <= target
             mark = "" if err is None else ("ok" if abs(err) <= target else "MISSED")
             err_s = "-" if err is None else f"{err:+.1%}"
             ins = v["in_sample_error"]
@@ -258,10 +292,13 @@ def main() -> None:
             seed_s = f"{min(seed):+.0%}..{max(seed):+.0%}" if seed else "-"
             spread = v["real_spread"]
             spread_s = "-" if spread is None or len(v["real_repeats"]) < 2 else f"±{spread:.1%}"
+            ci = v["one_run_ci"]
+            ci_s = "-" if not ci else f"{ci[0]:+.0%}..{ci[1]:+.0%}"
             print(
-                f"{'':10s} {k:14s} {v['real']:10.4g} {v['sim']:10.4g} {err_s:>8s} {seed_s:>16s} "
-                f"{ins_s:>9s} {spread_s:>12s}  {target:.0%} {mark}"
+                f"{'':10s} {k:14s} {v['real']:10.4g} {ci_s:>14s} {v['sim']:10.4g} {err_s:>8s} "
+                f"{seed_s:>13s} {ins_s:>9s} {spread_s:>12s}  {target:.0%} {mark}"
             )
+    print(f"{within} of {total} figures within target")
     (out / "fidelity.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     print(f"wrote {out / 'fidelity.json'}")
 
