@@ -12,8 +12,9 @@ and run those for real in the same session.
    held-out cases alternating within each, so that the machine's drift over minutes falls
    on both alike.
 2. ``servelab profile --from-run`` turns the training runs' steps into a profile table
-   (``--source grid`` profiles the batch-shape grid instead), levelling the runs to their
-   mean speed (``servelab.sim.drift``).
+   (``--source grid`` profiles the batch-shape grid instead). It prices each shape at the
+   training runs' typical speed, which is the held-out runs' typical speed too when both
+   span the same minutes.
 3. ``servelab sim --profile`` simulates each held-out case with the same load and seed,
    once per ``--sim-seed`` in ``0..sim_seeds-1`` (the simulator draws step noise and
    resent-history divergence; one draw is as random as the real run itself).
@@ -205,8 +206,7 @@ def main() -> None:
     if set(train) & set(cases):
         raise SystemExit("a held-out case is also a training case: give it another rate or args")
     # Rounds of real runs, training and held-out cases alternating, so that the machine's
-    # drift over minutes falls on both alike (sim.drift levels the training runs to their
-    # mean speed, which is then the held-out runs' mean speed too).
+    # drift over minutes falls on both alike (sim.drift).
     order = [x for pair in zip_longest(train, cases) for x in pair if x is not None]
     reals: dict[Case, list[Path]] = {c: [] for c in order}
     for rnd in range(a.rounds):

@@ -523,6 +523,12 @@ def profile(
             f"left out {len(table.meta['shapes_left_out'])} shapes whose contexts the KV pool "
             "cannot hold at once (listed in the table's meta.shapes_left_out)"
         )
+    if table.meta.get("run_speeds"):
+        speeds = ", ".join(f"{f:.2f}" for f in table.meta["run_speeds"])
+        typer.echo(
+            f"the runs' speeds on one-sequence decodes: {speeds} of their mean (machine "
+            "drift; the profile prices their mean; meta.run_speeds)"
+        )
     typer.echo(
         f"wrote {out}: {len(table.samples)} steps, interpolation error median "
         f"{fitted.fit_error:.1%}; use it with `servelab sim --profile {out}`"

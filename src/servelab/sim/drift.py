@@ -1,18 +1,20 @@
-"""Run-level speed drift: level the runs of a run-derived profile before pooling them.
+"""Run-level speed drift: how far the runs pooled into one profile differed in speed.
 
 This machine's speed wanders by 10-20% over minutes (docs/design/sim.md): the same
 one-sequence decode took 34 ms in one training run and 38 ms in the next. A profile pools
-the steps of several runs, and the runs cover different shapes (only a multi-turn run
-reaches long contexts), so a slow run's level is read as the cost of its shapes: a slow
-long-context run steepens the fitted context slope, and held-out steps at contexts between
-the runs' are mispriced.
+the steps of several runs and prices each shape at their typical time, so it predicts a
+machine about as fast as the training runs were on average; a held-out run on a faster or
+slower stretch of minutes is off by that much, whatever the simulator does.
 
 :func:`run_speeds` measures each run's speed on an anchor every workload has -- decode
-steps of one sequence at a short context -- as the median of measured over fitted time,
-so that the small context differences between runs' anchors stay with the fit. Dividing a
-run's steps by its factor levels the runs to their common (geometric) mean; the profile
-then prices every shape at the mean speed of the training runs. The factors are relative:
-they say how the runs differed, not how fast the machine is.
+steps of one sequence at a short context -- as the median of measured over fitted time
+(so the small context differences between the runs' anchors stay with the fit), relative
+to the runs' geometric mean. ``servelab profile --from-run`` records the factors and says
+how far apart they are. It does not divide them out: levelling the runs to their mean
+before the fit was tried and did not predict held-out runs better (docs/design/sim.md),
+because the drift is not one factor per run: of two agent runs minutes apart, the second
+decoded three sequences at 1,200 tokens 36% slower than the first, and one sequence at 300
+tokens only 8% slower.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from servelab.sim.work import StepWork
 
 ANCHOR_MAX_CONTEXT = 768  # tokens: every workload's single decodes reach this far
-MIN_ANCHORS = 20  # per run: fewer give a median too noisy to correct by
+MIN_ANCHORS = 20  # per run: fewer give a median too noisy to compare
 
 
 def is_anchor(w: StepWork) -> bool:
@@ -37,7 +39,7 @@ def run_speeds(
 ) -> list[float] | None:
     """Each run's speed factor (measured over ``predict``ed anchor time, over the runs'
     geometric mean), from its ``(work, seconds)`` steps. None when there is nothing to
-    level: a single run, or a run with fewer than ``MIN_ANCHORS`` anchors (its level
+    compare: a single run, or a run with fewer than ``MIN_ANCHORS`` anchors (its speed
     could not be told from its shapes)."""
     if len(runs) < 2:
         return None

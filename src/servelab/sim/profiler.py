@@ -260,8 +260,9 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
     is fitted to the busy gaps between steps (``replay.busy_gaps``) against the sequences
     of the step before; the step noise (``sim.noise``) is measured from each step's duration
     over the fitted model's, in step order, and the resent-history divergence
-    (``sim.history``) from the sessions' prefix hits. The KV layout, context and engine
-    config come from the first run's manifest when it recorded them.
+    (``sim.history``) from the sessions' prefix hits, and how the runs' speeds differed
+    (``sim.drift``). The KV layout, context and engine config come from the first run's
+    manifest when it recorded them.
     """
     from servelab.analyze.rundir import load_run
     from servelab.sim import history
@@ -282,26 +283,11 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
             meta["engine_config"] = {
                 k: v for k, v in run.engine_config.items() if k in EngineConfig.__dataclass_fields__
             }
-
-    def fit(level: list[float]) -> tuple[ProfileTable, ProfiledCostModel]:
-        samples = [ProfileSample(s.work, s.time / f) for run, f in zip(per_run, level) for s in run]
-        table = ProfileTable(model, device, samples, meta)
-        return table, ProfiledCostModel(table)
-
-    # Level the runs' speeds (sim.drift), refining the factors twice: the first come from a
-    # fit that still carries the drift.
-    level = [1.0] * len(per_run)
-    table, fitted = fit(level)
-    for _ in range(2):
-        levelled = [[(s.work, s.time / f) for s in run] for run, f in zip(per_run, level)]
-        speeds = run_speeds(levelled, fitted.interpolate)
-        if speeds is None:
-            break
-        level = [f * s for f, s in zip(level, speeds)]
-        meta["run_speeds"] = level
-        table, fitted = fit(level)
-    # The noise is measured on the steps as they ran: drift within and between runs is part
-    # of what a run sees.
+    table = ProfileTable(model, device, [s for run in per_run for s in run], meta)
+    fitted = ProfiledCostModel(table)
+    speeds = run_speeds([[(s.work, s.time) for s in run] for run in per_run], fitted.interpolate)
+    if speeds is not None:
+        meta["run_speeds"] = speeds
     noise = StepNoise.measure(
         [[s.time / fitted.interpolate(s.work) for s in run] for run in per_run]
     )
