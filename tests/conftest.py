@@ -12,11 +12,19 @@
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Tests interrupt child CLIs with SIGINT and expect Ctrl-C handling (exit 130). A suite
+# started as a background job of a non-interactive shell (`nohup .ci/run &`) inherits SIGINT
+# ignored, and every child would inherit that too; a handled signal is reset to the default
+# across exec, so the children get Python's KeyboardInterrupt again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
