@@ -212,7 +212,10 @@ def test_run_speeds_need_anchors_in_every_run():
         batch.add(1, 300, 1)
     assert is_anchor(anchor) and not is_anchor(batch)
     flat = lambda w: 0.03
-    runs = [[(anchor, 0.03)] * MIN_ANCHORS, [(anchor, 0.036)] * MIN_ANCHORS]
+    runs = [
+        [ProfileSample(anchor, 0.03)] * MIN_ANCHORS,
+        [ProfileSample(anchor, 0.036)] * MIN_ANCHORS,
+    ]
     speeds = run_speeds(runs, flat)
     assert speeds is not None and speeds[1] / speeds[0] == pytest.approx(1.2)
-    assert run_speeds([runs[0], [(batch, 0.05)] * 100], flat) is None
+    assert run_speeds([runs[0], [ProfileSample(batch, 0.05)] * 100], flat) is None

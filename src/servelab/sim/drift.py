@@ -23,6 +23,7 @@ import math
 import statistics
 from collections.abc import Callable
 
+from servelab.sim.profiled import ProfileSample
 from servelab.sim.work import StepWork
 
 ANCHOR_MAX_CONTEXT = 768  # tokens: every workload's single decodes reach this far
@@ -35,17 +36,17 @@ def is_anchor(w: StepWork) -> bool:
 
 
 def run_speeds(
-    runs: list[list[tuple[StepWork, float]]], predict: Callable[[StepWork], float]
+    runs: list[list[ProfileSample]], predict: Callable[[StepWork], float]
 ) -> list[float] | None:
     """Each run's speed factor (measured over ``predict``ed anchor time, over the runs'
-    geometric mean), from its ``(work, seconds)`` steps. None when there is nothing to
+    geometric mean), from its measured steps. None when there is nothing to
     compare: a single run, or a run with fewer than ``MIN_ANCHORS`` anchors (its speed
     could not be told from its shapes)."""
     if len(runs) < 2:
         return None
     medians = []
     for steps in runs:
-        ratios = [t / predict(w) for w, t in steps if is_anchor(w) and t > 0]
+        ratios = [s.time / predict(s.work) for s in steps if is_anchor(s.work) and s.time > 0]
         if len(ratios) < MIN_ANCHORS:
             return None
         medians.append(statistics.median(ratios))

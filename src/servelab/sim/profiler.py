@@ -285,7 +285,7 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
             }
     table = ProfileTable(model, device, [s for run in per_run for s in run], meta)
     fitted = ProfiledCostModel(table)
-    speeds = run_speeds([[(s.work, s.time) for s in run] for run in per_run], fitted.interpolate)
+    speeds = run_speeds(per_run, fitted.interpolate)
     if speeds is not None:
         meta["run_speeds"] = speeds
     noise = StepNoise.measure(
