@@ -164,8 +164,9 @@ def storm_leaves_no_trace(
     async def one(session: aiohttp.ClientSession, i: int) -> tuple[str, int | None]:
         body = {
             "prompt": f"Request {i} says hello",
-            # A hang-up asks for many tokens, so it cannot finish before the client is gone
-            # even when the client reads far behind the server.
+            # A hang-up asks for many tokens so that it usually outlives its client. It may
+            # not: when the handler falls behind the engine, the server sends what is pending
+            # as one event, and a loaded machine can deliver a whole stream in two events.
             "max_tokens": HANG_UP_MAX_TOKENS if hang_up[i] else max_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -196,15 +197,17 @@ def storm_leaves_no_trace(
     after = wait_idle(http)
     assert after["servelab:kv_cache_blocks_used"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
     assert http.get("/health").status_code == 200
-    completed = [c for _, c in results if c is not None]
-    assert len(completed) == hang_up.count(False) and all(c == max_tokens for c in completed)
+    for (_, c), h in zip(results, hang_up, strict=True):
+        assert c in ((None, HANG_UP_MAX_TOKENS) if h else (max_tokens,))
+    closed = sum(c is None for _, c in results)
     # Every request ended exactly once, as length or abort, and its timeline says so.
     ends = {
         r: after[f"vllm:request_success_total{{finished_reason={r}}}"]
         - before.get(f"vllm:request_success_total{{finished_reason={r}}}", 0)
         for r in ("length", "abort")
     }
-    assert ends["length"] + ends["abort"] == n and ends["abort"] > 0
+    # A closed stream whose last tokens were already on their way ends as length, not abort.
+    assert ends["length"] + ends["abort"] == n and 0 < ends["abort"] <= closed
     ids = ",".join(r for r, _ in results)
     timelines = http.get("/v1/timelines", params={"ids": ids}).json()["timelines"]
     assert len(timelines) == n
