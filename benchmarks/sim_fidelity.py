@@ -133,17 +133,21 @@ def rel_error(sim: float, real: float) -> float | None:
     return (sim - real) / real if real else None
 
 
-def figures(run_dir: Path) -> dict[str, float]:
-    m = json.loads((run_dir / "metrics.json").read_text())["overall"]
+def overall(run_dir: Path) -> dict:
+    """The run's whole-run metrics (``metrics.json``'s ``overall``)."""
+    return json.loads((run_dir / "metrics.json").read_text())["overall"]
+
+
+def figures(m: dict) -> dict[str, float]:
     out = {f"{k}_{p}": m["latency"][k][p] for k, p in METRICS}
     out["output_tok_s"] = m["throughput"]["output_tokens_per_s"]
     return out
 
 
-def relative_cis(run_dir: Path) -> dict[str, tuple[float, float]]:
-    """The 95% bootstrap interval of each percentile in ``metrics.json`` (whole requests
-    resampled), relative to the percentile: how well one run pins the figure down."""
-    lat = json.loads((run_dir / "metrics.json").read_text())["overall"]["latency"]
+def relative_cis(m: dict) -> dict[str, tuple[float, float]]:
+    """The 95% bootstrap interval of each percentile (whole requests resampled), relative
+    to the percentile: how well one run pins the figure down."""
+    lat = m["latency"]
     out = {}
     for k, p in METRICS:
         value, ci = lat[k][p], lat[k].get("ci", {}).get(p)
@@ -243,10 +247,11 @@ def main() -> None:
         own = out / f"profile-{case.name}.json"
         profile_runs(reals[case], own)
         insims = simulate(own, case, f"insim-{case.name}")
-        repeats = [figures(d) for d in reals[case]]
-        repeat_cis = [relative_cis(d) for d in reals[case]]
-        seeds = [figures(d) for d in sims]
-        insample = [figures(d) for d in insims]
+        real_metrics = [overall(d) for d in reals[case]]
+        repeats = [figures(m) for m in real_metrics]
+        repeat_cis = [relative_cis(m) for m in real_metrics]
+        seeds = [figures(overall(d)) for d in sims]
+        insample = [figures(overall(d)) for d in insims]
         results[w] = {}
         for k in repeats[0]:
             real = statistics.fmean(r[k] for r in repeats)

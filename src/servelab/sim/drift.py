@@ -19,7 +19,6 @@ tokens only 8% slower.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable
 
@@ -50,5 +49,5 @@ def run_speeds(
         if len(ratios) < MIN_ANCHORS:
             return None
         medians.append(statistics.median(ratios))
-    mean = math.exp(statistics.fmean(math.log(m) for m in medians))
+    mean = statistics.geometric_mean(medians)
     return [m / mean for m in medians]
