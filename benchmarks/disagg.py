@@ -36,10 +36,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from servelab.analyze.rundir import load_run
-from servelab.bench.matrix import MatrixConfig, MatrixSpec, execute_matrix, start_servers
+from servelab.analyze.summary import run_summary
 from servelab.bench.plan import LoadSpec
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions
+from servelab.rundir import load_run
+from servelab.workflows.matrix import MatrixConfig, MatrixSpec, execute_matrix, start_servers
 
 KV = "--kv-cache-memory 0.5G"
 CONFIGS = {
@@ -98,7 +99,7 @@ def transfer_share(run_dir: Path) -> dict[str, float] | None:
 
 def row(run_dir: Path) -> dict[str, Any]:
     run = load_run(run_dir)
-    s = run.summary()["overall"]
+    s = run_summary(run)["overall"]
     lat = s["latency"]
     out = {
         "valid": run.valid,

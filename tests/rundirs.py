@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from servelab.analyze.rundir import load_run
 from servelab.analyze.summary import summarize
+from servelab.rundir import load_run
 from servelab.vocab import (
     ClientRecord,
     FinishReason,
@@ -309,7 +309,8 @@ def write_run(
         "command": "servelab bench (synthetic)",
         "versions": {"servelab": "0.1.0"},
         "machine": {"cpus": 2},
-        "server": {"model": model, "config": eng.config()},
+        "format_version": 2,
+        "server": {"model": model, "engine_config": eng.config()},
         "workload": workload or {"name": "synthetic"},
         "valid": True,
         "invalid_reason": None,

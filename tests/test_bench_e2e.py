@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from servelab.bench.plan import LoadSpec, build_plan
-from servelab.bench.recorder import read_records
 from servelab.bench.workload import load_workload
+from servelab.rundir import read_records
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ import pytest
 from typer.testing import CliRunner
 
 from servelab.bench.plan import LoadSpec, build_plan
-from servelab.bench.recorder import read_records
 from servelab.bench.testserver import WORDS, Schedule, run_test_server
 from servelab.bench.workload import load_workload
 from servelab.cli import app
+from servelab.rundir import read_records
 
 SECRET = "sk-test-4f9d2c"
 FAST = Schedule(ttft=0.02, itl=0.004)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from servelab.analyze.summary import SLO
 from servelab.bench.presets import PRESETS
 from servelab.bench.workload import Dist, load_workload, parse_workload
+from servelab.units import SLO
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -10,7 +10,7 @@ import pytest
 import rundirs
 
 from servelab.analyze.compare import benjamini_hochberg, compare, permutation_pvalues
-from servelab.analyze.rundir import load_run
+from servelab.rundir import load_run
 
 
 @pytest.fixture(scope="module")

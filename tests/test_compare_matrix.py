@@ -12,10 +12,10 @@ import json
 import pytest
 from rundirs import StandIn
 
-from servelab.bench import matrix
-from servelab.bench.matrix import MatrixSpec, execute_matrix, run_matrix
 from servelab.bench.plan import LoadSpec
 from servelab.bench.run import BenchOptions
+from servelab.workflows import matrix
+from servelab.workflows.matrix import MatrixSpec, execute_matrix, run_matrix
 
 
 @pytest.fixture

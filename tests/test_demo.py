@@ -13,9 +13,8 @@ import sys
 import pytest
 from rundirs import StandIn
 
-from servelab.analyze import demo
-from servelab.bench import matrix
 from servelab.report.html import RUN_SECTIONS
+from servelab.workflows import demo, matrix
 
 
 def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):

@@ -9,7 +9,7 @@ import rundirs
 
 from servelab.analyze.attribution import TTFT_PARTS, attribute
 from servelab.analyze.diagnose import diagnose
-from servelab.analyze.rundir import RunDirError, load_run
+from servelab.rundir import RunDirError, load_run
 
 PLANTED = {
     "calm": set(),
@@ -160,18 +160,20 @@ def test_truncated_last_line_is_skipped(tmp_path):
         load_run(p)
 
 
-def test_launched_servelab_config_gets_engine_defaults(tmp_path):
-    # `servelab bench` records only the flags given to the embedded server.
-    server = {"model": "smollm2-135m", "config": {"max_num_seqs": 8, "kv_cache_memory": "1G"}}
+def test_engine_config_is_what_the_manifest_resolved(tmp_path):
+    resolved = {"max_num_seqs": 8, "kv_cache_memory_gb": 1.0, "enable_chunked_prefill": False}
+    server = {"model": "smollm2-135m", "config": {"max_num_seqs": 8}, "engine_config": resolved}
     run = load_run(rundirs.calm(tmp_path / "c", simulated=False, server=server))
-    assert run.engine_config["max_num_seqs"] == 8
-    assert (
-        run.engine_config["kv_cache_memory_gb"] == 1.0
-        and "kv_cache_memory" not in run.engine_config
-    )
-    assert run.engine_config["enable_chunked_prefill"] is True
+    assert run.engine_config == resolved
     other = load_run(rundirs.as_other_target(rundirs.calm(tmp_path / "o")))
     assert other.engine_config == {}
+
+
+def test_an_old_run_keeps_its_flags_and_takes_no_new_defaults(tmp_path):
+    # Format 1: `servelab bench` recorded only the flags given to the embedded server.
+    server = {"model": "smollm2-135m", "config": {"max_num_seqs": 8, "kv_cache_memory": "1G"}}
+    run = load_run(rundirs.calm(tmp_path / "c", simulated=False, server=server))
+    assert run.engine_config == {"max_num_seqs": 8, "kv_cache_memory_gb": 1.0}
 
 
 def test_stalls_map_by_time_when_token_counts_disagree(tmp_path):

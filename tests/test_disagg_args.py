@@ -6,8 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from servelab.disagg.cpus import WorkerCPUs, describe, split_cpus
 from servelab.server.args import ServerArgs
+from servelab.server.disagg.cpus import WorkerCPUs, describe, split_cpus
 
 
 @pytest.mark.parametrize(

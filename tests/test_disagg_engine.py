@@ -18,15 +18,15 @@ import pytest
 import torch
 import zmq
 
-from servelab.disagg import shm
-from servelab.disagg.engine import DisaggEngine, TransferError
-from servelab.disagg.protocol import ImportKV, Parked, Refused, Reserved
-from servelab.disagg.transport import Received, make_receiver, make_sender
 from servelab.engine.config import EngineConfig
-from servelab.engine.llm import LLM
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model.llm import LLM
 from servelab.model.loader import LoadedModel, load_model
 from servelab.model.runner import TorchModelRunner
+from servelab.server.disagg import shm
+from servelab.server.disagg.engine import DisaggEngine, TransferError
+from servelab.server.disagg.protocol import ImportKV, Parked, Refused, Reserved
+from servelab.server.disagg.transport import Received, make_receiver, make_sender
 from servelab.vocab import FinishReason
 
 TEXTS = [
@@ -352,7 +352,7 @@ def test_shm_sender_removes_segments_nobody_read(tmp_path: Path) -> None:
     receiver = make_receiver("shm", ctx, host="", kv_dir=str(tmp_path), name="d9")
     sender = make_sender("shm", ctx, session=session, worker=3, timeout=0.0)
     try:
-        from servelab.disagg.protocol import KVHeader
+        from servelab.server.disagg.protocol import KVHeader
 
         blocks = [torch.arange(12, dtype=torch.float32).view(3, 4)] * 2
         header = KVHeader("x", 7, {}, 3, 0, 2, [], "float32", [3, 4], 96, 0.0)

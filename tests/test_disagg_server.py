@@ -26,9 +26,9 @@ import pytest
 from test_server_fakes import TESTS_DIR, ServerThread, metrics, storm_leaves_no_trace, wait_idle
 
 from servelab.engine.config import EngineConfig
-from servelab.engine.engine import LLMEngine
-from servelab.engine.llm import LLM
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model.build import build_engine
+from servelab.model.llm import LLM
 from servelab.model.tokenizer import Tokenizer
 from servelab.server.args import ServerArgs
 
@@ -48,8 +48,8 @@ def faulty_engine(cfg: Any) -> Any:
     delivered (the decode side's reservation times out); every decode step takes
     SLOW_STEP_S, and a prefill step holding a ``slow-*`` request takes 1 s.
     """
-    from servelab.disagg.engine import DisaggEngine, TransferError
     from servelab.server.core import build_engine
+    from servelab.server.disagg.engine import DisaggEngine, TransferError
 
     class Faulty(DisaggEngine):
         def send_kv(self, request_id: str, skip: int, send: Any, *workers: int) -> Any:
@@ -112,7 +112,7 @@ def tok(tiny_llama_dir: Path) -> Tokenizer:
 def reference(tiny_llama_dir: Path) -> LLM:
     """Colocated serving's engine: the same model and config in this process."""
     return LLM.from_engine(
-        LLMEngine.from_model(str(tiny_llama_dir), EngineConfig(max_model_len=512), device="cpu")
+        build_engine(str(tiny_llama_dir), EngineConfig(max_model_len=512), device="cpu")
     )
 
 

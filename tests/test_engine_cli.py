@@ -7,7 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from servelab.engine.commands import run_offline_demo
+from servelab.workflows.offline import run_offline_demo
 
 
 def test_generate_prints_text_and_timeline(tiny_llama_dir: Path) -> None:

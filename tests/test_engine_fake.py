@@ -9,8 +9,8 @@ from hypothesis import given, settings
 
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine, RequestOutput
-from servelab.engine.llm import LLM
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model.llm import LLM
 from servelab.vocab import FinishReason
 
 VOCAB = 1000

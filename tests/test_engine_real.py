@@ -12,8 +12,9 @@ import pytest
 
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
-from servelab.engine.llm import LLM
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model.build import build_engine
+from servelab.model.llm import LLM
 from servelab.model.loader import LoadedModel, load_model
 from servelab.model.runner import TorchModelRunner
 from servelab.vocab import FinishReason
@@ -165,7 +166,7 @@ def test_tiny_bad_parameters_raise_clear_errors(tiny: LoadedModel) -> None:
     with pytest.raises(ValueError, match="lower max_tokens"):
         engine.add_request("x", prompt="Hello", sampling_params=SamplingParams(max_tokens=limit))
     with pytest.raises(ValueError, match="smollm2-135m"):
-        LLMEngine.from_model("no-such-model")
+        build_engine("no-such-model")
 
 
 # ---- SmolLM2-135M (real weights, real tokenizer) ----

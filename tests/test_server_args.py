@@ -6,7 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from servelab.server.args import ServerArgs, parse_size_gb
+from servelab.server.args import ServerArgs
+from servelab.units import parse_size_gb
 
 
 @pytest.mark.parametrize(

@@ -145,7 +145,10 @@ def test_more_replicas_cut_queueing_under_overload():
     reqs = _requests(n=120, rate=60.0)
     one = Simulation(_target().factory, reqs).run()
     four = Simulation(_target().factory, reqs, Topology(replicas=4, router="least-loaded")).run()
-    p50 = lambda res: sorted(r.ttft for r in res.records)[len(res.records) // 2]
+
+    def p50(res):
+        return sorted(r.ttft for r in res.records)[len(res.records) // 2]
+
     assert p50(four) < p50(one)
     assert {s["replica"] for s in four.steps} == {0, 1, 2, 3}
 
@@ -193,7 +196,10 @@ def test_disaggregated_prefill_decode_with_kv_transfer():
         Topology(prefill=1, decode=2, link=parse_link("1GB/s,1ms")),
         kv_bytes_per_token=target.kv_bytes_per_token,
     ).run()
-    first_gap = lambda res: sum(r.itls[0] for r in res.records if r.itls)
+
+    def first_gap(res):
+        return sum(r.itls[0] for r in res.records if r.itls)
+
     assert first_gap(slow) > first_gap(res)
 
 
@@ -210,5 +216,8 @@ def test_efficiency_changes_move_latency_the_right_way():
     reqs = _requests(n=30, rate=5.0)
     fast = roofline_target("h100", "llama-3.1-8b", efficiency=Efficiency(mbu=0.9))
     slow = roofline_target("h100", "llama-3.1-8b", efficiency=Efficiency(mbu=0.3))
-    itl = lambda t: sum(x for r in Simulation(t.factory, reqs).run().records for x in r.itls)
+
+    def itl(t):
+        return sum(x for r in Simulation(t.factory, reqs).run().records for x in r.itls)
+
     assert itl(slow) > 2 * itl(fast)

@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
-from servelab.analyze.rundir import load_run
 from servelab.bench.plan import LoadSpec
 from servelab.engine.config import EngineConfig
+from servelab.rundir import load_run
 from servelab.sim.drift import MIN_ANCHORS, is_anchor, run_speeds
 from servelab.sim.noise import StepNoise
 from servelab.sim.profiled import ProfileSample, ProfileTable
@@ -211,7 +211,10 @@ def test_run_speeds_need_anchors_in_every_run():
     for _ in range(4):
         batch.add(1, 300, 1)
     assert is_anchor(anchor) and not is_anchor(batch)
-    flat = lambda w: 0.03
+
+    def flat(w):
+        return 0.03
+
     runs = [
         [ProfileSample(anchor, 0.03)] * MIN_ANCHORS,
         [ProfileSample(anchor, 0.036)] * MIN_ANCHORS,

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from servelab.analyze.rundir import load_run
-from servelab.analyze.summary import SLO
 from servelab.bench.plan import LoadSpec
 from servelab.cli import app
 from servelab.engine.config import EngineConfig
+from servelab.rundir import load_run
 from servelab.sim.args import parse_engine_args, parse_sweep
 from servelab.sim.calibrate import Calibration, fit_efficiency
 from servelab.sim.capacity import best_pd_split, fewest_replicas, highest_rate
@@ -25,6 +24,7 @@ from servelab.sim.roofline import Efficiency
 from servelab.sim.rundir import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
 from servelab.sim.target import roofline_target
+from servelab.units import SLO
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"  # ../shared beside the repo
 AZURE = str(TRACES / "azure_llm_2023_conv.csv")

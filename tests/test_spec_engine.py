@@ -16,11 +16,11 @@ import torch
 
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
-from servelab.engine.llm import LLM
 from servelab.engine.sampling_params import SamplingParams
-from servelab.engine.spec.draft_model import DraftModelProposer, self_draft_model
 from servelab.engine.spec.proposer import DraftRequest
+from servelab.model.draft_model import DraftModelProposer, self_draft_model
 from servelab.model.llama import causal_batch
+from servelab.model.llm import LLM
 from servelab.model.loader import LoadedModel, load_model
 from servelab.model.runner import TorchModelRunner
 from servelab.model.sampler import filtered_probs

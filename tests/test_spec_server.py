@@ -12,15 +12,15 @@ import httpx
 from test_server_e2e import serve_process
 
 from servelab.engine.config import EngineConfig
-from servelab.engine.engine import LLMEngine
-from servelab.engine.llm import LLM
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model.build import build_engine
+from servelab.model.llm import LLM
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over"
 
 
 def test_speculative_server_streams_accepted_tokens(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    engine = LLMEngine.from_model(str(tiny_llama_dir), EngineConfig(max_model_len=512), "cpu")
+    engine = build_engine(str(tiny_llama_dir), EngineConfig(max_model_len=512), "cpu")
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     want = LLM.from_engine(engine).generate([PROMPT], sp)[0].text
 

@@ -6,14 +6,12 @@ import numpy as np
 import pytest
 
 from servelab.analyze.summary import (
-    SLO,
-    Trim,
     bucket_label,
     describe,
     measured_window,
-    parse_duration,
     summarize,
 )
+from servelab.units import SLO, Trim, parse_duration
 from servelab.vocab import ClientRecord
 
 

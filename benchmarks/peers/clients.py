@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from servelab.bench.recorder import read_records
+from servelab.rundir import read_records
 
 INPUT_TOKENS = 200
 WORKLOAD = Path(__file__).with_name("fixed.yaml")  # servelab's side of the same shape

@@ -1,4 +1,4 @@
-"""The one vocabulary of servelab (see DESIGN.md, "One vocabulary").
+"""The one vocabulary of servelab (see docs/design/overview.md, "One vocabulary").
 
 Every part -- engine, server, benchmark client, analysis, report, simulator -- speaks
 in these names. This module imports nothing heavy (no torch, no numpy) so that any
@@ -15,6 +15,8 @@ import enum
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"  # the model every command uses when none is named
 
 
 class Phase(str, enum.Enum):

@@ -27,8 +27,8 @@ import bisect
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from servelab.analyze.rundir import Run
 from servelab.analyze.stats import StepCost, fit_step_cost
+from servelab.rundir import Run
 from servelab.vocab import ClientRecord, RequestTimeline, StepRecord
 
 # A gap is a stall when it exceeds the request's median gap by this factor and by

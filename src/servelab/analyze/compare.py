@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from servelab.analyze.rundir import Run
-from servelab.analyze.summary import describe, metric_values
+from servelab.analyze.summary import describe, metric_values, run_summary
+from servelab.rundir import Run
 from servelab.vocab import LATENCY_METRICS, ClientRecord
 
 STATS = ("p50", "p90", "p95", "p99", "mean")
@@ -220,7 +220,7 @@ def _records(group: list[Run], scope: str) -> list[ClientRecord]:
 
 
 def _rate(run: Run, section: str, key: str) -> float | None:
-    m = run.summary()
+    m = run_summary(run)
     return (m.get("overall") or {}).get(section, {}).get(key)
 
 

@@ -17,7 +17,7 @@ from servelab.analyze.attribution import TTFT_PARTS, Attribution, TTFTBreakdown,
 from servelab.analyze.findings import Context, Finding, find_all
 from servelab.analyze.levers import Recommendation, recommend
 from servelab.analyze.promscrape import ServerEstimates, estimate
-from servelab.analyze.rundir import Run
+from servelab.rundir import Run
 
 TAIL_QUANTILE = 90
 

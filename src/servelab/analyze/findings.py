@@ -17,8 +17,8 @@ import numpy as np
 
 from servelab.analyze.attribution import Attribution, TTFTBreakdown
 from servelab.analyze.promscrape import ServerEstimates
-from servelab.analyze.rundir import Run
 from servelab.analyze.stats import confidence_label, spearman
+from servelab.rundir import Run
 
 # Thresholds, in one place so the docs can quote them.
 MIN_REQUESTS = 10

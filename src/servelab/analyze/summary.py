@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -39,163 +38,14 @@ from typing import Any
 
 import numpy as np
 
+from servelab.rundir import Run
+from servelab.units import SLO, Trim
 from servelab.vocab import LATENCY_METRICS, PERCENTILES, ClientRecord
 
 DEFAULT_BUCKET_EDGES: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_N_BOOT = 1000
 BOOTSTRAP_MAX_N = 2_000  # beyond this many values, Woodruff intervals instead of a bootstrap
 DEFAULT_CONFIDENCE = 0.95
-
-_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "min": 60.0}
-_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zµ]+)\s*$")
-
-
-def parse_duration(text: str, *, what: str = "duration") -> float:
-    """``"250ms"`` -> 0.25. A unit is required (s, ms, us, min): bare numbers are ambiguous."""
-    m = _DURATION_RE.match(str(text))
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(
-            f"bad {what} {text!r}: write a number with a unit, e.g. 250ms, 2s, 1.5min "
-            f"(units: {', '.join(_UNITS)})"
-        )
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
-
-# --------------------------------------------------------------------------- SLOs
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Per-request latency limits in seconds; ``None`` means no limit on that metric.
-
-    A request meets the SLO when it succeeded and every limit holds: ``ttft``,
-    ``ttft_intended`` and ``e2e`` against the request's value, ``tpot`` against its
-    TPOT (requests with one output token have none and pass), and ``itl`` against the
-    request's *largest* inter-token gap (a user sees the worst stall, not the mean).
-    """
-
-    ttft: float | None = None
-    ttft_intended: float | None = None
-    itl: float | None = None
-    tpot: float | None = None
-    e2e: float | None = None
-
-    KEYS = ("ttft", "ttft_intended", "itl", "tpot", "e2e")
-
-    @classmethod
-    def parse(cls, text: str | None) -> SLO:
-        """Parse ``"ttft=2s,itl=250ms"``. Empty or None gives an SLO with no limits."""
-        if not text or not text.strip():
-            return cls()
-        limits: dict[str, float] = {}
-        for part in text.split(","):
-            if not part.strip():
-                continue
-            key, sep, value = part.partition("=")
-            key = key.strip().lower()
-            if not sep or key not in cls.KEYS:
-                raise ValueError(
-                    f"bad SLO item {part.strip()!r}: write METRIC=LIMIT items separated by commas, "
-                    f"e.g. ttft=2s,itl=250ms; metrics: {', '.join(cls.KEYS)}"
-                )
-            limits[key] = parse_duration(value, what=f"SLO limit for {key}")
-        return cls(**limits)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SLO:
-        """From ``{"ttft": "2s", "itl": 0.25}`` (strings need units, numbers are seconds)."""
-        if not d:
-            return cls()
-        unknown = set(d) - set(cls.KEYS)
-        if unknown:
-            raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use {', '.join(cls.KEYS)}")
-        return cls(
-            **{
-                k: (
-                    parse_duration(v, what=f"SLO limit for {k}") if isinstance(v, str) else float(v)
-                )
-                for k, v in d.items()
-                if v is not None
-            }
-        )
-
-    def merged(self, override: SLO) -> SLO:
-        """This SLO with every limit that ``override`` sets replaced by the override's."""
-        return SLO(
-            **{
-                k: getattr(override, k) if getattr(override, k) is not None else getattr(self, k)
-                for k in self.KEYS
-            }
-        )
-
-    @property
-    def empty(self) -> bool:
-        return all(getattr(self, k) is None for k in self.KEYS)
-
-    def to_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self.KEYS if getattr(self, k) is not None}
-
-    def met(self, r: ClientRecord) -> bool:
-        if not r.ok:
-            return False
-        checks: list[tuple[float | None, float | None]] = [
-            (self.ttft, r.ttft),
-            (self.ttft_intended, r.ttft_intended),
-            (self.e2e, r.e2e),
-        ]
-        for limit, value in checks:
-            if limit is not None and (value is None or value > limit):
-                return False
-        if self.tpot is not None and r.tpot is not None and r.tpot > self.tpot:
-            return False
-        if self.itl is not None:
-            gaps = r.itls
-            if gaps and max(gaps) > self.itl:
-                return False
-        return True
-
-
-# --------------------------------------------------------------------------- window
-
-
-@dataclass(frozen=True)
-class Trim:
-    """A warm-up or cool-down rule: ``seconds``, a number of ``requests``, or a ``percent`` of them."""
-
-    kind: str = "none"  # "none" | "seconds" | "requests" | "percent"
-    value: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str | float | None) -> Trim:
-        """``None``/``"0"`` -> none; ``"10s"`` -> seconds; ``"20"`` -> requests; ``"5%"`` -> percent."""
-        if text is None:
-            return cls()
-        s = str(text).strip()
-        if s in ("", "0", "none"):
-            return cls()
-        try:
-            if s.endswith("%"):
-                v = float(s[:-1])
-                if not 0 <= v < 100:
-                    raise ValueError
-                return cls("percent", v)
-            if s.isdigit():
-                return cls("requests", float(int(s)))
-            return cls("seconds", parse_duration(s))
-        except ValueError:
-            raise ValueError(
-                f"bad warm-up/cool-down {text!r}: give seconds with a unit (10s), "
-                "a number of requests (20) or a percentage of them (5%)"
-            ) from None
-
-    def describe(self) -> str:
-        if self.kind == "none":
-            return "none"
-        if self.kind == "seconds":
-            return f"{self.value:g}s"
-        if self.kind == "requests":
-            return f"{int(self.value)} requests"
-        return f"{self.value:g}% of requests"
 
 
 @dataclass(frozen=True)
@@ -631,3 +481,29 @@ def summarize(
             if k in by_bucket
         },
     }
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    """The whole run's ``summarize`` body: metrics.json's when it holds one, else computed
+    from the records once per run (a sweep's metrics.json holds per-stage bodies only)."""
+    if "summary" not in run.derived:
+        m = run.metrics or {}
+        run.derived["summary"] = m if "overall" in m else summarize(run.records)
+    return run.derived["summary"]
+
+
+def stage_summaries(run: Run) -> dict[str, dict[str, Any]]:
+    """label -> ``summarize`` body per sweep stage (empty for a single-load run)."""
+    stored = {
+        s["label"]: s["metrics"]
+        for s in (run.metrics or {}).get("stages", [])
+        if s.get("label") is not None and s.get("metrics")
+    }
+    out = {}
+    for stage in run.stages:
+        if stage in stored:
+            out[stage] = stored[stage]
+        else:
+            recs = [r for r in run.records if r.stage == stage]
+            out[stage] = summarize(recs, n_boot=0)
+    return out

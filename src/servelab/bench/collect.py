@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from servelab.bench.recorder import RunDir
+from servelab.rundir import RunDir
 from servelab.vocab import ClientRecord
 
 _IDS_PER_CALL = 64

@@ -11,11 +11,9 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 
 from servelab.vocab import ClientRecord
@@ -93,80 +91,3 @@ class Progress:
         if self._live is not None:
             self._live.update(self.line(), refresh=True)
             self._live.stop()
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:,.1f}"
-
-
-def _ci(stat: dict[str, Any], key: str) -> str:
-    ci = stat.get("ci", {}).get(key)
-    return "" if not ci else f" [{ci[0] * 1e3:,.1f}-{ci[1] * 1e3:,.1f}]"
-
-
-def summary_table(title: str, summary: dict[str, Any]) -> Table:
-    """Latency percentiles (ms, with CIs for p50/p99) of one summary's overall group."""
-    o = summary["overall"]
-    t = Table(title=title, title_justify="left")
-    for col in ("metric (ms)", "n", "p50 [95% CI]", "p90", "p95", "p99 [95% CI]", "mean", "max"):
-        t.add_column(col, justify="right" if col != "metric (ms)" else "left")
-    names = {
-        "ttft": "TTFT",
-        "ttft_intended": "TTFT from intended send",
-        "itl": "ITL",
-        "tpot": "TPOT",
-        "e2e": "E2E",
-    }
-    for key, name in names.items():
-        s = o["latency"][key]
-        if not s["n"]:
-            continue
-        t.add_row(
-            name,
-            str(s["n"]),
-            _ms(s["p50"]) + _ci(s, "p50"),
-            _ms(s["p90"]),
-            _ms(s["p95"]),
-            _ms(s["p99"]) + _ci(s, "p99"),
-            _ms(s["mean"]),
-            _ms(s["max"]),
-        )
-    return t
-
-
-def rates_table(summary: dict[str, Any]) -> Table:
-    """Throughput and goodput overall and per class."""
-    t = Table(title="throughput over the measured window", title_justify="left")
-    for col in (
-        "group",
-        "sent",
-        "failed",
-        "req/s",
-        "in tok/s",
-        "out tok/s",
-        "goodput req/s",
-        "met SLO",
-    ):
-        t.add_column(col, justify="left" if col == "group" else "right")
-    groups = {
-        "overall": summary["overall"],
-        **{f"class {k}": v for k, v in summary["by_class"].items()},
-    }
-    for name, g in groups.items():
-        th, gp, rq = g["throughput"], g["goodput"], g["requests"]
-        frac = gp["fraction"]
-        t.add_row(
-            name,
-            str(rq["sent"]),
-            str(rq["failed"]),
-            _num(th["requests_per_s"]),
-            _num(th["input_tokens_per_s"]),
-            _num(th["output_tokens_per_s"]),
-            _num(gp["requests_per_s"]),
-            "-" if frac is None else f"{frac:.0%}",
-        )
-    return t
-
-
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:,.2f}"

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.table import Table
 
 from servelab import __version__
-from servelab.analyze.summary import SLO, Trim, measured_window, summarize
+from servelab.analyze.summary import measured_window, summarize
 from servelab.bench.client import Target
 from servelab.bench.collect import MetricsScraper, TimelineCollector
 from servelab.bench.distributed.clock import timing_error_budget
@@ -30,18 +29,19 @@ from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
 from servelab.bench.monitor import ClientHealth, LoopMonitor
 from servelab.bench.plan import LoadSpec, Plan, build_plan, iter_plan
-from servelab.bench.progress import Progress, rates_table, summary_table
-from servelab.bench.recorder import RunDir
+from servelab.bench.progress import Progress
 from servelab.bench.runner import Runner, StageResult
 from servelab.bench.search import find_max_rate
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.workload import WorkloadSpec, load_workload
-from servelab.vocab import ClientRecord
+from servelab.report.terminal import rates_table, stages_table, summary_table
+from servelab.rundir import RunDir
+from servelab.units import SLO, Trim
+from servelab.vocab import DEFAULT_MODEL, ClientRecord
 
 if TYPE_CHECKING:
     from servelab.bench.distributed.driver import DistributedStage, WorkerPool
 
-DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_WORKLOAD = "chat"
 
 
@@ -525,7 +525,11 @@ class Bench:
             )
             c.print(rates_table(s))
         elif shown:
-            c.print(_stages_table(shown))
+            c.print(
+                stages_table(
+                    [(s.label, s.summary, bool(s.health and s.health.valid)) for s in shown]
+                )
+            )
         if self.max_rate:
             best = self.max_rate["max_rate"]
             c.print(
@@ -587,7 +591,7 @@ class Bench:
                     await self.pool.close()
         finally:
             manifest = self._manifest()
-            self.rundir.write_json("manifest.json", manifest)
+            self.rundir.write_manifest(manifest)
             if any(s.result for s in self.stages):
                 self.rundir.write_json("metrics.json", self._metrics())
             self.rundir.close()
@@ -598,49 +602,6 @@ class Bench:
         if self.interrupted:
             return 130
         return 0 if manifest["valid"] else 3
-
-
-def _stages_table(stages: list[Stage]) -> Table:
-    t = Table(title="stages", title_justify="left")
-    for col in (
-        "stage",
-        "sent",
-        "failed",
-        "req/s",
-        "out tok/s",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL p50",
-        "ITL p99",
-        "met SLO",
-        "client",
-    ):
-        t.add_column(col, justify="left" if col == "stage" else "right")
-    for s in stages:
-        m = s.summary
-        assert m is not None
-        o = m["overall"]
-        lat = o["latency"]
-
-        def ms(metric: str, p: str, lat: dict[str, Any] = lat) -> str:
-            v = lat[metric][p]
-            return "-" if v is None else f"{v * 1e3:,.0f} ms"
-
-        frac = o["goodput"]["fraction"]
-        t.add_row(
-            s.label or "-",
-            str(o["requests"]["sent"]),
-            str(o["requests"]["failed"]),
-            f"{o['throughput']['requests_per_s'] or 0:.2f}",
-            f"{o['throughput']['output_tokens_per_s'] or 0:.1f}",
-            ms("ttft", "p50"),
-            ms("ttft", "p99"),
-            ms("itl", "p50"),
-            ms("itl", "p99"),
-            "-" if frac is None else f"{frac:.0%}",
-            "ok" if s.health and s.health.valid else "[red]INVALID[/red]",
-        )
-    return t
 
 
 def run_bench(opts: BenchOptions, console: Console | None = None) -> int:

@@ -55,6 +55,14 @@ class ServerInfo:
     def kind(self) -> str:
         return "servelab" if self.timelines else "other"
 
+    @property
+    def engine_config(self) -> dict[str, Any] | None:
+        """The engine config the server resolved at start-up, where it reports one (a
+        servelab server's ``/version``); None for servers that do not."""
+        engine = (self.version or {}).get("engine")
+        config = engine.get("engine_config") if isinstance(engine, dict) else None
+        return config if isinstance(config, dict) else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "url": self.url,
@@ -63,6 +71,7 @@ class ServerInfo:
             "command": self.command,
             "engine_args": self.engine_args,
             "config": parse_engine_args(self.engine_args),
+            "engine_config": self.engine_config,
             "version": self.version,
             "models": self.models,
             "model": self.model_id,

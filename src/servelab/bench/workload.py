@@ -36,7 +36,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from servelab.analyze.summary import SLO, parse_duration
+from servelab.units import SLO, parse_duration
 
 _STRICT = ConfigDict(extra="forbid")
 

@@ -20,14 +20,21 @@ from typing import Protocol
 _CONTEXT_TOKENS = 6  # prompt tokens kept as decoding context
 
 
-class _Decoder(Protocol):
+class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer (``servelab.model.tokenizer.Tokenizer`` is one)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class Detokenizer:
     """Turns one request's output tokens into text, step by step."""
 
-    def __init__(self, tokenizer: _Decoder, prompt_token_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
         self._tok = tokenizer
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # start of the decoding window

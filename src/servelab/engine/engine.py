@@ -36,9 +36,9 @@ from servelab.engine.stats import EngineStats
 from servelab.vocab import FinishReason, RequestTimeline, StepRecord
 
 if TYPE_CHECKING:
+    from servelab.engine.detokenizer import Tokenizer
     from servelab.engine.spec.decoder import SpeculativeDecoder
     from servelab.engine.spec.proposer import Proposer
-    from servelab.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -115,21 +115,6 @@ class LLMEngine:
             from servelab.engine.spec.factory import build_decoder
 
             self.spec = build_decoder(spec, executor, self.config, proposer)
-
-    @classmethod
-    def from_model(
-        cls,
-        model: str = "smollm2-135m",
-        config: EngineConfig | None = None,
-        device: str | None = None,
-    ) -> LLMEngine:
-        """Load a model (short name, .gguf or HF directory) and build an engine on it."""
-        from servelab.model.loader import load_model
-        from servelab.model.runner import TorchModelRunner
-
-        loaded = load_model(model, device=device)
-        runner = TorchModelRunner(loaded, device=device)
-        return cls(runner, config or EngineConfig(), tokenizer=loaded.tokenizer)
 
     # ---- requests ----
 

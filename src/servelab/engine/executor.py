@@ -20,6 +20,9 @@ class Executor(Protocol):
       speculative roll-back and disaggregated transfer; executors may raise
       NotImplementedError.
     - ``max_model_len`` and ``eos_token_ids`` describe the model.
+    - ``draft_proposer(spec, config)`` (optional) builds a proposer that runs a model beside
+      this one (speculative methods ``draft`` and ``self-draft``); an executor without it
+      supports ``ngram`` only. The engine layer never loads a model itself.
     """
 
     max_model_len: int

@@ -11,7 +11,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m"
+from servelab.vocab import DEFAULT_MODEL
 
 
 def _package_file(package: str, filename: str) -> Callable[[], Path]:

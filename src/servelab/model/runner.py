@@ -20,6 +20,7 @@ Contract (``servelab.engine.executor.Executor`` plus KV transfer):
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -120,6 +121,12 @@ class TorchModelRunner:
             raise ValueError(f"{len(block_ids)} block ids but {len(data)} blocks of data")
         for b, d in zip(block_ids, data):
             kv[:, :, b].copy_(d)
+
+    def draft_proposer(self, spec: Any, config: Any) -> Any:
+        """``Executor.draft_proposer``: a draft or self-draft model beside this one."""
+        from servelab.model.draft_model import build_draft_proposer
+
+        return build_draft_proposer(self, spec, config)
 
     def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
         """Copy block ``src[i]`` onto ``dst[i]`` (copy-on-write, speculative roll-back)."""

@@ -16,7 +16,8 @@ from plotly.subplots import make_subplots
 from servelab.analyze.attribution import TTFT_PARTS, Stall
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
-from servelab.analyze.rundir import Run
+from servelab.analyze.summary import stage_summaries
+from servelab.rundir import Run
 from servelab.vocab import ClientRecord, RequestTimeline
 
 PALETTE = qualitative.D3
@@ -193,7 +194,7 @@ def latency_over_time(run: Run) -> go.Figure:
 
 def stage_points(run: Run) -> list[dict[str, Any]]:
     """Per sweep stage: output tokens/s and latency percentiles."""
-    return [summary_point(label, m) for label, m in run.stage_summaries().items()]
+    return [summary_point(label, m) for label, m in stage_summaries(run).items()]
 
 
 def summary_point(label: str, m: dict[str, Any]) -> dict[str, Any]:

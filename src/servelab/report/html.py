@@ -18,9 +18,10 @@ from plotly.offline import get_plotlyjs
 from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
-from servelab.analyze.rundir import Run
-from servelab.analyze.terminal import PART_LABELS
+from servelab.analyze.summary import run_summary
 from servelab.report import charts
+from servelab.report.terminal import PART_LABELS
+from servelab.rundir import Run
 
 RUN_SECTIONS = (
     "summary",
@@ -205,7 +206,7 @@ def run_sections(run: Run, d: Diagnosis, prefix: str) -> str:
     )
     body = [
         _run_header(run),
-        _section("summary", prefix, "Summary", summary_table(run.summary())),
+        _section("summary", prefix, "Summary", summary_table(run_summary(run))),
         _section("findings", prefix, "Findings and recommendations", findings_html(d)),
         _section(
             "ttft-attribution",

@@ -5,18 +5,17 @@ Imports nothing heavy: the CLI validates flags before any process or model is st
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
 from servelab.engine.config import EngineConfig
 from servelab.engine.spec.config import parse_speculative_config
+from servelab.model.build import default_threads
+from servelab.units import parse_size_gb
+from servelab.vocab import DEFAULT_MODEL
 
-DEFAULT_MODEL = "smollm2-135m"
 API_KEY_ENV = "SERVELAB_API_KEY"
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(?:([kmgt])(i)?b?)?\s*$", re.IGNORECASE)
-_SIZE_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
 _DISAGG_FLAGS = {  # flag -> ServerArgs field
     "--prefill-workers": "prefill_workers",
     "--decode-workers": "decode_workers",
@@ -25,38 +24,6 @@ _DISAGG_FLAGS = {  # flag -> ServerArgs field
     "--kv-transfer-timeout": "kv_transfer_timeout",
     "--kv-handoff-timeout": "kv_handoff_timeout",
 }
-
-
-def parse_size_gb(text: str) -> float:
-    """Parse a KV-cache size such as ``2``, ``2G``, ``1.5GB`` or ``512MiB`` into GB (1e9 bytes).
-
-    GB is the unit of ``EngineConfig.kv_cache_memory_gb``. A bare number is GB; ``K/M/G/T``
-    (optionally with ``B``) are decimal and ``Ki/Mi/Gi/Ti`` binary. Raises ValueError with an
-    example of what works.
-    """
-    m = _SIZE_RE.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"--kv-cache-memory {text!r} is not a size: use a positive number of GB "
-            "or a number with a unit, e.g. 2, 2G, 512MiB"
-        )
-    unit, binary = (m.group(2) or "").lower(), bool(m.group(3))
-    if not unit:
-        return float(m.group(1))
-    return float(m.group(1)) * (1024 if binary else 1000) ** _SIZE_POWERS[unit] / 1e9
-
-
-def default_threads() -> int:
-    """Torch threads for the engine core: every CPU this process may use but one.
-
-    The spared CPU runs the API process (HTTP, tokenisation, SSE); with a single CPU the two
-    processes share it. ``os.sched_getaffinity`` honours ``taskset``.
-    """
-    try:
-        ncpu = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        ncpu = os.cpu_count() or 1
-    return max(1, ncpu - 1)
 
 
 @dataclass
@@ -86,7 +53,7 @@ class ServerArgs:
     log_level: str = "info"
     simulate: str | None = None  # HARDWARE:MODEL: stream at the simulator's timings
     speculative_config: str | None = None  # vLLM's JSON, e.g. '{"method": "ngram", ...}'
-    # Disaggregated prefill/decode (servelab.disagg): separate worker processes and KV pools.
+    # Disaggregated prefill/decode (servelab.server.disagg): separate worker processes and KV pools.
     disaggregated: bool = False
     prefill_workers: int = 1
     decode_workers: int = 1

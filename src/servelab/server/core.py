@@ -50,10 +50,11 @@ def build_engine(cfg: ipc.CoreConfig, engine_cls: type | None = None) -> Any:
     # The core is one Python thread driving torch; a second inter-op pool only competes for CPUs.
     torch.set_num_interop_threads(1)
     from servelab.engine.config import EngineConfig
-    from servelab.engine.engine import LLMEngine
+    from servelab.model.build import build_engine as build_model_engine
 
-    cls = engine_cls or LLMEngine
-    return cls.from_model(cfg.model, EngineConfig(**cfg.engine), device=cfg.device)
+    return build_model_engine(
+        cfg.model, EngineConfig(**cfg.engine), device=cfg.device, engine_cls=engine_cls
+    )
 
 
 def _load_factory(spec: str) -> Any:
@@ -136,6 +137,7 @@ class EngineCore:
             device=cfg.device or "auto",
             torch_threads=cfg.torch_threads,
             pid=os.getpid(),
+            engine_config=dataclasses.asdict(c),
         )
 
     def ready_message(self, cfg: ipc.CoreConfig) -> Any:

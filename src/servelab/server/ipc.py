@@ -63,6 +63,9 @@ class CoreInfo(msgspec.Struct):
     device: str
     torch_threads: int
     pid: int
+    # Every EngineConfig field as resolved (defaults, the model's limits, the KV pool size):
+    # run manifests record this, so an old run never takes a newer version's defaults.
+    engine_config: dict[str, Any] = {}
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

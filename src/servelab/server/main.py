@@ -56,7 +56,7 @@ def _make_client(
 ) -> EngineClient | Any:
     """One engine core (EngineClient), or the disaggregated router over its workers."""
     if args.disaggregated:
-        from servelab.disagg.router import DisaggClient
+        from servelab.server.disagg.router import DisaggClient
 
         log.info(
             "servelab serve: starting %d prefill + %d decode workers for %s (KV transport: %s)",

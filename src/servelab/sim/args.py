@@ -34,7 +34,7 @@ def _convert(key: str, value: str) -> Any:
     if key in DEPLOYMENT_KEYS:
         return DEPLOYMENT_KEYS[key](value)
     if key == "kv_cache_memory_gb":
-        from servelab.server.args import parse_size_gb
+        from servelab.units import parse_size_gb
 
         return parse_size_gb(value)
     default = _FIELDS[key].default

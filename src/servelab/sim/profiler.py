@@ -27,6 +27,7 @@ from typing import Any
 from servelab.engine.config import EngineConfig
 from servelab.engine.plan import BatchPlan, ScheduledSeq
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model.build import build_engine, default_threads
 from servelab.sim.profiled import ProfileSample, ProfileTable
 from servelab.sim.work import StepWork
 
@@ -94,20 +95,6 @@ def fitting_shapes(engine: Any, shapes: list[Shape]) -> tuple[list[Shape], list[
         ok = blocks_needed(shape, bs) <= free and max(n + c for n, c in shape) <= limit
         (keep if ok else drop).append(shape)
     return keep, drop
-
-
-def build_engine(
-    model: str, config: EngineConfig, device: str | None = None, threads: int | None = None
-) -> Any:
-    """The real engine with ``threads`` torch/BLAS threads (None: what `servelab serve` uses)."""
-    from servelab.engine.engine import LLMEngine
-    from servelab.model.loader import load_model
-    from servelab.model.runner import TorchModelRunner
-    from servelab.server.args import default_threads
-
-    loaded = load_model(model, device=device)
-    runner = TorchModelRunner(loaded, device=device, num_threads=threads or default_threads())
-    return LLMEngine(runner, config, tokenizer=loaded.tokenizer)
 
 
 def measure_shapes(
@@ -249,7 +236,7 @@ def profile(
 ) -> ProfileTable:
     """Load ``model`` into the real engine and profile it over ``grid(grid_kind)``."""
     shapes = grid(grid_kind)
-    engine = build_engine(model, config or EngineConfig(), device, threads)
+    engine = build_engine(model, config or EngineConfig(), device, threads or default_threads())
     return profile_engine(engine, shapes, repeats, progress, grid_kind, model)
 
 
@@ -264,7 +251,7 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
     (``sim.drift``). The KV layout, context and engine config come from the first run's
     manifest when it recorded them.
     """
-    from servelab.analyze.rundir import load_run
+    from servelab.rundir import load_run
     from servelab.sim import history
     from servelab.sim.drift import run_speeds
     from servelab.sim.noise import StepNoise

@@ -12,7 +12,7 @@ import itertools
 import statistics
 from dataclasses import dataclass
 
-from servelab.analyze.rundir import Run
+from servelab.rundir import Run
 from servelab.sim.work import StepWork
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from servelab import __version__
-from servelab.analyze.summary import DEFAULT_N_BOOT, SLO, summarize
-from servelab.bench.recorder import RunDir
+from servelab.analyze.summary import DEFAULT_N_BOOT, summarize
+from servelab.rundir import RunDir
 from servelab.sim.loop import SimResult
+from servelab.units import SLO
 
 
 def write_run_dir(
@@ -69,7 +70,7 @@ def write_run_dir(
             "kind": "servelab-sim",
             "model": target.get("model"),
             "max_model_len": target.get("max_model_len"),
-            "config": target.get("engine_config", {}),
+            "engine_config": target.get("engine_config", {}),
             "simulated": target,
         },
         "workload": workload,
@@ -86,5 +87,5 @@ def write_run_dir(
             **(sim or {}),
         },
     }
-    out.write_json("manifest.json", manifest)
+    out.write_manifest(manifest)
     return out.path

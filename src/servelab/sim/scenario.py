@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from servelab.analyze.summary import SLO
 from servelab.sim.history import Resend
 from servelab.sim.loop import SimRequest, SimResult, Simulation, Topology
 from servelab.sim.target import SimTarget
+from servelab.units import SLO
 
 
 @dataclass

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from servelab.cli.errors import fail
+
 
 def export_hf_command(
     out_dir: Annotated[
@@ -26,8 +28,7 @@ def export_hf_command(
     try:
         out = export_hf(model, out_dir)
     except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+        raise fail(str(e)) from None
     typer.echo(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
 
 

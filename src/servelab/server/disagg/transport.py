@@ -33,9 +33,9 @@ from typing import Protocol
 import torch
 import zmq
 
-from servelab.disagg import shm
-from servelab.disagg.engine import TransferError
-from servelab.disagg.protocol import KVHeader, decode_header, encode
+from servelab.server.disagg import shm
+from servelab.server.disagg.engine import TransferError
+from servelab.server.disagg.protocol import KVHeader, decode_header, encode
 
 _SEND_HWM = 64  # queued transfers per destination before send fails instead of piling up
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

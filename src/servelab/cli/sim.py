@@ -8,16 +8,7 @@ from typing import Any
 
 import typer
 
-
-def _fail(msg: str) -> typer.Exit:
-    typer.echo(f"error: {msg}", err=True)
-    return typer.Exit(2)
-
-
-def _seconds(text: str | None, what: str) -> float | None:
-    from servelab.analyze.summary import parse_duration
-
-    return None if text is None else parse_duration(text, what=what)
+from servelab.cli.errors import fail, seconds
 
 
 def _build_target(
@@ -73,62 +64,23 @@ def _check_fresh(d: Path) -> None:
         )
 
 
-def _summary_row(label: str, res: Any, slos: Any, wall: float) -> dict[str, Any]:
-    import numpy as np
-
-    from servelab.sim.scenario import attainment
-
-    ok = [r for r in res.records if r.ok]
-
-    def pct(vals: list[float], p: float) -> float | None:
-        return float(np.percentile(vals, p)) if vals else None
-
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    itl = [g for r in ok for g in r.itls]
-    e2e = [r.e2e for r in ok if r.e2e is not None]
-    dur = res.sim_duration or 1.0
+def _summary_row(label: str, res: Any, metrics: dict[str, Any], wall: float) -> dict[str, Any]:
+    """The sweep table's row: ``summarize``'s figures over the measured window (the run's
+    metrics.json) and what only the simulation knows (steps, preemptions, times)."""
+    o = metrics["overall"]
+    lat = o["latency"]
     return {
         "label": label,
-        "requests": len(res.records),
-        "failed": len(res.records) - len(ok),
-        "ttft_p50": pct(ttft, 50),
-        "ttft_p95": pct(ttft, 95),
-        "itl_p50": pct(itl, 50),
-        "itl_p95": pct(itl, 95),
-        "e2e_p50": pct(e2e, 50),
-        "e2e_p95": pct(e2e, 95),
-        "output_tok_s": sum(r.output_tokens for r in ok) / dur,
-        "slo_attainment": attainment(res, slos),
+        "requests": o["requests"]["sent"],
+        "failed": o["requests"]["failed"],
+        **{f"{m}_{p}": lat[m][p] for m in ("ttft", "itl", "e2e") for p in ("p50", "p95")},
+        "output_tok_s": o["throughput"]["output_tokens_per_s"],
+        "slo_attainment": o["goodput"]["fraction"],
         "preemptions": sum(r["stats"]["num_preemptions"] for r in res.replicas),
         "steps": res.num_steps,
         "sim_s": res.sim_duration,
         "wall_s": wall,
     }
-
-
-def _print_rows(rows: list[dict[str, Any]]) -> None:
-    """One column per simulated configuration, one row per metric (fits a terminal)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="servelab sim (simulated)")
-    table.add_column("metric")
-    for row in rows:
-        table.add_column(row["label"], justify="right", overflow="fold")
-    for c in [k for k in rows[0] if k != "label"]:
-        cells = []
-        for row in rows:
-            v = row[c]
-            if v is None:
-                cells.append("-")
-            elif isinstance(v, float):
-                cells.append(
-                    f"{v * 1000:.1f} ms" if c.startswith(("ttft", "itl", "e2e")) else f"{v:.4g}"
-                )
-            else:
-                cells.append(str(v))
-        table.add_row(c, *cells)
-    Console().print(table)
 
 
 def sim(
@@ -213,12 +165,16 @@ def sim(
     """Simulate a deployment on the engine's own scheduler with a cost model (what-ifs at GPU scale)."""
     import json
 
-    from servelab.analyze.summary import SLO
+    from rich.console import Console
+
     from servelab.bench.plan import LoadSpec
+    from servelab.report.terminal import sim_table
+    from servelab.rundir import read_json
     from servelab.sim.links import parse_link
     from servelab.sim.loop import Topology
     from servelab.sim.rundir import write_run_dir
     from servelab.sim.scenario import Scenario, load_requests, simulate
+    from servelab.units import SLO
 
     try:
         target = _build_target(
@@ -227,7 +183,7 @@ def sim(
             profile,
             calibration,
             engine_args,
-            {"mfu": mfu, "mbu": mbu, "step_overhead": _seconds(step_overhead, "--step-overhead")},
+            {"mfu": mfu, "mbu": mbu, "step_overhead": seconds("--step-overhead", step_overhead)},
         )
         topo = Topology(replicas=replicas, router=router)
         if pd is not None:
@@ -242,7 +198,7 @@ def sim(
             arrival=arrival,
             burstiness=burstiness,
             requests=requests,
-            duration=_seconds(duration, "--duration"),
+            duration=seconds("--duration", duration),
             trace=trace,
             time_scale=time_scale,
             length_scale=length_scale,
@@ -265,7 +221,7 @@ def sim(
             target,
             reqs,
             topo,
-            _seconds(network_delay, "--network-delay") or 0.0,
+            seconds("--network-delay", network_delay) or 0.0,
             concurrency,
             slos,
             info,
@@ -274,7 +230,7 @@ def sim(
         if find_capacity is not None and sweep:
             raise ValueError("use --find-capacity or --sweep, not both")
     except ValueError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
 
     run_dir = Path(out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
     if find_capacity is not None:
@@ -296,7 +252,7 @@ def sim(
     try:
         points = parse_sweep(sweep) if sweep else [{}]
     except ValueError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     rows = []
     for point in points:
         label = ",".join(f"{k}={v}" for k, v in point.items()) or target.label
@@ -314,12 +270,12 @@ def sim(
                     sim_seed,
                 )
             except (TypeError, ValueError) as e:
-                raise _fail(f"sweep point {label}: {e}") from None
+                raise fail(f"sweep point {label}: {e}") from None
         d = run_dir if len(points) == 1 else run_dir / label.replace("=", "-").replace(",", "_")
         try:
             _check_fresh(d)
         except ValueError as e:
-            raise _fail(str(e)) from None
+            raise fail(str(e)) from None
         t0 = time.perf_counter()
         res = simulate(sc, keep_steps=not no_steps)
         wall = time.perf_counter() - t0
@@ -340,9 +296,9 @@ def sim(
                 "sim_seed": sim_seed,
             },
         )
-        rows.append(_summary_row(label, res, slos, wall))
+        rows.append(_summary_row(label, res, read_json(d, "metrics.json") or {}, wall))
         typer.echo(f"wrote {d}")
-    _print_rows(rows)
+    Console().print(sim_table(rows))
     if len(rows) > 1:
         (run_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
 
@@ -369,7 +325,7 @@ def _capacity(
     topo = scenario.topology
     slos = scenario.slos
     if not slos or (isinstance(slos, dict) and all(s.empty for s in slos.values())):
-        raise _fail(
+        raise fail(
             "--find-capacity needs SLOs: the workload defines none; add --slo 'ttft=2s,itl=200ms'"
         )
     if kind == "replicas":
@@ -384,7 +340,7 @@ def _capacity(
         what = "fewest replicas"
     elif kind == "rate":
         if load.rate is None:
-            raise _fail("--find-capacity rate needs a starting --rate")
+            raise fail("--find-capacity rate needs a starting --rate")
         max_len = scenario.target.engine_config.max_model_len or scenario.target.max_model_len
 
         def at_rate(r: float) -> Any:
@@ -420,7 +376,7 @@ def _capacity(
         )
         what = f"best P:D split of {replicas} replicas"
     else:
-        raise _fail(f"--find-capacity {kind!r}: use replicas, rate or pd")
+        raise fail(f"--find-capacity {kind!r}: use replicas, rate or pd")
     for p in result.points:
         typer.echo(
             f"  {p.label:>16}: SLO attainment {p.attainment:.3f}, goodput {p.goodput:.3g} req/s"
@@ -452,7 +408,7 @@ def calibrate(
     """Fit the roofline's efficiencies and fixed costs to a measured run; report the fit error."""
     import json
 
-    from servelab.analyze.rundir import load_run
+    from servelab.rundir import load_run
     from servelab.sim.calibrate import fit_efficiency
     from servelab.sim.hardware import get_hardware
     from servelab.sim.modelspec import load_model_spec
@@ -463,7 +419,7 @@ def calibrate(
             load_model_spec(model), get_hardware(hardware), measured_steps(load_run(run_dir)), tp=tp
         )
     except ValueError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     cal.save(out)
     typer.echo(json.dumps({"efficiency": cal.efficiency.to_dict(), "fit": cal.fit}, indent=1))
     typer.echo(f"wrote {out}; use it with `servelab sim --hardware {hardware} --calibration {out}`")
@@ -516,7 +472,7 @@ def profile(
             table = run_profile(model, EngineConfig(**eng), grid, repeats, device, threads, show)
         fitted = ProfiledCostModel(table)
     except ValueError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     table.save(out)
     if table.meta.get("shapes_left_out"):
         typer.echo(

@@ -1,6 +1,6 @@
 """A disaggregated worker process: an engine core in the prefill or the decode role.
 
-Started by the router as ``python -m servelab.disagg.worker`` with a ``WorkerConfig`` (JSON)
+Started by the router as ``python -m servelab.server.disagg.worker`` with a ``WorkerConfig`` (JSON)
 on stdin. It is the engine core's loop (``server/core.py``, same channels, same StepBatch
 outputs) over a ``DisaggEngine``, plus the hand-off messages of ``protocol.py``:
 
@@ -29,9 +29,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from servelab.disagg import protocol
-from servelab.disagg.engine import DisaggEngine, TransferError
-from servelab.disagg.protocol import (
+from servelab.server import core, ipc
+from servelab.server.disagg import protocol
+from servelab.server.disagg.engine import DisaggEngine, TransferError
+from servelab.server.disagg.protocol import (
     Failed,
     ImportKV,
     KVEvents,
@@ -40,9 +41,8 @@ from servelab.disagg.protocol import (
     WorkerConfig,
     WorkerReady,
 )
-from servelab.server import core, ipc
 
-log = logging.getLogger("servelab.disagg.worker")
+log = logging.getLogger("servelab.server.disagg.worker")
 
 _DEADLINE_POLL_MS = 100  # idle wake-up period while a transfer deadline is pending
 
@@ -65,7 +65,7 @@ class WorkerCore(core.EngineCore):
         parent_pid: int,
         wcfg: WorkerConfig,
     ) -> None:
-        from servelab.disagg.transport import make_receiver, make_sender
+        from servelab.server.disagg.transport import make_receiver, make_sender
 
         super().__init__(engine, inputs, outputs, parent_pid)
         self.wcfg = wcfg

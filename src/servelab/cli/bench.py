@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from servelab.cli.errors import bad_flag, fail, seconds
+
 _TARGET = "Target"
 _WORKLOAD = "Workload"
 _LOAD = "Load"
@@ -16,41 +18,21 @@ _SLO = "SLOs and search"
 _OUTPUT = "Output"
 
 
-def _bad(flag: str, message: str) -> typer.BadParameter:
-    return typer.BadParameter(message, param_hint=f"'{flag}'")
-
-
-def _seconds(flag: str, text: str | None) -> float | None:
-    """``"90"``, ``"90s"``, ``"1.5min"`` -> seconds (a bare number is seconds here)."""
-    if text is None:
-        return None
-    from servelab.analyze.summary import parse_duration
-
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        return parse_duration(text, what=flag)
-    except ValueError as e:
-        raise _bad(flag, str(e)) from None
-
-
 def parse_sweep(text: str) -> tuple[str, list[float]]:
     """``"rate=0.5,1,2"`` or ``"concurrency=1,4,16"`` -> (kind, values)."""
     kind, sep, values = text.partition("=")
     kind = kind.strip()
     hint = "write --sweep rate=0.5,1,2 or --sweep concurrency=1,4,16"
     if not sep or kind not in ("rate", "concurrency"):
-        raise _bad("--sweep", f"{text!r}: {hint}")
+        raise bad_flag("--sweep", f"{text!r}: {hint}")
     try:
         vals = [float(v) for v in values.split(",") if v.strip()]
     except ValueError:
-        raise _bad("--sweep", f"{text!r}: values must be numbers; {hint}") from None
+        raise bad_flag("--sweep", f"{text!r}: values must be numbers; {hint}") from None
     if not vals or any(not v > 0 for v in vals):
-        raise _bad("--sweep", f"{text!r}: give one or more values > 0; {hint}")
+        raise bad_flag("--sweep", f"{text!r}: give one or more values > 0; {hint}")
     if kind == "concurrency" and any(v != int(v) for v in vals):
-        raise _bad("--sweep", f"{text!r}: concurrency values must be whole numbers")
+        raise bad_flag("--sweep", f"{text!r}: concurrency values must be whole numbers")
     return kind, vals
 
 
@@ -202,35 +184,35 @@ def bench(
     ),
 ) -> None:
     """Benchmark an OpenAI-compatible endpoint with a workload-shaped load."""
-    from servelab.analyze.summary import SLO, Trim
     from servelab.bench.plan import ENDPOINTS, LoadSpec
     from servelab.bench.run import BenchOptions, redact, run_bench
+    from servelab.units import SLO, Trim
 
     if url is not None and not url.startswith(("http://", "https://")):
-        raise _bad("--url", f"{url!r}: give a base URL such as http://127.0.0.1:8000")
+        raise bad_flag("--url", f"{url!r}: give a base URL such as http://127.0.0.1:8000")
     if endpoint not in ENDPOINTS:
-        raise _bad("--endpoint", f"{endpoint!r}: use completions or chat")
+        raise bad_flag("--endpoint", f"{endpoint!r}: use completions or chat")
     if trace is not None and workload is not None:
-        raise _bad("--trace", "a trace sets its own lengths and arrivals; drop --workload")
+        raise bad_flag("--trace", "a trace sets its own lengths and arrivals; drop --workload")
     if find_max_rate and sweep is not None:
-        raise _bad("--find-max-rate", "choose --sweep or --find-max-rate, not both")
+        raise bad_flag("--find-max-rate", "choose --sweep or --find-max-rate, not both")
     if workers < 1:
-        raise _bad("--workers", f"{workers}: give 1 or more")
+        raise bad_flag("--workers", f"{workers}: give 1 or more")
     if ray_address is not None:
         from servelab.bench.distributed.ray_workers import check_address
 
         try:
             check_address(ray_address)
         except ValueError as e:
-            raise _bad("--ray-address", str(e)) from None
+            raise bad_flag("--ray-address", str(e)) from None
     if find_max_rate and concurrency is not None:
-        raise _bad("--find-max-rate", "it searches over --rate (open loop); drop --concurrency")
+        raise bad_flag("--find-max-rate", "it searches over --rate (open loop); drop --concurrency")
     on = off = None
     if on_off is not None:
         parts = on_off.split(",")
         if len(parts) != 2:
-            raise _bad("--on-off", f"{on_off!r}: write ON,OFF durations, e.g. 5s,10s")
-        on, off = _seconds("--on-off", parts[0]), _seconds("--on-off", parts[1])
+            raise bad_flag("--on-off", f"{on_off!r}: write ON,OFF durations, e.g. 5s,10s")
+        on, off = seconds("--on-off", parts[0]), seconds("--on-off", parts[1])
     if arrival == "poisson" and on_off is not None:
         arrival = "onoff"
     if arrival == "poisson" and ramp_to is not None:
@@ -252,9 +234,9 @@ def bench(
         on=on,
         off=off,
         ramp_to=ramp_to,
-        ramp_over=_seconds("--ramp-over", ramp_over),
+        ramp_over=seconds("--ramp-over", ramp_over),
         requests=requests,
-        duration=_seconds("--duration", duration),
+        duration=seconds("--duration", duration),
         trace=trace,
         time_scale=time_scale,
         length_scale=length_scale,
@@ -262,7 +244,7 @@ def bench(
     if load.requests is None and load.duration is None and trace is None:
         load.requests = 20 if sweep_spec is None and not find_max_rate else 10
     if rate is not None and math.isinf(rate) and (sweep_spec or find_max_rate):
-        raise _bad("--rate", "inf cannot be swept or searched")
+        raise bad_flag("--rate", "inf cannot be swept or searched")
     try:
         load.validate()
         opts = BenchOptions(
@@ -285,29 +267,24 @@ def bench(
             cooldown=Trim.parse(cooldown),
             quiet=quiet,
             strict_openai=strict_openai,
-            timeout=_seconds("--timeout", timeout) or 600.0,
+            timeout=seconds("--timeout", timeout) or 600.0,
             command=redact(["servelab", *sys.argv[1:]]),
             overwrite=overwrite,
             workers=workers,
             ray_address=ray_address,
         )
     except ValueError as e:
-        typer.echo(f"servelab bench: error: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise fail(str(e), "bench") from None
     if not 0 < goodput_target <= 1:
-        raise _bad("--goodput-target", f"{goodput_target}: give a fraction in (0, 1]")
+        raise bad_flag("--goodput-target", f"{goodput_target}: give a fraction in (0, 1]")
     if matrix is not None:
-        try:
-            from servelab.bench.matrix import run_matrix
-        except ImportError:
-            typer.echo("servelab bench: error: --matrix is not available in this build", err=True)
-            raise typer.Exit(2) from None
+        from servelab.workflows.matrix import run_matrix
+
         raise typer.Exit(run_matrix(Path(matrix), opts))
     try:
         code = run_bench(opts)
     except (ValueError, RuntimeError) as e:
-        typer.echo(f"servelab bench: error: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise fail(str(e), "bench") from None
     raise typer.Exit(code)
 
 

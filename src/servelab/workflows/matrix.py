@@ -32,9 +32,9 @@ import yaml
 from rich.console import Console
 
 from servelab.analyze.compare import Comparison, compare
-from servelab.analyze.rundir import Run, load_run
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
 from servelab.bench.target import LaunchedServer, parse_engine_args
+from servelab.rundir import Run, load_run, read_json, write_manifest
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$")
 
@@ -124,10 +124,9 @@ def has_records(run_dir: Path) -> bool:
 
 def record_server(run_dir: Path, server: LaunchedServer) -> None:
     """Write the launched server's flags into the run's manifest: the bench saw only a URL."""
-    path = run_dir / "manifest.json"
-    if not path.exists():
+    manifest = read_json(run_dir, "manifest.json")
+    if manifest is None:
         return
-    manifest = json.loads(path.read_text())
     info = manifest.get("server") or {}
     info.update(
         launched=True,
@@ -136,7 +135,7 @@ def record_server(run_dir: Path, server: LaunchedServer) -> None:
         config=parse_engine_args(server.engine_args),
     )
     manifest["server"] = info
-    path.write_text(json.dumps(manifest, indent=1, default=str))
+    write_manifest(run_dir, manifest)
 
 
 def start_servers(
@@ -238,8 +237,8 @@ def run_matrix(
     Returns 0, 3 when any run was invalid, 130 when interrupted, 2 on bad input.
     """
     from servelab.analyze.diagnose import diagnose
-    from servelab.analyze.terminal import render_comparison
     from servelab.report.html import write_report
+    from servelab.report.terminal import render_comparison
 
     console = console or Console()
     try:

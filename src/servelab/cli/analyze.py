@@ -11,26 +11,22 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from servelab.cli.errors import fail
+
 if TYPE_CHECKING:
-    from servelab.analyze.rundir import Run
+    from servelab.rundir import Run
 
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON")]
 
 
-def _fail(msg: str) -> None:
-    typer.secho(f"error: {msg}", fg="red", err=True)
-    raise typer.Exit(2)
-
-
 def _load(paths: list[Path]) -> list[Run]:
-    from servelab.analyze.rundir import RunDirError, load_run
+    from servelab.rundir import RunDirError, load_run
 
     try:
         return [load_run(p) for p in paths]
     except RunDirError as e:
-        _fail(str(e))
-        raise  # unreachable: _fail exits
+        raise fail(str(e)) from None
 
 
 def register(app: typer.Typer) -> None:
@@ -47,7 +43,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from servelab.analyze.diagnose import diagnose as run_diagnosis
-        from servelab.analyze.terminal import render_diagnosis
+        from servelab.report.terminal import render_diagnosis
 
         (run,) = _load([run_dir])
         d = run_diagnosis(run)
@@ -71,12 +67,12 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from servelab.analyze.compare import compare as run_compare
-        from servelab.analyze.terminal import render_comparison
+        from servelab.report.terminal import render_comparison
 
         if len(run_dirs) < 2:
-            _fail("compare needs at least two run directories (the first is the baseline)")
+            raise fail("compare needs at least two run directories (the first is the baseline)")
         if not 0 < alpha < 1:
-            _fail(f"--alpha must be between 0 and 1, got {alpha}")
+            raise fail(f"--alpha must be between 0 and 1, got {alpha}")
         c = run_compare(_load(run_dirs), alpha=alpha)
         if json_out:
             typer.echo(json.dumps(c.to_dict(), indent=1, default=str))
@@ -114,14 +110,13 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """The main job: rag, agent and mixed at two loads, chunked prefill on vs off, one report."""
-        from servelab.analyze.demo import run_demo
+        from servelab.workflows.demo import run_demo
 
         try:
             result = run_demo(quick=quick, out=out)
         except (ValueError, RuntimeError) as e:
-            _fail(str(e))
-            return
+            raise fail(str(e)) from None
         if result.interrupted:
             raise typer.Exit(130)
         if result.report is None:
-            _fail("no run finished, so there is no report; see the output above")
+            raise fail("no run finished, so there is no report; see the output above")

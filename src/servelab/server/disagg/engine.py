@@ -33,7 +33,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from servelab.disagg.protocol import (
+from servelab.engine.engine import EngineStepResult, LLMEngine
+from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.sampling_params import SamplingParams
+from servelab.engine.stats import EngineStats
+from servelab.server.disagg.protocol import (
     Imported,
     ImportKV,
     KVHeader,
@@ -42,10 +46,6 @@ from servelab.disagg.protocol import (
     Reserved,
     Sent,
 )
-from servelab.engine.engine import EngineStepResult, LLMEngine
-from servelab.engine.kv_cache import KVCacheManager
-from servelab.engine.sampling_params import SamplingParams
-from servelab.engine.stats import EngineStats
 from servelab.vocab import FinishReason, Phase, RequestTimeline
 
 

@@ -1,4 +1,4 @@
-"""The `servelab` command. Each subsystem registers its own commands.
+"""The `servelab` command: every typer command lives in this package, one module per group.
 
 Command modules import nothing heavy at module level (no torch), so that
 `servelab bench` never loads the engine.
@@ -20,21 +20,9 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
-    from servelab.analyze import commands as analyze_commands
-    from servelab.bench import commands as bench_commands
-    from servelab.engine import commands as engine_commands
-    from servelab.model import commands as model_commands
-    from servelab.server import commands as server_commands
-    from servelab.sim import commands as sim_commands
+    from servelab.cli import analyze, bench, export, generate, serve, sim
 
-    for module in (
-        engine_commands,
-        model_commands,
-        server_commands,
-        bench_commands,
-        analyze_commands,
-        sim_commands,
-    ):
+    for module in (generate, export, serve, bench, analyze, sim):
         module.register(app)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from servelab.cli.errors import fail
 from servelab.server.args import API_KEY_ENV, DEFAULT_MODEL, ServerArgs
 
 
@@ -124,8 +125,7 @@ def serve(
         if draft is not None and draft.model is not None:
             resolve_model(draft.model)
     except ValueError as e:
-        typer.echo(f"servelab serve: error: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise fail(str(e), "serve") from None
 
     from servelab.server.main import run_server
 

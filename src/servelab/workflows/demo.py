@@ -24,9 +24,13 @@ from pathlib import Path
 from rich.console import Console
 
 from servelab.analyze.diagnose import Diagnosis, diagnose
-from servelab.analyze.rundir import Run, load_run
-from servelab.analyze.terminal import render_comparison, render_summary
-from servelab.bench.matrix import (
+from servelab.analyze.summary import run_summary
+from servelab.bench.plan import LoadSpec
+from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
+from servelab.report.html import write_report
+from servelab.report.terminal import render_comparison, render_summary
+from servelab.rundir import Run, load_run
+from servelab.workflows.matrix import (
     MatrixConfig,
     MatrixResult,
     MatrixSpec,
@@ -35,9 +39,6 @@ from servelab.bench.matrix import (
     record_server,
     start_servers,
 )
-from servelab.bench.plan import LoadSpec
-from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
-from servelab.report.html import write_report
 
 # The demo's engine: a 256-token chunk budget makes chunking visible with ~1k-token
 # prompts; a 1 GB KV pool is plenty for these loads and halves the memory of two servers.
@@ -206,7 +207,7 @@ def _conclude(
     with console.status("diagnosing ..."):
         diagnoses = [diagnose(r) for r in all_runs]
     for run, d in zip(runs, diagnoses):
-        render_summary(run.name, run.summary(), console)
+        render_summary(run.name, run_summary(run), console)
         if not d.findings:
             console.print("  [green]no findings[/]")
         for f in d.findings:

@@ -49,19 +49,19 @@ from typing import Any
 
 import msgspec
 
-from servelab.disagg import protocol, shm
-from servelab.disagg.cpus import describe, split_cpus, usable_cpus
-from servelab.disagg.metrics import DisaggMetrics
-from servelab.disagg.protocol import KVEvents, WorkerConfig, WorkerReady
 from servelab.server import ipc
 from servelab.server.args import ServerArgs
 from servelab.server.core_process import CoreProcess, CoreStartupError, EngineDeadError
+from servelab.server.disagg import protocol, shm
+from servelab.server.disagg.cpus import describe, split_cpus, usable_cpus
+from servelab.server.disagg.metrics import DisaggMetrics
+from servelab.server.disagg.protocol import KVEvents, WorkerConfig, WorkerReady
 from servelab.server.engine_client import CALL_TIMEOUT_S, EXIT_TIMEOUT_S, RequestStream
 from servelab.server.metrics import ServerMetrics
 from servelab.server.timelines import TimelineStore
 from servelab.vocab import FinishReason, RequestTimeline
 
-log = logging.getLogger("servelab.disagg")
+log = logging.getLogger("servelab.server.disagg")
 
 _TICK_S = 0.1  # deadline checks
 _SUMMED_STATS = (
@@ -221,7 +221,7 @@ class DisaggClient:
         workers = []
         for i, (role, name, cpus) in enumerate(zip(roles, names, plan)):
             proc = CoreProcess(
-                "servelab.disagg.worker", protocol.decode_worker_output, f"{name} worker"
+                "servelab.server.disagg.worker", protocol.decode_worker_output, f"{name} worker"
             )
             core = ipc.CoreConfig(
                 model=a.model,
@@ -231,7 +231,7 @@ class DisaggClient:
                 device=a.device,
                 torch_threads=cpus.threads,
                 log_level=a.log_level,
-                engine_factory=engine_factory or "servelab.disagg.worker:build_engine",
+                engine_factory=engine_factory or "servelab.server.disagg.worker:build_engine",
             )
             cfg = WorkerConfig(
                 core=core,

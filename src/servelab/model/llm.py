@@ -9,6 +9,7 @@ from typing import Any
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model.build import build_engine
 from servelab.vocab import FinishReason, RequestTimeline
 
 
@@ -40,9 +41,7 @@ class LLM:
                 f"unknown engine option(s) {sorted(unknown)}; valid: "
                 f"{sorted(EngineConfig.__dataclass_fields__)}"
             )
-        self.engine = LLMEngine.from_model(
-            model, EngineConfig(**engine_config_kwargs), device=device
-        )
+        self.engine = build_engine(model, EngineConfig(**engine_config_kwargs), device=device)
         self._counter = 0
 
     @classmethod

@@ -15,21 +15,27 @@ Drafts are greedy (the argmax), i.e. a deterministic function of the context, as
 proposer contract requires.
 
 ``self_draft_model`` builds the "self-draft": the target's first L layers plus its final
-norm and head, sharing the target's weight tensors (nothing is copied).
+norm and head, sharing the target's weight tensors (nothing is copied). ``build_draft_proposer``
+is the torch runner's ``Executor.draft_proposer``: the draft pool holds as many blocks as the
+target's plus one per sequence, since a draft context runs up to ``num_speculative_tokens``
+positions past the target's.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any
 
 from torch import nn
 
+from servelab.engine.config import EngineConfig
 from servelab.engine.kv_cache import KVCacheManager
 from servelab.engine.plan import BatchPlan, ScheduledSeq
 from servelab.engine.sampling_params import SamplingParams
+from servelab.engine.spec.config import SpeculativeConfig
 from servelab.engine.spec.proposer import DraftRequest
-from servelab.model.loader import LoadedModel
+from servelab.model.loader import LoadedModel, load_model
 from servelab.model.runner import TorchModelRunner
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -130,3 +136,34 @@ class DraftModelProposer:
             sample=True,
             sampling=_GREEDY,
         )
+
+
+def build_draft_proposer(
+    target: TorchModelRunner, spec: SpeculativeConfig, config: EngineConfig
+) -> DraftModelProposer:
+    """The ``draft`` or ``self-draft`` proposer for ``target``, on its device and threads."""
+    if spec.method == "self-draft":
+        loaded = self_draft_model(target.loaded, spec.num_layers)
+    else:
+        loaded = _load_draft(spec.model, target)
+    runner = TorchModelRunner(loaded, device=target.device, num_threads=target.num_threads)
+    num_blocks = config.num_kv_blocks + config.max_num_seqs
+    return DraftModelProposer(runner, num_blocks, config.block_size)
+
+
+def _load_draft(name: str, target: Any) -> LoadedModel:
+    """Load the draft model and check that it speaks the target's token ids."""
+    draft = load_model(name, device=str(target.device))
+    t_tok, d_tok = target.loaded.tokenizer, draft.tokenizer
+    probe = "Speculative decoding: 12345, ünïcødé."
+    if (
+        d_tok.vocab_size != t_tok.vocab_size
+        or d_tok.encode(probe) != t_tok.encode(probe)
+        or draft.config.vocab_size != target.config.vocab_size
+    ):
+        raise ValueError(
+            f"draft model {name!r} does not share the target's tokenizer and vocabulary "
+            f"({d_tok.vocab_size} tokens, {draft.config.vocab_size} logits vs the target's "
+            f"{t_tok.vocab_size}, {target.config.vocab_size}); pick a draft of the same family"
+        )
+    return draft

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from servelab.bench.collect import _decode_reply
-from servelab.bench.recorder import RunDir, read_records
+from servelab.rundir import RunDir, read_records
 from servelab.vocab import ClientRecord
 
 

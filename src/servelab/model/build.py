@@ -1,0 +1,53 @@
+"""A real engine on a real model: load the weights, put the torch runner under ``LLMEngine``.
+
+The engine layer never loads a model (policy imports no torch); everything that wants an
+engine on weights (`servelab generate`, the server's core, the profiler, ``LLM``) builds it
+here. Imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from servelab.engine.config import EngineConfig
+from servelab.vocab import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from servelab.engine.engine import LLMEngine
+
+
+def default_threads() -> int:
+    """Torch threads for an engine core: every CPU this process may use but one.
+
+    The spared CPU runs the API process (HTTP, tokenisation, SSE); with a single CPU the two
+    processes share it. ``os.sched_getaffinity`` honours ``taskset``.
+    """
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        ncpu = os.cpu_count() or 1
+    return max(1, ncpu - 1)
+
+
+def build_engine(
+    model: str = DEFAULT_MODEL,
+    config: EngineConfig | None = None,
+    device: str | None = None,
+    threads: int | None = None,
+    engine_cls: type[LLMEngine] | None = None,
+) -> LLMEngine:
+    """Load ``model`` (short name, .gguf or HF directory) and build an engine on it.
+
+    ``threads`` torch/BLAS threads; None keeps what the process has (torch's default, or
+    what the caller set). ``engine_cls`` is ``LLMEngine`` or a subclass of it (a
+    disaggregated worker's engine).
+    """
+    from servelab.engine.engine import LLMEngine
+    from servelab.model.loader import load_model
+    from servelab.model.runner import TorchModelRunner
+
+    loaded = load_model(model, device=device)
+    runner = TorchModelRunner(loaded, device=device, num_threads=threads)
+    cls = engine_cls or LLMEngine
+    return cls(runner, config or EngineConfig(), tokenizer=loaded.tokenizer)
