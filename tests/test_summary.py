@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from servelab.analyze.stats import describe
 from servelab.analyze.summary import (
     bucket_label,
-    describe,
     measured_window,
     summarize,
 )
@@ -190,7 +190,7 @@ def test_token_checks_reports_disagreements():
 
 
 def test_large_samples_use_woodruff_intervals_that_agree_with_the_bootstrap():
-    from servelab.analyze.summary import BOOTSTRAP_MAX_N, _bootstrap
+    from servelab.analyze.stats import BOOTSTRAP_MAX_N, _bootstrap
 
     rng = np.random.default_rng(11)
     n_req, per = 300, 40

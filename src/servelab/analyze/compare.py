@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from servelab.analyze.summary import describe, metric_values, run_summary
+from servelab.analyze.stats import describe
+from servelab.analyze.summary import metric_values, run_summary
 from servelab.rundir import Run
 from servelab.vocab import LATENCY_METRICS, ClientRecord
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import secrets
 import sys
 from dataclasses import dataclass, field, replace
@@ -20,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from servelab import __version__
 from servelab.analyze.summary import measured_window, summarize
 from servelab.bench.client import Target
 from servelab.bench.collect import MetricsScraper, TimelineCollector
 from servelab.bench.distributed.clock import timing_error_budget
 from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
+from servelab.bench.manifest import machine, versions
 from servelab.bench.monitor import ClientHealth, LoopMonitor
 from servelab.bench.plan import LoadSpec, Plan, build_plan, iter_plan
 from servelab.bench.progress import Progress
@@ -88,51 +87,6 @@ class Stage:
     summary: dict[str, Any] | None = None
     cache_reset: str = ""
     plan_info: dict[str, Any] = field(default_factory=dict)
-
-
-def redact(argv: list[str]) -> list[str]:
-    """The command line with the value of ``--api-key`` replaced by ``***``."""
-    out, hide = [], False
-    for a in argv:
-        if hide:
-            out.append("***")
-            hide = False
-        elif a == "--api-key":
-            out.append(a)
-            hide = True
-        elif a.startswith("--api-key="):
-            out.append("--api-key=***")
-        else:
-            out.append(a)
-    return out
-
-
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"servelab": __version__, "python": platform.python_version()}
-    for pkg in ("aiohttp", "msgspec", "numpy", "uvloop", "tokenizers", "rich", "pydantic"):
-        with contextlib.suppress(md.PackageNotFoundError):
-            out[pkg] = md.version(pkg)
-    return out
-
-
-def _machine() -> dict[str, Any]:
-    import psutil
-
-    cpu_model = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-    }
 
 
 def _load_tokenizer(name: str) -> Any:
@@ -435,8 +389,8 @@ class Bench:
             "name": self.rundir.path.name if self.rundir else None,
             "command": " ".join(o.command),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "versions": _versions(),
-            "machine": _machine(),
+            "versions": versions(),
+            "machine": machine(),
             "target_kind": self.info.kind if self.info else None,
             "server": self.info.to_dict() if self.info else None,
             "model": self._request_model() if self.info else o.model,

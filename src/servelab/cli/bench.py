@@ -184,8 +184,9 @@ def bench(
     ),
 ) -> None:
     """Benchmark an OpenAI-compatible endpoint with a workload-shaped load."""
+    from servelab.bench.manifest import redact
     from servelab.bench.plan import ENDPOINTS, LoadSpec
-    from servelab.bench.run import BenchOptions, redact, run_bench
+    from servelab.bench.run import BenchOptions, run_bench
     from servelab.units import SLO, Trim
 
     if url is not None and not url.startswith(("http://", "https://")):

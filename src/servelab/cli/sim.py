@@ -315,68 +315,16 @@ def _capacity(
     replicas: int,
     run_dir: Path,
 ) -> None:
-    import dataclasses
     import json
 
-    from servelab.sim.capacity import best_pd_split, fewest_replicas, highest_rate
-    from servelab.sim.loop import Topology
-    from servelab.sim.scenario import load_requests, simulate
+    from servelab.sim.capacity import find_capacity
 
-    topo = scenario.topology
-    slos = scenario.slos
-    if not slos or (isinstance(slos, dict) and all(s.empty for s in slos.values())):
-        raise fail(
-            "--find-capacity needs SLOs: the workload defines none; add --slo 'ttft=2s,itl=200ms'"
+    try:
+        result, what = find_capacity(
+            kind, scenario, workload, load, seed, endpoint, target, max_replicas, replicas
         )
-    if kind == "replicas":
-        result = fewest_replicas(
-            lambda n: simulate(
-                scenario.with_topology(dataclasses.replace(topo, replicas=n)), keep_steps=False
-            ),
-            slos,
-            target,
-            max_replicas,
-        )
-        what = "fewest replicas"
-    elif kind == "rate":
-        if load.rate is None:
-            raise fail("--find-capacity rate needs a starting --rate")
-        max_len = scenario.target.engine_config.max_model_len or scenario.target.max_model_len
-
-        def at_rate(r: float) -> Any:
-            reqs, _, _ = load_requests(
-                workload,
-                dataclasses.replace(load, rate=r),
-                seed,
-                max_len,
-                endpoint,
-                resend=scenario.target.resend,
-                sim_seed=scenario.sim_seed,
-            )
-            return simulate(dataclasses.replace(scenario, requests=reqs), keep_steps=False)
-
-        result = highest_rate(at_rate, slos, load.rate, target)
-        what = "highest rate (req/s)"
-    elif kind == "pd":
-        link = topo.link
-        if link is None:
-            from servelab.sim.links import parse_link
-
-            link = parse_link("nvlink")
-        result = best_pd_split(
-            lambda p, d: simulate(
-                scenario.with_topology(
-                    Topology(prefill=p, decode=d, link=link, router=topo.router)
-                ),
-                keep_steps=False,
-            ),
-            slos,
-            replicas,
-            target,
-        )
-        what = f"best P:D split of {replicas} replicas"
-    else:
-        raise fail(f"--find-capacity {kind!r}: use replicas, rate or pd")
+    except ValueError as e:
+        raise fail(str(e)) from None
     for p in result.points:
         typer.echo(
             f"  {p.label:>16}: SLO attainment {p.attainment:.3f}, goodput {p.goodput:.3g} req/s"

@@ -7,12 +7,13 @@ whole simulations, deterministically, and returns every point it tried.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelab.sim.loop import SimResult
-from servelab.sim.scenario import attainment
+from servelab.sim.loop import SimResult, Topology
+from servelab.sim.scenario import attainment, load_requests, simulate
 
 
 @dataclass
@@ -145,3 +146,74 @@ def best_pd_split(
 
     best = max(points, key=rank)
     return CapacityResult((best.extra["prefill"], best.extra["decode"]), points, target)
+
+
+def find_capacity(
+    kind: str,
+    scenario: Any,
+    workload: str | None,
+    load: Any,
+    seed: int,
+    endpoint: str,
+    target: float,
+    max_replicas: int,
+    replicas: int,
+) -> tuple[CapacityResult, str]:
+    """Run the ``kind`` search (replicas, rate or pd) around ``scenario``; return the result
+    and what it searched for. Raises ValueError naming the flag that is missing or wrong."""
+    topo = scenario.topology
+    slos = scenario.slos
+    if not slos or (isinstance(slos, dict) and all(s.empty for s in slos.values())):
+        raise ValueError(
+            "--find-capacity needs SLOs: the workload defines none; add --slo 'ttft=2s,itl=200ms'"
+        )
+    if kind == "replicas":
+        result = fewest_replicas(
+            lambda n: simulate(
+                scenario.with_topology(dataclasses.replace(topo, replicas=n)), keep_steps=False
+            ),
+            slos,
+            target,
+            max_replicas,
+        )
+        what = "fewest replicas"
+    elif kind == "rate":
+        if load.rate is None:
+            raise ValueError("--find-capacity rate needs a starting --rate")
+        max_len = scenario.target.engine_config.max_model_len or scenario.target.max_model_len
+
+        def at_rate(r: float) -> Any:
+            reqs, _, _ = load_requests(
+                workload,
+                dataclasses.replace(load, rate=r),
+                seed,
+                max_len,
+                endpoint,
+                resend=scenario.target.resend,
+                sim_seed=scenario.sim_seed,
+            )
+            return simulate(dataclasses.replace(scenario, requests=reqs), keep_steps=False)
+
+        result = highest_rate(at_rate, slos, load.rate, target)
+        what = "highest rate (req/s)"
+    elif kind == "pd":
+        link = topo.link
+        if link is None:
+            from servelab.sim.links import parse_link
+
+            link = parse_link("nvlink")
+        result = best_pd_split(
+            lambda p, d: simulate(
+                scenario.with_topology(
+                    Topology(prefill=p, decode=d, link=link, router=topo.router)
+                ),
+                keep_steps=False,
+            ),
+            slos,
+            replicas,
+            target,
+        )
+        what = f"best P:D split of {replicas} replicas"
+    else:
+        raise ValueError(f"--find-capacity {kind!r}: use replicas, rate or pd")
+    return result, what

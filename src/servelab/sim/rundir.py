@@ -8,14 +8,14 @@ what was simulated. ``diagnose``, ``compare`` and ``report`` read it unchanged.
 
 from __future__ import annotations
 
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from servelab import __version__
-from servelab.analyze.summary import DEFAULT_N_BOOT, summarize
+from servelab.analyze.stats import DEFAULT_N_BOOT
+from servelab.analyze.summary import summarize
+from servelab.bench.manifest import machine, versions
 from servelab.rundir import RunDir
 from servelab.sim.loop import SimResult
 from servelab.units import SLO
@@ -63,8 +63,8 @@ def write_run_dir(
         "target_kind": "servelab",
         "command": command if command is not None else sys.argv,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": {"servelab": __version__, "python": platform.python_version()},
-        "machine": {"host": platform.node(), "platform": platform.platform()},
+        "versions": versions(),
+        "machine": machine(),
         "model": target.get("model"),
         "server": {
             "kind": "servelab-sim",
