@@ -19,7 +19,7 @@ as in servelab.vocab).
 Pinning: on a machine with at least 2 CPUs the server (both of its processes) runs on the
 last CPU and this client on the first (``taskset``), so the client's parsing never steals
 the engine's core; ``--no-pin`` turns that off. With pinning the engine core gets 1 torch
-thread, the configuration of vLLM's CPU reference figures in ANCHORS.md (~100 ms TPOT at
+thread, the configuration of vLLM's CPU reference figures in docs/reference-figures.md (~100 ms TPOT at
 batch 1, ~32 output tok/s at concurrency 16 for 256 in / 64 out on SmolLM2-135M).
 
 Figures are provisional whenever other work shares the machine: compare within one run.
@@ -49,8 +49,8 @@ import msgspec
 from servelab.model.tokenizer import Tokenizer
 from servelab.vocab import ClientRecord
 
-VLLM_TPOT_MS = 101.0  # ANCHORS.md: vLLM 0.32 CPU, 1 thread, concurrency 1
-VLLM_TOK_S_C16 = 32.0  # ANCHORS.md: vLLM 0.32 CPU, 1 thread, concurrency 16
+VLLM_TPOT_MS = 101.0  # docs/reference-figures.md: vLLM 0.32 CPU, 1 thread, concurrency 1
+VLLM_TOK_S_C16 = 32.0  # docs/reference-figures.md: vLLM 0.32 CPU, 1 thread, concurrency 16
 
 
 @dataclass

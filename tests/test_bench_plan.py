@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +13,6 @@ from servelab.bench.presets import PRESETS
 from servelab.bench.prompts import PromptFactory
 from servelab.bench.testing import tiny_tokenizer
 from servelab.bench.workload import load_workload, parse_workload
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-needs_traces = pytest.mark.skipif(
-    not TRACES.is_dir(), reason="../shared/traces is not beside the repo"
-)
 
 
 @pytest.fixture(scope="module")
@@ -212,13 +206,10 @@ def test_trace_replay_scaled_timing_and_lengths(smollm_tok, tmp_path):
     assert t["replayed"]["span_s"] == pytest.approx(8.0)
 
 
-@needs_traces
 def test_trace_rate_sets_time_scale(smollm_tok):
     plan = build_plan(
         None,
-        LoadSpec(
-            trace=str(TRACES / "azure_llm_2023_conv.csv"), rate=0.5, requests=200, length_scale=0.1
-        ),
+        LoadSpec(trace="azure-2023-conv", rate=0.5, requests=200, length_scale=0.1),
         0,
         tokenizer=smollm_tok,
     )
@@ -247,13 +238,15 @@ def test_mooncake_hash_ids_become_exact_shared_prefixes(smollm_tok, tmp_path):
     assert _lcp(ids[0], ids[2]) < 16
 
 
-@needs_traces
-def test_real_trace_files_load():
-    from servelab.bench.traces import load_trace
+def test_named_traces_ship_with_the_package_and_paths_still_work():
+    from servelab.bench.traces import load_trace, trace_path
 
     for name, fmt, n in (
-        ("azure_llm_2023_conv.csv", "azure", 19366),
-        ("mooncake_fast25_synthetic.jsonl", "mooncake", 3993),
+        ("azure-2023-conv", "azure", 19366),
+        ("mooncake-synthetic", "mooncake", 3993),
     ):
-        rows, got = load_trace(TRACES / name)
+        rows, got = load_trace(name)
         assert got == fmt and len(rows) == n and rows[0].time == 0.0
+        assert load_trace(str(trace_path(name)))[0] == rows
+    with pytest.raises(ValueError, match="azure-2023-conv, mooncake-synthetic"):
+        load_trace("no-such-trace")

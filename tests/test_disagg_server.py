@@ -15,6 +15,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,11 +27,13 @@ import psutil
 import pytest
 from test_server_fakes import TESTS_DIR, ServerThread, metrics, storm_leaves_no_trace, wait_idle
 
+from servelab.analyze.attribution import attribute
 from servelab.engine.config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.build import build_engine
 from servelab.model.llm import LLM
 from servelab.model.tokenizer import Tokenizer
+from servelab.rundir import load_run
 from servelab.server.args import ServerArgs
 
 PROMPTS = [
@@ -232,6 +236,33 @@ def test_shared_prefix_hits_the_decode_cache_after_transfer(
     assert second["kv_transfer"]["skipped_blocks"] == len(system) // 16
     assert second["kv_transfer"]["blocks"] < first["kv_transfer"]["blocks"]
     assert second["cached_prompt_tokens"] >= (len(system) // 16) * 16  # and on the prefill side
+
+
+def test_a_bench_run_attributes_each_request_to_its_own_workers(
+    server: ServerThread, tmp_path: Path
+) -> None:
+    # The prefill and decode workers step at the same times; a request's TTFT parts come
+    # from its prefill worker's steps only, and add up to its TTFT.
+    out = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "servelab.cli", "bench", "--url", server.url]
+        + ["--workload", "chat", "--requests", "8", "--concurrency", "4", "--out", str(out)]
+        + ["--quiet", "--length-scale", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert p.returncode in (0, 3), p.stderr + p.stdout  # 3: the client lagged on a busy machine
+    run = load_run(out)
+    assert {s.role for s in run.steps} == {"prefill", "decode"}
+    tls = [run.timeline_for(r) for r in run.records]
+    assert all(t is not None and t.role == "prefill" and t.decode_replica is not None for t in tls)
+    exact = [b for b in attribute(run).ttft if b.source == "exact"]
+    assert len(exact) == len(run.records)
+    for b in exact:
+        assert sum(b.parts().values()) == pytest.approx(b.ttft + b.client_lag, abs=1e-6)
+        assert b.interference <= b.ttft
 
 
 def test_health_and_version_list_the_workers(http: httpx.Client) -> None:

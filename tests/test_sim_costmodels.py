@@ -54,7 +54,9 @@ def test_hf_config_json_and_gguf_give_the_same_shapes(tmp_path):
 
     from_gguf = load_model_spec(str(resolve_model(GGUF)))
     assert from_gguf.num_params == PRESETS["smollm2-135m"].num_params
-    assert from_gguf.kv_bytes_per_token(4) == 46080  # ANCHORS.md: about 46 KB per token in fp32
+    assert (
+        from_gguf.kv_bytes_per_token(4) == 46080
+    )  # docs/reference-figures.md: about 46 KB per token in fp32
 
 
 def test_unknown_names_say_what_exists():
@@ -211,7 +213,7 @@ def test_work_of_plan_matches_step_work_add():
 
 
 def test_cpu_roofline_sits_between_the_anchored_floor_and_a_stock_forward():
-    # ANCHORS.md: SmolLM2 fp32 decode floor ~32 ms (538 MB at ~17 GB/s); a plain torch
+    # docs/reference-figures.md: SmolLM2 fp32 decode floor ~32 ms (538 MB at ~17 GB/s); a plain torch
     # forward with stock kernels took 72 ms; prefill ~212 MFLOP per token.
     rm = RooflineCostModel(PRESETS["smollm2-135m"], HARDWARE["cpu"])
     assert rm.model.weight_bytes(4) == pytest.approx(538e6, rel=0.01)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -26,9 +25,7 @@ from servelab.sim.scenario import Scenario, load_requests, simulate
 from servelab.sim.target import roofline_target
 from servelab.units import SLO
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"  # ../shared beside the repo
-AZURE = str(TRACES / "azure_llm_2023_conv.csv")
-MOONCAKE = str(TRACES / "mooncake_fast25_synthetic.jsonl")
+AZURE, MOONCAKE = "azure-2023-conv", "mooncake-synthetic"  # the traces the package ships
 
 
 def test_engine_args_accept_vllm_flags_and_key_values():
@@ -80,7 +77,6 @@ def test_workload_requests_keep_the_plans_lengths_times_and_shared_prefixes():
         assert all(ids[: n - 2] == first[: n - 2] for _, ids in group)
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not beside the repo")
 def test_trace_requests_are_scaled_by_the_benchmarks_rules():
     reqs, info, slos = load_requests(
         None, LoadSpec(trace=AZURE, requests=200), seed=0, max_model_len=8192

@@ -18,6 +18,12 @@ from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m"  # the model every command uses when none is named
 
+# What an engine of a deployment does: serves whole requests, or one half of disaggregated
+# serving. Step records and timelines carry it with the engine's ``replica`` index, so two
+# engines' steps are never read as one engine's.
+COLOCATED, PREFILL_ROLE, DECODE_ROLE = "colocated", "prefill", "decode"
+ROLES = (COLOCATED, PREFILL_ROLE, DECODE_ROLE)
+
 
 class Phase(str, enum.Enum):
     """Server-side request lifecycle: QUEUED -> PREFILL (chunks) -> DECODE -> FINISHED.
@@ -83,6 +89,9 @@ class RequestTimeline:
     output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (sum over admissions)
     error: str | None = None
+    replica: int = 0  # the engine that admitted and prefilled it: (role, replica)
+    role: str = COLOCATED
+    decode_replica: int | None = None  # disaggregated: the decode engine that took it over
 
     # Derived phase durations (seconds). Defined here once.
     @property
@@ -141,7 +150,8 @@ class StepRecord:
     """One engine step: what ran together, and how long it took.
 
     ``prefill`` maps request id -> prompt tokens computed in this step;
-    ``decode`` lists the request ids that took a decode token.
+    ``decode`` lists the request ids that took a decode token. ``(role, replica)`` names the
+    engine that ran it, among the replicas or disaggregated workers of one deployment.
     """
 
     step_id: int
@@ -157,6 +167,8 @@ class StepRecord:
     kv_blocks_total: int = 0
     num_waiting: int = 0
     preempted: list[str] = field(default_factory=list)
+    replica: int = 0
+    role: str = COLOCATED
 
     @property
     def duration(self) -> float:
@@ -206,7 +218,7 @@ class ClientRecord:
     def ok(self) -> bool:
         return self.error is None
 
-    # --- metric definitions (DESIGN.md "Metrics"); matched to vLLM's bench definitions ---
+    # --- metric definitions (docs/design/overview.md "Metrics"); matched to vLLM's bench definitions ---
 
     @property
     def ttft(self) -> float | None:

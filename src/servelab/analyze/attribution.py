@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from servelab.analyze.stats import StepCost, fit_step_cost
 from servelab.rundir import Run
-from servelab.vocab import ClientRecord, RequestTimeline, StepRecord
+from servelab.vocab import DECODE_ROLE, ClientRecord, RequestTimeline, StepRecord
 
 # A gap is a stall when it exceeds the request's median gap by this factor and by
 # STALL_MIN_EXCESS seconds (the floor keeps scheduler jitter on fast servers out).
@@ -131,9 +131,35 @@ class _StepIndex:
         return self.steps[i] if i >= 0 else None
 
 
+_NO_STEPS = _StepIndex([])
+
+
+class _Engines:
+    """One ``_StepIndex`` per engine of the deployment, keyed by ``(role, replica)``.
+
+    Replicas and disaggregated workers run steps at the same times; a request is read only
+    against the steps of the engine that ran its phase: its prefill (and queueing) on the
+    engine that admitted it, its decode on the decode engine that took it over, if any.
+    """
+
+    def __init__(self, steps: list[StepRecord]):
+        by_engine: dict[tuple[str, int], list[StepRecord]] = {}
+        for s in steps:
+            by_engine.setdefault((s.role, s.replica), []).append(s)
+        self._index = {k: _StepIndex(v) for k, v in by_engine.items()}
+
+    def prefill(self, tl: RequestTimeline) -> _StepIndex:
+        return self._index.get((tl.role, tl.replica), _NO_STEPS)
+
+    def decode(self, tl: RequestTimeline) -> _StepIndex:
+        if tl.decode_replica is None:
+            return self.prefill(tl)
+        return self._index.get((DECODE_ROLE, tl.decode_replica), _NO_STEPS)
+
+
 def attribute(run: Run) -> Attribution:
     """Attribute TTFT and ITL stalls for every successful streamed request of ``run``."""
-    idx = _StepIndex(run.steps)
+    engines = _Engines(run.steps)
     cost = fit_step_cost(run.steps)
     max_seqs = run.engine_config.get("max_num_seqs")
     ok = [r for r in run.records if r.ok and r.chunk_times]
@@ -141,7 +167,7 @@ def attribute(run: Run) -> Attribution:
     for rec in ok:
         tl = run.timeline_for(rec)
         if tl is not None and tl.first_token is not None and tl.scheduled and run.steps:
-            breakdowns.append(_exact(rec, tl, idx, cost, max_seqs))
+            breakdowns.append(_exact(rec, tl, engines.prefill(tl), cost, max_seqs))
         elif _summary_usable(rec):
             breakdowns.append(_from_summary(rec))
         else:
@@ -150,7 +176,10 @@ def attribute(run: Run) -> Attribution:
     stalls = []
     for rec in ok:
         tl = run.timeline_for(rec)
-        stalls.extend(_stalls(rec, tl if run.steps else None, idx, cost, ok))
+        if tl is not None and run.steps:
+            stalls.extend(_stalls(rec, tl, engines.decode(tl), cost, ok))
+        else:
+            stalls.extend(_stalls(rec, None, _NO_STEPS, cost, ok))
     sources = {b.source for b in breakdowns}
     source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
     return Attribution(breakdowns, stalls, cost, source)

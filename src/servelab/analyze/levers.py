@@ -1,4 +1,4 @@
-"""Recommendations: DESIGN.md's levers, each tied to the findings that call for it.
+"""Recommendations: docs/design/overview.md's levers, each tied to the findings that call for it.
 
 Every recommendation states the action (engine arguments where servelab has them), the
 expected gain (quantified from this run's step cost model and evidence when possible),
@@ -16,7 +16,7 @@ from typing import Any
 
 from servelab.analyze.findings import Context, Finding
 
-# KV bytes per token of the default model in fp32 (ANCHORS.md): the transfer
+# KV bytes per token of the default model in fp32 (docs/reference-figures.md): the transfer
 # disaggregation adds per prompt token.
 DEFAULT_KV_BYTES_PER_TOKEN = 46 * 1024
 

@@ -9,7 +9,7 @@ Public API (the benchmark, the analysis commands and the simulator call these):
   body: window, counts, and for ``overall`` / ``by_class`` / ``by_input_bucket`` the throughput,
   goodput and latency statistics.
 
-Definitions (DESIGN.md "Metrics"; docs/metrics.md says which peer each one matches):
+Definitions (docs/design/overview.md "Metrics"; docs/metrics.md says which peer each one matches):
 
 - Latency metrics come from ``ClientRecord`` properties: ``ttft``, ``ttft_intended``, ``itl``
   (pooled gaps between token-bearing chunks), ``tpot``, ``e2e``. Only successful requests

@@ -3,7 +3,7 @@
 Why not only aiohttp: the timestamp of a streamed chunk must be when its bytes reached
 the host, not when a coroutine got around to reading them. Under hundreds of concurrent
 streams, or on a machine whose cores are busy, those differ by milliseconds (the other
-clients' inflated TTFTs in ANCHORS.md). On Linux, plain-HTTP connections are sockets
+clients' inflated TTFTs in docs/reference-figures.md). On Linux, plain-HTTP connections are sockets
 with ``SO_TIMESTAMPNS``: every ``recvmsg`` returns the kernel's receive time, which
 no client-side delay can move. Elsewhere (TLS, other systems) the asyncio
 ``Protocol.data_received`` callback stamps each read with ``time.monotonic()`` before

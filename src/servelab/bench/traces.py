@@ -5,6 +5,9 @@ Formats (detected from the file):
 - Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``
   (one id per 512-token block; equal ids mean an identical prompt prefix).
 
+Named traces ship inside the package (``bench/traces_data``, with their licences and
+citations): ``load_trace("azure-2023-conv")`` or ``load_trace("mooncake-synthetic")``.
+
 ``scale_trace`` returns the rows to replay and a report of everything it changed.
 """
 
@@ -15,10 +18,23 @@ import json
 import math
 from dataclasses import dataclass, replace
 from datetime import datetime
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 MOONCAKE_BLOCK_TOKENS = 512
+NAMED_TRACES = {
+    "azure-2023-conv": "azure_llm_2023_conv.csv",
+    "mooncake-synthetic": "mooncake_fast25_synthetic.jsonl",
+}
+
+
+def trace_path(name_or_path: str | Path) -> Path:
+    """The file of a named trace (``NAMED_TRACES``), or ``name_or_path`` as a path."""
+    name = str(name_or_path)
+    if name in NAMED_TRACES:
+        return Path(str(files("servelab.bench").joinpath("traces_data", NAMED_TRACES[name])))
+    return Path(name_or_path)
 
 
 @dataclass(frozen=True)
@@ -34,11 +50,13 @@ class TraceRow:
 
 
 def load_trace(path: str | Path) -> tuple[list[TraceRow], str]:
-    """Read a trace file; return its rows (sorted by time, starting at 0) and its format."""
-    p = Path(path)
+    """Read a trace (a name in ``NAMED_TRACES`` or a file); return its rows (sorted by
+    time, starting at 0) and its format."""
+    p = trace_path(path)
     if not p.is_file():
         raise ValueError(
-            f"trace file {p} does not exist (the shared traces are in ../shared/traces/)"
+            f"trace file {p} does not exist; give a file or one of the named traces: "
+            f"{', '.join(NAMED_TRACES)}"
         )
     with p.open() as f:
         first = f.readline().strip()

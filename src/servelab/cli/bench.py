@@ -86,7 +86,8 @@ def bench(
     ),
     trace: str | None = typer.Option(
         None,
-        help="Replay an Azure CSV or Mooncake JSONL trace (instead of --workload).",
+        help="Replay a trace (instead of --workload): azure-2023-conv, mooncake-synthetic, "
+        "or an Azure CSV / Mooncake JSONL file.",
         rich_help_panel=_WORKLOAD,
     ),
     time_scale: float = typer.Option(

@@ -108,7 +108,11 @@ def sim(
     workload: str | None = typer.Option(
         None, help="Workload preset or spec file (as for `servelab bench`)."
     ),
-    trace: str | None = typer.Option(None, help="Replay a trace (Azure CSV or Mooncake JSONL)."),
+    trace: str | None = typer.Option(
+        None,
+        help="Replay a trace: azure-2023-conv, mooncake-synthetic, or an Azure CSV / "
+        "Mooncake JSONL file.",
+    ),
     rate: float | None = typer.Option(
         None, help="Open loop: requests/s (with a trace: the mean rate to scale it to)."
     ),

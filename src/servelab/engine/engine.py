@@ -33,7 +33,7 @@ from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.scheduler import Scheduler, SchedulerOutput
 from servelab.engine.spec.kv_rollback import RollbackKVCacheManager
 from servelab.engine.stats import EngineStats
-from servelab.vocab import FinishReason, RequestTimeline, StepRecord
+from servelab.vocab import COLOCATED, FinishReason, RequestTimeline, StepRecord
 
 if TYPE_CHECKING:
     from servelab.engine.detokenizer import Tokenizer
@@ -108,6 +108,10 @@ class LLMEngine:
         self._vocab_size: int | None = getattr(executor, "vocab_size", None) or (
             tokenizer.vocab_size if tokenizer is not None else None
         )
+        # Which engine of a deployment this is (a simulated replica, a disaggregated worker);
+        # stamped on every step record and timeline.
+        self.replica = 0
+        self.role = COLOCATED
         self.finished_timelines: deque[RequestTimeline] = deque(maxlen=history)
         self.step_records: deque[StepRecord] = deque(maxlen=history)
         self.spec: SpeculativeDecoder | None = None
@@ -141,6 +145,7 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
         now = self.clock() if arrival_time is None else arrival_time
         req = Request(request_id, ids, sp, self._eos, now, priority)
+        req.timeline.replica, req.timeline.role = self.replica, self.role
         self._requests[request_id] = req
         if self.tokenizer is not None:
             self._detok[request_id] = Detokenizer(self.tokenizer, ids, sp.stop)
@@ -288,6 +293,8 @@ class LLMEngine:
             kv_blocks_total=self.kv_cache.num_blocks,
             num_waiting=self.num_waiting,
             preempted=list(out.preempted),
+            replica=self.replica,
+            role=self.role,
         )
         self.step_records.append(record)
         return EngineStepResult(outputs, record)

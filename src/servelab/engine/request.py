@@ -5,7 +5,7 @@ Contract:
   of them have K/V in the paged cache. The pending tokens ``token_ids[num_computed_tokens:]``
   are what the next step must compute: the rest of the prompt during prefill, the last
   sampled token during decode, everything again after a preemption (recompute).
-- ``phase`` is the DESIGN.md lifecycle: QUEUED until admitted, PREFILL until the step that
+- ``phase`` is the docs/design/overview.md lifecycle: QUEUED until admitted, PREFILL until the step that
   samples, then DECODE; a preemption sends it back to QUEUED with its output kept.
 - ``spec_token_ids`` are draft tokens proposed for the next step (speculative decoding).
   They are never part of ``token_ids``: the scheduler appends only the ones the executor

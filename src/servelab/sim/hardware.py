@@ -119,7 +119,7 @@ HARDWARE: dict[str, Hardware] = {
             link_latency=5e-6,
             dtype="fp32",
             dtype_bytes=4,
-            source="measured on this 2-core AMD EPYC (AVX2), /work/shared/ANCHORS.md: fp32 "
+            source="measured on this 2-core AMD EPYC (AVX2), docs/reference-figures.md: fp32 "
             "GEMM 70-125 GFLOP/s, streaming read 16-18 GB/s; fp32 because bf16 has no hardware",
         ),
     )

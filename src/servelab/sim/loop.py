@@ -33,7 +33,15 @@ from servelab.engine.sampling_params import SamplingParams
 from servelab.sim.executor import SimExecutor, VirtualClock
 from servelab.sim.links import Link
 from servelab.sim.router import Router, make_router
-from servelab.vocab import ClientRecord, FinishReason, RequestTimeline, StepRecord
+from servelab.vocab import (
+    COLOCATED,
+    DECODE_ROLE,
+    PREFILL_ROLE,
+    ClientRecord,
+    FinishReason,
+    RequestTimeline,
+    StepRecord,
+)
 
 # Virtual time starts here rather than at 0, so that no timestamp is falsy.
 T0 = 1000.0
@@ -110,7 +118,7 @@ EngineFactory = Callable[[VirtualClock, int], tuple[Any, SimExecutor]]
 @dataclass
 class Replica:
     index: int
-    role: str  # "mixed", "prefill" or "decode"
+    role: str  # vocab.ROLES
     engine: Any
     executor: SimExecutor
     clock: VirtualClock
@@ -183,17 +191,18 @@ class Simulation:
             for i in range(n):
                 clock = VirtualClock(T0)
                 engine, ex = factory(clock, next(seeds))
+                engine.replica, engine.role = i, role
                 out.append(Replica(i, role, engine, ex, clock))
             return out
 
         if topo.disaggregated:
-            self.front = make("prefill", topo.prefill)
-            self.back = make("decode", topo.decode)
+            self.front = make(PREFILL_ROLE, topo.prefill)
+            self.back = make(DECODE_ROLE, topo.decode)
             self.back_router: Router | None = make_router(
                 topo.decode_router, topo.decode, block_size
             )
         else:
-            self.front = make("mixed", topo.replicas)
+            self.front = make(COLOCATED, topo.replicas)
             self.back = []
             self.back_router = None
         self.front_router = make_router(topo.router, len(self.front), block_size)
@@ -303,8 +312,6 @@ class Simulation:
         if rec is not None and (self.keep_steps or self.step_sink is not None):
             # Shallow: asdict's deep copy costs more than the rest of the step here.
             d = {k: getattr(rec, k) for k in _STEP_FIELDS}
-            d["replica"] = replica.index
-            d["role"] = replica.role
             if self.step_sink is not None:
                 self.step_sink(d)
             if self.keep_steps:
@@ -328,7 +335,7 @@ class Simulation:
             replica.outstanding -= 1
             replica.executor.forget(out.request_id)
             tl = out.timeline
-            if replica.role == "prefill" and out.finish_reason is not FinishReason.ERROR:
+            if replica.role == PREFILL_ROLE and out.finish_reason is not FinishReason.ERROR:
                 rec_c.output_tokens = 1
                 if c.req.max_tokens > 1:
                     c.prefill_timeline = tl
@@ -450,6 +457,7 @@ def _merge(prefill: RequestTimeline, decode: RequestTimeline) -> RequestTimeline
         finish_reason=decode.finish_reason,
         output_tokens=prefill.output_tokens + decode.output_tokens,
         error=decode.error,
+        decode_replica=decode.replica,
     )
 
 

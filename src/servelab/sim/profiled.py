@@ -10,7 +10,7 @@ where ``g`` is piecewise linear in the step's token count with one knot per prof
 token count (linear interpolation between knots; beyond the last one, a non-negative
 slope). ``g``
 carries the weight-bound matmuls, whose cost is far from linear at small row counts
-on this CPU (ANCHORS.md); the linear terms carry attention, per-sequence work and the
+on this CPU (docs/reference-figures.md); the linear terms carry attention, per-sequence work and the
 LM head. Every coefficient is non-negative (non-negative least squares, relative
 error weighting), so predictions grow with work. The engine's own per-step time
 (``meta["overhead"]``: ``per_step + per_seq * seqs``) is added on top. A table from real

@@ -46,7 +46,7 @@ from servelab.server.disagg.protocol import (
     Reserved,
     Sent,
 )
-from servelab.vocab import FinishReason, Phase, RequestTimeline
+from servelab.vocab import COLOCATED, FinishReason, Phase, RequestTimeline
 
 
 class TransferError(RuntimeError):
@@ -78,7 +78,7 @@ class DisaggEngine(LLMEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.role = "colocated"
+        self.role = COLOCATED
         self._parked: dict[str, float] = {}  # request id -> when it was parked
         self._new_parked: list[str] = []
         self._reserved: dict[str, _Reservation] = {}
@@ -302,6 +302,7 @@ class DisaggEngine(LLMEngine):
         self._move_blocks().write_blocks(table[res.skip_blocks : res.num_blocks], blocks)
         del self._reserved[rid]
         req.timeline = RequestTimeline.from_dict(header.timeline)
+        req.timeline.decode_replica = self.replica
         first = header.first_token
         req.token_ids.append(first)
         detok = self._detok.get(rid)

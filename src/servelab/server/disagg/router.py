@@ -540,7 +540,7 @@ class DisaggClient:
         if batch.record is not None:
             record = dict(batch.record)
             record["worker_step_id"] = record["step_id"]
-            record.update(step_id=next(self._steps), replica=w.index, role=w.role)
+            record.update(step_id=next(self._steps))
             m.observe_step(record)
             self.timelines.add_step(record)
         for out in batch.outputs:

@@ -92,7 +92,7 @@ class WorkerCore(core.EngineCore):
 
     def warm_up(self) -> None:
         super().warm_up()  # as a plain engine: nothing is parked during warm-up
-        self.engine.role = self.wcfg.role
+        self.engine.role, self.engine.replica = self.wcfg.role, self.wcfg.index
 
     def ready_message(self, cfg: ipc.CoreConfig) -> Any:
         return WorkerReady(
