@@ -237,8 +237,8 @@ def _exact(
             parts["preemption"] += stop - adm
             continue
         _split_admitted(tl.request_id, adm, stop, idx, cost, parts)
-    for k, v in parts.items():
-        setattr(b, k, v)
+    for part, seconds in parts.items():
+        setattr(b, part, seconds)
     b.cached_tokens = tl.cached_tokens
     if cost is not None:
         b.cache_saved = tl.cached_tokens * cost.prefill_per_token
@@ -385,7 +385,7 @@ def _server_cause(
         stall.cause = "preemption"
         stall.detail = "the request was preempted and its KV cache recomputed"
         return
-    foreign = {}
+    foreign: dict[str, int] = {}
     for s in steps:
         for other, n in s.prefill.items():
             if other != rid:

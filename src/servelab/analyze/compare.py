@@ -287,7 +287,8 @@ def compare(
         for metric in LATENCY_METRICS:
             vals = [metric_values(_records(g, scope), metric) for g in gs]
             stats = [describe(v, grp, n_boot=400, seed=seed) for v, grp in vals]
-            tests = [{}] + [permutation_pvalues(vals[0], v, n_perm, seed) for v in vals[1:]]
+            tests: list[dict[str, float]] = [{}]
+            tests += [permutation_pvalues(vals[0], v, n_perm, seed) for v in vals[1:]]
             for s in STATS:
                 values = [getattr(st, s) for st in stats]
                 rows.append(
@@ -296,14 +297,15 @@ def compare(
                         metric,
                         s,
                         values,
-                        [tuple(st.ci[s]) if s in st.ci else None for st in stats],
+                        [st.ci.get(s) for st in stats],
                         _deltas(values),
                         [None] * len(gs),
                         [None] * len(gs),
                         "lower",
                     )
                 )
-                raw_p.append([None] + [t.get(s) for t in tests[1:]])
+                row_p: list[float | None] = [None]
+                raw_p.append(row_p + [t.get(s) for t in tests[1:]])
     for section, key in RATES:
         per_run = [[_rate(run, section, key) for run in g] for g in gs]
         values = [_mean(v) for v in per_run]
@@ -327,7 +329,8 @@ def compare(
         raw_p.append(p)
     for i in range(1, len(gs)):
         idx = [k for k, p in enumerate(raw_p) if p[i] is not None]
-        for k, adj in zip(idx, benjamini_hochberg([raw_p[k][i] for k in idx])):
+        pvals = [q for k in idx if (q := raw_p[k][i]) is not None]
+        for k, adj in zip(idx, benjamini_hochberg(pvals)):
             rows[k].p[i] = adj
             rows[k].significant[i] = adj <= alpha
     notes.append(

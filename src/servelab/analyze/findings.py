@@ -92,7 +92,7 @@ def prefill_bound(c: Context) -> Finding | None:
     ttft = np.array([x.ttft for x in b])
     p10, p90 = np.percentile(inputs, [10, 90])
     spread = p90 / max(p10, 1.0)
-    rho = spearman(inputs, ttft)
+    rho = spearman(inputs.tolist(), ttft.tolist())
     if spread < PREFILL_SPREAD or rho < PREFILL_RHO:
         return None
     slope = float(np.polyfit(inputs, ttft, 1)[0])

@@ -153,12 +153,16 @@ def describe(
         groups = np.asarray(groups)[keep]
     if v.size == 0:
         return Stat(confidence=confidence)
+    p50, p90, p95, p99 = (float(np.percentile(v, p)) for p in PERCENTILES)
     stat = Stat(
         n=int(v.size),
+        p50=p50,
+        p90=p90,
+        p95=p95,
+        p99=p99,
         mean=float(v.mean()),
         max=float(v.max()),
         confidence=confidence,
-        **{f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES},
     )
     if n_boot > 0 and v.size > 1:
         if v.size <= BOOTSTRAP_MAX_N:

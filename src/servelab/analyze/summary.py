@@ -301,7 +301,7 @@ def summarize(
         slo_dump = {k: v.to_dict() for k, v in slos.items()}
     else:
         slo_dump = {"*": (slos or SLO()).to_dict()}
-    kw = {"n_boot": n_boot, "seed": seed, "confidence": confidence}
+    kw: dict[str, Any] = {"n_boot": n_boot, "seed": seed, "confidence": confidence}
     by_class: dict[str, list[ClientRecord]] = {}
     by_bucket: dict[str, list[ClientRecord]] = {}
     for r in records:

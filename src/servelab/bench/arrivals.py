@@ -25,7 +25,7 @@ ARRIVALS = ("poisson", "gamma", "constant", "onoff", "ramp")
 _BATCH = 1024  # gaps drawn per numpy call
 
 
-def _gaps(rng: np.random.Generator, draw) -> Iterator[float]:  # type: ignore[no-untyped-def]
+def _gaps(rng: np.random.Generator, draw) -> Iterator[float]:
     while True:
         yield from draw(rng, _BATCH).tolist()
 

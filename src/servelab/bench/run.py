@@ -400,8 +400,8 @@ class Bench:
                 "seed": o.seed,
                 "load": o.load.to_dict(),
                 "slo": o.slo.to_dict() if o.slo else None,
-                "class_slos": {k: v.to_dict() for k, v in self._slos().items()}
-                if isinstance(self._slos(), dict)
+                "class_slos": {k: v.to_dict() for k, v in slos.items()}
+                if isinstance(slos := self._slos(), dict)
                 else None,
                 "sweep": {"over": o.sweep[0], "values": o.sweep[1]} if o.sweep else None,
                 "find_max_rate": o.find_max_rate,

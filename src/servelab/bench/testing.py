@@ -18,7 +18,7 @@ CHATML = (
 class HFTok:
     """The benchmark's tokenizer interface over a `tokenizers.Tokenizer`."""
 
-    def __init__(self, tok, name: str) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, tok, name: str) -> None:
         self._tok = tok
         self.name = name
         self.eos_token_ids = [0]

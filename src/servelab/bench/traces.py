@@ -33,7 +33,7 @@ def trace_path(name_or_path: str | Path) -> Path:
     """The file of a named trace (``NAMED_TRACES``), or ``name_or_path`` as a path."""
     name = str(name_or_path)
     if name in NAMED_TRACES:
-        return Path(str(files("servelab.bench").joinpath("traces_data", NAMED_TRACES[name])))
+        return Path(str(files("servelab.bench") / "traces_data" / NAMED_TRACES[name]))
     return Path(name_or_path)
 
 

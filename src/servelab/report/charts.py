@@ -57,10 +57,11 @@ def ttft_vs_input(run: Run) -> go.Figure:
     colors = class_colors(run.classes)
     for cls in run.classes:
         recs = [r for r in run.records if r.workload_class == cls and r.ttft is not None]
+        ttfts = [r.ttft for r in recs if r.ttft is not None]
         fig.add_trace(
             go.Scatter(
                 x=[r.input_tokens for r in recs],
-                y=[r.ttft * 1e3 for r in recs],
+                y=[t * 1e3 for t in ttfts],
                 mode="markers",
                 name=cls,
                 marker={"color": colors[cls], "size": 6, "opacity": 0.7},
@@ -240,10 +241,10 @@ def throughput_vs_latency(
 
 def ttft_attribution(d: Diagnosis) -> go.Figure:
     """Stacked bars: mean ms per TTFT part, overall, slowest 10% and per class."""
-    tables = {"all requests": d.overall, "slowest 10%": d.tail} | {
+    named = {"all requests": d.overall, "slowest 10%": d.tail} | {
         f"class {k}": v for k, v in d.by_class.items()
     }
-    tables = {k: v for k, v in tables.items() if v is not None}
+    tables = {k: v for k, v in named.items() if v is not None}
     fig = go.Figure()
     parts = list(next(iter(tables.values())).parts) if tables else []
     for part in parts:

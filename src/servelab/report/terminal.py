@@ -77,8 +77,9 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
         t.add_column("cause")
         t.add_column("count", justify="right")
         t.add_column("time lost (s)", justify="right")
-        for cause, v in sorted(d.stalls_by_cause.items(), key=lambda kv: -kv[1]["excess_seconds"]):
-            t.add_row(cause, str(int(v["count"])), f"{v['excess_seconds']:.2f}")
+        by_loss = sorted(d.stalls_by_cause.items(), key=lambda kv: -kv[1]["excess_seconds"])
+        for cause, lost in by_loss:
+            t.add_row(cause, str(int(lost["count"])), f"{lost['excess_seconds']:.2f}")
         console.print(t)
     if not d.findings:
         console.print("[green]No findings: no cause is large enough to move a percentile.")
@@ -249,7 +250,7 @@ def phase_table(t: RequestTimeline) -> Table:
     def rel(x: float) -> str:
         return _ms0(x - t.arrival)
 
-    events: list[tuple[float, tuple[str, str, str, str, str]]] = []
+    events: list[tuple[float, tuple[str, ...]]] = []
     for x in t.queued:
         events.append((x, ("queued", rel(x), "", "", "")))
     for x in t.scheduled:
@@ -264,13 +265,13 @@ def phase_table(t: RequestTimeline) -> Table:
         events.append((t.first_token, ("first token", rel(t.first_token), "", "1", "TTFT")))
         if t.finished is not None and t.output_tokens > 1:
             rate = (t.output_tokens - 1) / t.decode_time if t.decode_time > 0 else 0.0
-            row = ("decode", rel(t.first_token), _ms0(t.decode_time), str(t.output_tokens - 1))
-            events.append((t.first_token, (*row, f"{rate:.1f} tok/s")))
+            decode = ("decode", rel(t.first_token), _ms0(t.decode_time), str(t.output_tokens - 1))
+            events.append((t.first_token, (*decode, f"{rate:.1f} tok/s")))
     if t.finished is not None:
         reason = t.finish_reason.value if t.finish_reason else ""
         events.append((t.finished, ("finished", rel(t.finished), "", "", reason)))
-    for _, row in sorted(events, key=lambda e: e[0]):  # stable: same-time rows keep order
-        table.add_row(*row)
+    for _, cells in sorted(events, key=lambda e: e[0]):  # stable: same-time rows keep order
+        table.add_row(*cells)
     return table
 
 

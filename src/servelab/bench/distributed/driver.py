@@ -273,9 +273,9 @@ class _StageRun:
             *(p.worker.start(p.clock.to_worker(self.start_at)) for p in self.parts),
             return_exceptions=True,
         )
-        for e in started:  # a worker lost here is found and recorded by its pump
-            if isinstance(e, BaseException) and not isinstance(e, WorkerLost):
-                raise e
+        for outcome in started:  # a worker lost here is found and recorded by its pump
+            if isinstance(outcome, BaseException) and not isinstance(outcome, WorkerLost):
+                raise outcome
         tasks = [asyncio.get_running_loop().create_task(self._pump(p)) for p in self.parts]
         interrupted = False
         try:
