@@ -49,7 +49,7 @@ def test_memoised_chain_hashes_follow_the_documented_formula() -> None:
     kv = KVCacheManager(16, 4)
     tokens = list(range(100, 118))
     kv.lookup("a", tokens[:9])  # fills two blocks
-    got = kv._chain_hashes("a", tokens, 4)
+    got = kv.chain_hashes("a", tokens, 4)
     parent, want = _ROOT_HASH, []
     for i in range(4):
         parent = hash((parent, tuple(tokens[4 * i : 4 * i + 4])))

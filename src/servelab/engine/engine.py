@@ -379,6 +379,31 @@ class LLMEngine:
             )
         return outputs
 
+    # ---- hooks for a request that lives on more than one engine (disaggregated serving) ----
+
+    def request(self, request_id: str) -> Request | None:
+        """The unfinished request ``request_id`` (None if it is not here)."""
+        return self._requests.get(request_id)
+
+    def detokenizer(self, request_id: str) -> Detokenizer | None:
+        """The request's incremental detokenizer (None without a tokenizer)."""
+        return self._detok.get(request_id)
+
+    def end_request(self, request_id: str, reason: FinishReason) -> None:
+        """Finish ``request_id`` now with ``reason`` (blocks freed, timeline kept)."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._finish(req, reason, self.clock())
+
+    def forget_request(self, request_id: str) -> Request | None:
+        """Drop a request that goes on elsewhere (its timeline with it) and free its blocks."""
+        req = self._requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        if req is not None and self.spec is not None:  # forget any per-request draft state
+            self.spec.finished(request_id)
+        self.kv_cache.free(request_id)
+        return req
+
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         self.scheduler.finish_request(req, reason, now)
         if self.spec is not None:

@@ -128,8 +128,9 @@ class KVCacheManager:
             hashes.append(parent)
         return keys, hashes
 
-    def _chain_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[int]:
-        """Chain hashes of the first ``num_blocks`` full blocks, memoised per request."""
+    def chain_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[int]:
+        """Chain hashes of the first ``num_blocks`` full blocks, memoised per request: what the
+        cache registers them under, so two engines that agree on them hold the same tokens."""
         return self._chain(request_id, token_ids, num_blocks)[1]
 
     def lookup(self, request_id: str, token_ids: list[int]) -> PrefixHit:

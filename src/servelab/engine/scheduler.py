@@ -280,6 +280,14 @@ class Scheduler:
             self._preempt(victim, step, now)
         return True
 
+    def adopt_decoding(self, req: Request) -> None:
+        """Run ``req`` from the next step on, in DECODE: its whole prompt's KV is already in
+        its blocks (a disaggregated hand-off). It counts as admitted now, for preemption order."""
+        req.phase = Phase.DECODE
+        req.admit_seq = self._admissions
+        self._admissions += 1
+        self.running.append(req)
+
     def _admit(self, req: Request, hit: PrefixHit, n: int, step: _Step, now: float) -> None:
         self.waiting.pop()
         self.running.append(req)

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from servelab import __version__
 from servelab.server import ipc
-from servelab.server.engine_client import EngineClient, EngineDeadError, RequestStream
+from servelab.server.engine_client import EngineDeadError, RequestStream
 from servelab.server.errors import APIError, error_body
 from servelab.server.metrics import CONTENT_TYPE
 from servelab.server.protocol import (
@@ -41,6 +41,7 @@ from servelab.server.protocol import (
     sse,
     usage,
 )
+from servelab.server.serving_client import ServingClient
 from servelab.vocab import RequestTimeline
 
 log = logging.getLogger("servelab.server")
@@ -55,7 +56,7 @@ _MAX_ID_LEN = 256
 class ServerState:
     """What the handlers share; one per server."""
 
-    client: EngineClient
+    client: ServingClient
     tokenizer: Any  # servelab.model.tokenizer.Tokenizer (or a test double with the same API)
     limits: ModelLimits
     api_key: str | None = None

@@ -27,6 +27,7 @@ from servelab.server.args import ServerArgs
 from servelab.server.engine_client import CoreStartupError, EngineClient
 from servelab.server.metrics import ServerMetrics
 from servelab.server.protocol import ModelLimits
+from servelab.server.serving_client import ServingClient
 from servelab.server.timelines import TimelineStore
 
 log = logging.getLogger("servelab.server")
@@ -53,8 +54,9 @@ def _bound_port(runner: web.AppRunner, fallback: int) -> int:
 
 def _make_client(
     args: ServerArgs, metrics: ServerMetrics, engine_factory: str | None
-) -> EngineClient | Any:
-    """One engine core (EngineClient), or the disaggregated router over its workers."""
+) -> ServingClient:
+    """One engine core (EngineClient), or the disaggregated router over its workers: both
+    are ``ServingClient``s."""
     if args.disaggregated:
         from servelab.server.disagg.router import DisaggClient
 

@@ -22,9 +22,9 @@ Block accounting: a parked request or a reservation holds its blocks until sent,
 aborted or expired; once no request is unfinished, parked or reserved, every block has
 reference count 0 (the engine's invariant).
 
-This is a subclass so the engine's own files stay untouched; it uses the engine's protected
-members ``_requests``, ``_detok``, ``_finish``, ``KVCacheManager._chain_hashes`` and the scheduler's ``_admissions`` counter
-(docs/design/disagg.md lists the public hooks that would replace them).
+It is a subclass that reaches the engine through its public hooks only: ``request``,
+``detokenizer``, ``end_request``, ``forget_request``, ``KVCacheManager.chain_hashes`` and
+``Scheduler.adopt_decoding``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 
 from servelab.engine.engine import EngineStepResult, LLMEngine
 from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.stats import EngineStats
 from servelab.server.disagg.protocol import (
@@ -67,7 +68,7 @@ def chain_hashes(kv: KVCacheManager, request_id: str, token_ids: list[int], n: i
     agree with the cache that registers the blocks. Python hashes of int tuples do not depend
     on PYTHONHASHSEED, so they agree across processes of the same Python build.
     """
-    return list(kv._chain_hashes(request_id, token_ids, n))
+    return list(kv.chain_hashes(request_id, token_ids, n))
 
 
 class DisaggEngine(LLMEngine):
@@ -109,14 +110,21 @@ class DisaggEngine(LLMEngine):
     def num_reserved(self) -> int:
         return len(self._reserved)
 
+    def _held(self, request_id: str) -> Request:
+        """A request this worker holds; KeyError if it is gone (aborted, expired)."""
+        req = self.request(request_id)
+        if req is None:
+            raise KeyError(request_id)
+        return req
+
     def fail_request(self, request_id: str, error: str) -> None:
         """End a parked or reserved request with ERROR (blocks freed, timeline kept)."""
         self._parked.pop(request_id, None)
         self._reserved.pop(request_id, None)
-        req = self._requests.get(request_id)
+        req = self.request(request_id)
         if req is not None:
             req.timeline.error = error
-            self._finish(req, FinishReason.ERROR, self.clock())
+            self.end_request(request_id, FinishReason.ERROR)
 
     def _move_blocks(self) -> Any:
         ex = self.executor
@@ -138,7 +146,7 @@ class DisaggEngine(LLMEngine):
         return result
 
     def _park(self, request_id: str) -> None:
-        req = self._requests[request_id]
+        req = self._held(request_id)
         self.scheduler.running.remove(req)
         self._parked[request_id] = self.clock()
         self._new_parked.append(request_id)
@@ -149,7 +157,7 @@ class DisaggEngine(LLMEngine):
         for rid in self._new_parked:
             if rid not in self._parked:
                 continue  # aborted in the meantime
-            req = self._requests[rid]
+            req = self._held(rid)
             out.append(
                 Parked(
                     request_id=rid,
@@ -181,7 +189,7 @@ class DisaggEngine(LLMEngine):
             )
         try:
             start = self.clock()
-            req = self._requests[request_id]
+            req = self._held(request_id)
             kv = self.kv_cache
             prompt = req.prompt_token_ids
             n = kv.blocks_needed(len(prompt))
@@ -213,11 +221,8 @@ class DisaggEngine(LLMEngine):
     def _release(self, request_id: str) -> None:
         """Forget a handed-off request and free its blocks (its timeline lives on elsewhere)."""
         self._parked.pop(request_id, None)
-        req = self._requests.pop(request_id)
-        self._detok.pop(request_id, None)
-        if self.spec is not None:  # speculative decoding: forget any per-request state
-            self.spec.finished(request_id)
-        self.kv_cache.free(request_id)
+        req = self._held(request_id)
+        self.forget_request(request_id)
         req.phase = Phase.FINISHED
 
     # ---- decode role ----
@@ -240,7 +245,7 @@ class DisaggEngine(LLMEngine):
             )
         except (TypeError, ValueError) as e:
             return Refused(rid, retry=False, error=str(e))
-        req = self._requests[rid]
+        req = self._held(rid)
         self.scheduler.waiting.remove(req)
         kv = self.kv_cache
         prompt = req.prompt_token_ids
@@ -264,9 +269,7 @@ class DisaggEngine(LLMEngine):
         return Reserved(rid, len(hit.blocks), need)
 
     def _forget_unadmitted(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        self._detok.pop(request_id, None)
-        self.kv_cache.free(request_id)
+        self.forget_request(request_id)
 
     def commit_import(self, header: KVHeader, blocks: list[Any], received: float) -> Imported:
         """Write a reserved request's transferred blocks and start decoding it.
@@ -278,7 +281,7 @@ class DisaggEngine(LLMEngine):
         """
         rid = header.request_id
         res = self._reserved[rid]
-        req = self._requests[rid]
+        req = self._held(rid)
         kv = self.kv_cache
         prompt = req.prompt_token_ids
         full = len(prompt) // kv.block_size
@@ -305,16 +308,13 @@ class DisaggEngine(LLMEngine):
         req.timeline.decode_replica = self.replica
         first = header.first_token
         req.token_ids.append(first)
-        detok = self._detok.get(rid)
+        detok = self.detokenizer(rid)
         if detok is not None:  # reach the prefill side's state; its text was sent from there
             detok.add(first, 1 >= req.sampling_params.min_tokens)
             detok.take(final=False)
         req.num_computed_tokens = len(prompt)
         kv.cache_blocks(rid, req.token_ids, len(prompt))
-        req.phase = Phase.DECODE
-        req.admit_seq = self.scheduler._admissions
-        self.scheduler._admissions += 1
-        self.scheduler.running.append(req)
+        self.scheduler.adopt_decoding(req)
         return Imported(rid, header.nbytes, len(blocks), received, self.clock())
 
     def expire_reservations(self, now: float) -> list[tuple[str, str]]:

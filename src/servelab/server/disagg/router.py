@@ -1,6 +1,6 @@
 """The router of disaggregated serving: the API process's handle on P prefill + D decode workers.
 
-``DisaggClient`` offers the same surface as ``server.engine_client.EngineClient`` (submit,
+``DisaggClient`` is a ``server.serving_client.ServingClient``, as ``EngineClient`` is (submit,
 abort, streams, metrics, timelines, utility calls, liveness), so the HTTP layer is unchanged.
 
 Contract:
@@ -379,7 +379,7 @@ class DisaggClient:
                 fut.set_exception(EngineDeadError(reason))
         w.calls.clear()
 
-    # ---- requests (the EngineClient surface) ----
+    # ---- requests (the ServingClient surface) ----
 
     @property
     def num_waiting(self) -> int:
