@@ -259,7 +259,8 @@ def test_a_bench_run_attributes_each_request_to_its_own_workers(
     tls = [run.timeline_for(r) for r in run.records]
     assert all(t is not None and t.role == "prefill" and t.decode_replica is not None for t in tls)
     exact = [b for b in attribute(run).ttft if b.source == "exact"]
-    assert len(exact) == len(run.records)
+    summary = [(r.request_id, r.status, r.error, len(r.chunk_times)) for r in run.records]
+    assert len(exact) == len(run.records), summary
     for b in exact:
         assert sum(b.parts().values()) == pytest.approx(b.ttft + b.client_lag, abs=1e-6)
         assert b.interference <= b.ttft

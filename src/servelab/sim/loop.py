@@ -32,7 +32,7 @@ from typing import Any
 from servelab.engine.sampling_params import SamplingParams
 from servelab.sim.executor import SimExecutor, VirtualClock
 from servelab.sim.links import Link
-from servelab.sim.router import Router, make_router
+from servelab.engine.routing import Router, make_router
 from servelab.vocab import (
     COLOCATED,
     DECODE_ROLE,

@@ -35,8 +35,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
-import enum
 import itertools
 import logging
 import os
@@ -44,18 +42,19 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from servelab.engine.routing import pick_decode, pick_prefill
 from servelab.server import ipc
 from servelab.server.args import ServerArgs
-from servelab.server.core_process import CoreProcess, CoreStartupError, EngineDeadError
+from servelab.server.core_process import CoreStartupError, EngineDeadError
 from servelab.server.disagg import protocol, shm
-from servelab.server.disagg.cpus import describe, split_cpus, usable_cpus
 from servelab.server.disagg.metrics import DisaggMetrics
-from servelab.server.disagg.protocol import KVEvents, WorkerConfig, WorkerReady
+from servelab.server.disagg.protocol import KVEvents, WorkerReady
+from servelab.server.disagg.requests import Reserve, RouterRequest, Stage
+from servelab.server.disagg.workers import Worker, make_workers
 from servelab.server.engine_client import CALL_TIMEOUT_S, EXIT_TIMEOUT_S, RequestStream
 from servelab.server.metrics import ServerMetrics
 from servelab.server.timelines import TimelineStore
@@ -89,90 +88,6 @@ def _transfer_times(t: dict[str, Any]) -> None:
     t["handoff_wait"] = start - t.get("parked", t["received"])
 
 
-class Stage(str, enum.Enum):
-    HELD = "held"  # at the router: no decode worker has room
-    PREFILL = "prefill"  # on a prefill worker, before its first token
-    HANDOFF = "handoff"  # parked on the prefill worker, no decode reservation yet
-    TRANSFER = "transfer"  # parked, reservation asked or made: blocks about to move
-    DECODE = "decode"  # decoding on a decode worker
-
-
-class Reserve(str, enum.Enum):
-    NONE = "none"  # waiting in the router's FIFO for decode room
-    ASKED = "asked"  # ImportKV sent
-    RESERVED = "reserved"  # blocks held on the decode worker; SendKV sent
-
-
-@dataclass
-class _Worker:
-    index: int
-    role: str
-    name: str
-    proc: CoreProcess
-    config: WorkerConfig
-    ready: WorkerReady | None = None
-    alive: bool = False
-    dead_reason: str | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
-    busy: float = 0.0
-    idle: float = 0.0
-    outstanding: int = 0  # prefill: routed here, not yet parked or finished
-    free_blocks: int = 0  # decode: last reported
-    asked: dict[str, int] = field(default_factory=dict)  # decode: unanswered reservations
-    refused: bool = False  # decode: refused since its last report
-    adds_sent: int = 0
-    adds_seen: int = 0
-    calls: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
-
-    def update(self, stats: dict[str, Any]) -> None:
-        self.stats = stats
-        self.free_blocks = stats["kv_blocks_total"] - stats["kv_blocks_used"]
-
-    def describe(self) -> dict[str, Any]:
-        info = self.ready.info if self.ready else None
-        return {
-            "index": self.index,
-            "name": self.name,
-            "role": self.role,
-            "pid": self.pid,
-            "alive": self.alive,
-            "error": self.dead_reason,
-            "torch_threads": info.torch_threads if info else self.config.core.torch_threads,
-            "cpus": self.ready.cpus if self.ready else self.config.cpus,
-            "kv_address": self.ready.kv_address if self.ready else None,
-            "num_kv_blocks": info.num_kv_blocks if info else None,
-            "kv_blocks_used": self.stats.get("kv_blocks_used"),
-            "num_running": self.stats.get("num_running"),
-            "num_waiting": self.stats.get("num_waiting"),
-        }
-
-
-@dataclass
-class _Req:
-    add: ipc.AddRequest
-    stream: RequestStream | None
-    stage: Stage = Stage.HELD
-    reserve: Reserve = Reserve.NONE
-    prefill: int | None = None
-    decode: int | None = None
-    deadline: float = float("inf")
-    parked: protocol.Parked | None = None
-    need_blocks: int = 0
-    sent: bool = False  # the prefill worker has let go of the blocks
-    aborting: bool = False
-    transfer: dict[str, Any] = field(default_factory=dict)
-    deferred: list[tuple[_Worker, Any]] = field(default_factory=list)  # see _replay
-    num_output_tokens: int = 0
-
-    @property
-    def rid(self) -> str:
-        return self.add.request_id
-
-
 class DisaggClient:
     """Starts, feeds and watches the workers (see the module docstring)."""
 
@@ -194,7 +109,7 @@ class DisaggClient:
         self.transfer_timeout = args.kv_transfer_timeout
         self._session = uuid.uuid4().hex[:12]
         self._kv_dir = tempfile.mkdtemp(prefix="servelab-kv-")
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RouterRequest] = {}
         self._streams: dict[str, RequestStream] = {}
         self._awaiting: collections.deque[str] = collections.deque()  # need decode room
         # Transfer records of finished requests whose sender's report (``sent``) is still on
@@ -204,53 +119,13 @@ class DisaggClient:
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
-        self.workers = self._make_workers(engine_factory)
+        self.workers, self.cpu_plan = make_workers(
+            args, self._kv_dir, self._session, engine_factory
+        )
 
     # ---- workers ----
 
-    def _make_workers(self, engine_factory: str | None) -> list[_Worker]:
-        a = self.args
-        roles = ["prefill"] * a.prefill_workers + ["decode"] * a.decode_workers
-        names = [
-            f"{role}-{i if role == 'prefill' else i - a.prefill_workers}"
-            for i, role in enumerate(roles)
-        ]
-        plan = split_cpus(usable_cpus(), len(roles), a.threads)
-        self.cpu_plan = describe(plan, names)
-        engine = dataclasses.asdict(a.engine_config())
-        workers = []
-        for i, (role, name, cpus) in enumerate(zip(roles, names, plan)):
-            proc = CoreProcess(
-                "servelab.server.disagg.worker", protocol.decode_worker_output, f"{name} worker"
-            )
-            core = ipc.CoreConfig(
-                model=a.model,
-                engine=engine,
-                inputs_addr=proc.inputs_addr,
-                outputs_addr=proc.outputs_addr,
-                device=a.device,
-                torch_threads=cpus.threads,
-                log_level=a.log_level,
-                engine_factory=engine_factory or "servelab.server.disagg.worker:build_engine",
-            )
-            cfg = WorkerConfig(
-                core=core,
-                role=role,
-                index=i,
-                name=name,
-                transport=a.kv_transport,
-                kv_host=a.kv_host,
-                kv_dir=self._kv_dir,
-                session=self._session,
-                transfer_timeout=a.kv_transfer_timeout,
-                # The router times hand-offs out; a decode worker's own limit is a backstop.
-                reservation_timeout=a.kv_handoff_timeout + 2 * a.kv_transfer_timeout,
-                cpus=cpus.cpus,
-            )
-            workers.append(_Worker(i, role, name, proc, cfg))
-        return workers
-
-    def _live(self, role: str) -> list[_Worker]:
+    def _live(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role and w.alive]
 
     @property
@@ -285,7 +160,7 @@ class DisaggClient:
         """Start every worker at once; raise CoreStartupError naming the one that failed."""
         log.info("servelab serve --disaggregated: %s", self.cpu_plan)
 
-        async def start_one(w: _Worker) -> None:
+        async def start_one(w: Worker) -> None:
             try:
                 msg = await w.proc.start(msgspec.json.encode(w.config))
             except CoreStartupError as e:
@@ -335,7 +210,7 @@ class DisaggClient:
                 os.unlink(p.path)
             os.rmdir(self._kv_dir)
 
-    async def _watch(self, w: _Worker) -> None:
+    async def _watch(self, w: Worker) -> None:
         code = await w.proc.wait_exit()
         if self._closing:
             return
@@ -351,12 +226,12 @@ class DisaggClient:
         self._publish()
 
     @staticmethod
-    def _depends_on(r: _Req, w: _Worker) -> bool:
+    def _depends_on(r: RouterRequest, w: Worker) -> bool:
         if r.prefill == w.index and not r.sent:
             return r.stage in (Stage.PREFILL, Stage.HANDOFF, Stage.TRANSFER)
         return r.decode == w.index and r.stage is not Stage.HELD
 
-    def _worker_lost(self, r: _Req, w: _Worker) -> None:
+    def _worker_lost(self, r: RouterRequest, w: Worker) -> None:
         """``w`` is gone while holding part of ``r``: end ``r``, free its other side."""
         if r.stage is Stage.TRANSFER:
             self.dmetrics.transfer_failed("worker_died")
@@ -364,7 +239,7 @@ class DisaggClient:
         reason = w.dead_reason or f"the {w.name} worker is not accepting requests"
         self._close_with_error(r.rid, f"{reason}; the request could not finish", dead=True)
 
-    def _send(self, w: _Worker, msg: Any) -> bool:
+    def _send(self, w: Worker, msg: Any) -> bool:
         if not w.alive:
             return False
         try:
@@ -373,7 +248,7 @@ class DisaggClient:
             return False
         return True
 
-    def _fail_calls(self, w: _Worker, reason: str) -> None:
+    def _fail_calls(self, w: Worker, reason: str) -> None:
         for fut in w.calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
@@ -401,7 +276,9 @@ class DisaggClient:
             raise EngineDeadError(self.dead_reason or "the workers are not running")
         stream = RequestStream(req.request_id)
         assert self.info is not None
-        r = _Req(req, stream, need_blocks=-(-len(req.prompt_token_ids) // self.info.block_size))
+        r = RouterRequest(
+            req, stream, need_blocks=-(-len(req.prompt_token_ids) // self.info.block_size)
+        )
         self._reqs[req.request_id] = r
         self._streams[req.request_id] = stream
         if req.sampling.get("max_tokens", 2) <= 1:  # it ends at its first token
@@ -459,24 +336,24 @@ class DisaggClient:
 
     # ---- routing ----
 
-    def _to_prefill(self, r: _Req) -> None:
+    def _to_prefill(self, r: RouterRequest) -> None:
         live = self._live("prefill")
         if not live:
             self._close_with_error(r.rid, self.dead_reason or "no prefill worker", dead=True)
             return
-        w = min(live, key=lambda x: (x.outstanding, x.index))
+        pick = pick_prefill([x.outstanding for x in live])
+        assert pick is not None  # live is not empty
+        w = live[pick]
         r.stage, r.prefill, r.deadline = Stage.PREFILL, w.index, float("inf")
         w.outstanding += 1
         w.adds_sent += 1
         if not self._send(w, r.add):
             self._worker_lost(r, w)
 
-    def _pick_decode(self, need: int) -> _Worker | None:
-        def free(w: _Worker) -> int:
-            return w.free_blocks - sum(w.asked.values())
-
-        fits = [w for w in self._live("decode") if not w.refused and free(w) >= need]
-        return max(fits, key=lambda w: (free(w), -w.index), default=None)
+    def _pick_decode(self, need: int) -> Worker | None:
+        askable = [w for w in self._live("decode") if not w.refused]
+        pick = pick_decode([w.free_blocks - sum(w.asked.values()) for w in askable], need)
+        return None if pick is None else askable[pick]
 
     def _dispatch(self) -> None:
         """Give decode reservations in FIFO order while decode workers have room; a request
@@ -514,7 +391,7 @@ class DisaggClient:
 
     # ---- worker messages ----
 
-    async def _receive_loop(self, w: _Worker) -> None:
+    async def _receive_loop(self, w: Worker) -> None:
         while True:
             msg = await w.proc.recv()
             if isinstance(msg, ipc.StepBatch):
@@ -529,7 +406,7 @@ class DisaggClient:
                     else:
                         fut.set_exception(RuntimeError(f"{w.name}: {msg.error}"))
 
-    def _on_batch(self, w: _Worker, batch: ipc.StepBatch) -> None:
+    def _on_batch(self, w: Worker, batch: ipc.StepBatch) -> None:
         m = self.metrics
         m.core_to_api.observe(max(0.0, self.clock() - batch.sent_at))
         for delay in batch.add_delays:
@@ -547,7 +424,7 @@ class DisaggClient:
             self._on_output(w, out)
         self._dispatch()
 
-    def _on_output(self, w: _Worker, out: ipc.Output) -> None:
+    def _on_output(self, w: Worker, out: ipc.Output) -> None:
         r = self._reqs.get(out.request_id)
         if r is None:
             return  # closed already (e.g. an abort that crossed a hand-off)
@@ -584,7 +461,7 @@ class DisaggClient:
                     self._late_sent.popitem(last=False)
         self._close(r, out.timeline, out)
 
-    def _on_events(self, w: _Worker, ev: KVEvents) -> None:
+    def _on_events(self, w: Worker, ev: KVEvents) -> None:
         w.update(ev.stats)
         now = self.clock()
         for p in ev.parked:
@@ -654,7 +531,7 @@ class DisaggClient:
                 self._replay(r)
         self._dispatch()
 
-    def _imported(self, r: _Req, imp: protocol.Imported) -> None:
+    def _imported(self, r: RouterRequest, imp: protocol.Imported) -> None:
         r.stage, r.deadline = Stage.DECODE, float("inf")
         t = r.transfer
         t.update(received=imp.received, end=imp.end)
@@ -669,7 +546,7 @@ class DisaggClient:
         )
         self.dmetrics.handoff_wait.observe(max(0.0, t["handoff_wait"]))
 
-    def _replay(self, r: _Req) -> None:
+    def _replay(self, r: RouterRequest) -> None:
         """Handle what the decode worker sent before the prefill side's messages arrived.
 
         The two workers' channels are read by separate tasks, so the decode side's first
@@ -683,7 +560,7 @@ class DisaggClient:
             elif not r.aborting:
                 self._imported(r, item)
 
-    def _live_req(self, request_id: str) -> _Req | None:
+    def _live_req(self, request_id: str) -> RouterRequest | None:
         r = self._reqs.get(request_id)
         return None if r is None or r.aborting else r
 
@@ -696,7 +573,7 @@ class DisaggClient:
             for r in [r for r in self._reqs.values() if r.deadline <= now and not r.aborting]:
                 self._timed_out(r)
 
-    def _timed_out(self, r: _Req) -> None:
+    def _timed_out(self, r: RouterRequest) -> None:
         self.dmetrics.transfer_failed("timeout")
         if r.stage in (Stage.HELD, Stage.HANDOFF):
             what = (
@@ -713,14 +590,14 @@ class DisaggClient:
 
     # ---- ending requests ----
 
-    def _abort_everywhere(self, r: _Req) -> None:
+    def _abort_everywhere(self, r: RouterRequest) -> None:
         """Tell every worker that may hold the request's blocks to free them."""
         if r.prefill is not None and not r.sent:
             self._send(self.workers[r.prefill], ipc.Abort([r.rid]))
         if r.decode is not None:
             self._send(self.workers[r.decode], ipc.Abort([r.rid]))
 
-    def _fail(self, r: _Req, message: str, status: int) -> None:
+    def _fail(self, r: RouterRequest, message: str, status: int) -> None:
         """End a request with the router's error; free its blocks on both sides."""
         self._abort_everywhere(r)
         self._close_with_error(r.rid, message, status=status)
@@ -752,7 +629,7 @@ class DisaggClient:
         self._close(r, tl, out)
 
     def _router_timeline(
-        self, r: _Req, reason: FinishReason, error: str | None = None
+        self, r: RouterRequest, reason: FinishReason, error: str | None = None
     ) -> dict[str, Any]:
         """The best timeline the router has for a request it ends itself."""
         if r.parked is not None:
@@ -773,7 +650,9 @@ class DisaggClient:
             d["kv_transfer"] = dict(r.transfer)
         return d
 
-    def _close(self, r: _Req, timeline: dict[str, Any], out: ipc.Output | None = None) -> None:
+    def _close(
+        self, r: RouterRequest, timeline: dict[str, Any], out: ipc.Output | None = None
+    ) -> None:
         """Record how the request ended (once) and give its stream the final output."""
         self._drop(r)
         self.timelines.add_timeline(timeline)
@@ -785,7 +664,7 @@ class DisaggClient:
         self._streams.pop(r.rid, None)
         self._publish()
 
-    def _drop(self, r: _Req) -> None:
+    def _drop(self, r: RouterRequest) -> None:
         self._reqs.pop(r.rid, None)
         self._streams.pop(r.rid, None)
         with contextlib.suppress(ValueError):

@@ -1,14 +1,36 @@
-"""Routers that spread requests over replicas: round-robin, least-loaded, prefix-aware.
+"""Routing policy: which engine of a deployment gets a request. Pure, and shared by the
+simulator's loop and the disaggregated server's router, so both route alike.
 
-A router sees each replica's outstanding request count (routed and not yet finished)
-and, for prefix-aware routing, the prompts it sent there before. It never looks inside
-an engine, as a real front-end router cannot.
+- Replica routers (``make_router``): round-robin, least-loaded, prefix-aware. A router sees
+  each replica's outstanding request count (routed and not yet finished) and, for
+  prefix-aware routing, the prompts it sent there before. It never looks inside an engine, as
+  a real front-end router cannot.
+- Disaggregated hand-offs: ``pick_prefill`` (the fewest requests routed and not yet handed
+  off) and ``pick_decode`` (the most free KV blocks among the engines with room for the
+  prompt's blocks, reservations already asked for counted as used).
+
+Ties go to the lowest index everywhere, so a route is a deterministic function of its inputs.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Protocol
+
+
+def pick_prefill(outstanding: Sequence[int]) -> int | None:
+    """The engine with the fewest outstanding requests (None when there is none)."""
+    if not outstanding:
+        return None
+    return min(range(len(outstanding)), key=outstanding.__getitem__)
+
+
+def pick_decode(free_blocks: Sequence[int], need: int) -> int | None:
+    """The engine with the most free KV blocks, among those with ``need`` or more free;
+    None when no engine has room (the request waits)."""
+    fits = [i for i, free in enumerate(free_blocks) if free >= need]
+    return max(fits, key=lambda i: (free_blocks[i], -i), default=None)
 
 
 class Router(Protocol):
@@ -41,7 +63,9 @@ class LeastLoaded:
         self.n = n
 
     def route(self, prompt: list[int], loads: list[int]) -> int:
-        return min(range(self.n), key=loads.__getitem__)
+        best = pick_prefill(loads)
+        assert best is not None, "a router has at least one replica"
+        return best
 
 
 class PrefixAware:
