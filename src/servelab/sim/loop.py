@@ -29,10 +29,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from servelab.engine.routing import Router, make_router
 from servelab.engine.sampling_params import SamplingParams
 from servelab.sim.executor import SimExecutor, VirtualClock
 from servelab.sim.links import Link
-from servelab.engine.routing import Router, make_router
 from servelab.vocab import (
     COLOCATED,
     DECODE_ROLE,
