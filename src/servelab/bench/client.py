@@ -100,8 +100,10 @@ def request_body(
     max_tokens: int,
     stream: bool,
     priority: int = 0,
+    force_length: bool = True,
 ) -> dict[str, Any]:
-    """The JSON body: exact output length via ``min_tokens`` + ``ignore_eos`` unless strict."""
+    """The JSON body: exact output length via ``min_tokens`` + ``ignore_eos`` unless strict
+    or not ``force_length`` (then ``max_tokens`` is only a limit)."""
     body: dict[str, Any] = {"model": target.model, "max_tokens": max_tokens, "stream": stream}
     if target.endpoint == "chat":
         body["messages"] = prompt
@@ -110,8 +112,9 @@ def request_body(
     if stream:
         body["stream_options"] = {"include_usage": True}
     if not target.strict_openai:
-        body["min_tokens"] = max_tokens
-        body["ignore_eos"] = True
+        if force_length:
+            body["min_tokens"] = max_tokens
+            body["ignore_eos"] = True
         if stream:
             body["stream_options"]["continuous_usage_stats"] = True
         if priority:
@@ -217,6 +220,7 @@ async def send(
     *,
     stream: bool = True,
     priority: int = 0,
+    force_length: bool = True,
     planned_input_tokens: int = 0,
     intended_send: float,
     workload_class: str,
@@ -235,14 +239,14 @@ async def send(
     ``recounter`` (which many streams share), waits its turn there in ``Outcome.counting``
     while the caller goes on: its next request need not wait for a count.
     """
-    body = _encode(request_body(target, prompt, max_tokens, stream, priority))
+    body = _encode(request_body(target, prompt, max_tokens, stream, priority, force_length))
     rec = ClientRecord(
         request_id=request_id,
         workload_class=workload_class,
         intended_send=intended_send,
         actual_send=0.0,
         input_tokens=planned_input_tokens,
-        requested_output_tokens=None if target.strict_openai else max_tokens,
+        requested_output_tokens=None if target.strict_openai or not force_length else max_tokens,
         stream=stream,
         session_id=session_id,
         turn=turn,

@@ -22,6 +22,7 @@ from rich.console import Console
 from servelab.analyze.summary import measured_window, summarize
 from servelab.bench.client import Target
 from servelab.bench.collect import MetricsScraper, TimelineCollector
+from servelab.bench.datasets import Dataset, load_dataset
 from servelab.bench.distributed.clock import timing_error_budget
 from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
@@ -32,7 +33,7 @@ from servelab.bench.progress import Progress
 from servelab.bench.runner import Runner, StageResult
 from servelab.bench.search import find_max_rate
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
-from servelab.bench.workload import WorkloadSpec, load_workload
+from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
 from servelab.report.terminal import rates_table, stages_table, summary_table
 from servelab.rundir import RunDir
 from servelab.units import SLO, Trim
@@ -70,6 +71,8 @@ class BenchOptions:
     timeout: float = 600.0
     command: list[str] = field(default_factory=list)  # argv with the API key redacted
     overwrite: bool = False
+    dataset: DatasetSource | None = None  # --dataset and its flags: every class's text
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, extra body
     workers: int = 1  # > 1: local worker processes (bench.distributed)
     ray_address: str | None = None  # run the workers as Ray actors on this cluster
 
@@ -130,6 +133,7 @@ class Bench:
         self.warnings: list[str] = []
         self.stamping: str | None = None
         self.pool: WorkerPool | None = None
+        self.datasets: dict[tuple[str, str | None, str | None], Dataset] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -140,6 +144,8 @@ class Bench:
         what = (
             Path(self.o.workload).stem
             if self.o.workload
+            else Path(self.o.dataset.dataset).stem
+            if self.o.dataset
             else "trace"
             if self.o.load.trace
             else "run"
@@ -173,7 +179,8 @@ class Bench:
     def _plan_inputs(self) -> None:
         o = self.o
         if o.load.trace is None:
-            self.spec = load_workload(o.workload or DEFAULT_WORKLOAD)
+            self.spec = self._workload()
+            self._read_datasets()
         if o.tokenizer is not None:
             self.tokenizer = _load_tokenizer(o.tokenizer)
             return
@@ -188,6 +195,29 @@ class Bench:
                 "tokenizer, which may not be the target's"
             )
         self.tokenizer = _load_tokenizer(DEFAULT_MODEL)
+
+    def _workload(self) -> WorkloadSpec:
+        """The workload; ``--dataset`` gives every class its text (alone: one plain class)."""
+        o = self.o
+        if o.dataset is None:
+            return load_workload(o.workload or DEFAULT_WORKLOAD)
+        if o.workload is None:
+            name = Path(o.dataset.dataset).stem
+            return parse_workload(
+                {"name": name, "classes": [{"name": name, "source": o.dataset.model_dump()}]},
+                "--dataset",
+            )
+        return load_workload(o.workload).with_dataset(o.dataset)
+
+    def _read_datasets(self) -> None:
+        """Read every dataset file once, before a server starts or a request is sent."""
+        assert self.spec is not None
+        for cls in self.spec.classes:
+            src = cls.source
+            if src is not None and src.key() not in self.datasets:
+                ds = load_dataset(src.dataset, src.format, src.field)
+                self.datasets[src.key()] = ds
+                self.warnings.extend(ds.warnings)
 
     def _request_model(self) -> str:
         assert self.info is not None
@@ -220,6 +250,7 @@ class Bench:
             "tokenizer": self.tokenizer,
             "endpoint": self.o.endpoint,
             "max_model_len": self.info.max_model_len if self.info else None,
+            "datasets": self.datasets,
         }
         if stage.load.closed and stage.load.requests is None and stage.load.trace is None:
             return iter_plan(self.spec, stage.load, self.o.seed, info=stage.plan_info, **kw)
@@ -410,6 +441,8 @@ class Bench:
                 "cooldown": o.cooldown.describe(),
                 "timeout_s": o.timeout,
                 "strict_openai": o.strict_openai,
+                "sampling": o.sampling,
+                "datasets": self._dataset_pins(),
                 "run_tag": self.run_tag,
                 "chunk_timestamps": self.stamping,
             },
@@ -443,6 +476,13 @@ class Bench:
             "warnings": self.warnings,
             "simulated": False,
         }
+
+    def _dataset_pins(self) -> dict[str, Any] | None:
+        """Per dataset class: the file's pin, the selection, the filters (first stage's plan)."""
+        for st in self.stages:
+            if "datasets" in st.plan_info:
+                return st.plan_info["datasets"]
+        return None
 
     def _metrics(self) -> dict[str, Any]:
         stages = [s for s in self.stages if s.result is not None]
@@ -524,6 +564,7 @@ class Bench:
                 strict_openai=o.strict_openai,
                 timeout=o.timeout,
                 tokenizer=self.tokenizer,
+                extra_body=o.sampling,
             )
             http = HttpClient(self.info.url)
             try:

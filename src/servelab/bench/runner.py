@@ -197,7 +197,8 @@ class Runner:
             outcome = await self._send(req, history, intended)
             if not outcome.record.ok:
                 failed = outcome.record.request_id
-            history.append((req.prompt, outcome.text))
+            # a dataset's recorded reply, where the plan keeps one; otherwise the model's own
+            history.append((req.prompt, req.reply if req.reply is not None else outcome.text))
 
     def _rid(self, req: PlannedRequest) -> str:
         return request_id(self.run_tag, req)
@@ -232,6 +233,7 @@ class Runner:
             req.max_tokens,
             stream=req.stream,
             priority=req.priority,
+            force_length=req.force_length,
             planned_input_tokens=planned_in,
             intended_send=intended,
             workload_class=req.workload_class,
