@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from servelab.analyze.similarity import ideal_prefix_reuse
 from servelab.analyze.summary import measured_window, summarize
 from servelab.bench.client import Target
 from servelab.bench.collect import MetricsScraper, TimelineCollector
@@ -34,7 +35,7 @@ from servelab.bench.runner import Runner, StageResult
 from servelab.bench.search import find_max_rate
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
-from servelab.report.terminal import rates_table, stages_table, summary_table
+from servelab.report.terminal import rates_table, similarity_line, stages_table, summary_table
 from servelab.rundir import RunDir
 from servelab.units import SLO, Trim
 from servelab.vocab import DEFAULT_MODEL, ClientRecord
@@ -292,6 +293,7 @@ class Bench:
         monitor.start()
         progress.start()
         dist: DistributedStage | None = None
+        runner: Runner | None = None
         try:
             if self.pool is not None:
                 dist = await self.pool.run_stage(
@@ -340,11 +342,25 @@ class Bench:
                     slos=self._slos(),
                     warmup=self.o.warmup,
                     cooldown=self.o.cooldown,
+                    similarity=self._similarity(runner) if runner is not None else None,
                 )
             except ValueError as e:
                 self.warnings.append(f"{stage.label or 'run'}: no summary: {e}")
         if stage.summary:
             self._token_warnings(stage)
+
+    def _similarity(self, runner: Runner) -> dict[str, Any] | None:
+        """The ideal prefix reuse of what this stage sent, tokenized after the stage so that
+        it costs the event loop nothing while streams run."""
+        if self.tokenizer is None or not runner.prompts:
+            return None
+        chat = self.o.endpoint == "chat"
+
+        def ids(p: str | list[dict[str, str]]) -> list[int]:
+            text = self.tokenizer.apply_chat_template(p, add_generation_prompt=True) if chat else p
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        return ideal_prefix_reuse((cls, ids(p)) for cls, p in runner.prompts)
 
     def _token_warnings(self, stage: Stage) -> None:
         assert stage.summary is not None
@@ -518,6 +534,7 @@ class Bench:
                 )
             )
             c.print(rates_table(s))
+            c.print(similarity_line(s))
         elif shown:
             c.print(
                 stages_table(

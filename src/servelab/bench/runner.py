@@ -100,6 +100,8 @@ class Runner:
         self._on_record = on_record or (lambda r: None)
         self.records: list[ClientRecord] = []
         self.sent = 0
+        # (class, prompt or messages) in send order, for the request-similarity figure
+        self.prompts: list[tuple[str, str | list[dict[str, str]]]] = []
         # one queue of re-counts for all streams, so a wave of finished requests is spread;
         # a request is recorded once counted, while its stream goes on to the next one
         self._recounter = Recounter(target.tokenizer) if target.tokenizer is not None else None
@@ -224,6 +226,7 @@ class Runner:
     ) -> Outcome:
         prompt, planned_in = self._compose(req, history)
         self.sent += 1
+        self.prompts.append((req.workload_class, prompt))
         self._on_send(req)
         outcome = await send(
             self.http,
