@@ -44,7 +44,10 @@ def test_yaml_and_toml_files_load(tmp_path):
     [
         ({}, "classes: Field required"),
         ({"classes": []}, "classes: List should have at least 1 item"),
-        ({"classes": [{"name": "a", "input": 5}]}, "classes.0.output: Field required"),
+        (
+            {"classes": [{"name": "a", "input": 5}]},
+            "classes.0: a class needs input and output lengths",
+        ),
         (
             {"classes": [{"name": "a", "input": 5, "output": 5, "wieght": 2}]},
             "classes.0.wieght: unknown field",

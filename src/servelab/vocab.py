@@ -213,6 +213,9 @@ class ClientRecord:
     prefix_group: str | None = None
     stage: str | None = None  # sweep stage label
     server_timeline: dict[str, Any] | None = None  # the summary the server returned, if any
+    reasoning_tokens: int = 0  # output tokens streamed as reasoning (reasoning_content)
+    first_output: float | None = None  # first token chunk that is not reasoning
+    cached_tokens: int | None = None  # prompt tokens the server served from its prefix cache
 
     @property
     def ok(self) -> bool:
@@ -233,6 +236,14 @@ class ClientRecord:
         if not self.chunk_times:
             return None
         return self.chunk_times[0] - self.intended_send
+
+    @property
+    def ttfo(self) -> float | None:
+        """TTFO: actual send -> first output token that is not reasoning (AIPerf's "time to
+        first output token"). Without reasoning it equals TTFT."""
+        if self.first_output is not None:
+            return self.first_output - self.actual_send
+        return self.ttft if self.reasoning_tokens == 0 else None
 
     @property
     def send_lag(self) -> float:
@@ -268,7 +279,7 @@ class ClientRecord:
 
 
 # Metric names as used in metrics.json, tables and the report.
-LATENCY_METRICS = ("ttft", "ttft_intended", "itl", "tpot", "e2e")
+LATENCY_METRICS = ("ttft", "ttfo", "ttft_intended", "itl", "tpot", "e2e")
 PERCENTILES = (50, 90, 95, 99)
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from servelab.analyze.similarity import cache_hit_rate
 from servelab.analyze.stats import DEFAULT_CONFIDENCE, DEFAULT_N_BOOT, describe
 from servelab.rundir import Run
 from servelab.units import SLO, Trim
@@ -220,6 +221,8 @@ def summarize_group(
             "met": len(good),
         },
         "latency": latency,
+        "reasoning_tokens": sum(r.reasoning_tokens for r in ok),
+        "prefix_cache_hit_rate": cache_hit_rate((r.cached_tokens, r.input_tokens) for r in ok),
     }
 
 
@@ -285,11 +288,14 @@ def summarize(
     n_boot: int = DEFAULT_N_BOOT,
     seed: int = 0,
     confidence: float = DEFAULT_CONFIDENCE,
+    similarity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The body of ``metrics.json`` for a set of client records.
 
     ``slos`` is one SLO for every request or ``{workload_class: SLO}`` (classes absent
     from the dict have no limits). ``window`` overrides ``warmup``/``cooldown``.
+    ``similarity`` (``analyze.similarity.ideal_prefix_reuse`` of the prompts sent) puts
+    ``prefix_reuse_ideal`` beside each group's measured ``prefix_cache_hit_rate``.
 
     Returns ``{"window", "counts", "tokens", "slos", "overall", "by_class",
     "by_input_bucket"}``; each of the last three holds ``summarize_group`` dicts.
@@ -310,8 +316,18 @@ def summarize(
     bucket_order = [bucket_label(e - 1, bucket_edges) for e in bucket_edges] + [
         bucket_label(bucket_edges[-1], bucket_edges)
     ]
+    by_class_summary = {
+        k: summarize_group(v, window, slo_of, **kw) for k, v in sorted(by_class.items())
+    }
+    overall = summarize_group(records, window, slo_of, **kw)
+    overall["prefix_reuse_ideal"] = similarity["overall"] if similarity else None
+    for k, g in by_class_summary.items():
+        g["prefix_reuse_ideal"] = similarity["by_class"].get(k) if similarity else None
     return {
         "window": window.to_dict(),
+        "similarity": {k: v for k, v in similarity.items() if k != "by_class"}
+        if similarity
+        else None,
         "counts": {
             "records": len(records),
             "sent_in_window": sum(window.contains(r.actual_send) for r in records),
@@ -320,10 +336,8 @@ def summarize(
         },
         "tokens": token_checks(records),
         "slos": slo_dump,
-        "overall": summarize_group(records, window, slo_of, **kw),
-        "by_class": {
-            k: summarize_group(v, window, slo_of, **kw) for k, v in sorted(by_class.items())
-        },
+        "overall": overall,
+        "by_class": by_class_summary,
         "by_input_bucket": {
             k: summarize_group(by_bucket[k], window, slo_of, **kw)
             for k in bucket_order

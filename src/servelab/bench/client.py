@@ -4,8 +4,9 @@ Measurement rules (docs/metrics.md):
 - ``actual_send`` is taken just before the request is handed to the connection;
   ``intended_send`` comes from the arrival schedule.
 - A chunk counts as token-bearing when it carries output text (completions ``text``,
-  chat ``delta.content`` or ``delta.reasoning_content``). Role-only, empty and
-  usage-only chunks are not token chunks, so they never set TTFT.
+  chat ``delta.content``, ``delta.tool_calls``, or reasoning: ``delta.reasoning_content``
+  / ``delta.reasoning``). Role-only, empty and usage-only chunks are not token chunks, so
+  they never set TTFT. The first token chunk that is not reasoning sets TTFO.
 - Tokens per chunk: from the server's running ``usage`` when it streams one in every
   chunk (vLLM's ``continuous_usage_stats``); otherwise one per chunk, redistributed
   by re-tokenizing the output when the server's total says chunks carried several.
@@ -32,10 +33,28 @@ from servelab.vocab import ClientRecord
 _decode = msgspec.json.Decoder().decode
 
 
+class _Function(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Function | None = None
+
+
 class _Delta(msgspec.Struct):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+
+
+def _tool_text(calls: list[_ToolCall] | None) -> str | None:
+    """The streamed part of tool calls (name and argument fragments): output tokens too."""
+    if not calls:
+        return None
+    parts = [(c.function.name or "") + (c.function.arguments or "") for c in calls if c.function]
+    return "".join(parts) or None
 
 
 class _Choice(msgspec.Struct):
@@ -100,8 +119,10 @@ def request_body(
     max_tokens: int,
     stream: bool,
     priority: int = 0,
+    force_length: bool = True,
 ) -> dict[str, Any]:
-    """The JSON body: exact output length via ``min_tokens`` + ``ignore_eos`` unless strict."""
+    """The JSON body: exact output length via ``min_tokens`` + ``ignore_eos`` unless strict
+    or not ``force_length`` (then ``max_tokens`` is only a limit)."""
     body: dict[str, Any] = {"model": target.model, "max_tokens": max_tokens, "stream": stream}
     if target.endpoint == "chat":
         body["messages"] = prompt
@@ -110,8 +131,9 @@ def request_body(
     if stream:
         body["stream_options"] = {"include_usage": True}
     if not target.strict_openai:
-        body["min_tokens"] = max_tokens
-        body["ignore_eos"] = True
+        if force_length:
+            body["min_tokens"] = max_tokens
+            body["ignore_eos"] = True
         if stream:
             body["stream_options"]["continuous_usage_stats"] = True
         if priority:
@@ -132,6 +154,7 @@ class _Collector:
         self.accounted = 0
         self.done_marker = False
         self.error: str | None = None
+        self.reasoning_chunks: list[int] = []  # indices of the chunks that carried reasoning
 
     def on_event(self, t: float, payload: bytes) -> None:
         if payload == b"[DONE]":
@@ -153,16 +176,24 @@ class _Collector:
         if ev.servelab is not None:
             self.rec.server_timeline = ev.servelab
         text = None
+        reasoning = False
         if ev.choices:
             c = ev.choices[0]
             if c.delta is not None:
                 d = c.delta
-                text = d.content or d.reasoning_content or d.reasoning
+                text = d.content or _tool_text(d.tool_calls)
+                if not text:
+                    text = d.reasoning_content or d.reasoning
+                    reasoning = bool(text)
             else:
                 text = c.text
         if not text:
             return
         rec = self.rec
+        if reasoning:
+            self.reasoning_chunks.append(len(rec.chunk_times))
+        elif rec.first_output is None:
+            rec.first_output = t
         rec.chunk_times.append(t)
         self.texts.append(text)
         if usage and "completion_tokens" in usage:
@@ -202,10 +233,14 @@ class _Collector:
             self.rec.server_timeline = d["servelab"]
         choices = d.get("choices") or [{}]
         c = choices[0]
-        text = (c.get("message") or {}).get("content") if self.chat else c.get("text")
-        self.texts.append(text or "")
+        msg = c.get("message") or {}
+        text = msg.get("content") if self.chat else c.get("text")
+        thought = msg.get("reasoning_content") or msg.get("reasoning") or ""
+        self.texts.append(thought + (text or ""))
         self.rec.chunk_times.append(t)
         self.rec.chunk_tokens.append(0)
+        if text or msg.get("tool_calls"):
+            self.rec.first_output = t
 
 
 async def send(
@@ -217,6 +252,7 @@ async def send(
     *,
     stream: bool = True,
     priority: int = 0,
+    force_length: bool = True,
     planned_input_tokens: int = 0,
     intended_send: float,
     workload_class: str,
@@ -235,14 +271,14 @@ async def send(
     ``recounter`` (which many streams share), waits its turn there in ``Outcome.counting``
     while the caller goes on: its next request need not wait for a count.
     """
-    body = _encode(request_body(target, prompt, max_tokens, stream, priority))
+    body = _encode(request_body(target, prompt, max_tokens, stream, priority, force_length))
     rec = ClientRecord(
         request_id=request_id,
         workload_class=workload_class,
         intended_send=intended_send,
         actual_send=0.0,
         input_tokens=planned_input_tokens,
-        requested_output_tokens=None if target.strict_openai else max_tokens,
+        requested_output_tokens=None if target.strict_openai or not force_length else max_tokens,
         stream=stream,
         session_id=session_id,
         turn=turn,
@@ -345,6 +381,15 @@ def _finish_counts(rec: ClientRecord, col: _Collector, tokenizer: TokenizerLike 
         and rec.output_tokens != sum(rec.chunk_tokens)
     ):
         rec.chunk_tokens = _attribute_tokens(col.texts, rec.output_tokens, tokenizer)
+    details = usage.get("completion_tokens_details") or {}
+    if details.get("reasoning_tokens") is not None:
+        rec.reasoning_tokens = int(details["reasoning_tokens"])
+    else:
+        rec.reasoning_tokens = sum(rec.chunk_tokens[i] for i in col.reasoning_chunks)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None and rec.server_timeline is not None:
+        cached = rec.server_timeline.get("cached_prompt_tokens")
+    rec.cached_tokens = None if cached is None else int(cached)
 
 
 def _attribute_tokens(texts: list[str], total: int, tokenizer: TokenizerLike | None) -> list[int]:

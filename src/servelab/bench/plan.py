@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from servelab.bench.arrivals import ARRIVALS, arrival_times
+from servelab.bench.datasets import Dataset, load_dataset
+from servelab.bench.datasets.select import Sampler, Selection
 from servelab.bench.prompts import PromptFactory, TokenizerLike, lead_number, lead_word
 from servelab.bench.traces import TraceRow, load_trace, scale_trace
 from servelab.bench.workload import ClassSpec, WorkloadSpec
@@ -125,6 +127,8 @@ class PlannedRequest:
     num_turns: int = 1
     think_time: float = 0.0
     carry_history: bool = True
+    force_length: bool = True  # send min_tokens/ignore_eos (False: the model stops itself)
+    reply: str | None = None  # a dataset's recorded reply: the next turn's history
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -174,6 +178,7 @@ class _Context:
     seed: int
     clipped: dict[str, int] = field(default_factory=lambda: {"inputs": 0, "outputs": 0})
     prefix_cache: dict[tuple[str, int, int], tuple[str, int]] = field(default_factory=dict)
+    samplers: dict[str, Sampler] = field(default_factory=dict)
 
 
 def _chat_wrap(tokenizer: TokenizerLike) -> Callable[[str], str]:
@@ -198,11 +203,14 @@ def iter_plan(
     endpoint: str = "completions",
     max_model_len: int | None = None,
     info: dict[str, Any] | None = None,
+    datasets: Mapping[tuple[str, str | None, str | None], Dataset] | None = None,
 ) -> Iterator[PlannedRequest]:
     """Planned requests in order, lazily; stops at ``load.requests``/``load.duration``
     (counted in sessions) or the end of a trace, and never otherwise.
 
-    ``info`` (a dict) receives what the planner changed: trace report, clipping counts.
+    ``info`` (a dict) receives what the planner changed: trace report, clipping counts,
+    and per dataset class what was read and filtered. ``datasets`` holds files already read
+    (by ``DatasetSource.key()``); a class's source not in it is read here.
     """
     load.validate()
     if endpoint not in ENDPOINTS:
@@ -223,7 +231,49 @@ def iter_plan(
         yield from _trace_plan(load, ctx, streams, info)
     else:
         assert spec is not None
-        yield from _workload_plan(spec, load, ctx, streams)
+        _samplers(spec, ctx, streams, load.length_scale, datasets or {})
+        try:
+            yield from _workload_plan(spec, load, ctx, streams)
+        finally:
+            if ctx.samplers:
+                info["datasets"] = {k: v.report() for k, v in ctx.samplers.items()}
+
+
+def _samplers(
+    spec: WorkloadSpec,
+    ctx: _Context,
+    streams: _Streams,
+    length_scale: float,
+    datasets: Mapping[tuple[str, str | None, str | None], Dataset],
+) -> None:
+    """A seeded sampler per dataset class (each with its own order, from the seed and its name)."""
+    for cls in spec.classes:
+        src = cls.source
+        if src is None:
+            continue
+        ds = datasets.get(src.key()) or load_dataset(src.dataset, src.format, src.field)
+        out = cls.output
+
+        def default_output(out: Any = out) -> int:
+            return int(out.sample_int(streams.lengths, 1, length_scale)[0])
+
+        ctx.samplers[cls.name] = Sampler(
+            ds,
+            Selection(
+                multi_turn=src.conversation == "multi-turn",
+                history=src.history,
+                output_len=src.output_len,
+                min_input_len=src.min_input_len,
+                max_input_len=src.max_input_len,
+            ),
+            seed=int(
+                np.random.SeedSequence([ctx.seed, _stable_hash(cls.name)]).generate_state(1)[0]
+            ),
+            count=lambda text: ctx.factory.count(ctx.wrap(text)),
+            count_raw=ctx.factory.count,
+            max_model_len=ctx.max_model_len,
+            default_output=default_output if out is not None else None,
+        )
 
 
 def build_plan(
@@ -234,6 +284,7 @@ def build_plan(
     tokenizer: TokenizerLike,
     endpoint: str = "completions",
     max_model_len: int | None = None,
+    datasets: Mapping[tuple[str, str | None, str | None], Dataset] | None = None,
 ) -> Plan:
     """The whole plan as a list. Needs a finite run: ``--requests``, an open-loop
     ``--duration``, or a trace (a closed loop bounded only by time uses ``iter_plan``)."""
@@ -252,6 +303,7 @@ def build_plan(
             endpoint=endpoint,
             max_model_len=max_model_len,
             info=plan.info,
+            datasets=datasets,
         )
     )
     return plan
@@ -289,6 +341,11 @@ def _workload_plan(
         if t is not None and load.duration is not None and t > load.duration:
             return
         cls = spec.classes[int(streams.classes.choice(len(weights), p=weights))]
+        if cls.name in ctx.samplers:
+            for req in _dataset_session(cls, n_session, index, t, ctx, streams):
+                yield req
+                index += 1
+            continue
         turns = 1
         think: list[float] = []
         if cls.session is not None:
@@ -309,6 +366,40 @@ def _workload_plan(
                 streams,
             )
             index += 1
+
+
+def _dataset_session(
+    cls: ClassSpec,
+    n_session: int,
+    index: int,
+    send_time: float | None,
+    ctx: _Context,
+    streams: _Streams,
+) -> Iterator[PlannedRequest]:
+    """One conversation of a dataset class: its turns as the sampler selected them."""
+    turns = ctx.samplers[cls.name].next()
+    think = [0.0] * len(turns)
+    if cls.session is not None and len(turns) > 1:
+        think = cls.session.think_time.sample(streams.lengths, len(turns)).tolist()
+    session_id = f"s{n_session:06d}" if len(turns) > 1 else None
+    for k, turn in enumerate(turns):
+        yield PlannedRequest(
+            request_id=f"r{index + k:06d}",
+            index=index + k,
+            workload_class=cls.name,
+            prompt=turn.prompt,
+            prompt_tokens=turn.prompt_tokens,
+            max_tokens=turn.max_tokens,
+            send_time=send_time if k == 0 else None,
+            stream=cls.stream,
+            priority=cls.priority,
+            session_id=session_id,
+            turn=k,
+            num_turns=len(turns),
+            think_time=think[k] if k else 0.0,
+            force_length=turn.force,
+            reply=turn.reply,
+        )
 
 
 def _prefix_variant(
@@ -354,6 +445,7 @@ def _class_request(
     ctx: _Context,
     streams: _Streams,
 ) -> PlannedRequest:
+    assert cls.input is not None and cls.output is not None  # the spec checks this
     n_in = int(cls.input.sample_int(streams.lengths, 1, length_scale)[0])
     n_out = int(cls.output.sample_int(streams.lengths, 1, length_scale)[0])
     head, head_tokens, groups = "", 0, []

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from servelab.analyze.similarity import ideal_prefix_reuse
 from servelab.analyze.summary import measured_window, summarize
 from servelab.bench.client import Target
 from servelab.bench.collect import MetricsScraper, TimelineCollector
+from servelab.bench.datasets import Dataset, load_dataset
 from servelab.bench.distributed.clock import timing_error_budget
 from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
@@ -32,8 +34,8 @@ from servelab.bench.progress import Progress
 from servelab.bench.runner import Runner, StageResult
 from servelab.bench.search import find_max_rate
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
-from servelab.bench.workload import WorkloadSpec, load_workload
-from servelab.report.terminal import rates_table, stages_table, summary_table
+from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
+from servelab.report.terminal import rates_table, similarity_line, stages_table, summary_table
 from servelab.rundir import RunDir
 from servelab.units import SLO, Trim
 from servelab.vocab import DEFAULT_MODEL, ClientRecord
@@ -70,6 +72,8 @@ class BenchOptions:
     timeout: float = 600.0
     command: list[str] = field(default_factory=list)  # argv with the API key redacted
     overwrite: bool = False
+    dataset: DatasetSource | None = None  # --dataset and its flags: every class's text
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, extra body
     workers: int = 1  # > 1: local worker processes (bench.distributed)
     ray_address: str | None = None  # run the workers as Ray actors on this cluster
 
@@ -130,6 +134,7 @@ class Bench:
         self.warnings: list[str] = []
         self.stamping: str | None = None
         self.pool: WorkerPool | None = None
+        self.datasets: dict[tuple[str, str | None, str | None], Dataset] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -140,6 +145,8 @@ class Bench:
         what = (
             Path(self.o.workload).stem
             if self.o.workload
+            else Path(self.o.dataset.dataset).stem
+            if self.o.dataset
             else "trace"
             if self.o.load.trace
             else "run"
@@ -173,7 +180,8 @@ class Bench:
     def _plan_inputs(self) -> None:
         o = self.o
         if o.load.trace is None:
-            self.spec = load_workload(o.workload or DEFAULT_WORKLOAD)
+            self.spec = self._workload()
+            self._read_datasets()
         if o.tokenizer is not None:
             self.tokenizer = _load_tokenizer(o.tokenizer)
             return
@@ -188,6 +196,29 @@ class Bench:
                 "tokenizer, which may not be the target's"
             )
         self.tokenizer = _load_tokenizer(DEFAULT_MODEL)
+
+    def _workload(self) -> WorkloadSpec:
+        """The workload; ``--dataset`` gives every class its text (alone: one plain class)."""
+        o = self.o
+        if o.dataset is None:
+            return load_workload(o.workload or DEFAULT_WORKLOAD)
+        if o.workload is None:
+            name = Path(o.dataset.dataset).stem
+            return parse_workload(
+                {"name": name, "classes": [{"name": name, "source": o.dataset.model_dump()}]},
+                "--dataset",
+            )
+        return load_workload(o.workload).with_dataset(o.dataset)
+
+    def _read_datasets(self) -> None:
+        """Read every dataset file once, before a server starts or a request is sent."""
+        assert self.spec is not None
+        for cls in self.spec.classes:
+            src = cls.source
+            if src is not None and src.key() not in self.datasets:
+                ds = load_dataset(src.dataset, src.format, src.field)
+                self.datasets[src.key()] = ds
+                self.warnings.extend(ds.warnings)
 
     def _request_model(self) -> str:
         assert self.info is not None
@@ -220,6 +251,7 @@ class Bench:
             "tokenizer": self.tokenizer,
             "endpoint": self.o.endpoint,
             "max_model_len": self.info.max_model_len if self.info else None,
+            "datasets": self.datasets,
         }
         if stage.load.closed and stage.load.requests is None and stage.load.trace is None:
             return iter_plan(self.spec, stage.load, self.o.seed, info=stage.plan_info, **kw)
@@ -261,6 +293,7 @@ class Bench:
         monitor.start()
         progress.start()
         dist: DistributedStage | None = None
+        runner: Runner | None = None
         try:
             if self.pool is not None:
                 dist = await self.pool.run_stage(
@@ -309,11 +342,25 @@ class Bench:
                     slos=self._slos(),
                     warmup=self.o.warmup,
                     cooldown=self.o.cooldown,
+                    similarity=self._similarity(runner) if runner is not None else None,
                 )
             except ValueError as e:
                 self.warnings.append(f"{stage.label or 'run'}: no summary: {e}")
         if stage.summary:
             self._token_warnings(stage)
+
+    def _similarity(self, runner: Runner) -> dict[str, Any] | None:
+        """The ideal prefix reuse of what this stage sent, tokenized after the stage so that
+        it costs the event loop nothing while streams run."""
+        if self.tokenizer is None or not runner.prompts:
+            return None
+        chat = self.o.endpoint == "chat"
+
+        def ids(p: str | list[dict[str, str]]) -> list[int]:
+            text = self.tokenizer.apply_chat_template(p, add_generation_prompt=True) if chat else p
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        return ideal_prefix_reuse((cls, ids(p)) for cls, p in runner.prompts)
 
     def _token_warnings(self, stage: Stage) -> None:
         assert stage.summary is not None
@@ -410,6 +457,8 @@ class Bench:
                 "cooldown": o.cooldown.describe(),
                 "timeout_s": o.timeout,
                 "strict_openai": o.strict_openai,
+                "sampling": o.sampling,
+                "datasets": self._dataset_pins(),
                 "run_tag": self.run_tag,
                 "chunk_timestamps": self.stamping,
             },
@@ -443,6 +492,13 @@ class Bench:
             "warnings": self.warnings,
             "simulated": False,
         }
+
+    def _dataset_pins(self) -> dict[str, Any] | None:
+        """Per dataset class: the file's pin, the selection, the filters (first stage's plan)."""
+        for st in self.stages:
+            if "datasets" in st.plan_info:
+                return st.plan_info["datasets"]
+        return None
 
     def _metrics(self) -> dict[str, Any]:
         stages = [s for s in self.stages if s.result is not None]
@@ -478,6 +534,7 @@ class Bench:
                 )
             )
             c.print(rates_table(s))
+            c.print(similarity_line(s))
         elif shown:
             c.print(
                 stages_table(
@@ -524,6 +581,7 @@ class Bench:
                 strict_openai=o.strict_openai,
                 timeout=o.timeout,
                 tokenizer=self.tokenizer,
+                extra_body=o.sampling,
             )
             http = HttpClient(self.info.url)
             try:

@@ -100,6 +100,8 @@ class Runner:
         self._on_record = on_record or (lambda r: None)
         self.records: list[ClientRecord] = []
         self.sent = 0
+        # (class, prompt or messages) in send order, for the request-similarity figure
+        self.prompts: list[tuple[str, str | list[dict[str, str]]]] = []
         # one queue of re-counts for all streams, so a wave of finished requests is spread;
         # a request is recorded once counted, while its stream goes on to the next one
         self._recounter = Recounter(target.tokenizer) if target.tokenizer is not None else None
@@ -197,7 +199,8 @@ class Runner:
             outcome = await self._send(req, history, intended)
             if not outcome.record.ok:
                 failed = outcome.record.request_id
-            history.append((req.prompt, outcome.text))
+            # a dataset's recorded reply, where the plan keeps one; otherwise the model's own
+            history.append((req.prompt, req.reply if req.reply is not None else outcome.text))
 
     def _rid(self, req: PlannedRequest) -> str:
         return request_id(self.run_tag, req)
@@ -223,6 +226,7 @@ class Runner:
     ) -> Outcome:
         prompt, planned_in = self._compose(req, history)
         self.sent += 1
+        self.prompts.append((req.workload_class, prompt))
         self._on_send(req)
         outcome = await send(
             self.http,
@@ -232,6 +236,7 @@ class Runner:
             req.max_tokens,
             stream=req.stream,
             priority=req.priority,
+            force_length=req.force_length,
             planned_input_tokens=planned_in,
             intended_send=intended,
             workload_class=req.workload_class,

@@ -7,6 +7,7 @@ records when it wrote every chunk (``time.monotonic()``, system-wide on Linux), 
 serves those times as servelab timelines (``GET /v1/timelines?ids=...``), so a test
 or benchmark can compare what the client measured with what really happened.
 
+Reasoning models (chat): the first ``reasoning`` tokens stream as ``reasoning_content``.
 Fault injection for tests: a role-only first chunk (chat), empty chunks between
 token chunks, several SSE events coalesced into one write, a connection cut after
 ``fail_after`` tokens, an HTTP error ``status``. Per request, the JSON header
@@ -64,6 +65,7 @@ class Schedule:
     fail_after: int | None = None  # cut the connection after this many tokens
     status: int = 200  # != 200: answer with an OpenAI error body
     default_max_tokens: int = 16
+    reasoning: int = 0  # chat: the first n tokens stream as delta.reasoning_content
 
     def chunk_offsets(self, n_chunks: int) -> list[float]:
         """When each token chunk is due, in seconds after the request arrived."""
@@ -236,11 +238,12 @@ class TestServer:
             finish: str | None = None,
             usage: dict | None = None,
             role: bool = False,
+            reasoning: bool = False,
         ) -> bytes:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text is not None:
-                    delta["content"] = text
+                    delta["reasoning_content" if reasoning else "content"] = text
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish}
@@ -259,9 +262,10 @@ class TestServer:
         for j, off in enumerate(offsets):
             m = min(k, n - sent)
             text = "".join(WORDS[(sent + i) % len(WORDS)] for i in range(m))
+            thinking = sent < sched.reasoning
             sent += m
             usage = _usage(tl.prompt_tokens, sent) if continuous else None
-            pending.append(event(text, "length" if sent == n else None, usage))
+            pending.append(event(text, "length" if sent == n else None, usage, reasoning=thinking))
             if sched.empty_chunk_every and (j + 1) % sched.empty_chunk_every == 0 and sent < n:
                 pending.append(event(""))
             batched += 1

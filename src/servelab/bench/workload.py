@@ -212,15 +212,43 @@ class SessionSpec(BaseModel):
     carry_history: bool = True
 
 
+class DatasetSource(BaseModel):
+    """A class whose text comes from a dataset (``bench.datasets``) instead of the corpus.
+
+    ``conversation: multi-turn`` replays each conversation as a session (its own turns;
+    the class's ``session.think_time`` between them), sending the recorded replies as history
+    unless ``history: generated``. ``output_len``: ``dataset`` (the recorded reply's length,
+    forced), ``natural`` (not forced) or a number of tokens.
+    """
+
+    model_config = _STRICT
+
+    dataset: str
+    format: str | None = None
+    field: str | None = None
+    conversation: Literal["single-turn", "multi-turn"] = "single-turn"
+    history: Literal["recorded", "generated"] = "recorded"
+    output_len: Literal["dataset", "natural"] | Annotated[int, Field(ge=1)] = "dataset"
+    min_input_len: int | None = Field(None, ge=1)
+    max_input_len: int | None = Field(None, ge=1)
+
+    def key(self) -> tuple[str, str | None, str | None]:
+        """What identifies the file read: classes with one key share one parse."""
+        return (self.dataset, self.format, self.field)
+
+
 class ClassSpec(BaseModel):
-    """One request class of a workload."""
+    """One request class of a workload. A class with a ``source`` needs no ``input``
+    length (its prompts are the dataset's) and uses ``output`` only for records that
+    give no output length."""
 
     model_config = _STRICT
 
     name: str
     weight: float = Field(1.0, gt=0)
-    input: Dist
-    output: Dist
+    input: Dist | None = None
+    output: Dist | None = None
+    source: DatasetSource | None = None
     prefix: list[PrefixLayer] = Field(default_factory=list)
     session: SessionSpec | None = None
     stream: bool = True
@@ -229,6 +257,12 @@ class ClassSpec(BaseModel):
     slo: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
 
     _slo = field_validator("slo", mode="before")(_slo_dict)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> ClassSpec:
+        if self.source is None and (self.input is None or self.output is None):
+            raise ValueError("a class needs input and output lengths, or a source: {dataset: ...}")
+        return self
 
 
 class WorkloadSpec(BaseModel):
@@ -251,6 +285,11 @@ class WorkloadSpec(BaseModel):
             raise ValueError(f"class names must be unique; repeated: {dupes}")
         return self
 
+    def with_dataset(self, source: DatasetSource) -> WorkloadSpec:
+        """Every class without a source of its own takes its text from ``source``."""
+        classes = [c if c.source else c.model_copy(update={"source": source}) for c in self.classes]
+        return self.model_copy(update={"classes": classes})
+
     def class_slos(self, override: SLO | None = None) -> dict[str, SLO]:
         """Each class's SLO: the workload default, then the class's own, then ``override``."""
         base = SLO.from_dict(self.slo)
@@ -264,7 +303,18 @@ class WorkloadSpec(BaseModel):
         """Load every empirical distribution file (paths relative to ``base``)."""
         classes = []
         for c in self.classes:
-            upd: dict[str, Any] = {"input": c.input.resolve(base), "output": c.output.resolve(base)}
+            upd: dict[str, Any] = {
+                "input": c.input.resolve(base) if c.input else None,
+                "output": c.output.resolve(base) if c.output else None,
+            }
+            if (
+                c.source is not None
+                and base is not None
+                and not Path(c.source.dataset).is_absolute()
+            ):
+                local = base / c.source.dataset
+                if local.exists():  # a file beside the spec; otherwise a name or a cwd path
+                    upd["source"] = c.source.model_copy(update={"dataset": str(local)})
             upd["prefix"] = [
                 p.model_copy(update={"tokens": p.tokens.resolve(base)}) for p in c.prefix
             ]

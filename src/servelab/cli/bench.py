@@ -16,6 +16,37 @@ _LOAD = "Load"
 _LENGTH = "Run length"
 _SLO = "SLOs and search"
 _OUTPUT = "Output"
+_DATASET = "Dataset and sampling"
+
+
+def parse_output_len(text: str) -> str | int:
+    """``dataset``, ``natural`` or a number of tokens."""
+    if text in ("dataset", "natural"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise bad_flag(
+            "--output-len", f"{text!r}: give dataset, natural or a number of tokens >= 1"
+        )
+    return n
+
+
+def parse_extra_body(text: str | None) -> dict[str, object]:
+    """A JSON object merged into every request body."""
+    if text is None:
+        return {}
+    import json
+
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_flag("--extra-body", f"not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(body, dict):
+        raise bad_flag("--extra-body", "give a JSON object, e.g. '{\"seed\": 1}'")
+    return body
 
 
 def parse_sweep(text: str) -> tuple[str, list[float]]:
@@ -100,6 +131,52 @@ def bench(
         0,
         help="Seed of the whole plan (arrivals, classes, lengths, text).",
         rich_help_panel=_WORKLOAD,
+    ),
+    dataset: str | None = typer.Option(
+        None,
+        help="Real prompts instead of synthetic text: a file (sharegpt JSON, openai-chat or "
+        "openai-batch JSONL, jsonl, csv, parquet) or 'sharegpt' (the offline copy).",
+        rich_help_panel=_DATASET,
+    ),
+    dataset_format: str | None = typer.Option(
+        None, help="Override the detected dataset format.", rich_help_panel=_DATASET
+    ),
+    dataset_field: str | None = typer.Option(
+        None,
+        help="jsonl/csv/parquet: the prompt column (default: prompt).",
+        rich_help_panel=_DATASET,
+    ),
+    conversation: str = typer.Option(
+        "single-turn",
+        help="single-turn (the first user turn) or multi-turn (each conversation as a session).",
+        rich_help_panel=_DATASET,
+    ),
+    history: str = typer.Option(
+        "recorded",
+        help="multi-turn: send the recorded replies as history, or the model's own (generated).",
+        rich_help_panel=_DATASET,
+    ),
+    output_len: str = typer.Option(
+        "dataset",
+        help="dataset (the recorded reply's length, forced), natural (not forced) or N tokens.",
+        rich_help_panel=_DATASET,
+    ),
+    min_input_len: int | None = typer.Option(
+        None, help="Drop dataset records with fewer prompt tokens.", rich_help_panel=_DATASET
+    ),
+    max_input_len: int | None = typer.Option(
+        None, help="Drop dataset records with more prompt tokens.", rich_help_panel=_DATASET
+    ),
+    temperature: float | None = typer.Option(
+        None, help="Sampling temperature sent with every request.", rich_help_panel=_DATASET
+    ),
+    top_p: float | None = typer.Option(
+        None, help="Nucleus sampling top_p sent with every request.", rich_help_panel=_DATASET
+    ),
+    extra_body: str | None = typer.Option(
+        None,
+        help="JSON object merged into every request, e.g. '{\"seed\": 1}'.",
+        rich_help_panel=_DATASET,
     ),
     concurrency: int | None = typer.Option(
         None, help="Closed loop: this many requests in flight.", rich_help_panel=_LOAD
@@ -196,6 +273,40 @@ def bench(
         raise bad_flag("--endpoint", f"{endpoint!r}: use completions or chat")
     if trace is not None and workload is not None:
         raise bad_flag("--trace", "a trace sets its own lengths and arrivals; drop --workload")
+    if trace is not None and dataset is not None:
+        raise bad_flag("--dataset", "replaying a trace with dataset text is not supported yet")
+    if conversation not in ("single-turn", "multi-turn"):
+        raise bad_flag("--conversation", f"{conversation!r}: use single-turn or multi-turn")
+    if history not in ("recorded", "generated"):
+        raise bad_flag("--history", f"{history!r}: use recorded or generated")
+    if temperature is not None and temperature < 0:
+        raise bad_flag("--temperature", f"{temperature}: give a number >= 0")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise bad_flag("--top-p", f"{top_p}: give a number in (0, 1]")
+    sampling = parse_extra_body(extra_body)
+    if temperature is not None:
+        sampling["temperature"] = temperature
+    if top_p is not None:
+        sampling["top_p"] = top_p
+    source = None
+    if dataset is not None:
+        from servelab.bench.workload import DatasetSource
+
+        try:
+            source = DatasetSource(
+                dataset=dataset,
+                format=dataset_format,
+                field=dataset_field,
+                conversation=conversation,  # type: ignore[arg-type]
+                history=history,  # type: ignore[arg-type]
+                output_len=parse_output_len(output_len),
+                min_input_len=min_input_len,
+                max_input_len=max_input_len,
+            )
+        except ValueError as e:  # pydantic's ValidationError is one
+            raise fail(f"invalid dataset flags: {e}", "bench") from None
+    elif dataset_format or dataset_field or min_input_len or max_input_len:
+        raise bad_flag("--dataset", "the --dataset-*/--*-input-len flags need --dataset SRC")
     if find_max_rate and sweep is not None:
         raise bad_flag("--find-max-rate", "choose --sweep or --find-max-rate, not both")
     if workers < 1:
@@ -274,6 +385,8 @@ def bench(
             overwrite=overwrite,
             workers=workers,
             ray_address=ray_address,
+            dataset=source,
+            sampling=sampling,
         )
     except ValueError as e:
         raise fail(str(e), "bench") from None

@@ -292,15 +292,16 @@ def summary_table(title: str, summary: dict[str, Any]) -> Table:
         t.add_column(col, justify="right" if col != "metric (ms)" else "left")
     names = {
         "ttft": "TTFT",
+        "ttfo": "TTFO (first non-reasoning)",
         "ttft_intended": "TTFT from intended send",
         "itl": "ITL",
         "tpot": "TPOT",
         "e2e": "E2E",
     }
     for key, name in names.items():
-        s = o["latency"][key]
-        if not s["n"]:
-            continue
+        s = o["latency"].get(key)
+        if not s or not s["n"] or (key == "ttfo" and not o.get("reasoning_tokens")):
+            continue  # TTFO is TTFT when nothing was reasoning
         t.add_row(
             name,
             str(s["n"]),
@@ -312,6 +313,23 @@ def summary_table(title: str, summary: dict[str, Any]) -> Table:
             _ms1(s["max"]),
         )
     return t
+
+
+def similarity_line(summary: dict[str, Any]) -> str:
+    """Request similarity: the ideal prefix reuse of what was sent beside the server's
+    measured prefix-cache hit rate, overall and per class."""
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.1%}"
+
+    groups = {"overall": summary["overall"], **summary["by_class"]}
+    parts = [
+        f"{k} {pct(g.get('prefix_reuse_ideal'))} ideal / {pct(g.get('prefix_cache_hit_rate'))} hit"
+        for k, g in groups.items()
+    ]
+    block = (summary.get("similarity") or {}).get("block_size")
+    where = f" (ideal: {block}-token blocks, in send order)" if block else ""
+    return "prefix reuse" + where + ": " + "; ".join(parts)
 
 
 def rates_table(summary: dict[str, Any]) -> Table:
