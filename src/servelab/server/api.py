@@ -370,8 +370,8 @@ async def version(request: web.Request) -> web.Response:
         engine.pop("pid", None)  # /version is open without the API key: no process ids
     body: dict[str, Any] = {"version": __version__, "engine": engine}
     workers = getattr(client, "workers_info", None)
-    if workers is not None:  # disaggregated: each worker's role, threads and CPUs
-        body["workers"] = [{k: v for k, v in w.items() if k != "pid"} for w in workers()]
+    if workers is not None:  # disaggregated: each worker's role, pid, threads and CPUs
+        body["workers"] = workers()
     return _json(body)
 
 
