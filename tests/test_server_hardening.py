@@ -118,6 +118,15 @@ def test_deep_nesting_is_400(http: httpx.Client, where: str) -> None:
     assert http.post("/v1/completions", content=ok).status_code == 200
 
 
+def test_depth_hidden_by_brackets_in_strings_is_still_400(http: httpx.Client) -> None:
+    # Valid JSON 3000 levels deep, but counted raw each level closes inside a string.
+    masked = '["]", ' * 3000 + "1" + ', "["]' * 3000
+    body = f'{{"prompt": "hi", "max_tokens": 2, "junk": {masked}}}'
+    r = http.post("/v1/completions", content=body)
+    assert r.status_code == 400, r.text
+    assert_healthy(http)
+
+
 # ---- 3 and 4. big bodies: refused before tokenising, off the event loop ----
 
 
@@ -365,16 +374,31 @@ def test_engine_death_metrics_and_errors(tiny_llama_dir: Path) -> None:
 
 # ---- fuzz: oversized and malformed requests ----
 
+
+class RawJSON(str):
+    """A field value that is already JSON text."""
+
+
+def body_text(fields: dict[str, Any]) -> str:
+    return (
+        "{"
+        + ", ".join(
+            f"{json.dumps(k)}: {v if isinstance(v, RawJSON) else json.dumps(v)}"
+            for k, v in fields.items()
+        )
+        + "}"
+    )
+
+
 HUGE_INT = st.integers(min_value=2**63, max_value=2**200) | st.integers(
     min_value=-(2**200), max_value=-(2**63) - 1
 )
 INT_FIELDS = ["max_tokens", "min_tokens", "top_k", "seed", "n", "priority", "best_of"]
 
 
-def deep(depth: int, leaf: Any) -> Any:
-    for _ in range(depth):
-        leaf = [leaf]
-    return leaf
+def deep(depth: int) -> str:
+    """JSON text nested ``depth`` deep (as text: Python objects that deep break repr)."""
+    return "[" * depth + "1" + "]" * depth
 
 
 CASES = st.one_of(
@@ -382,7 +406,7 @@ CASES = st.one_of(
     st.builds(lambda v: {"stop_token_ids": [v]}, HUGE_INT),
     st.builds(lambda v: {"prompt": [1, v]}, HUGE_INT),
     st.builds(
-        lambda f, d: {f: deep(d, 1)},
+        lambda f, d: {f: RawJSON(deep(d))},
         st.sampled_from(["prompt", "response_format", "tools", "junk", "stop"]),
         st.integers(MAX_JSON_DEPTH - 2, 3000),
     ),
@@ -413,7 +437,7 @@ def test_fuzzed_oversized_requests_never_5xx(
     )
     r = http.post(
         "/v1/chat/completions" if chat else "/v1/completions",
-        content=json.dumps({**base, **case}),
+        content=body_text({**base, **case}),
     )
     assert r.status_code < 500, r.text[:500]
     if r.status_code >= 400:

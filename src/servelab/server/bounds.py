@@ -16,26 +16,35 @@ _NON_BRACKETS = bytes(b for b in range(256) if b not in _BRACKETS)
 _AS_PARENS = bytes.maketrans(_BRACKETS, b"()()")
 
 
-def json_too_deep(body: bytes, max_depth: int) -> bool:
-    """True if ``body`` nests arrays/objects more than ``max_depth`` levels deep.
-
-    Brackets inside strings do not count. Each pass deletes the empty containers ``()``
-    (after the previous passes, those are the ones of height k in pass k), so the body is
-    too deep exactly when something is left after ``max_depth`` passes. Every step is a C
-    loop over bytes; the common body with few brackets costs two ``count`` calls.
-    """
-    if body.count(b"[") + body.count(b"{") <= max_depth:
-        return False
-    # Outside strings: drop escaped backslashes, then escaped quotes (both only occur
-    # inside strings), and keep every other piece between quotes.
-    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    outside = b"".join(unescaped.split(b'"')[::2])
-    shape = outside.translate(_AS_PARENS, _NON_BRACKETS)
+def _height_exceeds(data: bytes, max_depth: int) -> bool:
+    # Each pass deletes the empty containers "()"; after k passes those of height <= k are
+    # gone, so something is left after max_depth passes exactly when the height exceeds it.
+    shape = data.translate(_AS_PARENS, _NON_BRACKETS)
     for _ in range(max_depth):
         if not shape:
             return False
         shape = shape.replace(b"()", b"")
     return bool(shape)
+
+
+def json_too_deep(body: bytes, max_depth: int) -> bool:
+    """True if ``body`` nests arrays/objects more than ``max_depth`` levels deep.
+
+    Every step is a C loop over bytes. The common body has few brackets (two ``count``
+    calls) or brackets that nest shallowly even counting those inside strings (one
+    ``translate`` and a few ``replace``). Only a body that looks deep that way pays for
+    cutting its strings out (a split at every quote), so that a prompt full of brackets is
+    not refused. Brackets inside strings could also hide depth (``[ "]" [ ... ] "[" ]``);
+    msgspec's own recursion limit still turns such a body into a 400 (protocol._decode).
+    """
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return False
+    if not _height_exceeds(body, max_depth):
+        return False
+    # Outside strings: drop escaped backslashes, then escaped quotes (both only occur
+    # inside strings), and keep every other piece between quotes.
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return _height_exceeds(b"".join(unescaped.split(b'"')[::2]), max_depth)
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:

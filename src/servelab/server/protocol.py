@@ -125,7 +125,7 @@ def _decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         )
     try:
         return msgspec.json.decode(body, type=kind)
-    except RecursionError:  # the depth check above makes this unreachable; keep it a 400
+    except RecursionError:  # depth hidden by brackets inside strings (bounds.json_too_deep)
         raise APIError(400, "The request body nests too deeply.") from None
     except msgspec.ValidationError as e:
         m = _FIELD_RE.search(str(e))
