@@ -16,7 +16,8 @@ def serve(
         None,
         envvar=API_KEY_ENV,
         show_default=False,
-        help=f"Require 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_ENV}).",
+        help=f"Require 'Authorization: Bearer KEY' on /v1 routes and POST /reset_prefix_cache "
+        f"(or set ${API_KEY_ENV}); /health, /metrics and /version stay open.",
     ),
     served_model_name: str | None = typer.Option(
         None, help="Name clients pass as 'model' (default: --model)."
@@ -54,6 +55,17 @@ def serve(
     ),
     shutdown_timeout: float = typer.Option(
         30.0, help="On SIGTERM, seconds to let in-flight requests finish before aborting them."
+    ),
+    max_stop_sequences: int = typer.Option(
+        4, help="Most stop strings one request may send (OpenAI's limit is 4)."
+    ),
+    max_body_size: str = typer.Option(
+        "16MiB", help="Largest request body, e.g. 16MiB or 64M; bigger ones get 413."
+    ),
+    header_timeout: float = typer.Option(
+        5.0,
+        help="Seconds a connection may take to send a request's headers, from its opening or "
+        "its previous response; also closes idle keep-alive connections.",
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     simulate: str | None = typer.Option(
@@ -105,6 +117,9 @@ def serve(
         device=device,
         threads=threads,
         shutdown_timeout=shutdown_timeout,
+        max_stop_sequences=max_stop_sequences,
+        max_body_size=max_body_size,
+        header_timeout=header_timeout,
         log_level=log_level,
         simulate=simulate,
         speculative_config=speculative_config,

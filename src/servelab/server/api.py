@@ -7,6 +7,10 @@ client goes away (aiohttp cancels the handler: ``handler_cancellation=True``), t
 Streams send one SSE event per batch of new tokens, the first one carrying the first
 token (chat: with ``role``), and end with ``data: [DONE]``. The last event before
 [DONE] carries ``"servelab": RequestTimeline.summary()``.
+
+Nothing heavy on the event loop: a body over ``_OFF_LOOP_BYTES`` is decoded, templated and
+tokenised in a small thread pool (tokenised with ``encode_batch``, which releases the GIL),
+and the limits in protocol.py bound that work, so ``/health`` answers meanwhile.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +52,8 @@ from servelab.vocab import RequestTimeline
 
 log = logging.getLogger("servelab.server")
 
-_TOKENIZE_IN_THREAD_CHARS = 32_768  # longer prompts are tokenised off the event loop
+_OFF_LOOP_BYTES = 32_768  # bigger bodies are parsed and tokenised in the pool
+_POOL_THREADS = 2
 _LAG_PERIOD_S = 0.05
 _RETRY_AFTER_S = "1"
 _MAX_ID_LEN = 256
@@ -61,6 +68,7 @@ class ServerState:
     limits: ModelLimits
     api_key: str | None = None
     max_queue: int | None = None
+    max_body_bytes: int = 16 * 1024**2
     draining: bool = False
 
     @property
@@ -69,6 +77,7 @@ class ServerState:
 
 
 STATE = web.AppKey("servelab_state", ServerState)
+POOL = web.AppKey("servelab_prepare_pool", ThreadPoolExecutor)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -95,7 +104,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return _json(error_body(e.status, f"{e.reason}: {request.method} {request.path}"), e.status)
+        request.app[STATE].client.metrics.observe_rejected(e.status)
+        if e.status == 413:
+            limit = request.app[STATE].max_body_bytes
+            message = f"The request body exceeds this server's limit of {limit} bytes."
+        else:
+            message = f"{e.reason}: {request.method} {request.path}"
+        return _json(error_body(e.status, message), e.status)
     except asyncio.CancelledError:
         raise
     except Exception:
@@ -105,9 +120,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With an API key set, /v1 routes need ``Authorization: Bearer KEY`` (as in vLLM)."""
+    """With an API key set, /v1 routes (as in vLLM) and every other state-changing route
+    (any method but GET/HEAD, e.g. /reset_prefix_cache) need ``Authorization: Bearer KEY``.
+    /health, /metrics and /version stay open for probes and scrapers, as in vLLM."""
     key = request.app[STATE].api_key
-    if key is not None and request.path.startswith("/v1/"):
+    if key is not None and (
+        request.path.startswith("/v1/") or request.method not in ("GET", "HEAD")
+    ):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise APIError(
@@ -133,13 +152,8 @@ def _request_id(request: web.Request, st: ServerState) -> str:
     return rid
 
 
-async def _tokenize(st: ServerState, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) > _TOKENIZE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(st.tokenizer.encode, text, add_special_tokens)
-    return st.tokenizer.encode(text, add_special_tokens)
-
-
-async def _prompt_ids(st: ServerState, body: bytes, chat: bool) -> ParsedRequest:
+def _prepare(st: ServerState, body: bytes, chat: bool, off_loop: bool) -> ParsedRequest:
+    """Validate, template and tokenise one request body (the limits run first)."""
     if chat:
         parsed, messages = parse_chat(body, st.limits)
         try:
@@ -151,8 +165,20 @@ async def _prompt_ids(st: ServerState, body: bytes, chat: bool) -> ParsedRequest
     else:
         parsed = parse_completion(body, st.limits)
     if parsed.token_ids is None:
-        parsed.token_ids = await _tokenize(st, parsed.text or "", parsed.add_special_tokens)
+        text = parsed.text or ""
+        if off_loop:  # encode_batch releases the GIL while it works; encode does not
+            parsed.token_ids = st.tokenizer.encode_batch([text], parsed.add_special_tokens)[0]
+        else:
+            parsed.token_ids = st.tokenizer.encode(text, parsed.add_special_tokens)
     return parsed
+
+
+async def _prompt_ids(request: web.Request, body: bytes, chat: bool) -> ParsedRequest:
+    st = request.app[STATE]
+    if len(body) <= _OFF_LOOP_BYTES:
+        return _prepare(st, body, chat, off_loop=False)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[POOL], _prepare, st, body, chat, True)
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -162,9 +188,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         raise APIError(503, "The server is shutting down; retry on another instance.")
     if not st.client.alive:
         raise APIError(
-            503, f"{st.client.dead_reason or 'The engine is not running'}; restart the server."
+            503,
+            f"{st.client.dead_reason or 'The engine is not running'}; restart the server.",
+            code="engine_dead",
         )
-    parsed = await _prompt_ids(st, await request.read(), chat)
+    parsed = await _prompt_ids(request, await request.read(), chat)
     assert parsed.token_ids is not None
     params = finalize(parsed, parsed.token_ids, st.limits)
     if st.max_queue is not None and st.client.num_waiting >= st.max_queue:
@@ -338,7 +366,10 @@ async def health(request: web.Request) -> web.Response:
 async def version(request: web.Request) -> web.Response:
     """servelab's version and the engine's resolved configuration (for run manifests)."""
     client = request.app[STATE].client
-    body: dict[str, Any] = {"version": __version__, "engine": client.info}
+    engine = msgspec.to_builtins(client.info) if client.info is not None else None
+    if engine is not None:
+        engine.pop("pid", None)  # /version is open without the API key: no process ids
+    body: dict[str, Any] = {"version": __version__, "engine": engine}
     workers = getattr(client, "workers_info", None)
     if workers is not None:  # disaggregated: each worker's role, pid, threads and CPUs
         body["workers"] = workers()
@@ -393,10 +424,18 @@ async def _watch_loop_lag(app: web.Application) -> Any:
     task.cancel()
 
 
+async def _prepare_pool(app: web.Application) -> AsyncIterator[None]:
+    pool = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="servelab-prepare")
+    app[POOL] = pool
+    yield
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=16 * 1024**2)
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=state.max_body_bytes)
     app[STATE] = state
     app.cleanup_ctx.append(_watch_loop_lag)
+    app.cleanup_ctx.append(_prepare_pool)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -406,3 +445,56 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
+
+
+# ---- aiohttp's own errors ----
+
+_CAMEL_RE = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+class _JSONErrorHandler(web.RequestHandler):
+    """aiohttp's own error answers (HTTP its parser refuses: oversized or too many headers,
+    a bad method, Content-Length with Transfer-Encoding, a bad chunk size...) in OpenAI's
+    shape, with the parser's exception as the code (``LineTooLong`` -> ``line_too_long``)."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # too late for an error response: aiohttp raises
+            return super().handle_error(request, status, exc, message)
+        if status >= 500:
+            log.error("servelab serve: error handling a request", exc_info=exc)
+            body = error_body(status, "Internal server error; see the server log.")
+        else:
+            # Debug only: a client can send malformed HTTP at will, and must not fill the log.
+            log.debug("servelab serve: refused malformed HTTP from %s: %s", request.remote, exc)
+            code = _CAMEL_RE.sub("_", type(exc).__name__).lower() if exc is not None else None
+            text = message or (str(exc) if exc is not None else "the server cannot parse it")
+            body = error_body(status, f"Malformed HTTP request: {text}", code=code)
+        resp = _json(body, status)
+        resp.force_close()
+        return resp
+
+
+class _JSONErrorServer(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        return _JSONErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class Runner(web.AppRunner):
+    """web.AppRunner whose connections answer aiohttp's own errors as JSON (see above).
+
+    aiohttp has no public hook for this: the server it builds is given our handler class.
+    tests/test_server_hardening.py pins the behaviour, so an aiohttp upgrade that changes
+    these internals fails a test rather than silently going back to plain text."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JSONErrorServer
+        return server

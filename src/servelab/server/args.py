@@ -50,6 +50,12 @@ class ServerArgs:
     device: str | None = None
     threads: int | None = None
     shutdown_timeout: float = 30.0
+    # Limits at the door (docs/design/server.md): OpenAI's 4 stop sequences by default.
+    max_stop_sequences: int = 4
+    max_body_size: str = "16MiB"
+    # Seconds a connection may take to send a complete request head, counted from its
+    # opening or its previous response: it also closes idle keep-alive connections.
+    header_timeout: float = 5.0
     log_level: str = "info"
     simulate: str | None = None  # HARDWARE:MODEL: stream at the simulator's timings
     speculative_config: str | None = None  # vLLM's JSON, e.g. '{"method": "ngram", ...}'
@@ -91,6 +97,16 @@ class ServerArgs:
         if self.shutdown_timeout < 0:
             raise ValueError(
                 f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"
+            )
+        if self.max_stop_sequences < 0:
+            raise ValueError(
+                f"--max-stop-sequences must be >= 0 (0 refuses stop), got {self.max_stop_sequences}"
+            )
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-size must be at least 1KiB, got {self.max_body_size!r}")
+        if not self.header_timeout > 0:
+            raise ValueError(
+                f"--header-timeout must be a positive number of seconds, got {self.header_timeout}"
             )
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"--log-level {self.log_level!r}: use debug, info, warning or error")
@@ -157,6 +173,16 @@ class ServerArgs:
         if self.speculative_config is not None:
             cfg.speculative_config = parse_speculative_config(self.speculative_config).to_dict()
         return cfg
+
+    @property
+    def max_body_bytes(self) -> int:
+        """``--max-body-size`` in bytes."""
+        try:
+            return int(parse_size_gb(self.max_body_size) * 1e9)
+        except ValueError:
+            raise ValueError(
+                f"--max-body-size {self.max_body_size!r} is not a size: use e.g. 16MiB or 64M"
+            ) from None
 
     @property
     def torch_threads(self) -> int:

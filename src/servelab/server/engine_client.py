@@ -139,6 +139,7 @@ class EngineClient:
             return
         self.dead_reason = f"the engine core process exited unexpectedly (exit code {code})"
         log.error("servelab serve: %s; /health now answers 503", self.dead_reason)
+        self.metrics.engine_down()
         self._fail_all(self.dead_reason)
 
     def _fail_all(self, reason: str) -> None:

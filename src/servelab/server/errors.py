@@ -1,4 +1,8 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every error has a ``code``: the specific one when there is (``engine_dead``,
+``context_length_exceeded``...), else the status's own, so clients can branch on it.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,19 @@ _TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+}
+# HTTP status -> the code of an error that has no more specific one.
+_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout",
 }
 
 
@@ -50,6 +67,6 @@ def error_body(
                 status, "server_error" if status >= 500 else "invalid_request_error"
             ),
             "param": param,
-            "code": code,
+            "code": code or _CODES.get(status, "server_error" if status >= 500 else "bad_request"),
         }
     }

@@ -22,8 +22,9 @@ from typing import Any
 from aiohttp import web
 
 from servelab.server import ipc
-from servelab.server.api import ServerState, build_app
+from servelab.server.api import Runner, ServerState, build_app
 from servelab.server.args import ServerArgs
+from servelab.server.bounds import longest_token_chars
 from servelab.server.engine_client import CoreStartupError, EngineClient
 from servelab.server.metrics import ServerMetrics
 from servelab.server.protocol import ModelLimits
@@ -138,14 +139,27 @@ async def serve(
         max_model_len=info.max_model_len,
         vocab_size=tokenizer.vocab_size,
         kv_capacity_tokens=info.num_kv_blocks * info.block_size,
+        max_token_chars=longest_token_chars(tokenizer),
+        max_stop_sequences=args.max_stop_sequences,
     )
-    state = ServerState(client, tokenizer, limits, api_key=args.api_key, max_queue=args.max_queue)
-    runner = web.AppRunner(
+    state = ServerState(
+        client,
+        tokenizer,
+        limits,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+    )
+    runner = Runner(
         build_app(state),
         handler_cancellation=True,
         access_log=None,
         handle_signals=False,
         shutdown_timeout=max(1.0, args.shutdown_timeout),
+        # aiohttp's keep-alive timer runs from a connection's opening and from each
+        # response, and closes the connection if no complete request head came by then:
+        # one timer bounds both slow headers (slowloris) and idle keep-alive connections.
+        keepalive_timeout=args.header_timeout,
     )
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_address=True)

@@ -12,6 +12,10 @@ Speculative decoding: vLLM's ``vllm:spec_decode_num_drafts``, ``..._num_draft_to
 0-based), counted from each finished request's ``RequestTimeline.spec`` (so a request
 counts once it ends, aborts included). Like vLLM, they appear only once speculation ran.
 
+Engine death: ``servelab:engine_alive`` drops from 1 to 0 and the state gauges (running,
+waiting, KV usage and blocks used) read 0 from then on: nothing runs on a dead engine, and
+a scrape must not show its last state as live.
+
 To extend (KV transfer): add the metric in ``ServerMetrics.__init__`` and
 an ``observe_*``/``update_*`` method fed from ``EngineClient``; nothing else changes.
 """
@@ -243,6 +247,11 @@ class ServerMetrics:
             "servelab:kv_cache_blocks_used", "KV blocks referenced by requests."
         )
         self.kv_blocks_total = gauge("servelab:kv_cache_blocks_total", "KV blocks in the pool.")
+        self.engine_alive = gauge(
+            "servelab:engine_alive", "1 while the engine can serve, 0 once it died."
+        )
+        self.engine_alive.set(1)
+        self._alive = True
         self.evictions = counter(
             "servelab:prefix_cache_evictions", "Cached KV blocks evicted (LRU)."
         )
@@ -297,6 +306,8 @@ class ServerMetrics:
 
     def update_engine(self, stats: dict[str, Any], busy: float, idle: float) -> None:
         """Engine stats (EngineStats as a dict) and the core's cumulative busy/idle seconds."""
+        if not self._alive:
+            return  # a batch still queued behind the engine's death: its state is gone
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_usage"])
@@ -306,6 +317,13 @@ class ServerMetrics:
             self._inc_to(getattr(self, attr), key, stats.get(key, 0))
         self._inc_to(self.core_busy, "busy", busy)
         self._inc_to(self.core_idle, "idle", idle)
+
+    def engine_down(self) -> None:
+        """The engine died: say so, and stop showing its last state as live."""
+        self._alive = False
+        self.engine_alive.set(0)
+        for g in (self.running, self.waiting, self.kv_usage, self.kv_blocks_used):
+            g.set(0)
 
     def _inc_to(self, counter: Any, key: str, total: float) -> None:
         delta = total - self._totals.get(key, 0)

@@ -11,16 +11,25 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from servelab.engine.sampling_params import SamplingParams
+from servelab.server.bounds import json_too_deep, least_tokens
 from servelab.server.errors import APIError
 
 SSE_DONE = b"data: [DONE]\n\n"
 _MAX_SEED = 2**63 - 1
 _GREEDY_BELOW = 1e-5  # temperatures this small are greedy (vLLM does the same)
+# What msgpack (the IPC to the core) carries: a bigger integer is a 400 naming its field.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# Limits at the door (docs/design/server.md compares each with vLLM and OpenAI).
+MAX_JSON_DEPTH = 64
+MAX_MESSAGES = 2048  # OpenAI's cap
+MAX_STOP_CHARS = 256  # stop strings are matched against the text tail at every step
+MAX_STOP_TOKEN_IDS = 256
+DEFAULT_MAX_STOP_SEQUENCES = 4  # OpenAI's cap; --max-stop-sequences raises it
 
 
 class StreamOptions(msgspec.Struct):
@@ -31,19 +40,19 @@ class _Common(msgspec.Struct, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions. Unknown fields are ignored."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    min_tokens: int = 0
+    max_tokens: Int64 | None = None
+    min_tokens: Int64 = 0
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: Int64 | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: Int64 = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
@@ -52,9 +61,9 @@ class _Common(msgspec.Struct, kw_only=True):
 class CompletionRequest(_Common, kw_only=True):
     prompt: Any
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     add_special_tokens: bool = True
 
 
@@ -70,7 +79,7 @@ class ChatMessage(msgspec.Struct):
 
 class ChatRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
     tools: list[Any] | None = None
 
@@ -83,6 +92,9 @@ class ModelLimits:
     max_model_len: int
     vocab_size: int
     kv_capacity_tokens: int | None = None  # KV pool size: one request cannot outgrow it
+    # bounds.longest_token_chars: a longer text cannot fit (None: no exact bound, no check)
+    max_token_chars: int | None = None
+    max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES
 
 
 @dataclass
@@ -107,8 +119,14 @@ def _decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise APIError(
             400, "The request body is empty: send a JSON object (Content-Type: application/json)."
         )
+    if json_too_deep(body, MAX_JSON_DEPTH):
+        raise APIError(
+            400, f"The request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels."
+        )
     try:
         return msgspec.json.decode(body, type=kind)
+    except RecursionError:  # depth hidden by brackets inside strings (bounds.json_too_deep)
+        raise APIError(400, "The request body nests too deeply.") from None
     except msgspec.ValidationError as e:
         m = _FIELD_RE.search(str(e))
         param = (m.group(1) or m.group(2)) if m else None
@@ -178,9 +196,15 @@ def _sampling(req: _Common, max_tokens: int | None, limits: ModelLimits) -> dict
     if req.seed is not None and not 0 <= req.seed <= _MAX_SEED:
         raise APIError(400, f"seed must be in [0, 2**63 - 1], got {req.seed}.", param="seed")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(s == "" for s in stop):
-        raise APIError(400, "stop strings must not be empty.", param="stop")
-    stop_ids = list(req.stop_token_ids or [])
+    _check_stop(stop, limits)
+    stop_ids = list(dict.fromkeys(req.stop_token_ids or []))
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(
+            400,
+            f"stop_token_ids holds {len(stop_ids)} distinct ids; at most {MAX_STOP_TOKEN_IDS} "
+            "are allowed.",
+            param="stop_token_ids",
+        )
     _check_ids(stop_ids, limits, "stop_token_ids")
     fields = {
         "max_tokens": max_tokens,
@@ -196,6 +220,52 @@ def _sampling(req: _Common, max_tokens: int | None, limits: ModelLimits) -> dict
     # Let SamplingParams check ranges now (max_tokens is checked after tokenisation).
     _make_params({**fields, "max_tokens": max_tokens or max(1, req.min_tokens)})
     return fields
+
+
+def _check_stop(stop: list[str], limits: ModelLimits) -> None:
+    # Every stop string is checked at every step of the core: a long list slows everyone.
+    if len(stop) > limits.max_stop_sequences:
+        raise APIError(
+            400,
+            f"stop holds {len(stop)} sequences; at most {limits.max_stop_sequences} are allowed "
+            "(the server's --max-stop-sequences).",
+            param="stop",
+        )
+    for s in stop:
+        if not s:
+            raise APIError(400, "stop strings must not be empty.", param="stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise APIError(
+                400,
+                f"A stop string has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed.",
+                param="stop",
+            )
+
+
+def _check_chars(chars: int, max_tokens: int | None, limits: ModelLimits, param: str) -> None:
+    """Refuse, before tokenising, a text that cannot fit: each token covers at most
+    ``max_token_chars`` characters, so it needs at least ceil(chars / that) tokens."""
+    longest, limit = limits.max_token_chars, limits.max_model_len
+    if longest is None:
+        return
+    least = least_tokens(chars, longest)
+    head = f"This model's maximum context length is {limit} tokens. However, the {param} has "
+    why = f"no token of this model spans more than {longest} characters"
+    if least >= limit:
+        message = f"{head}{chars} characters, so at least {least} tokens ({why}). Shorten it."
+    elif max_tokens is not None and least + max_tokens > limit:
+        message = (
+            f"{head}{chars} characters, so at least {least} tokens ({why}), and you requested "
+            f"{max_tokens} for the completion. Shorten the {param} or lower max_tokens."
+        )
+    else:
+        return
+    raise APIError(
+        400,
+        message,
+        param=param if least >= limit else "max_tokens",
+        code="context_length_exceeded",
+    )
 
 
 def _make_params(fields: dict[str, Any]) -> SamplingParams:
@@ -232,6 +302,7 @@ def parse_completion(body: bytes, limits: ModelLimits) -> ParsedRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        _check_chars(len(prompt), common["sampling"]["max_tokens"], limits, "prompt")
         return ParsedRequest(False, prompt, None, req.add_special_tokens, **common)
     if (
         isinstance(prompt, list)
@@ -262,6 +333,12 @@ def parse_chat(body: bytes, limits: ModelLimits) -> tuple[ParsedRequest, list[di
         raise APIError(400, "tools are not supported.", param="tools")
     if not req.messages:
         raise APIError(400, "messages must hold at least one message.", param="messages")
+    if len(req.messages) > MAX_MESSAGES:
+        raise APIError(
+            400,
+            f"messages holds {len(req.messages)} messages; at most {MAX_MESSAGES} are allowed.",
+            param="messages",
+        )
     messages = []
     for msg in req.messages:
         content = msg.content
@@ -274,6 +351,9 @@ def parse_chat(body: bytes, limits: ModelLimits) -> tuple[ParsedRequest, list[di
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     common = _common(req, limits, max_tokens)
+    # The template renders every content (perhaps trimmed) plus its own markup.
+    chars = sum(len(m["content"].strip()) for m in messages)
+    _check_chars(chars, max_tokens, limits, "messages")
     return ParsedRequest(True, None, None, False, **common), messages
 
 
@@ -296,6 +376,7 @@ def finalize(parsed: ParsedRequest, token_ids: list[int], limits: ModelLimits) -
             f"{want} tokens ({n} in the {param}, {fields['max_tokens']} for the completion). "
             f"Shorten the {param} or lower max_tokens.",
             param=param if n >= limit else "max_tokens",
+            code="context_length_exceeded",
         )
     # The last sampled token never needs K/V (the engine's own rule).
     if limits.kv_capacity_tokens is not None and want - 1 > limits.kv_capacity_tokens:

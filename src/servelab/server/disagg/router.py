@@ -222,6 +222,8 @@ class DisaggClient:
         for r in list(self._reqs.values()):
             if w.index in (r.prefill, r.decode) and self._depends_on(r, w):
                 self._worker_lost(r, w)
+        if not self.alive:  # no prefill or no decode worker left: the server cannot serve
+            self.metrics.engine_down()
         self._dispatch()
         self._publish()
 
