@@ -55,6 +55,12 @@ def _slo_dict(v: Any) -> Any:
     return v
 
 
+def _given(v: float | None) -> float:
+    """A parameter the distribution's validator has already required."""
+    assert v is not None, "Dist validation requires this parameter for its dist"
+    return float(v)
+
+
 class Dist(BaseModel):
     """A distribution of non-negative numbers (token lengths or seconds).
 
@@ -129,16 +135,18 @@ class Dist(BaseModel):
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n`` samples as floats, clipped to ``[min, max]``."""
         if self.dist == "fixed":
-            x = np.full(n, float(self.value))
+            x = np.full(n, _given(self.value))
         elif self.dist == "uniform":
-            x = rng.uniform(self.min, self.max, n)
+            x = rng.uniform(_given(self.min), _given(self.max), n)
         elif self.dist == "normal":
-            x = rng.normal(self.mean, self.std, n)
+            x = rng.normal(_given(self.mean), _given(self.std), n)
         elif self.dist == "lognormal":
-            mu = math.log(max(self.mean, 1e-12)) - self.sigma**2 / 2.0  # so E[x] == mean
-            x = rng.lognormal(mu, self.sigma, n)
+            sigma = _given(self.sigma)
+            mu = math.log(max(_given(self.mean), 1e-12)) - sigma**2 / 2.0  # so E[x] == mean
+            x = rng.lognormal(mu, sigma, n)
         elif self.dist == "exponential":
-            x = rng.exponential(self.mean, n) if self.mean > 0 else np.zeros(n)
+            mean = _given(self.mean)
+            x = rng.exponential(mean, n) if mean > 0 else np.zeros(n)
         else:
             if self.values is None:
                 raise ValueError(f"empirical distribution file {self.file} was not loaded")
@@ -154,11 +162,11 @@ class Dist(BaseModel):
     def approx_mean(self) -> float:
         """A mean good enough for sizing (not used for sampling)."""
         if self.dist == "fixed":
-            return float(self.value)
+            return _given(self.value)
         if self.dist == "uniform":
-            return (self.min + self.max) / 2.0
+            return (_given(self.min) + _given(self.max)) / 2.0
         if self.dist in ("normal", "lognormal", "exponential"):
-            return float(self.mean)
+            return _given(self.mean)
         return float(np.mean(self.values)) if self.values else 0.0
 
 

@@ -89,7 +89,7 @@ class LLMEngine:
         self.executor = executor
         self.tokenizer = tokenizer
         self.clock = clock
-        self.config = _resolve_config(config, executor)
+        self.config, self.max_model_len, self.num_kv_blocks = _resolve_config(config, executor)
         spec = self.config.speculative()
         if proposer is not None and spec is None:
             raise ValueError(
@@ -98,10 +98,10 @@ class LLMEngine:
             )
         kv_cls = RollbackKVCacheManager if spec is not None else KVCacheManager
         self.kv_cache = kv_cls(
-            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
+            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.kv_cache)
-        executor.allocate_kv(self.config.num_kv_blocks, self.config.block_size)
+        executor.allocate_kv(self.num_kv_blocks, self.config.block_size)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._eos = list(executor.eos_token_ids)
@@ -176,7 +176,7 @@ class LLMEngine:
         return ids
 
     def _check_lengths(self, num_prompt: int, sp: SamplingParams) -> None:
-        limit = self.config.max_model_len
+        limit = self.max_model_len
         if num_prompt >= limit:
             raise ValueError(
                 f"the prompt has {num_prompt} tokens but the context is {limit} tokens "
@@ -192,10 +192,10 @@ class LLMEngine:
             )
         # The last sampled token never needs K/V, hence the - 1.
         blocks = self.kv_cache.blocks_needed(num_prompt + sp.max_tokens - 1)
-        if blocks > self.config.num_kv_blocks:
+        if blocks > self.num_kv_blocks:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({sp.max_tokens}) needs {blocks} KV "
-                f"blocks but the pool has {self.config.num_kv_blocks}; raise num_kv_blocks "
+                f"blocks but the pool has {self.num_kv_blocks}; raise num_kv_blocks "
                 "(or kv_cache_memory_gb), or lower max_tokens"
             )
 
@@ -274,8 +274,10 @@ class LLMEngine:
         speculated: list = []  # only the speculative decoder gives requests drafts
         if self.spec is not None:
             speculated = [e for e in out.entries if e.num_draft_tokens]
-            for e in speculated:
-                self.spec.observe(e.request.request_id, e.num_draft_tokens, e.num_accepted)
+            for entry in speculated:
+                self.spec.observe(
+                    entry.request.request_id, entry.num_draft_tokens, entry.num_accepted
+                )
         requests, emit = self._requests, self._emit
         outputs = [emit(requests[rid], tokens, end) for rid, tokens in new_tokens.items()]
         prefill, decode = out.prefill, out.decode  # each builds a new container: read once
@@ -306,7 +308,7 @@ class LLMEngine:
         n_prompt, n_new = req.num_prompt_tokens, len(tokens)
         n_out = len(req.token_ids) - n_prompt - n_new  # output tokens before this step
         # Finished by length at max_tokens or when prompt + output fill the context.
-        length_limit = min(sp.max_tokens, self.config.max_model_len - n_prompt)
+        length_limit = min(sp.max_tokens, self.max_model_len - n_prompt)
         reason: FinishReason | None = None
         if n_new == 1 and detok is None:
             # The usual step without a tokenizer (the simulator): the rules below for one token.
@@ -413,8 +415,9 @@ class LLMEngine:
         self.finished_timelines.append(req.timeline)
 
 
-def _resolve_config(config: EngineConfig, executor: Executor) -> EngineConfig:
-    """Fill in max_model_len and num_kv_blocks from the executor; validate."""
+def _resolve_config(config: EngineConfig, executor: Executor) -> tuple[EngineConfig, int, int]:
+    """Fill in max_model_len and num_kv_blocks from the executor; validate. Returns the
+    resolved config and those two, which it no longer leaves unset."""
     config = dataclasses.replace(config)
     config.validate()
     model_len = executor.max_model_len
@@ -437,4 +440,4 @@ def _resolve_config(config: EngineConfig, executor: Executor) -> EngineConfig:
                 f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no KV block of "
                 f"{per_block} bytes; raise it"
             )
-    return config
+    return config, config.max_model_len, config.num_kv_blocks

@@ -192,15 +192,14 @@ class KVCacheManager:
         # Fast path: the table already covers the tokens (most decode steps), so nothing changes.
         if table is not None and num_tokens <= len(table) * self.block_size:
             return True
-        first = table is None
-        prefix = hit.blocks if (hit is not None and first) else []
-        have = len(prefix) if first else len(table)
+        prefix = hit.blocks if (hit is not None and table is None) else []
+        have = len(prefix) if table is None else len(table)
         need_new = max(0, self.blocks_needed(num_tokens) - have)
         # Hit blocks nobody references are still in the evictable queue; taking them shrinks it.
         revived = sum(1 for b in prefix if self._blocks[b].ref_count == 0)
         if need_new + revived > len(self._evictable):
             return False
-        if first:
+        if table is None:
             table = self._tables[request_id] = []
             self._num_registered[request_id] = len(prefix)
             if hit is not None and hit.num_queried_tokens:

@@ -123,7 +123,11 @@ class PrefixAware:
         return best
 
 
-ROUTERS = {"round-robin": RoundRobin, "least-loaded": LeastLoaded, "prefix-aware": PrefixAware}
+ROUTERS: dict[str, type[RoundRobin | LeastLoaded | PrefixAware]] = {
+    "round-robin": RoundRobin,
+    "least-loaded": LeastLoaded,
+    "prefix-aware": PrefixAware,
+}
 
 
 def make_router(name: str, n: int, block: int = 16) -> Router:

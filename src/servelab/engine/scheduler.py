@@ -38,12 +38,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from servelab.engine.config import EngineConfig
 from servelab.engine.kv_cache import KVCacheManager, PrefixHit
 from servelab.engine.plan import BatchPlan, ScheduledSeq, StepOutput
 from servelab.engine.request import Request
 from servelab.vocab import FinishReason, Phase, PrefillChunk, SpecRecord
+
+if TYPE_CHECKING:
+    from servelab.engine.spec.kv_rollback import RollbackKVCacheManager
 
 # The phases the per-sequence paths test and set, bound once: reading an Enum member
 # off its class costs about ten times a global lookup.
@@ -413,7 +417,8 @@ class Scheduler:
         e.num_accepted = accepted
         req.timeline.spec.append(SpecRecord(step_id, len(drafts), accepted))
         req.num_computed_tokens += accepted
-        self.kv_cache.trim(req.request_id, req.num_computed_tokens)
+        # Drafts are scheduled only when the engine runs speculation, on the roll-back cache.
+        cast("RollbackKVCacheManager", self.kv_cache).trim(req.request_id, req.num_computed_tokens)
 
 
 def _preemption_order(req: Request) -> tuple[int, int]:

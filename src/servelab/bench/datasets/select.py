@@ -150,7 +150,7 @@ class Sampler:
                 break
             keep = reply if self.sel.history == "recorded" else None
             turns.append(Turn(user, n_in, n_out, force, keep))
-            history = total + (self.count_raw(reply) if keep is not None else n_out)
+            history = total + (self.count_raw(keep) if keep is not None else n_out)
         return turns
 
     def _first_turn_filter(self, n_raw: int, n_in: int, out: tuple[int, bool] | None) -> str | None:

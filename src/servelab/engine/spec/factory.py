@@ -24,13 +24,16 @@ def build_decoder(
     ``spec.method`` names (EAGLE-style heads, tests)."""
     proposer = proposer if proposer is not None else build_proposer(spec, executor, config)
     policy = DraftLengthPolicy(spec.num_speculative_tokens, spec.adaptive)
+    assert config.max_model_len is not None, "build_decoder takes a resolved config"
     return SpeculativeDecoder(proposer, policy, config.max_model_len)
 
 
 def build_proposer(spec: SpeculativeConfig, executor: Any, config: EngineConfig) -> Proposer:
     """The proposer for ``spec``; ``config`` is the target engine's resolved config."""
     if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
+        assert lo is not None and hi is not None, "SpeculativeConfig.from_dict sets both"
+        return NgramProposer(lo, hi)
     build = getattr(executor, "draft_proposer", None)
     if build is None:
         raise ValueError(
