@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from servelab.bench.collect import _decode_reply
-from servelab.rundir import RunDir, read_records
+from servelab.rundir import (
+    FORMAT_VERSION,
+    RunDir,
+    RunDirError,
+    load_run,
+    read_json,
+    read_records,
+    write_manifest,
+)
 from servelab.vocab import ClientRecord
 
 
@@ -64,3 +74,31 @@ def test_records_read_back_equal_to_what_was_written(tmp_path):
         rd.add_record(rec)
     rd.close()
     assert read_records(tmp_path / "requests.jsonl") == [done, failed]
+
+
+def test_a_manifest_round_trip_keeps_unknown_fields_and_stamps_the_format(tmp_path):
+    rd = RunDir(tmp_path)
+    rd.add_record(
+        ClientRecord(request_id="r0", workload_class="chat", intended_send=1.0, actual_send=1.0)
+    )
+    rd.close()
+    written = {"name": "x", "from_a_newer_version": {"nested": [1, 2]}, "format_version": 1}
+    write_manifest(tmp_path, written)
+    run = load_run(tmp_path)
+    assert run.format_version == FORMAT_VERSION
+    assert run.manifest["from_a_newer_version"] == {"nested": [1, 2]}
+    write_manifest(tmp_path, run.manifest)  # what a later command that edits it does
+    again = read_json(tmp_path, "manifest.json")
+    assert again == {**written, "format_version": FORMAT_VERSION}
+
+
+def test_a_cut_last_line_is_skipped_and_a_bad_middle_line_is_an_error(tmp_path):
+    good = json.dumps(
+        {"request_id": "a", "workload_class": "c", "intended_send": 0.0, "actual_send": 0.0}
+    )
+    (tmp_path / "requests.jsonl").write_text(good + "\n" + good[:20])
+    run = load_run(tmp_path)
+    assert len(run.records) == 1 and run.skipped_lines == 1
+    (tmp_path / "requests.jsonl").write_text(good + "\n{oops\n" + good + "\n")
+    with pytest.raises(RunDirError, match="requests.jsonl:2"):
+        load_run(tmp_path)

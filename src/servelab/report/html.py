@@ -22,6 +22,7 @@ from servelab.analyze.summary import run_summary
 from servelab.report import charts
 from servelab.report.terminal import PART_LABELS
 from servelab.rundir import Run
+from servelab.units import fmt_ms
 
 RUN_SECTIONS = (
     "summary",
@@ -59,10 +60,6 @@ def _e(x: Any) -> str:
     return html.escape(str(x))
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f}"
-
-
 def _fig(fig: go.Figure) -> str:
     return (
         '<div class="chart">'
@@ -95,8 +92,10 @@ def summary_table(metrics: dict[str, Any]) -> str:
             lat = g["latency"][m]
             for s in stats[:5]:
                 ci = lat.get("ci", {}).get(s)
-                ci_txt = f'<br><span class="ci">[{_ms(ci[0])}, {_ms(ci[1])}]</span>' if ci else ""
-                cells.append(f"<td>{_ms(lat.get(s))}{ci_txt}</td>")
+                ci_txt = (
+                    f'<br><span class="ci">[{fmt_ms(ci[0])}, {fmt_ms(ci[1])}]</span>' if ci else ""
+                )
+                cells.append(f"<td>{fmt_ms(lat.get(s))}{ci_txt}</td>")
         tput = g["throughput"]
         good = g["goodput"]
         cells += [
@@ -261,7 +260,7 @@ def comparison_html(c: Comparison, groups: list[list[Run]]) -> str:
         for i in range(len(c.labels)):
             v = r.values[i]
             cells.append(
-                f"<td>{'-' if v is None else (f'{v:.2f}' if '.' in r.metric else _ms(v))}</td>"
+                f"<td>{'-' if v is None else (f'{v:.2f}' if '.' in r.metric else fmt_ms(v))}</td>"
             )
             if i:
                 verdict = r.verdict(i)
