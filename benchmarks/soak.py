@@ -1,0 +1,305 @@
+"""Soak and chaos for `servelab serve`: does an hour of hostile traffic leak anything?
+
+One bounded run, in three acts, against a server started here (the default model):
+
+1. **Load** for ``--minutes`` (default 30): streamed completions with Poisson arrivals at
+   ``--rate`` requests/s (default: 80% of the capacity measured in a short probe first),
+   prompts of 16-400 tokens and 16-128 output tokens. ``--hangup`` of them (10%) disconnect
+   after a random number of events, and every ``--fuzz-every`` seconds a hostile request is
+   sent (huge integers, deep nesting, huge strings and stop lists, many messages, broken
+   JSON); each must get a 4xx.
+2. **Kill** at ``--kill-at`` of the load (default half way): the engine core is SIGKILLed.
+   Open requests must end (with ``engine_dead``), then the server is stopped and started
+   again and the load goes on.
+3. **Drain**: SIGTERM with requests in flight; the server must exit 0.
+
+Every 10 s it records the RSS of each server process, KV blocks in use against running
+requests, open file descriptors, and the API's event-loop lag (``/health`` round trip and
+the server's own ``servelab:api_event_loop_lag_seconds``). At the end it prints the slope of
+RSS over the last 20 minutes (or the last two thirds of a shorter run), the 5xx count outside
+the kill window, requests that never ended, and KV blocks still held once idle.
+
+Targets: 0 5xx outside the kill, 0 leaked blocks, 0 requests without an end, RSS slope
+<= 1 MB/min. Pinning: with 2+ CPUs the server runs on the last CPU and this client on the
+first (``taskset``).
+
+Usage: python benchmarks/soak.py [--minutes 30] [--rate R] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import psutil
+
+HOSTILE: list[tuple[str, bytes]] = [
+    ("huge int", b'{"prompt": "hi", "max_tokens": 4, "priority": 1208925819614629174706176}'),
+    ("deep nesting", b'{"prompt": "hi", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}"),
+    ("huge string", json.dumps({"prompt": "word " * 3_000_000, "max_tokens": 4}).encode()),
+    ("huge stop list", json.dumps({"prompt": "hi", "stop": ["x"] * 100_000}).encode()),
+    (
+        "many messages",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}] * 100_000}).encode(),
+    ),
+    ("broken json", b'{"prompt": "hi", "max_tokens": '),
+    ("negative max_tokens", b'{"prompt": "hi", "max_tokens": -5}'),
+]
+WORDS = "the paged cache keeps keys and values of every token in fixed blocks".split()
+
+
+@dataclass
+class Tally:
+    hangup_fraction: float = 0.0
+    sent: int = 0
+    ended: int = 0  # a final event, an error status or a deliberate hang-up
+    hung_up: int = 0
+    status: dict[int, int] = field(default_factory=dict)
+    fivexx_outside_kill: int = 0
+    fuzz_not_4xx: list[str] = field(default_factory=list)
+    samples: list[dict] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cpu: int | None, port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "servelab.cli", "serve", "--port", str(port)]
+    cmd += ["--log-level", "warning", "--max-model-len", "1024"]
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"servelab serve exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                if b" 200 " in s.recv(64):
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("servelab serve did not become ready in 15 minutes")
+
+
+def core_pid(server: subprocess.Popen[bytes]) -> int:
+    """The engine core: the server process's child that holds the model."""
+    kids = psutil.Process(server.pid).children(recursive=True)
+    python = [p for p in kids if "python" in p.name().lower()]
+    return max(python or kids, key=lambda p: p.memory_info().rss).pid
+
+
+def metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        out[name.split("{")[0]] = float(value)
+    return out
+
+
+async def one_request(s: aiohttp.ClientSession, url: str, t: Tally, killing: list[bool]) -> None:
+    n_in, n_out = random.randint(16, 400), random.randint(16, 128)
+    body = {"prompt": " ".join(random.choices(WORDS, k=n_in)), "max_tokens": n_out}
+    body |= {"stream": True, "ignore_eos": True}
+    hang = random.random() < t.hangup_fraction
+    stop_after = random.randint(0, 3)
+    t.sent += 1
+    try:
+        async with s.post(f"{url}/v1/completions", json=body) as r:
+            t.status[r.status] = t.status.get(r.status, 0) + 1
+            if r.status >= 500 and not killing[0]:
+                t.fivexx_outside_kill += 1
+            if r.status != 200:
+                t.ended += 1
+                return
+            events = 0
+            async for line in r.content:
+                if not line.startswith(b"data:"):
+                    continue
+                events += 1
+                if hang and events > stop_after:
+                    t.hung_up += 1
+                    t.ended += 1
+                    return
+                if line.strip() == b"data: [DONE]" or b'"error"' in line:
+                    t.ended += 1
+                    return
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        if killing[0]:
+            t.ended += 1  # the server went away with the kill
+
+
+async def fuzz(s: aiohttp.ClientSession, url: str, t: Tally) -> None:
+    name, body = random.choice(HOSTILE)
+    try:
+        headers = {"Content-Type": "application/json"}
+        async with s.post(f"{url}/v1/completions", data=body, headers=headers) as r:
+            await r.read()
+            if not 400 <= r.status < 500:
+                t.fuzz_not_4xx.append(f"{name}: {r.status}")
+    except aiohttp.ClientError as e:
+        t.fuzz_not_4xx.append(f"{name}: {type(e).__name__}")
+
+
+async def sample(s: aiohttp.ClientSession, url: str, server: subprocess.Popen[bytes], t0: float):
+    t1 = time.monotonic()
+    async with s.get(f"{url}/health") as r:
+        await r.read()
+    health_rtt = time.monotonic() - t1
+    async with s.get(f"{url}/metrics") as r:
+        m = metrics(await r.text())
+    procs = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+    return {
+        "t": time.monotonic() - t0,
+        "rss_mb": {p.pid: p.memory_info().rss / 2**20 for p in procs},
+        "fds": sum(p.num_fds() for p in procs),
+        "kv_blocks_used": m.get("servelab:kv_cache_blocks_used"),
+        "running": m.get("vllm:num_requests_running"),
+        "health_rtt_s": health_rtt,
+        "loop_lag_sum_s": m.get("servelab:api_event_loop_lag_seconds_sum"),
+    }
+
+
+async def load(url: str, rate: float, seconds: float, t: Tally, args, on_half=None) -> None:
+    killing = [False]
+    t0 = time.monotonic()
+    tasks: set[asyncio.Task] = set()
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        next_fuzz = t0 + args.fuzz_every
+        next_sample = t0
+        kill_at = t0 + seconds * args.kill_at if on_half else float("inf")
+        while time.monotonic() - t0 < seconds:
+            now = time.monotonic()
+            if now >= kill_at:
+                killing[0] = True
+                await on_half()
+                await asyncio.gather(*tasks, return_exceptions=True)  # every one must end
+                killing[0] = False
+                kill_at = float("inf")
+                continue
+            task = asyncio.create_task(one_request(s, url, t, killing))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            if now >= next_fuzz:
+                asyncio.create_task(fuzz(s, url, t))
+                next_fuzz = now + args.fuzz_every
+            if now >= next_sample:
+                with_server = args.server_ref[0]
+                t.samples.append(await sample(s, url, with_server, args.t_start))
+                next_sample = now + 10
+            await asyncio.sleep(random.expovariate(rate))
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def slope_mb_per_min(samples: list[dict], since: float) -> float:
+    pts = [(s["t"], sum(s["rss_mb"].values())) for s in samples if s["t"] >= since]
+    if len(pts) < 3:
+        return float("nan")
+    xs, ys = zip(*pts)
+    return statistics.linear_regression(xs, ys).slope * 60
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--rate", type=float, help="requests/s (default: 80%% of a probe)")
+    ap.add_argument("--hangup", type=float, default=0.10)
+    ap.add_argument("--fuzz-every", type=float, default=3.0)
+    ap.add_argument("--kill-at", type=float, default=0.5)
+    ap.add_argument("--quick", action="store_true", help="3 minutes, for a smoke run")
+    args = ap.parse_args()
+    if args.quick:
+        args.minutes = 3.0
+    cpus = sorted(os.sched_getaffinity(0))
+    server_cpu = cpus[-1] if len(cpus) >= 2 else None
+    if server_cpu is not None:
+        os.sched_setaffinity(0, {cpus[0]})
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(server_cpu, port)
+    args.server_ref, args.t_start = [server], time.monotonic()
+    t = Tally(hangup_fraction=args.hangup)
+    rate = args.rate
+    if rate is None:  # capacity: requests/s finished at a heavy load for 30 s
+        probe = Tally()
+        start = time.monotonic()
+        asyncio.run(load(url, 4.0, 30.0, probe, args))
+        rate = 0.8 * probe.ended / (time.monotonic() - start)
+        print(f"capacity probe: {probe.ended} requests in 30 s -> soak at {rate:.2f} req/s")
+
+    async def kill_and_restart() -> None:
+        pid = core_pid(args.server_ref[0])
+        print(f"SIGKILL engine core {pid} at {time.monotonic() - args.t_start:.0f} s")
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(2.0)
+        old = args.server_ref[0]
+        old.send_signal(signal.SIGTERM)
+        old.wait(timeout=60)
+        args.server_ref[0] = start_server(server_cpu, port)
+
+    asyncio.run(load(url, rate, args.minutes * 60, t, args, on_half=kill_and_restart))
+    server = args.server_ref[0]
+    idle = asyncio.run(_idle_sample(url, server, args.t_start))
+    # Drain: SIGTERM while requests are in flight; the server must finish them and exit 0.
+    drain = Tally()
+
+    async def drain_run() -> None:
+        task = asyncio.create_task(load(url, rate, 5.0, drain, args))
+        await asyncio.sleep(3.0)
+        server.send_signal(signal.SIGTERM)
+        await task
+
+    asyncio.run(drain_run())
+    code = server.wait(timeout=120)
+    total = args.minutes * 60
+    window = max(0.0, total - 20 * 60) if total > 30 * 60 else total / 3
+    print("\n== soak results")
+    print(f"requests sent {t.sent}, ended {t.ended}, hung up {t.hung_up}, statuses {t.status}")
+    print(f"requests without an end: {t.sent - t.ended}")
+    print(f"5xx outside the kill window: {t.fivexx_outside_kill}")
+    print(f"fuzz requests not answered 4xx: {len(t.fuzz_not_4xx)} {t.fuzz_not_4xx[:5]}")
+    print(f"KV blocks held once idle (leaked): {idle['kv_blocks_used']}")
+    print(
+        f"RSS slope after {window / 60:.0f} min: {slope_mb_per_min(t.samples, window):+.2f} MB/min"
+    )
+    rtts = [s["health_rtt_s"] for s in t.samples]
+    print(
+        f"/health round trip: median {statistics.median(rtts) * 1e3:.1f} ms, max "
+        f"{max(rtts) * 1e3:.1f} ms over {len(rtts)} samples"
+    )
+    print(f"open fds first/last: {t.samples[0]['fds']} / {t.samples[-1]['fds']}")
+    print(f"SIGTERM drain: exit code {code}, drain statuses {drain.status}")
+
+
+async def _idle_sample(url: str, server: subprocess.Popen[bytes], t0: float) -> dict:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(60):  # wait for every request to leave the engine
+            sample_ = await sample(s, url, server, t0)
+            if not sample_["running"]:
+                return sample_
+            await asyncio.sleep(1.0)
+        return sample_
+
+
+if __name__ == "__main__":
+    main()
