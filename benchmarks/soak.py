@@ -67,6 +67,7 @@ class Tally:
     hung_up: int = 0
     status: dict[int, int] = field(default_factory=dict)
     fivexx_outside_kill: int = 0
+    cut: int = 0  # streams closed without [DONE] or an error event, outside the kill
     fuzz_not_4xx: list[str] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
 
@@ -143,21 +144,26 @@ async def one_request(s: aiohttp.ClientSession, url: str, t: Tally, killing: lis
                 if line.strip() == b"data: [DONE]" or b'"error"' in line:
                     t.ended += 1
                     return
-    except (aiohttp.ClientError, asyncio.TimeoutError):
         if killing[0]:
             t.ended += 1  # the server went away with the kill
+        else:
+            t.cut += 1
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        if killing[0]:
+            t.ended += 1
 
 
-async def fuzz(s: aiohttp.ClientSession, url: str, t: Tally) -> None:
+async def fuzz(s: aiohttp.ClientSession, url: str, t: Tally, killing: list[bool]) -> None:
     name, body = random.choice(HOSTILE)
     try:
         headers = {"Content-Type": "application/json"}
         async with s.post(f"{url}/v1/completions", data=body, headers=headers) as r:
             await r.read()
-            if not 400 <= r.status < 500:
+            if not 400 <= r.status < 500 and not killing[0]:
                 t.fuzz_not_4xx.append(f"{name}: {r.status}")
     except aiohttp.ClientError as e:
-        t.fuzz_not_4xx.append(f"{name}: {type(e).__name__}")
+        if not killing[0]:  # the server is being killed and restarted
+            t.fuzz_not_4xx.append(f"{name}: {type(e).__name__}")
 
 
 async def sample(s: aiohttp.ClientSession, url: str, server: subprocess.Popen[bytes], t0: float):
@@ -201,7 +207,9 @@ async def load(url: str, rate: float, seconds: float, t: Tally, args, on_half=No
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             if now >= next_fuzz:
-                asyncio.create_task(fuzz(s, url, t))
+                fuzzing = asyncio.create_task(fuzz(s, url, t, killing))
+                tasks.add(fuzzing)
+                fuzzing.add_done_callback(tasks.discard)
                 next_fuzz = now + args.fuzz_every
             if now >= next_sample:
                 with_server = args.server_ref[0]
@@ -275,7 +283,7 @@ def main() -> None:
     window = max(0.0, total - 20 * 60) if total > 30 * 60 else total / 3
     print("\n== soak results")
     print(f"requests sent {t.sent}, ended {t.ended}, hung up {t.hung_up}, statuses {t.status}")
-    print(f"requests without an end: {t.sent - t.ended}")
+    print(f"requests without an end: {t.sent - t.ended} ({t.cut} streams closed without [DONE])")
     print(f"5xx outside the kill window: {t.fivexx_outside_kill}")
     print(f"fuzz requests not answered 4xx: {len(t.fuzz_not_4xx)} {t.fuzz_not_4xx[:5]}")
     print(f"KV blocks held once idle (leaked): {idle['kv_blocks_used']}")
