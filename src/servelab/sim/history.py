@@ -52,7 +52,7 @@ class Resend:
 
 def measure(runs: list[Any]) -> dict[str, float] | None:
     """``{"per_token", "at_start", "turns", "diverged"}`` from loaded runs
-    (``analyze.rundir.Run``); None when no session turn resent a full block of an earlier
+    (``servelab.rundir.Run``); None when no session turn resent a full block of an earlier
     answer.
 
     For each later turn whose prompt holds the previous turn's prompt and answer, the
