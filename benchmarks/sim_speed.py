@@ -68,6 +68,7 @@ def main() -> None:
         f"in {wall:.1f} s wall, {cpu:.1f} s CPU ({res.sim_duration / wall:.0f}x real time; "
         f"wall/CPU {wall / cpu:.2f}, above 1 when other processes take the CPU)"
     )
+    print(f"requests simulated per wall second: {len(reqs) / wall:,.0f}")
     print(
         f"steps: {res.num_steps} ({res.num_steps / wall:.0f}/s); sequence-steps: {seq_steps} "
         f"({seq_steps / wall / 1e3:.0f}k/s, {cpu / seq_steps * 1e6:.1f} us CPU each)"

@@ -18,6 +18,9 @@ def _build_target(
     calibration: str | None,
     engine_args: str | None,
     overrides: dict[str, float | None],
+    engine: str | None = None,
+    dtype: str | None = None,
+    kv_dtype: str | None = None,
 ) -> Any:
     from servelab.engine.config import EngineConfig
     from servelab.sim.args import parse_engine_args, split_deployment
@@ -29,6 +32,11 @@ def _build_target(
     if profile is not None:
         if hardware is not None or calibration is not None:
             raise ValueError("--profile replaces --hardware/--calibration; give one or the other")
+        if engine is not None or dtype is not None or kv_dtype is not None:
+            raise ValueError(
+                "--profile replays this machine's measured engine; --engine, --dtype and "
+                "--kv-dtype apply to --hardware only"
+            )
         from servelab.sim.profiled import ProfileTable
 
         table = ProfileTable.load(profile)
@@ -47,13 +55,20 @@ def _build_target(
     for k, v in overrides.items():
         if v is not None:
             setattr(eff, k, v)
+    from servelab.sim.engine_defaults import default_engine
+    from servelab.sim.hardware import get_hardware
+
+    hw = get_hardware(hardware)
     return roofline_target(
-        hardware,
+        hw,
         model,
         tp=dep.get("tp", 1),
         efficiency=eff,
-        engine_config=EngineConfig(**eng),
-        gpu_memory_utilization=dep.get("gpu_memory_utilization", 0.9),
+        gpu_memory_utilization=dep.get("gpu_memory_utilization"),
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        engine=engine or default_engine(hw),
+        engine_args=eng,
     )
 
 
@@ -85,8 +100,17 @@ def _summary_row(label: str, res: Any, metrics: dict[str, Any], wall: float) -> 
 
 def sim(
     hardware: str | None = typer.Option(
-        None, help="Hardware to simulate: h100, h200, a100, a100-40gb, l4, mi300x, cpu."
+        None, help="Hardware to simulate: h100, h200, b200, a100, a100-40gb, l4, mi300x, cpu."
     ),
+    engine: str | None = typer.Option(
+        None,
+        help="Simulated engine's defaults: vllm (default on GPUs), sglang, servelab "
+        "(default on cpu). --engine-args override them.",
+    ),
+    dtype: str | None = typer.Option(
+        None, help="Weights: bf16 (default on GPUs), fp16, fp8 (W8A8), int8 or int4 (weight-only)."
+    ),
+    kv_dtype: str | None = typer.Option(None, help="KV cache: bf16 (default), fp16 or fp8."),
     model: str = typer.Option(
         "smollm2-135m", help="Model preset, HF config.json (or its dir), or .gguf."
     ),
@@ -172,7 +196,7 @@ def sim(
     from rich.console import Console
 
     from servelab.bench.plan import LoadSpec
-    from servelab.report.terminal import sim_table
+    from servelab.report.terminal import defaults_line, sim_table
     from servelab.rundir import read_json
     from servelab.sim.links import parse_link
     from servelab.sim.loop import Topology
@@ -188,6 +212,9 @@ def sim(
             calibration,
             engine_args,
             {"mfu": mfu, "mbu": mbu, "step_overhead": seconds("--step-overhead", step_overhead)},
+            engine,
+            dtype,
+            kv_dtype,
         )
         topo = Topology(replicas=replicas, router=router)
         if pd is not None:
@@ -236,6 +263,9 @@ def sim(
     except ValueError as e:
         raise fail(str(e)) from None
 
+    used = target.info.get("engine_defaults")
+    if used is not None:
+        typer.echo(defaults_line(used, target.info))
     run_dir = Path(out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
     if find_capacity is not None:
         _capacity(

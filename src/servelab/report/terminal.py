@@ -433,3 +433,18 @@ def sim_table(rows: list[dict[str, Any]]) -> Table:
                 cells.append(str(v))
         table.add_row(c, *cells)
     return table
+
+
+def defaults_line(used: dict[str, Any], info: dict[str, Any]) -> str:
+    """One line naming the simulated engine's defaults, what overrode them, and the dtypes."""
+    cfg = used["config"]
+    shown = ", ".join(f"{k}={v}" for k, v in cfg.items())
+    over = used.get("overridden") or []
+    prec = info.get("precision", {})
+    return (
+        f"engine defaults: {used['engine']} on {info.get('hardware')} ({used['hardware_class']}): "
+        f"{shown}, gpu_memory_utilization={info.get('gpu_memory_utilization')}"
+        + (f"; overridden by --engine-args: {', '.join(over)}" if over else "")
+        + (f"; dtype {prec['dtype']}, kv {prec['kv_dtype']}" if prec else "")
+        + f" [{used['source']}]"
+    )

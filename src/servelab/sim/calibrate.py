@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from servelab.sim.dtypes import Precision
 from servelab.sim.hardware import Hardware
 from servelab.sim.modelspec import ModelSpec
 from servelab.sim.replay import MeasuredStep, busy_gap
@@ -83,8 +84,7 @@ def fit_efficiency(
     hardware: Hardware,
     steps: list[MeasuredStep],
     tp: int = 1,
-    weight_bytes: int | None = None,
-    kv_bytes: int | None = None,
+    precision: Precision | None = None,
     grid: int = 48,
 ) -> Calibration:
     """Fit :class:`Efficiency` to ``steps`` (see the module docstring)."""
@@ -100,8 +100,7 @@ def fit_efficiency(
         hardware,
         tp=tp,
         efficiency=Efficiency(1.0, 1.0, 0.0, 0.0),
-        weight_bytes=weight_bytes,
-        kv_bytes=kv_bytes,
+        precision=precision,
     )
     costs = [probe.cost(m.work) for m in steps]
     comp = np.array([c.compute_time for c in costs])  # at mfu = 1
@@ -145,10 +144,8 @@ def fit_efficiency(
     mfu, mbu = (float(v) for v in np.exp(np.minimum(res.x, 0.0)))
     _, c0, c1 = solve(mfu, mbu)
     fitted = Efficiency(mfu=mfu, mbu=mbu, step_overhead=c0, layer_overhead=0.0, seq_overhead=c1)
-    default = RooflineCostModel(spec, hardware, tp=tp, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
-    after = RooflineCostModel(
-        spec, hardware, tp=tp, efficiency=fitted, weight_bytes=weight_bytes, kv_bytes=kv_bytes
-    )
+    default = RooflineCostModel(spec, hardware, tp=tp, precision=precision)
+    after = RooflineCostModel(spec, hardware, tp=tp, efficiency=fitted, precision=precision)
     gap = busy_gap(steps)
     fit = {
         "error_default": _errors(default, steps),

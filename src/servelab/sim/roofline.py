@@ -6,12 +6,15 @@ Per step (per device, tensor parallel degree ``tp``)::
           + 4 * layers * heads * head_dim * attn_pairs   # QK^T and PV over causal pairs
           + 2 * hidden * vocab * logits          # LM head, only where a token is sampled
     bytes = weights + kv_bytes_per_token * (kv_read + tokens)   # weights once; KV read + write
-    time  = max(flops / (peak * mfu), bytes / (bandwidth * mbu))
+    compute = (layer_flops / gemm_peak + (attn_flops + head_flops) / base_peak) / mfu
+    time  = max(compute, bytes / (bandwidth * mbu))
           + 2 * layers * allreduce(tokens * hidden)            # tensor parallel, ring
           + step_overhead + layers * layer_overhead + seqs * seq_overhead
 
 FLOPs and bytes divide by ``tp`` (heads and MLP columns split; KV heads replicated
-when fewer than ``tp``). The efficiencies and fixed costs are stated, adjustable
+when fewer than ``tp``). The datatypes (:class:`~servelab.sim.dtypes.Precision`) set the
+bytes per layer weight and KV element and the peak the decoder GEMMs run at (FP8 W8A8 at
+the FP8 peak; weight-only int8/int4 and everything else at the 16-bit peak). The efficiencies and fixed costs are stated, adjustable
 parameters (:class:`Efficiency`); ``servelab.sim.calibrate`` fits them to a measured run.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from servelab.sim.dtypes import Precision
 from servelab.sim.hardware import Hardware
 from servelab.sim.modelspec import ModelSpec
 from servelab.sim.work import StepWork
@@ -71,8 +75,7 @@ class StepCost:
 class RooflineCostModel:
     """Predicts step times of ``model`` on ``tp`` devices of ``hardware``.
 
-    ``weight_bytes``/``kv_bytes`` default to the hardware's datatype (bf16 on GPUs,
-    fp32 on this CPU); pass 1 for fp8.
+    ``precision`` defaults to the hardware's datatype (bf16 on GPUs, fp32 on this CPU).
     """
 
     def __init__(
@@ -81,8 +84,7 @@ class RooflineCostModel:
         hardware: Hardware,
         tp: int = 1,
         efficiency: Efficiency | None = None,
-        weight_bytes: int | None = None,
-        kv_bytes: int | None = None,
+        precision: Precision | None = None,
     ) -> None:
         if tp < 1:
             raise ValueError(f"tensor parallel degree must be >= 1, got {tp}")
@@ -91,14 +93,22 @@ class RooflineCostModel:
         self.tp = tp
         self.efficiency = efficiency or Efficiency()
         self.efficiency.validate()
-        self.weight_dtype_bytes = weight_bytes or hardware.dtype_bytes
-        self.kv_dtype_bytes = kv_bytes or hardware.dtype_bytes
+        p = precision or Precision.parse(None, None, hardware.dtype)
+        self.precision = p
+        self.kv_dtype_bytes = p.kv_bytes
+        self.gemm_dtype = p.gemm_dtype(hardware.peaks)
         m = model
         # Per-device constants, computed once: the simulator calls predict() per step.
         self._lin_flops_per_token = 2.0 * m.linear_params_per_token / tp
         self._attn_flops_per_pair = 4.0 * m.layers * m.heads * m.head_dim / tp
         self._head_flops_per_logit = 2.0 * m.lm_head_params / tp
-        self._weight_bytes_per_device = m.weight_bytes(self.weight_dtype_bytes) / tp
+        # Layer FLOPs at an FP8 peak cost what fewer FLOPs at the 16-bit peak would: one
+        # scale keeps a single division per step (exactly 1.0 when both peaks agree).
+        self._gemm_scale = hardware.peak_flops / hardware.peaks[self.gemm_dtype]
+        self._weight_bytes_per_device = (
+            m.linear_params_per_token * p.layer_weight_bytes
+            + (m.num_params - m.linear_params_per_token) * p.base_bytes
+        ) / tp
         self._kv_per_token = self.kv_bytes_per_token_per_device
         self._act_bytes_per_token = m.hidden * hardware.dtype_bytes
 
@@ -122,17 +132,15 @@ class RooflineCostModel:
 
     def cost(self, w: StepWork) -> StepCost:
         e, hw = self.efficiency, self.hardware
-        flops = (
-            self._lin_flops_per_token * w.tokens
-            + self._attn_flops_per_pair * w.attn_pairs
-            + self._head_flops_per_logit * w.logits
-        )
+        lin = self._lin_flops_per_token * w.tokens
+        rest = self._attn_flops_per_pair * w.attn_pairs + self._head_flops_per_logit * w.logits
+        flops = lin + rest
         nbytes = self._weight_bytes_per_device + self._kv_per_token * (w.kv_read + w.tokens)
         comm = 2 * self.model.layers * self.allreduce_time(w.tokens * self._act_bytes_per_token)
         return StepCost(
             flops=flops,
             bytes=nbytes,
-            compute_time=flops / (hw.peak_flops * e.mfu),
+            compute_time=(lin * self._gemm_scale + rest) / (hw.peak_flops * e.mfu),
             memory_time=nbytes / (hw.mem_bw * e.mbu),
             comm_time=comm,
             fixed_time=e.step_overhead
@@ -169,9 +177,13 @@ class RooflineCostModel:
         )
         if free <= 0:
             raise ValueError(
-                f"{self.model.name} ({self._weight_bytes_per_device / 1e9:.1f} GB of weights per "
-                f"device) does not fit on {self.hardware.name} "
-                f"({mem / 1e9:.0f} GB) at tp={self.tp}; raise --tp or pick larger hardware"
+                f"{self.model.name} in {self.precision.weights} "
+                f"({self._weight_bytes_per_device / 1e9:.1f} GB of weights per device at "
+                f"tp={self.tp}) does not fit on {self.hardware.name}: {mem / 1e9:.0f} GB x "
+                f"{gpu_memory_utilization:g} memory fraction - "
+                f"{activation_reserve_bytes / 1e9:.1f} GB reserve leaves "
+                f"{free / 1e9:.1f} GB for the KV cache; raise --tp, pick a smaller --dtype "
+                "or larger hardware"
             )
         return free
 
@@ -182,7 +194,9 @@ class RooflineCostModel:
             "hardware_source": self.hardware.source,
             "model": self.model.name,
             "tp": self.tp,
-            "weight_dtype_bytes": self.weight_dtype_bytes,
+            **self.precision.describe(),
+            "gemm_dtype": self.gemm_dtype,
+            "gemm_peak_flops": self.hardware.peaks[self.gemm_dtype],
             "kv_dtype_bytes": self.kv_dtype_bytes,
             "efficiency": self.efficiency.to_dict(),
         }

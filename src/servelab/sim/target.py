@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.engine.config import EngineConfig
+from servelab.sim.dtypes import Precision
+from servelab.sim.engine_defaults import engine_defaults, sglang_max_running
 from servelab.sim.executor import CostModel, PacedExecutor, SimExecutor, VirtualClock
 from servelab.sim.hardware import Hardware, get_hardware
 from servelab.sim.history import Resend
@@ -91,36 +93,57 @@ def roofline_target(
     tp: int = 1,
     efficiency: Efficiency | None = None,
     engine_config: EngineConfig | None = None,
-    gpu_memory_utilization: float = 0.9,
-    weight_bytes: int | None = None,
-    kv_bytes: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    dtype: str | None = None,
+    kv_dtype: str | None = None,
+    engine: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+    offline: bool = False,
 ) -> SimTarget:
     """A roofline replica of ``model`` on ``tp`` devices of ``hardware``.
 
-    Unless the config fixes ``num_kv_blocks``, the KV pool is what the memory leaves after
-    the weights (:meth:`RooflineCostModel.kv_memory_bytes`); on hardware without a fixed
-    memory size (this CPU) the config's ``kv_cache_memory_gb`` decides, as in the real engine.
+    The engine settings are ``engine_config`` when given (this engine's defaults
+    otherwise, the memory fraction 0.9); with ``engine`` named, that engine's defaults for
+    the hardware (:mod:`servelab.sim.engine_defaults`; ``offline``: vLLM's offline class).
+    ``engine_args`` then override fields of either. Unless the config fixes
+    ``num_kv_blocks``, the KV pool is what the memory leaves after the weights
+    (:meth:`RooflineCostModel.kv_memory_bytes`, which says so when the weights do not fit);
+    on hardware without a fixed memory size (this CPU) the config's ``kv_cache_memory_gb``
+    decides, as in the real engine.
     """
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     spec = load_model_spec(model) if isinstance(model, str) else model
-    rm = RooflineCostModel(
-        spec, hw, tp=tp, efficiency=efficiency, weight_bytes=weight_bytes, kv_bytes=kv_bytes
-    )
-    cfg = dataclasses.replace(engine_config or EngineConfig())
+    precision = Precision.parse(dtype, kv_dtype, hw.dtype)
+    rm = RooflineCostModel(spec, hw, tp=tp, efficiency=efficiency, precision=precision)
+    overrides = dict(engine_args or {})
+    info: dict[str, Any] = {"hardware": hw.name, "model": spec.name, "tp": tp}
+    if engine is None and engine_config is not None:
+        cfg = dataclasses.replace(engine_config, **overrides)
+        util = 0.9 if gpu_memory_utilization is None else gpu_memory_utilization
+    else:
+        defaults = engine_defaults(engine or "servelab", hw, tp, offline)
+        cfg = EngineConfig(**{**defaults.config, **overrides})
+        util = defaults.gpu_memory_utilization
+        if gpu_memory_utilization is not None:
+            util = gpu_memory_utilization
+        info["engine_defaults"] = {**defaults.to_dict(), "overridden": sorted(overrides)}
     if cfg.num_kv_blocks is None and hw.memory_bytes is not None:
-        cfg.kv_cache_memory_gb = rm.kv_memory_bytes(gpu_memory_utilization) / 1e9
+        cfg.kv_cache_memory_gb = rm.kv_memory_bytes(util) / 1e9
+        if info.get("engine_defaults", {}).get("engine") == "sglang" and (
+            "max_num_seqs" not in overrides
+        ):
+            kv_tokens = rm.kv_capacity_tokens(util)
+            cfg.max_num_seqs = sglang_max_running(kv_tokens, spec.max_model_len)
+            info["engine_defaults"]["config"]["max_num_seqs"] = cfg.max_num_seqs
+    info["gpu_memory_utilization"] = util
+    info["precision"] = precision.describe()
     return SimTarget(
         cost_model=rm,
         engine_config=cfg,
         max_model_len=spec.max_model_len,
         kv_bytes_per_token=rm.kv_bytes_per_token_per_device,
         label=f"{hw.name}:{spec.name}" + (f":tp{tp}" if tp > 1 else ""),
-        info={
-            "hardware": hw.name,
-            "model": spec.name,
-            "tp": tp,
-            "gpu_memory_utilization": gpu_memory_utilization,
-        },
+        info=info,
     )
 
 
