@@ -16,14 +16,13 @@ import cProfile
 import io
 import pstats
 import time
-from pathlib import Path
 
 from servelab.engine.config import EngineConfig
 from servelab.sim.loop import Simulation, Topology
 from servelab.sim.target import roofline_target
 from servelab.sim.workload import requests_from_trace
 
-TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_conv.csv")
+TRACE = "azure-2023-conv"  # the named trace the package ships
 
 
 def main() -> None:

@@ -20,7 +20,8 @@ from servelab.sim.work import StepWork, work_of_plan
 class CostModel(Protocol):
     """Predicts the duration (seconds) of one engine step from its work."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def predict(self, w: StepWork) -> float: ...
 

@@ -53,7 +53,7 @@ class StepNoise:
         # Normal scores (ranks through the Gaussian quantile), so that the correlation is the
         # latent AR(1) coefficient whatever the shape of the distribution.
         rank = {x: i for i, x in enumerate(pooled)}
-        pairs = []
+        pairs: list[tuple[float, float]] = []
         for run in logs:
             z = [_STD.inv_cdf((rank[x] + 0.5) / n) for x in run]
             pairs += itertools.pairwise(z)

@@ -146,7 +146,7 @@ def measure_engine_overhead(
     spent: list[float] = []
     real_execute = runner.execute
 
-    def timed(plan: BatchPlan):  # type: ignore[no-untyped-def]
+    def timed(plan: BatchPlan):
         out = real_execute(plan)
         spent.append(out.elapsed)
         return out

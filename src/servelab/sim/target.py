@@ -48,7 +48,7 @@ class SimTarget:
     def make_executor(self, clock: VirtualClock | None = None, seed: int = 0) -> SimExecutor:
         """A virtual-time executor on ``clock``, or with no clock a :class:`PacedExecutor`
         that sleeps each predicted step on the wall clock."""
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "max_model_len": self.max_model_len,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "eos_token_ids": self.eos_token_ids,
