@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m"  # the model every command uses when none is named
+QUANTIZATION_MODES = ("none", "q8_0", "q4_1")  # weights: fp32, or GGUF blocks kept as such
 
 
 class Phase(str, enum.Enum):

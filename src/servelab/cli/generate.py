@@ -24,6 +24,12 @@ def register(app: typer.Typer) -> None:
             True, "--chat/--raw", help="Wrap the prompt in the chat template."
         ),
         device: str | None = typer.Option(None, "--device", help="cpu, cuda, ... (default: best)."),
+        quantization: str = typer.Option(
+            "none",
+            "--quantization",
+            help="Weights: none (fp32), q8_0 (quantised at load) or q4_1 (the GGUF's own "
+            "blocks); quantised modes run on servelab's AVX2 CPU kernels.",
+        ),
     ) -> None:
         """Generate text for one prompt and show its phase timeline."""
         from rich.console import Console
@@ -37,7 +43,7 @@ def register(app: typer.Typer) -> None:
         console = Console()
         try:
             sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-            engine = build_engine(model, EngineConfig(), device=device)
+            engine = build_engine(model, EngineConfig(), device=device, quantization=quantization)
             if chat:
                 engine.add_request(
                     "generate-0", prompt_token_ids=chat_ids(engine, prompt), sampling_params=sp

@@ -52,6 +52,11 @@ def serve(
         help="Torch threads of the engine core (default: usable CPUs - 1, at least 1); "
         "with --disaggregated, of each worker (default: see docs/disaggregation.md).",
     ),
+    quantization: str = typer.Option(
+        "none",
+        help="Weights: none (fp32), q8_0 (quantised at load) or q4_1 (the GGUF's own "
+        "blocks); quantised modes run on servelab's AVX2 CPU kernels.",
+    ),
     shutdown_timeout: float = typer.Option(
         30.0, help="On SIGTERM, seconds to let in-flight requests finish before aborting them."
     ),
@@ -104,6 +109,7 @@ def serve(
         max_queue=max_queue,
         device=device,
         threads=threads,
+        quantization=quantization,
         shutdown_timeout=shutdown_timeout,
         log_level=log_level,
         simulate=simulate,

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MODES = ("none", "q8_0", "q4_1")
+from servelab.vocab import QUANTIZATION_MODES as MODES
+
 _KIND_IDS = {"q8_0": 1, "q4_1": 2}  # the C kernels' kind numbers
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
