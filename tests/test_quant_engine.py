@@ -90,10 +90,10 @@ def test_quantised_logits_match_their_reference(
 
 
 def test_modes_without_their_data_say_what_is_available(tiny_llama_dir: Path) -> None:
-    with pytest.raises(ValueError, match="q4_1 runs a GGUF's own Q4_1 blocks.*none, q8_0"):
+    with pytest.raises(ValueError, match="q4_1 runs a GGUF's own Q4_1 blocks.*available: none"):
         load_model(str(tiny_llama_dir), device="cpu", quantization="q4_1")
     fp32_gguf = write_gguf(tiny_llama_dir, tiny_llama_dir.parent / "tiny-fp32.gguf")
-    with pytest.raises(ValueError, match="not all Q4_1 .others: F32.*available: none, q8_0"):
+    with pytest.raises(ValueError, match="not all Q4_1 .others: F32.*available: none"):
         load_model(str(fp32_gguf), device="cpu", quantization="q4_1")
     with pytest.raises(ValueError, match="use none, q8_0, q4_1"):
         load_model(str(tiny_llama_dir), device="cpu", quantization="int4")
@@ -106,3 +106,11 @@ def test_no_kernels_refuses_quantised_modes(
     with pytest.raises(ValueError, match="needs servelab's CPU kernels.*AVX2"):
         load_model(str(tiny_llama_dir), device="cpu", quantization="q4_1")
     assert load_model(str(tiny_llama_dir), device="cpu").quantization == "none"
+
+
+def test_cli_offers_only_the_modes_that_pass_their_quality_bar() -> None:
+    from servelab.server.args import ServerArgs
+
+    ServerArgs(quantization="q4_1").validate()
+    with pytest.raises(ValueError, match="--quantization 'q8_0': use none, q4_1"):
+        ServerArgs(quantization="q8_0").validate()

@@ -27,8 +27,8 @@ def register(app: typer.Typer) -> None:
         quantization: str = typer.Option(
             "none",
             "--quantization",
-            help="Weights: none (fp32), q8_0 (quantised at load) or q4_1 (the GGUF's own "
-            "blocks); quantised modes run on servelab's AVX2 CPU kernels.",
+            help="Weights: none (fp32) or q4_1 (the GGUF's own Q4_1 blocks, kept quantised and "
+            "run on servelab's AVX2 CPU kernels).",
         ),
     ) -> None:
         """Generate text for one prompt and show its phase timeline."""
@@ -38,9 +38,14 @@ def register(app: typer.Typer) -> None:
         from servelab.engine.sampling_params import SamplingParams
         from servelab.model.build import build_engine
         from servelab.report.terminal import phase_table
+        from servelab.vocab import QUANTIZATION_MODES
         from servelab.workflows.offline import chat_ids
 
         console = Console()
+        if quantization not in QUANTIZATION_MODES:
+            raise typer.BadParameter(
+                f"--quantization {quantization!r}: use {', '.join(QUANTIZATION_MODES)}"
+            )
         try:
             sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
             engine = build_engine(model, EngineConfig(), device=device, quantization=quantization)

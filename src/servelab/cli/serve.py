@@ -54,8 +54,8 @@ def serve(
     ),
     quantization: str = typer.Option(
         "none",
-        help="Weights: none (fp32), q8_0 (quantised at load) or q4_1 (the GGUF's own "
-        "blocks); quantised modes run on servelab's AVX2 CPU kernels.",
+        help="Weights: none (fp32) or q4_1 (the GGUF's own Q4_1 blocks, kept quantised and "
+        "run on servelab's AVX2 CPU kernels).",
     ),
     shutdown_timeout: float = typer.Option(
         30.0, help="On SIGTERM, seconds to let in-flight requests finish before aborting them."
