@@ -52,8 +52,10 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER[rest]}.{kind}"
 
 
-def write_gguf(hf_dir: Path, out: Path) -> Path:
+def write_gguf(hf_dir: Path, out: Path, q4_1: bool = False) -> Path:
+    """A GGUF of ``hf_dir``'s model, fp32, or with its linear weights in Q4_1 blocks."""
     import gguf
+    from gguf.quants import quantize
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -88,7 +90,11 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
             arr = _llama_cpp_permute(arr, cfg["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             arr = _llama_cpp_permute(arr, cfg["num_key_value_heads"])
-        w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr))
+        if q4_1 and name.split(".")[-2].endswith("_proj"):
+            blocks = quantize(np.ascontiguousarray(arr), gguf.GGMLQuantizationType.Q4_1)
+            w.add_tensor(_gguf_name(name), blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        else:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

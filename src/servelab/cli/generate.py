@@ -24,6 +24,12 @@ def register(app: typer.Typer) -> None:
             True, "--chat/--raw", help="Wrap the prompt in the chat template."
         ),
         device: str | None = typer.Option(None, "--device", help="cpu, cuda, ... (default: best)."),
+        quantization: str = typer.Option(
+            "none",
+            "--quantization",
+            help="Weights: none (fp32) or q4_1 (the GGUF's own Q4_1 blocks, kept quantised and "
+            "run on servelab's AVX2 CPU kernels).",
+        ),
     ) -> None:
         """Generate text for one prompt and show its phase timeline."""
         from rich.console import Console
@@ -32,12 +38,17 @@ def register(app: typer.Typer) -> None:
         from servelab.engine.sampling_params import SamplingParams
         from servelab.model.build import build_engine
         from servelab.report.terminal import phase_table
+        from servelab.vocab import QUANTIZATION_MODES
         from servelab.workflows.offline import chat_ids
 
         console = Console()
+        if quantization not in QUANTIZATION_MODES:
+            raise typer.BadParameter(
+                f"--quantization {quantization!r}: use {', '.join(QUANTIZATION_MODES)}"
+            )
         try:
             sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-            engine = build_engine(model, EngineConfig(), device=device)
+            engine = build_engine(model, EngineConfig(), device=device, quantization=quantization)
             if chat:
                 engine.add_request(
                     "generate-0", prompt_token_ids=chat_ids(engine, prompt), sampling_params=sp

@@ -53,6 +53,11 @@ def serve(
         help="Torch threads of the engine core (default: usable CPUs - 1, at least 1); "
         "with --disaggregated, of each worker (default: see docs/disaggregation.md).",
     ),
+    quantization: str = typer.Option(
+        "none",
+        help="Weights: none (fp32) or q4_1 (the GGUF's own Q4_1 blocks, kept quantised and "
+        "run on servelab's AVX2 CPU kernels).",
+    ),
     shutdown_timeout: float = typer.Option(
         30.0, help="On SIGTERM, seconds to let in-flight requests finish before aborting them."
     ),
@@ -116,6 +121,7 @@ def serve(
         max_queue=max_queue,
         device=device,
         threads=threads,
+        quantization=quantization,
         shutdown_timeout=shutdown_timeout,
         max_stop_sequences=max_stop_sequences,
         max_body_size=max_body_size,

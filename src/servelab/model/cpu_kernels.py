@@ -1,14 +1,16 @@
 """servelab's own CPU kernels for decode-shaped work (``csrc/cpu_kernels.c``), via ctypes.
 
 Contract:
-- ``available()`` is True when the kernels are built and loaded: an x86-64 CPU with AVX2
-  and FMA, a C compiler (``$CC`` or ``cc``) with OpenMP, and ``SERVELAB_CPU_KERNELS`` not
+- ``available()`` is True when the kernels are built and loaded: an x86-64 CPU with AVX2,
+  FMA and F16C, a C compiler (``$CC`` or ``cc``) with OpenMP, and ``SERVELAB_CPU_KERNELS`` not
   set to ``0``. ``kernel_build`` compiles the library once per source version into
   ``$SERVELAB_CACHE_DIR/kernels`` (default ``~/.cache/servelab/kernels``); a failed build
   is reported once as a warning and the callers fall back to numpy/torch.
 - ``linear(x, w, b, residual)``: ``x @ w.T + b`` for fp32 CPU tensors, ``x`` [m, k] and
   ``w`` [n, k] contiguous, added into ``residual`` in place when given; meant for the few
   rows of decode (``MAX_ROWS``).
+- ``qlinear(x, w, b, residual)``: the same product with ``w`` a ``quant.QuantWeight``
+  (GGUF Q8_0 or Q4_1 blocks, dequantised in registers); ``dequantize(w)`` its fp32 matrix.
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
 - ``rms_norm``, ``silu_mul``, ``rope_store``: the per-token glue of a decoder layer, one
@@ -31,6 +33,7 @@ import warnings
 import torch
 
 from servelab.model import kernel_build
+from servelab.model.quant import QuantWeight
 
 MAX_ROWS = 32  # above this, prefill-sized products go to BLAS, which tiles for cache
 
@@ -58,6 +61,8 @@ def _load() -> ctypes.CDLL | None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.sl_linear.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
     lib.sl_linear.restype = None
+    lib.sl_qlinear.argtypes = [p, p, p, p, i64, i64, i64, i32, i32, i32]
+    lib.sl_dequantize.argtypes = [p, p, i64, i64, i32, i32]
     lib.sl_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p]
     lib.sl_paged_attention.argtypes += [i64, i64, i64, i64, ctypes.c_float, i32]
     lib.sl_paged_attention.restype = None
@@ -65,8 +70,9 @@ def _load() -> ctypes.CDLL | None:
     lib.sl_silu_mul.argtypes = [p, p, i64, i64, i32]
     lib.sl_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, i32]
     lib.sl_decoder_stack.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]
-    lib.sl_decoder_stack.argtypes += [p, p, p, p, i64, p, p, p, i64, i64, i32]
-    for f in (lib.sl_rms_norm, lib.sl_silu_mul, lib.sl_rope_store, lib.sl_decoder_stack):
+    lib.sl_decoder_stack.argtypes += [p, p, p, p, i64, p, p, p, i64, i64, i32, i32]
+    for f in (lib.sl_rms_norm, lib.sl_silu_mul, lib.sl_rope_store, lib.sl_decoder_stack,
+              lib.sl_qlinear, lib.sl_dequantize):  # fmt: skip
         f.restype = None
     _lib = lib
     return lib
@@ -100,6 +106,30 @@ def linear(
         m, n, k, residual is not None, _threads,
     )  # fmt: skip
     return y
+
+
+def qlinear(
+    x: torch.Tensor,
+    w: QuantWeight,
+    b: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``linear`` with quantised weights: ``x`` [m, w.k] fp32."""
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty((m, w.n), dtype=torch.float32) if residual is None else residual
+    _lib.sl_qlinear(
+        x.data_ptr(), w.blocks.data_ptr(), b.data_ptr() if b is not None else None,
+        y.data_ptr(), m, w.n, w.k, residual is not None, w.kind_id, _threads,
+    )  # fmt: skip
+    return y
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """The fp32 matrix [w.n, w.k] of quantised weights."""
+    out = torch.empty((w.n, w.k), dtype=torch.float32)
+    _lib.sl_dequantize(w.blocks.data_ptr(), out.data_ptr(), w.n, w.k, w.kind_id, _threads)
+    return out
 
 
 def paged_attention(
@@ -182,9 +212,15 @@ LAYER_TENSORS = ("ln1", "qkv_w", "qkv_b", "o_w", "ln2", "gate_up_w", "down_w", "
 
 def layer_table(layers: list[dict[str, torch.Tensor | None]]) -> torch.Tensor:
     """The pointer table ``decoder_stack`` reads: per layer, the addresses of its
-    ``LAYER_TENSORS`` (fp32, contiguous; ``qkv_b`` may be None). The tensors must outlive
-    every call that uses the table."""
-    ptrs = [0 if t[name] is None else t[name].data_ptr() for t in layers for name in LAYER_TENSORS]
+    ``LAYER_TENSORS`` (fp32, contiguous; ``qkv_b`` may be None; the four weights may be
+    ``QuantWeight``s, all of one kind). The tensors must outlive every call that uses it."""
+
+    def address(t: torch.Tensor | QuantWeight | None) -> int:
+        if t is None:
+            return 0
+        return t.blocks.data_ptr() if isinstance(t, QuantWeight) else t.data_ptr()
+
+    ptrs = [address(t[name]) for t in layers for name in LAYER_TENSORS]
     return torch.tensor(ptrs, dtype=torch.int64)
 
 
@@ -201,6 +237,7 @@ def decoder_stack(
     seq: torch.Tensor,
     pos: torch.Tensor,
     tables: torch.Tensor,
+    kind_id: int = 0,
 ) -> None:
     """Run ``n_layers`` decoder layers on ``x`` [m, hidden] (contiguous, updated in place
     to the last layer's output, before the final norm), storing each token's K/V at its
@@ -209,6 +246,7 @@ def decoder_stack(
     ``shape`` = (n_q, n_kv, head_dim, intermediate, rms eps); ``rope`` [max_pos, d / 2, 2]
     (cos, sin) at int64 ``positions``; attention as in ``paged_attention``: query token
     ``rows[t]`` of sequence ``seq[t]`` at ``pos[t]`` over block tables ``tables``.
+    ``kind_id``: the layers' weights' ``QuantWeight.kind_id`` (0: fp32).
     """
     m, hidden = x.shape
     n_q, n_kv, d, inter, eps = shape
@@ -216,5 +254,5 @@ def decoder_stack(
         x.data_ptr(), m, table.data_ptr(), n_layers, hidden, n_q, n_kv, d, inter, eps,
         rope.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
         tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
-        block_size, _threads,
+        block_size, kind_id, _threads,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Building servelab's CPU kernels (``csrc/cpu_kernels.c``); imports no torch.
 
 Contract:
-- ``expected()``: whether the kernels should be usable here (x86-64 with AVX2 and FMA, a C
+- ``expected()``: whether the kernels should be usable here (x86-64 with AVX2, FMA and F16C, a C
   compiler, ``SERVELAB_CPU_KERNELS`` not ``0``). Cheap: no compilation. ``servelab``'s
   ``__init__`` uses it to pick the OpenMP wait policy before torch loads.
 - ``build()``: the path of the compiled library, compiling it once per source version into
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 
 
 def _compiler() -> str | None:
@@ -31,7 +31,7 @@ def cpu_supported() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " avx2" in flags and " fma" in flags
+    return " avx2" in flags and " fma" in flags and " f16c" in flags
 
 
 def wanted() -> bool:

@@ -9,6 +9,11 @@ numpy/OpenBLAS ``W @ x.T`` on zero-copy views (its best operand order for few ro
 Prefill-sized products stay on ``F.linear``: MKL runs on torch's own thread pool, so
 attention and the other torch ops that follow never wait for a second pool's threads to
 yield the cores. Other devices use ``F.linear``.
+
+Quantised weights (``quant.QuantWeight``, CPU only) take servelab's quantised kernel for
+up to ``MAX_ROWS`` rows; above that the matrix is dequantised once into fp32 and goes to
+``F.linear`` like any prefill product (dequantising costs one pass over the weights, small
+beside a GEMM of more than 32 rows).
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from servelab.model import cpu_kernels
+from servelab.model.quant import QuantWeight
 
 use_numpy_on_cpu = True  # benchmarks flip this to compare against stock kernels
 
 
 def linear(
     x: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | QuantWeight,
     b: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -36,6 +42,10 @@ def linear(
     """
     if residual is not None:
         assert b is None, "a residual product takes no bias"
+    if isinstance(w, QuantWeight):
+        if x.shape[0] <= cpu_kernels.MAX_ROWS:
+            return cpu_kernels.qlinear(x, w, b, residual)
+        w = cpu_kernels.dequantize(w)
     routed = use_numpy_on_cpu and x.device.type == "cpu" and x.dtype == torch.float32
     rows = x.shape[0]
     if routed and rows <= cpu_kernels.MAX_ROWS and cpu_kernels.available():

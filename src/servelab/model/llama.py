@@ -23,6 +23,7 @@ from torch import nn
 from servelab.model import cpu_kernels, ops
 from servelab.model.config import ModelConfig
 from servelab.model.linear import linear
+from servelab.model.quant import QuantWeight
 from servelab.model.rope import rope_table
 
 
@@ -86,25 +87,49 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.contiguous(), requires_grad=False)
 
 
+Weight = torch.Tensor | QuantWeight
+
+
+def _weight(t: Weight) -> nn.Parameter | QuantWeight:
+    if isinstance(t, QuantWeight):
+        return QuantWeight(t.kind, t.blocks.contiguous(), t.k)
+    return _param(t)
+
+
+def _rotary_rows(w: Weight, n_heads: int) -> Weight:
+    """``to_interleaved_rotary`` on a weight of either kind (quantised rows move whole)."""
+    if isinstance(w, QuantWeight):
+        return QuantWeight(w.kind, to_interleaved_rotary(w.blocks, n_heads), w.k)
+    return to_interleaved_rotary(w, n_heads)
+
+
+def _cat_rows(ws: list[Weight]) -> Weight:
+    if isinstance(ws[0], QuantWeight):
+        if len({(w.kind, w.k) for w in ws}) != 1:
+            raise ValueError("fused weights must share one quantization kind")
+        return QuantWeight(ws[0].kind, torch.cat([w.blocks for w in ws]), ws[0].k)
+    return torch.cat(ws)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Weight], prefix: str) -> None:
         super().__init__()
         self.cfg = cfg
         nq, nkv = cfg.num_heads, cfg.num_kv_heads
-        q = to_interleaved_rotary(w[prefix + "self_attn.q_proj.weight"], nq)
-        k = to_interleaved_rotary(w[prefix + "self_attn.k_proj.weight"], nkv)
+        q = _rotary_rows(w[prefix + "self_attn.q_proj.weight"], nq)
+        k = _rotary_rows(w[prefix + "self_attn.k_proj.weight"], nkv)
         v = w[prefix + "self_attn.v_proj.weight"]
-        self.qkv_w = _param(torch.cat([q, k, v]))
+        self.qkv_w = _weight(_cat_rows([q, k, v]))
         self.qkv_b: nn.Parameter | None = None
         if cfg.qkv_bias:
             qb = to_interleaved_rotary(w[prefix + "self_attn.q_proj.bias"], nq)
             kb = to_interleaved_rotary(w[prefix + "self_attn.k_proj.bias"], nkv)
             self.qkv_b = _param(torch.cat([qb, kb, w[prefix + "self_attn.v_proj.bias"]]))
-        self.o_w = _param(w[prefix + "self_attn.o_proj.weight"])
-        self.gate_up_w = _param(
-            torch.cat([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]])
+        self.o_w = _weight(w[prefix + "self_attn.o_proj.weight"])
+        self.gate_up_w = _weight(
+            _cat_rows([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]])
         )
-        self.down_w = _param(w[prefix + "mlp.down_proj.weight"])
+        self.down_w = _weight(w[prefix + "mlp.down_proj.weight"])
         self.ln1 = _param(w[prefix + "input_layernorm.weight"])
         self.ln2 = _param(w[prefix + "post_attention_layernorm.weight"])
 
@@ -190,10 +215,14 @@ def _attention(
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder with its embedding and LM head. ``forward`` returns logits [S, vocab]."""
+    """The decoder with its embedding and LM head. ``forward`` returns logits [S, vocab].
+
+    Linear weights and the LM head may be ``QuantWeight``s (all layers of one kind; CPU
+    only), run by servelab's quantised kernels.
+    """
 
     def __init__(
-        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str
+        self, cfg: ModelConfig, weights: dict[str, Weight], device: torch.device | str
     ) -> None:
         super().__init__()
         self.config = cfg
@@ -202,11 +231,17 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, weights, f"model.layers.{i}.") for i in range(cfg.num_layers)
         )
         self.norm = _param(weights["model.norm.weight"])
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        head = weights.get("lm_head.weight")
+        self.lm_head: nn.Parameter | QuantWeight
+        if isinstance(head, QuantWeight):
+            self.lm_head = _weight(head)
+        elif cfg.tie_word_embeddings or head is None:
             self.lm_head = self.embed
         else:
             self.lm_head = _param(weights["lm_head.weight"])
         self.to(device)
+        qkv = self.layers[0].qkv_w if cfg.num_layers else None
+        self.weight_kind_id = qkv.kind_id if isinstance(qkv, QuantWeight) else 0
         self.register_buffer("rope", rope_table(cfg, cfg.max_model_len, device), persistent=False)
         # Few-token steps run all layers in one CPU kernel call (benchmarks flip this).
         self.fuse_decode = True
@@ -266,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         cpu_kernels.decoder_stack(
             x, self._stack[1], cfg.num_layers, (*shape, cfg.rms_norm_eps), rotary.real_table,
             batch.positions, batch.slot_mapping, kv[0][0].shape[1], g.rows, g.seq, g.pos,
-            g.tables,
+            g.tables, self.weight_kind_id,
         )  # fmt: skip
 
 

@@ -1,9 +1,11 @@
 """Load a model by short name, GGUF file or HF directory.
 
-Contract: ``load_model(name_or_path, device=None)`` returns a ``LoadedModel`` with the
-config, the torch module (fp32, on ``device``: CUDA when present, else CPU) and the
-tokenizer. A GGUF file is dequantised once into the weight cache (``weight_cache``) and
-then loaded from there like any HF directory.
+Contract: ``load_model(name_or_path, device=None, quantization="none")`` returns a
+``LoadedModel`` with the config, the torch module (fp32, on ``device``: CUDA when present,
+else CPU) and the tokenizer. A GGUF file is dequantised once into the weight cache
+(``weight_cache``) and then loaded from there like any HF directory. ``quantization``
+``q8_0`` or ``q4_1`` keeps the linear weights quantised (``servelab.model.quant``); those
+run on servelab's CPU kernels only, so they need a CPU device and the kernels built.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Tokenizer
+    quantization: str = "none"
 
     @property
     def device(self) -> torch.device:
@@ -55,9 +58,31 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_model(name_or_path: str, device: str | None = None) -> LoadedModel:
+def _check_quantization(mode: str, dev: torch.device) -> None:
+    from servelab.model import cpu_kernels
+    from servelab.model.quant import check_mode
+
+    check_mode(mode)
+    if mode == "none":
+        return
+    if dev.type != "cpu":
+        raise ValueError(
+            f"--quantization {mode} runs on CPU only; use --quantization none on {dev}"
+        )
+    if not cpu_kernels.available():
+        raise ValueError(
+            f"--quantization {mode} needs servelab's CPU kernels (x86-64 with AVX2, FMA and "
+            "F16C, a C compiler, SERVELAB_CPU_KERNELS not 0); use --quantization none here"
+        )
+
+
+def load_model(
+    name_or_path: str, device: str | None = None, quantization: str = "none"
+) -> LoadedModel:
     """Load weights, config and tokenizer; see the module docstring."""
     t0 = time.perf_counter()
+    dev = torch.device(device or default_device())
+    _check_quantization(quantization, dev)
     path = resolve_model(name_or_path)
     hf_dir = path
     if is_gguf(path):
@@ -67,9 +92,17 @@ def load_model(name_or_path: str, device: str | None = None) -> LoadedModel:
     config = ModelConfig.from_hf_dict(json.loads((hf_dir / "config.json").read_text()))
     # The GGUF's own metadata is the source of the tokenizer (the cache copy is identical).
     tokenizer = Tokenizer.from_model(str(path))
-    dev = torch.device(device or default_device())
-    model = LlamaForCausalLM(config, read_hf_weights(hf_dir), dev)
-    log.info("loaded %s (%s) on %s in %.1f s", name_or_path, path, dev, time.perf_counter() - t0)
+    weights = read_hf_weights(hf_dir)
+    if quantization != "none":
+        from servelab.model.quant import quantize
+
+        weights = quantize(weights, quantization, path, config.num_heads, config.num_kv_heads)
+    model = LlamaForCausalLM(config, weights, dev)
+    log.info(
+        "loaded %s (%s, weights %s) on %s in %.1f s",
+        name_or_path, path, quantization, dev, time.perf_counter() - t0,
+    )  # fmt: skip
     return LoadedModel(
-        name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer
-    )
+        name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer,
+        quantization=quantization,
+    )  # fmt: skip

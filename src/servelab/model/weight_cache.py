@@ -5,7 +5,9 @@ well under one. The cache lives under ``$SERVELAB_CACHE_DIR`` (default
 ``~/.cache/servelab``) in ``weights/<gguf stem>-<key>/``, where the key hashes the GGUF's
 resolved path, size and mtime, so a changed file gets a new entry. An entry is written
 into a temporary directory and renamed into place, so a crash never leaves a partial
-entry behind and concurrent loaders do not clash.
+entry behind and concurrent loaders do not clash. An entry may also hold arrays derived
+from the weights (``cached_arrays``: the q8_0 blocks) in ``derived/``, each file renamed
+into place.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -57,3 +62,25 @@ def cached_hf_dir(gguf_path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return entry
+
+
+def cached_arrays(
+    gguf_path: Path, name: str, make: Callable[[], dict[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """Arrays derived from ``gguf_path``'s weights (e.g. its q8_0 blocks), kept as
+    ``derived/<name>.safetensors`` in its cache entry (a subdirectory: the entry's own
+    ``*.safetensors`` are the fp32 checkpoint); ``make()`` computes them on a miss."""
+    from safetensors.numpy import load_file, save_file
+
+    entry = cached_hf_dir(gguf_path) / "derived"
+    entry.mkdir(exist_ok=True)
+    f = entry / f"{name}.safetensors"
+    if f.is_file():
+        log.info("loading %s weights of %s from cache %s", name, gguf_path.name, f)
+        return load_file(str(f))
+    arrays = make()
+    tmp = entry / f".tmp-{name}-{os.getpid()}.safetensors"
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
+    os.replace(tmp, f)  # atomic: a concurrent loader sees the whole file or none
+    log.info("cached %s weights of %s in %s", name, gguf_path.name, f)
+    return arrays

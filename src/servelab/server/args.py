@@ -12,7 +12,7 @@ from servelab.engine.config import EngineConfig
 from servelab.engine.spec.config import parse_speculative_config
 from servelab.model.build import default_threads
 from servelab.units import parse_size_gb
-from servelab.vocab import DEFAULT_MODEL
+from servelab.vocab import DEFAULT_MODEL, QUANTIZATION_MODES
 
 API_KEY_ENV = "SERVELAB_API_KEY"
 
@@ -49,6 +49,7 @@ class ServerArgs:
     max_queue: int | None = None
     device: str | None = None
     threads: int | None = None
+    quantization: str = "none"  # servelab.model.quant.MODES
     shutdown_timeout: float = 30.0
     # Limits at the door (docs/design/server.md): OpenAI's 4 stop sequences by default.
     max_stop_sequences: int = 4
@@ -113,6 +114,14 @@ class ServerArgs:
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
             raise ValueError(f"--device {self.device!r} is not known: use cpu, cuda or cuda:N")
         self._validate_disagg()
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"--quantization {self.quantization!r}: use {', '.join(QUANTIZATION_MODES)}"
+            )
+        if self.quantization != "none" and self.disaggregated:
+            raise ValueError(
+                "--quantization does not work with --disaggregated yet; drop one of them"
+            )
         if self.simulate is not None:
             if self.disaggregated:
                 raise ValueError("--simulate does not work with --disaggregated; drop one of them")

@@ -53,7 +53,11 @@ def build_engine(cfg: ipc.CoreConfig, engine_cls: type | None = None) -> Any:
     from servelab.model.build import build_engine as build_model_engine
 
     return build_model_engine(
-        cfg.model, EngineConfig(**cfg.engine), device=cfg.device, engine_cls=engine_cls
+        cfg.model,
+        EngineConfig(**cfg.engine),
+        device=cfg.device,
+        engine_cls=engine_cls,
+        quantization=cfg.quantization,
     )
 
 
@@ -137,6 +141,7 @@ class EngineCore:
             device=cfg.device or "auto",
             torch_threads=cfg.torch_threads,
             pid=os.getpid(),
+            quantization=cfg.quantization,
             engine_config=dataclasses.asdict(c),
         )
 

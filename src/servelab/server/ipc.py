@@ -63,6 +63,7 @@ class CoreInfo(msgspec.Struct):
     device: str
     torch_threads: int
     pid: int
+    quantization: str = "none"  # the weights' mode: none (fp32), q8_0 or q4_1
     # Every EngineConfig field as resolved (defaults, the model's limits, the KV pool size):
     # run manifests record this, so an old run never takes a newer version's defaults.
     engine_config: dict[str, Any] = {}
@@ -145,6 +146,7 @@ class CoreConfig(msgspec.Struct):
     outputs_addr: str
     device: str | None = None
     torch_threads: int = 1
+    quantization: str = "none"  # servelab.model.quant.MODES
     log_level: str = "info"
     simulate: str | None = None  # HARDWARE:MODEL: simulated timings (servelab.sim.realtime)
     # "module:function" returning an engine; tests pass a fake to test the processes and IPC.

@@ -77,6 +77,7 @@ def _make_client(
         outputs_addr="",
         device=args.device,
         torch_threads=args.torch_threads,
+        quantization=args.quantization,
         log_level=args.log_level,
     )
     if args.simulate is not None:

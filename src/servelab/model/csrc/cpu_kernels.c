@@ -13,6 +13,8 @@
 //   seq[t], whose block table is tables[seq[t] * table_stride ...]; K/V of position p live
 //   at cache[(table[p / bs] * bs + p % bs) * n_kv * d + h * d ...]. The result goes to row
 //   rows[t] of out ([rows, n_q, d], contiguous).
+// sl_qlinear: sl_linear with w in GGUF blocks (Q8_0 or Q4_1, see below); sl_dequantize
+//   writes such a matrix out as fp32.
 // sl_decoder_stack: every decoder layer of a few-token batch in one call (see its comment).
 //
 // Each kernel's body is a function with an orphaned `omp for`: called from sl_<name> it
@@ -142,6 +144,133 @@ void sl_linear(const float *x, const float *w, const float *b, float *y, int64_t
                int64_t k, int add, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     linear_for(x, w, b, y, m, n, k, add);
+}
+
+// ---- quantised weights: GGUF blocks of 32, dequantised in registers -------------------
+// A weight row of k inputs is k / 32 blocks, as llama.cpp ships them (little-endian):
+//   kind 1, Q8_0: fp16 d, 32 x int8 q             (34 bytes): w = d * q
+//   kind 2, Q4_1: fp16 d, fp16 m, 16 bytes of nibbles (20 bytes): w = d * q + m, where
+//                 byte i holds element i in its low nibble and element i + 16 in its high.
+// A block becomes four vectors of 8 fp32 lanes in registers and is FMA'd against every
+// input row before the next block is read, so the weights are read from memory once per
+// product at 34/128 or 20/128 of the fp32 bytes.
+enum { KIND_F32 = 0, KIND_Q8_0 = 1, KIND_Q4_1 = 2 };
+
+static inline int64_t block_bytes(int kind) { return kind == KIND_Q8_0 ? 34 : 20; }
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    return _cvtsh_ss(h);
+}
+
+static inline __attribute__((always_inline)) void deq_block(const uint8_t *b, const int kind,
+                                                            __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(half_to_float(b));
+    if (kind == KIND_Q8_0) {
+        for (int i = 0; i < 4; i++) {
+            __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i));
+            w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+        }
+        return;
+    }
+    const __m256 m = _mm256_set1_ps(half_to_float(b + 2));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 4)), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), m);
+}
+
+// R input rows (1-4) against one quantised weight row: each block dequantised once and
+// FMA'd into every row's accumulators (four per row for a single row, to cover the FMA
+// latency of one chain; two per row otherwise, so 8 + 4 registers fit in 16).
+static inline __attribute__((always_inline)) void qrow(const float *x, int64_t k,
+                                                       const uint8_t *w, float *y, int64_t ldy,
+                                                       const int R, const int kind, int add) {
+    const int A = R == 1 ? 4 : 2;
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
+    const int64_t bb = block_bytes(kind);
+    for (int64_t i = 0; i < k; i += 32, w += bb) {
+        __m256 wv[4];
+        deq_block(w, kind, wv);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++)
+                acc[r][c % A] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(x + r * k + i + 8 * c),
+                                                acc[r][c % A]);
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 t = acc[r][0];
+        for (int a = 1; a < A; a++) t = _mm256_add_ps(t, acc[r][a]);
+        float s = hsum(t);
+        y[r * ldy] = add ? y[r * ldy] + s : s;
+    }
+}
+
+// Weight rows [j0, j1) against all m input rows, four input rows at a time; the weight
+// row stays in L1 while every group of rows passes over it.
+static void qlinear_block(const float *x, const uint8_t *w, float *y, int64_t m, int64_t n,
+                          int64_t k, int64_t j0, int64_t j1, int kind, int add) {
+    const int64_t row_bytes = k / 32 * block_bytes(kind);
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *wr = w + j * row_bytes;
+        int64_t r = 0;
+#define QROWS(R)                                                                           \
+    (kind == KIND_Q8_0 ? qrow(x + r * k, k, wr, y + r * n + j, n, R, KIND_Q8_0, add)       \
+                       : qrow(x + r * k, k, wr, y + r * n + j, n, R, KIND_Q4_1, add))
+        for (; r + 4 <= m; r += 4) QROWS(4);
+        switch (m - r) {
+            case 3: QROWS(3); break;
+            case 2: QROWS(2); break;
+            case 1: QROWS(1); break;
+        }
+#undef QROWS
+    }
+}
+
+// linear_for over weights of any kind (k a multiple of 32 for the quantised ones).
+static void any_linear_for(const float *x, const void *w, const float *b, float *y, int64_t m,
+                           int64_t n, int64_t k, int add, int kind) {
+    if (kind == KIND_F32) {
+        linear_for(x, (const float *)w, b, y, m, n, k, add);
+        return;
+    }
+    const int64_t block = 16;
+    int64_t nblocks = (n + block - 1) / block;
+#pragma omp for schedule(static)
+    for (int64_t bi = 0; bi < nblocks; bi++) {
+        int64_t j0 = bi * block, j1 = j0 + block < n ? j0 + block : n;
+        qlinear_block(x, (const uint8_t *)w, y, m, n, k, j0, j1, kind, add);
+        if (b)
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t j = j0; j < j1; j++) y[r * n + j] += b[j];
+    }
+}
+
+void sl_qlinear(const float *x, const uint8_t *w, const float *b, float *y, int64_t m,
+                int64_t n, int64_t k, int add, int kind, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    any_linear_for(x, w, b, y, m, n, k, add, kind);
+}
+
+// out[n, k] = the fp32 weights of n quantised rows: prefill-sized products dequantise a
+// matrix once and hand it to BLAS, whose GEMM amortises that over all their rows.
+void sl_dequantize(const uint8_t *w, float *out, int64_t n, int64_t k, int kind,
+                   int num_threads) {
+    const int64_t row_bytes = k / 32 * block_bytes(kind);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *wr = w + j * row_bytes;
+        for (int64_t i = 0; i < k; i += 32, wr += block_bytes(kind)) {
+            __m256 wv[4];
+            if (kind == KIND_Q8_0)
+                deq_block(wr, KIND_Q8_0, wv);
+            else
+                deq_block(wr, KIND_Q4_1, wv);
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j * k + i + 8 * c, wv[c]);
+        }
+    }
 }
 
 // e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
@@ -400,7 +529,12 @@ void sl_rope_store(float *qkv, int64_t rows, int64_t n_q, int64_t n_kv, int64_t 
 
 // One layer's tensors, in this order (the caller passes n_layers of these back to back).
 typedef struct {
-    const float *ln1, *qkv_w, *qkv_b, *o_w, *ln2, *gate_up_w, *down_w;
+    const float *ln1;
+    const void *qkv_w;  // the four products' weights are fp32 or blocks of `kind`
+    const float *qkv_b;
+    const void *o_w;
+    const float *ln2;
+    const void *gate_up_w, *down_w;
     float *k_cache, *v_cache;  // [num_blocks, bs, n_kv, d]
 } layer_ptrs;
 
@@ -413,7 +547,7 @@ void sl_decoder_stack(float *x, int64_t m, const layer_ptrs *layers, int64_t n_l
                       float eps, const float *rope, const int64_t *positions,
                       const int64_t *slots, const int32_t *tables, int64_t table_stride,
                       const int32_t *rows, const int32_t *seq, const int32_t *pos, int64_t N,
-                      int64_t bs, int num_threads) {
+                      int64_t bs, int kind, int num_threads) {
     const int64_t width = (n_q + 2 * n_kv) * d;
     const float scale = 1.0f / sqrtf((float)d);
     float *h = malloc(sizeof(float) * m * hidden), *qkv = malloc(sizeof(float) * m * width);
@@ -423,15 +557,15 @@ void sl_decoder_stack(float *x, int64_t m, const layer_ptrs *layers, int64_t n_l
     for (int64_t l = 0; l < n_layers; l++) {
         const layer_ptrs *L = layers + l;
         rms_norm_for(x, hidden, L->ln1, h, m, hidden, eps);
-        linear_for(h, L->qkv_w, L->qkv_b, qkv, m, width, hidden, 0);
+        any_linear_for(h, L->qkv_w, L->qkv_b, qkv, m, width, hidden, 0, kind);
         rope_store_for(qkv, m, n_q, n_kv, d, rope, positions, L->k_cache, L->v_cache, slots);
         attention_for(qkv, width, L->k_cache, L->v_cache, tables, table_stride, rows, seq, pos,
                       N, att, n_q, n_kv, d, bs, scale);
-        linear_for(att, L->o_w, NULL, x, m, hidden, n_q * d, 1);
+        any_linear_for(att, L->o_w, NULL, x, m, hidden, n_q * d, 1, kind);
         rms_norm_for(x, hidden, L->ln2, h, m, hidden, eps);
-        linear_for(h, L->gate_up_w, NULL, gu, m, 2 * inter, hidden, 0);
+        any_linear_for(h, L->gate_up_w, NULL, gu, m, 2 * inter, hidden, 0, kind);
         silu_mul_for(gu, act, m, inter);
-        linear_for(act, L->down_w, NULL, x, m, hidden, inter, 1);
+        any_linear_for(act, L->down_w, NULL, x, m, hidden, inter, 1, kind);
     }
     free(h), free(qkv), free(att), free(gu), free(act);
 }

@@ -1,0 +1,157 @@
+"""Quantised linear weights: GGUF blocks kept as they are in memory.
+
+Contract:
+- ``MODES`` = ("none", "q8_0", "q4_1"); ``check_mode(mode)`` raises ValueError for others.
+- ``QuantWeight(kind, blocks, k)``: an [n, k] weight matrix as ``blocks`` (uint8 [n,
+  k / 32 * bytes per block], one row of blocks per output row, GGUF's byte layout, see
+  ``csrc/cpu_kernels.c``). Row permutations and concatenations are done on ``blocks``:
+  a block never straddles two rows.
+- ``quantize(weights, mode, path)``: the HF-named fp32 weights with every linear weight
+  (and the LM head, ``lm_head.weight`` even when tied) replaced by a ``QuantWeight``:
+  ``q8_0`` quantises the fp32 weights (cached beside the fp32 weight cache for a GGUF);
+  ``q4_1`` takes the GGUF's own Q4_1 blocks, and its LM head's own blocks when they are
+  Q8_0 or Q4_1. Norms and the embedding table stay fp32.
+
+Why: a decode step streams every weight once, so its floor is the weight bytes over the
+memory bandwidth; Q8_0 is 34/128 of fp32's bytes and Q4_1 20/128.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# q8_0 is the model layer's and the benchmarks'; the CLI offers vocab.QUANTIZATION_MODES.
+MODES = ("none", "q8_0", "q4_1")
+
+_KIND_IDS = {"q8_0": 1, "q4_1": 2}  # the C kernels' kind numbers
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class QuantWeight:
+    kind: str
+    blocks: torch.Tensor
+    k: int
+
+    @property
+    def n(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def kind_id(self) -> int:
+        return _KIND_IDS[self.kind]
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"quantization {mode!r} is not known: use {', '.join(MODES)}")
+
+
+def is_linear(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in _LINEAR and parts[-1] == "weight"
+
+
+def quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """GGUF Q8_0 blocks (uint8 [n, k / 32 * 34]) of an fp32 [n, k] matrix."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    if w.shape[-1] % 32:
+        raise ValueError(f"q8_0 needs rows of a multiple of 32 weights, got {w.shape}")
+    return gguf_quantize(np.ascontiguousarray(w, dtype=np.float32), GGMLQuantizationType.Q8_0)
+
+
+def _head_name(weights: dict[str, torch.Tensor]) -> str:
+    return "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+
+
+def _q8_0_blocks(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    names = [n for n in weights if is_linear(n)]
+    out = {n: quantize_q8_0(weights[n].numpy()) for n in names}
+    out["lm_head.weight"] = quantize_q8_0(weights[_head_name(weights)].numpy())
+    return out
+
+
+def _gguf_q4_1_blocks(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, np.ndarray]:
+    """The GGUF's Q4_1 linear weights (and its LM head's blocks) as HF-layout rows."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader
+
+    from servelab.model.gguf_load import hf_name, unpermute_rotary
+    from servelab.model.gguf_meta import read_metadata
+
+    reader = GGUFReader(str(path))
+    arch = read_metadata(str(path)).get("general.architecture")
+    out: dict[str, np.ndarray] = {}
+    other: set[str] = set()
+    head: tuple[str, np.ndarray] | None = None
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name in ("lm_head.weight", "model.embed_tokens.weight") and t.tensor_type in (
+            T.Q8_0,
+            T.Q4_1,
+        ):
+            if head is None or name == "lm_head.weight":
+                head = (t.tensor_type.name.lower(), np.asarray(t.data))
+        if name is None or not is_linear(name):
+            continue
+        if t.tensor_type != T.Q4_1:
+            other.add(t.tensor_type.name)
+            continue
+        blocks = np.asarray(t.data)
+        # llama.cpp permutes Q/K rows of llama models; undo it, as read_gguf does for fp32.
+        if arch == "llama" and ".q_proj." in name:
+            blocks = unpermute_rotary(blocks, num_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            blocks = unpermute_rotary(blocks, num_kv_heads)
+        out[name] = np.array(blocks, order="C")  # a copy: the reader's arrays are read-only
+    if other or not out:
+        found = ", ".join(sorted(other)) or "no linear weights"
+        raise ValueError(
+            f"--quantization q4_1 runs a GGUF's own Q4_1 blocks, but the linear weights of "
+            f"{path.name} are not all Q4_1 (others: {found}); available: none"
+        )
+    if head is not None:
+        out["lm_head.weight"] = np.array(head[1], order="C")
+        out["lm_head.kind"] = np.frombuffer(head[0].encode(), dtype=np.uint8)
+    return out
+
+
+def quantize(
+    weights: dict[str, torch.Tensor],
+    mode: str,
+    path: Path,
+    num_heads: int,
+    num_kv_heads: int,
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """See the module docstring. ``path`` is the resolved model (a .gguf or HF dir)."""
+    from servelab.model.registry import is_gguf
+
+    check_mode(mode)
+    if mode == "none":
+        return dict(weights)
+    if mode == "q4_1":
+        if not is_gguf(path):
+            raise ValueError(
+                f"--quantization q4_1 runs a GGUF's own Q4_1 blocks; {path} holds safetensors "
+                "weights: available: none"
+            )
+        blocks = _gguf_q4_1_blocks(path, num_heads, num_kv_heads)
+    elif is_gguf(path):
+        from servelab.model.weight_cache import cached_arrays
+
+        blocks = cached_arrays(path, "q8_0", lambda: _q8_0_blocks(weights))
+    else:
+        blocks = _q8_0_blocks(weights)
+    head_kind = bytes(blocks.pop("lm_head.kind", np.frombuffer(b"q8_0", np.uint8))).decode()
+    out: dict[str, torch.Tensor | QuantWeight] = dict(weights)
+    for name, b in blocks.items():
+        kind = head_kind if name == "lm_head.weight" else mode
+        k = weights[_head_name(weights) if name == "lm_head.weight" else name].shape[1]
+        out[name] = QuantWeight(kind, torch.from_numpy(np.ascontiguousarray(b)), k)
+    return out

@@ -1,0 +1,116 @@
+"""The engine on quantised weights: every scheduling choice leaves the greedy tokens of a
+quantised model unchanged (batching invariance holds for q8_0 and q4_1 too), and bad
+requests for a mode say what is available."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine_real import TEXTS, TINY_SP, alone, generate, make_engine
+from test_model_gguf import write_gguf
+
+from servelab.model import cpu_kernels
+from servelab.model.llama import causal_batch
+from servelab.model.loader import LoadedModel, load_model
+from servelab.model.quant import QuantWeight
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built here")
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tiny_llama_dir, tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf", q4_1=True)
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_1"])
+def quantised(request: pytest.FixtureRequest, tiny_llama_dir: Path, q4_gguf: Path) -> LoadedModel:
+    path = q4_gguf if request.param == "q4_1" else tiny_llama_dir
+    return load_model(str(path), device="cpu", quantization=request.param)
+
+
+@pytest.fixture(scope="module")
+def prompts(quantised: LoadedModel) -> list[list[int]]:
+    shared = quantised.tokenizer.encode("A paged KV cache stores keys and values in blocks. ")
+    own = [quantised.tokenizer.encode(t) for t in TEXTS]
+    return own + [shared + p for p in own[:3]]
+
+
+@pytest.fixture(scope="module")
+def unbatched(quantised: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
+    return alone(quantised, prompts, TINY_SP)
+
+
+def test_weights_stay_quantised(quantised: LoadedModel) -> None:
+    layer = quantised.model.layers[0]
+    for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
+        assert isinstance(w, QuantWeight) and w.kind == quantised.quantization
+        assert w.blocks.dtype == torch.uint8
+    # q8_0 quantises the LM head too; q4_1 keeps the GGUF's own head (fp32 in this one).
+    assert isinstance(quantised.model.lm_head, QuantWeight) == (quantised.quantization == "q8_0")
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 30, "max_num_batched_tokens": 64}],
+    ids=["batched", "chunked-8", "tiny-pool"],
+)
+def test_quantised_batched_equals_alone(
+    quantised: LoadedModel, prompts: list[list[int]], unbatched: list[list[int]], cfg: dict
+) -> None:
+    engine = make_engine(quantised, **cfg)
+    assert generate(engine, prompts, TINY_SP) == unbatched
+    if cfg.get("max_num_batched_tokens") == 8:
+        assert any(len(t.chunks) > 1 for t in engine.finished_timelines)
+
+
+def test_quantised_prefix_cache_hit_equals_no_cache(
+    quantised: LoadedModel, prompts: list[list[int]], unbatched: list[list[int]]
+) -> None:
+    engine = make_engine(quantised)
+    generate(engine, prompts[:1], TINY_SP)
+    assert generate(engine, prompts, TINY_SP) == unbatched
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_quantised_logits_match_their_reference(
+    quantised: LoadedModel, tiny_llama_dir: Path, q4_gguf: Path
+) -> None:
+    """q4_1 computes exactly the function of its GGUF dequantised to fp32 (mode none), to
+    float rounding; q8_0 nearly fp32's. A wrong block layout or row order would not."""
+    batch = causal_batch([quantised.tokenizer.encode(TEXTS[0])])
+    if quantised.quantization == "q4_1":
+        ref = load_model(str(q4_gguf), device="cpu")
+        torch.testing.assert_close(quantised.model(batch), ref.model(batch), rtol=1e-3, atol=1e-3)
+        return
+    want = load_model(str(tiny_llama_dir), device="cpu").model(batch)
+    cos = torch.nn.functional.cosine_similarity(want, quantised.model(batch), dim=-1)
+    assert cos.min() > 0.99
+
+
+def test_modes_without_their_data_say_what_is_available(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="q4_1 runs a GGUF's own Q4_1 blocks.*available: none"):
+        load_model(str(tiny_llama_dir), device="cpu", quantization="q4_1")
+    fp32_gguf = write_gguf(tiny_llama_dir, tiny_llama_dir.parent / "tiny-fp32.gguf")
+    with pytest.raises(ValueError, match="not all Q4_1 .others: F32.*available: none"):
+        load_model(str(fp32_gguf), device="cpu", quantization="q4_1")
+    with pytest.raises(ValueError, match="use none, q8_0, q4_1"):
+        load_model(str(tiny_llama_dir), device="cpu", quantization="int4")
+
+
+def test_no_kernels_refuses_quantised_modes(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "enabled", False)
+    with pytest.raises(ValueError, match="needs servelab's CPU kernels.*AVX2"):
+        load_model(str(tiny_llama_dir), device="cpu", quantization="q4_1")
+    assert load_model(str(tiny_llama_dir), device="cpu").quantization == "none"
+
+
+def test_cli_offers_only_the_modes_that_pass_their_quality_bar() -> None:
+    from servelab.server.args import ServerArgs
+
+    ServerArgs(quantization="q4_1").validate()
+    with pytest.raises(ValueError, match="--quantization 'q8_0': use none, q4_1"):
+        ServerArgs(quantization="q8_0").validate()
