@@ -141,6 +141,38 @@ def test_parquet(tmp_path):
     assert [c.messages[0][1] for c in d.conversations] == ["one", "two"]
 
 
+def test_hf_disk_folders_are_read_offline(tmp_path, monkeypatch):
+    hf = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    saved = tmp_path / "saved"
+    hf.Dataset.from_list(CONVS).save_to_disk(str(saved))
+    d = load_dataset(str(saved))  # a folder is detected as hf-disk
+    assert d.info["format"] == "hf-disk" and len(d.conversations) == len(CONVS)
+    assert d.conversations[0].messages[0] == ("user", CONVS[0]["conversations"][0]["value"])
+    splits = tmp_path / "splits"
+    hf.DatasetDict(
+        {
+            "test": hf.Dataset.from_list([{"text": "held out"}]),
+            "train": hf.Dataset.from_list([{"text": "a"}, {"text": "b"}]),
+        }
+    ).save_to_disk(str(splits))
+    d = load_dataset(str(splits), field_name="text")
+    assert [c.messages[0][1] for c in d.conversations] == ["a", "b"]  # the train split
+    files = tmp_path / "files"
+    files.mkdir()
+    for i in range(2):
+        hf.Dataset.from_list([{"prompt": f"p{i}"}]).to_parquet(str(files / f"part-{i}.parquet"))
+    d = load_dataset(str(files))
+    assert sorted(c.messages[0][1] for c in d.conversations) == ["p0", "p1"]
+    assert d.info["sha256"] == load_dataset(str(files)).info["sha256"]
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.csv").write_text("prompt\nx\n")
+    with pytest.raises(ValueError, match=r"found \['.csv'\]"):
+        load_dataset(str(mixed))
+
+
 def test_a_file_cut_mid_record_keeps_every_whole_record(tmp_path):
     whole = json.dumps(CONVS)
     start_of_fifth = whole.index('{"id": "c4"')
@@ -262,7 +294,7 @@ def test_multi_turn_history_reaches_the_server_message_by_message(tmp_path, serv
     ("args", "message"),
     [
         (["--dataset-format", "yaml"], "unknown --dataset-format 'yaml'"),
-        (["--dataset-field", "nope"], "--dataset-field applies to jsonl, csv and parquet"),
+        (["--dataset-field", "nope"], "--dataset-field applies to jsonl, csv, parquet, hf-disk"),
         (["--dataset-format", "jsonl"], "sg.json line 1: not a JSON object"),
         (["--min-input-len", "100000"], "min_input_len: 6"),
         (["--output-len", "many"], "give dataset, natural or a number"),
@@ -310,3 +342,59 @@ def test_ttfo_waits_for_the_first_token_after_the_reasoning():
     assert rec.ok and rec.output_tokens == 6 and rec.reasoning_tokens == 3
     assert rec.ttfo == rec.chunk_times[3] - rec.actual_send
     assert rec.ttfo > rec.ttft
+
+
+# ----------------------------------------------------------------------------- trace + text
+
+
+def _azure(path: Path, lengths: list[tuple[int, int]]) -> Path:
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for k, (n_in, n_out) in enumerate(lengths):
+        rows.append(f"2023-11-16 18:15:{k:02d}.0000000,{n_in},{n_out}")
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_a_trace_takes_times_and_lengths_and_the_dataset_its_text(tmp_path, tok):
+    long_turns = [
+        {
+            "id": f"L{i}",
+            "conversations": [
+                {
+                    "from": "human",
+                    "value": " ".join(
+                        f"river{i} canyon sediment rock water" for _ in range(4 + 3 * i)
+                    ),
+                }
+            ],
+        }
+        for i in range(4)
+    ]
+    path = _sharegpt(tmp_path / "sg.json", CONVS + long_turns)
+    lengths = [(12, 5), (40, 6), (30, 7), (200, 8), (13, 9)]
+    trace = _azure(tmp_path / "t.csv", lengths)
+    plan = build_plan(_spec(path), LoadSpec(trace=str(trace)), 0, tokenizer=tok)
+    assert [len(tok.encode(r.prompt)) for r in plan] == [n for n, _ in lengths]
+    assert [r.max_tokens for r in plan] == [m for _, m in lengths]
+    assert [r.send_time for r in plan] == pytest.approx([0, 1, 2, 3, 4])
+    firsts = [c["conversations"][0]["value"] for c in CONVS + long_turns]
+    # Each prompt is a record's own text cut to length (the 200-token row is padded)...
+    starts = [next(f for f in firsts if r.prompt[:20] == f[:20]) for r in plan]
+    assert all(f.startswith(r.prompt) or r.prompt.startswith(f) for f, r in zip(starts, plan))
+    assert plan[3].prompt.startswith(firsts[-1])  # the longest record, padded to 200
+    # ...and no record serves two rows while others are unused.
+    assert len(set(starts)) == len(plan)
+    text = plan.info["trace"]["text"]
+    assert text["records_used"] == len(plan) and "nearest" in text["rule"]
+    assert text["dataset"]["format"] == "sharegpt"
+
+
+def test_a_mooncake_trace_refuses_dataset_text(tmp_path, tok):
+    path = _sharegpt(tmp_path / "sg.json")
+    trace = tmp_path / "m.jsonl"
+    trace.write_text(
+        json.dumps({"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]})
+        + "\n"
+    )
+    with pytest.raises(ValueError, match="Mooncake"):
+        build_plan(_spec(path), LoadSpec(trace=str(trace)), 0, tokenizer=tok)

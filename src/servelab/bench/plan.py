@@ -24,9 +24,10 @@ import numpy as np
 from servelab.bench.arrivals import ARRIVALS, arrival_times
 from servelab.bench.datasets import Dataset, load_dataset
 from servelab.bench.datasets.select import Sampler, Selection
+from servelab.bench.datasets.tracetext import TraceText
 from servelab.bench.prompts import PromptFactory, TokenizerLike, lead_number, lead_word
 from servelab.bench.traces import TraceRow, load_trace, scale_trace
-from servelab.bench.workload import ClassSpec, WorkloadSpec
+from servelab.bench.workload import ClassSpec, DatasetSource, WorkloadSpec
 
 ENDPOINTS = ("completions", "chat")
 TRACE_CLASS = "trace"
@@ -217,7 +218,8 @@ def iter_plan(
         raise ValueError(f"unknown --endpoint {endpoint!r}; use completions or chat")
     if spec is None and load.trace is None:
         raise ValueError("give a workload (--workload NAME|FILE) or a trace (--trace FILE)")
-    if spec is not None and load.trace is not None:
+    text_source = _trace_text_source(spec) if load.trace is not None else None
+    if spec is not None and load.trace is not None and text_source is None:
         raise ValueError("--trace sets arrivals and lengths itself; drop --workload")
     info = info if info is not None else {}
     factory = PromptFactory(tokenizer)
@@ -228,7 +230,13 @@ def iter_plan(
     info["chat_template_tokens"] = overhead
     streams = _Streams.from_seed(seed)
     if load.trace is not None:
-        yield from _trace_plan(load, ctx, streams, info)
+        text = None
+        if text_source is not None:
+            ds = (datasets or {}).get(text_source.key()) or load_dataset(
+                text_source.dataset, text_source.format, text_source.field
+            )
+            text = (ds, TraceText(ds, factory.count))
+        yield from _trace_plan(load, ctx, streams, info, text)
     else:
         assert spec is not None
         _samplers(spec, ctx, streams, load.length_scale, datasets or {})
@@ -517,11 +525,28 @@ def _clip(n_in: int, n_out: int, fixed: int, ctx: _Context) -> tuple[int, int]:
 # --------------------------------------------------------------------------- traces
 
 
+def _trace_text_source(spec: WorkloadSpec | None) -> DatasetSource | None:
+    """The dataset a trace takes its text from: a workload of one dataset class (what
+    ``--dataset`` alone builds); None for no workload."""
+    if spec is None or len(spec.classes) != 1:
+        return None
+    return spec.classes[0].source
+
+
 def _trace_plan(
-    load: LoadSpec, ctx: _Context, streams: _Streams, info: dict[str, Any]
+    load: LoadSpec,
+    ctx: _Context,
+    streams: _Streams,
+    info: dict[str, Any],
+    text: tuple[Dataset, TraceText] | None = None,
 ) -> Iterator[PlannedRequest]:
     assert load.trace is not None
     rows, fmt = load_trace(load.trace)
+    if text is not None and any(r.hash_ids for r in rows[:1]):
+        raise ValueError(
+            "a Mooncake trace's shared prefix blocks need synthetic text; replay it without "
+            "--dataset, or use a trace of lengths only (azure-2023-conv)"
+        )
     rows, report = scale_trace(
         rows,
         time_scale=load.time_scale,
@@ -533,7 +558,11 @@ def _trace_plan(
     )
     info["trace"] = {"file": str(load.trace), "format": fmt, **report}
     for index, row in enumerate(rows):
-        prompt = _trace_prompt(row, index, ctx, streams)
+        if text is None:
+            prompt = _trace_prompt(row, index, ctx, streams)
+        else:
+            prompt = _dataset_trace_prompt(row, text[1], ctx, streams)
+            info["trace"]["text"] = text[1].report(text[0])
         yield PlannedRequest(
             request_id=f"r{index:06d}",
             index=index,
@@ -545,6 +574,27 @@ def _trace_plan(
             prefix_group=f"{TRACE_CLASS}:{row.hash_ids[0]}" if row.hash_ids else None,
             prefix_tokens=0,
         )
+
+
+def _dataset_trace_prompt(row: TraceRow, text: TraceText, ctx: _Context, streams: _Streams) -> str:
+    """The row's dataset text (``TraceText``) at exactly the row's prompt length."""
+    target = ctx.overhead + row.input_tokens
+    _, raw = text.pick(row.input_tokens)
+    tok = ctx.factory.tokenizer
+    ids = tok.encode(raw, add_special_tokens=False)[: row.input_tokens]
+    while True:  # decoding may merge across the cut: shorten until it fits
+        cut = tok.decode(ids).rstrip()
+        got = ctx.factory.count(ctx.wrap(cut)) if cut else ctx.overhead
+        if got <= target or not ids:
+            break
+        ids = ids[: len(ids) - (got - target)]
+    if got == target:
+        return cut
+    # Shorter than the row: pad with corpus text, checked exact on the wrapped prompt.
+    pad = ctx.factory.segment(
+        target - got, streams.text, "prose", head=cut, wrap=ctx.wrap, target=target
+    )
+    return cut + pad
 
 
 def _trace_prompt(row: TraceRow, index: int, ctx: _Context, streams: _Streams) -> str:

@@ -179,7 +179,7 @@ class Bench:
 
     def _plan_inputs(self) -> None:
         o = self.o
-        if o.load.trace is None:
+        if o.load.trace is None or o.dataset is not None:  # a trace's text may be a dataset's
             self.spec = self._workload()
             self._read_datasets()
         if o.tokenizer is not None:

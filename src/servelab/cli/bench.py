@@ -273,8 +273,6 @@ def bench(
         raise bad_flag("--endpoint", f"{endpoint!r}: use completions or chat")
     if trace is not None and workload is not None:
         raise bad_flag("--trace", "a trace sets its own lengths and arrivals; drop --workload")
-    if trace is not None and dataset is not None:
-        raise bad_flag("--dataset", "replaying a trace with dataset text is not supported yet")
     if conversation not in ("single-turn", "multi-turn"):
         raise bad_flag("--conversation", f"{conversation!r}: use single-turn or multi-turn")
     if history not in ("recorded", "generated"):

@@ -22,7 +22,8 @@ class DatasetError(ValueError):
     as one line, like every ValueError of the bench)."""
 
 
-FORMATS = ("sharegpt", "openai-chat", "openai-batch", "jsonl", "csv", "parquet")
+FORMATS = ("sharegpt", "openai-chat", "openai-batch", "jsonl", "csv", "parquet", "hf-disk")
+_ROW_FORMATS = ("jsonl", "csv", "parquet", "hf-disk")  # one prompt per row, in a field
 DEFAULT_FIELD = "prompt"
 # Output-length columns of row formats, in the order they are looked for.
 LENGTH_FIELDS = ("output_len", "output_tokens", "max_tokens", "max_completion_tokens")
@@ -60,12 +61,7 @@ def resolve(src: str) -> tuple[Path, str | None]:
     if src == sharegpt.NAMED and not Path(src).exists():
         return sharegpt.named_path(), sharegpt.NAMED
     path = Path(src)
-    if path.is_dir():
-        raise DatasetError(
-            f"dataset {src} is a folder: Hugging Face save_to_disk folders (hf-disk) are not "
-            "read yet; give one file (formats: " + ", ".join(FORMATS) + ")"
-        )
-    if not path.is_file():
+    if not path.is_file() and not path.is_dir():
         raise DatasetError(
             f"dataset {src!r} is neither a file nor a named source ({sharegpt.NAMED})"
         )
@@ -74,6 +70,8 @@ def resolve(src: str) -> tuple[Path, str | None]:
 
 def detect(path: Path) -> str:
     """The format of ``path``, from its suffix and, for JSONL, its first record's keys."""
+    if path.is_dir():
+        return "hf-disk"
     suffix = path.suffix.lower()
     if suffix == ".json":
         return "sharegpt"
@@ -101,8 +99,10 @@ def load_dataset(src: str, fmt: str | None = None, field_name: str | None = None
         raise DatasetError(f"unknown --dataset-format {fmt!r}; formats: {', '.join(FORMATS)}")
     path, name = resolve(src)
     fmt = fmt or detect(path)
-    if field_name is not None and fmt not in ("jsonl", "csv", "parquet"):
-        raise DatasetError(f"--dataset-field applies to jsonl, csv and parquet, not {fmt}")
+    if field_name is not None and fmt not in _ROW_FORMATS:
+        raise DatasetError(f"--dataset-field applies to {', '.join(_ROW_FORMATS)}, not {fmt}")
+    if (fmt == "hf-disk") != path.is_dir():
+        raise DatasetError(f"{path}: the hf-disk format is a folder, every other format one file")
     ds = Dataset([])
     label = name or str(path)
     if fmt == "sharegpt":
@@ -120,9 +120,12 @@ def load_dataset(src: str, fmt: str | None = None, field_name: str | None = None
             )
         truncated = {"offset": cuts[0].offset, "reason": cuts[0].reason} if cuts else None
     else:
-        reader = {"csv": rows.csv_rows, "parquet": rows.parquet_rows}.get(fmt, rows.jsonl_rows)
+        readers = {"csv": rows.csv_rows, "parquet": rows.parquet_rows, "hf-disk": rows.hf_disk_rows}
+        reader = readers.get(fmt, rows.jsonl_rows)
         convert = {"openai-chat": _openai_chat, "openai-batch": _openai_batch}.get(fmt)
         for where, row in reader(path):
+            if convert is None and field_name is None and fmt == "hf-disk":
+                convert = _hf_converter(row)  # a conversation dataset, or prompts in a field
             if convert is not None:
                 ds.conversations.append(convert(row, where, path))
             else:
@@ -135,7 +138,7 @@ def load_dataset(src: str, fmt: str | None = None, field_name: str | None = None
         "path": str(path) if name is None else f"{name} (package data)",
         "sha256": _sha256(path),
         "format": fmt,
-        "field": field_name if fmt in ("jsonl", "csv", "parquet") else None,
+        "field": field_name if fmt in _ROW_FORMATS else None,
         "records_read": len(ds.conversations),
         "truncated": truncated,
     }
@@ -143,11 +146,27 @@ def load_dataset(src: str, fmt: str | None = None, field_name: str | None = None
 
 
 def _sha256(path: Path) -> str:
+    """Of the file; of a folder, of every file's relative path and bytes, in sorted order."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
+    for p in sorted(path.rglob("*")) if path.is_dir() else [path]:
+        if not p.is_file():
+            continue
+        if path.is_dir():
+            h.update(str(p.relative_to(path)).encode() + b"\0")
+        with p.open("rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
     return h.hexdigest()
+
+
+def _hf_converter(row: Any) -> Any:
+    """How to read a Hugging Face dataset's rows, from the first one: ShareGPT-style
+    ``conversations``, OpenAI-style ``messages``, or (None) a prompt field."""
+    if isinstance(row, dict) and "conversations" in row:
+        return lambda r, where, path: _sharegpt(r, int(where.split()[-1]), path)
+    if isinstance(row, dict) and "messages" in row:
+        return _openai_chat
+    return None
 
 
 def _sharegpt(rec: Any, i: int, path: Path) -> Conversation:
