@@ -443,3 +443,26 @@ def test_fuzzed_oversized_requests_never_5xx(
     if r.status_code >= 400:
         error_of(r)
     assert_healthy(http)
+
+
+def test_big_bodies_hand_freed_memory_back_and_small_ones_do_not(
+    http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # glibc keeps the heap big bodies grew; the server trims it after them (at most once per
+    # body, once for a burst that ends within the trim's delay), never after small ones.
+    from servelab.server import api
+
+    calls: list[int] = []
+    monkeypatch.setattr(api, "_MALLOC_TRIM", calls.append)
+    big = json.dumps({"prompt": "word " * 400_000, "max_tokens": 2}).encode()
+    for _ in range(3):
+        assert http.post("/v1/completions", content=big).status_code == 400
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2 * api._TRIM_DELAY_S)
+    assert 1 <= len(calls) <= 3 and set(calls) == {0}
+    before = len(calls)
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    time.sleep(2 * api._TRIM_DELAY_S)
+    assert len(calls) == before
