@@ -122,11 +122,23 @@ class SchedulerOutput:
 
     @property
     def prefill(self) -> dict[str, int]:
-        return {e.request.request_id: e.num_tokens for e in self.entries if e.is_prefill}
+        return self.prefill_and_decode()[0]
 
     @property
     def decode(self) -> list[str]:
-        return [e.request.request_id for e in self.entries if not e.is_prefill]
+        return self.prefill_and_decode()[1]
+
+    def prefill_and_decode(self) -> tuple[dict[str, int], list[str]]:
+        """Prompt tokens per prefilling request, and the decoding requests (plan order); one
+        pass over the entries, as this runs every step."""
+        prefill: dict[str, int] = {}
+        decode: list[str] = []
+        for e in self.entries:
+            if e.is_prefill:
+                prefill[e.request.request_id] = e.num_tokens
+            else:
+                decode.append(e.request.request_id)
+        return prefill, decode
 
 
 class _Step:
