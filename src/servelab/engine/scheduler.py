@@ -391,11 +391,11 @@ class Scheduler:
             # prefix cache), so a step that crosses none has nothing to register. That is
             # most decode steps: the call is skipped.
             blocks_before = req.num_computed_tokens // bs
-            req.num_computed_tokens += e.num_tokens
-            if req.num_computed_tokens < len(token_ids):
+            computed = req.num_computed_tokens = req.num_computed_tokens + e.num_tokens
+            if computed < len(token_ids):
                 # a chunk that did not reach the end of the prompt
-                if req.num_computed_tokens // bs > blocks_before:
-                    cache_blocks(rid, token_ids, req.num_computed_tokens)
+                if computed // bs > blocks_before:
+                    cache_blocks(rid, token_ids, computed)
                 continue
             tokens = sampled.get(rid)
             if not tokens:
