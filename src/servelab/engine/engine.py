@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -280,7 +280,7 @@ class LLMEngine:
                 )
         requests, emit = self._requests, self._emit
         outputs = [emit(requests[rid], tokens, end) for rid, tokens in new_tokens.items()]
-        prefill, decode = out.prefill, out.decode  # each builds a new container: read once
+        prefill, decode = out.prefill_and_decode()
         record = StepRecord(
             step_id=out.plan.step_id,
             start=start,
@@ -289,8 +289,8 @@ class LLMEngine:
             decode_seqs=len(decode),
             prefill=prefill,
             decode=decode,
-            spec_proposed=sum(e.num_draft_tokens for e in speculated),
-            spec_accepted=sum(e.num_accepted for e in speculated),
+            spec_proposed=sum(e.num_draft_tokens for e in speculated) if speculated else 0,
+            spec_accepted=sum(e.num_accepted for e in speculated) if speculated else 0,
             kv_blocks_used=kv_used,
             kv_blocks_total=self.kv_cache.num_blocks,
             num_waiting=self.num_waiting,

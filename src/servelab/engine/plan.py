@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from servelab.engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's share of a step.
 

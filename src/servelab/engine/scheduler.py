@@ -99,7 +99,7 @@ class WaitingQueue:
             yield from self._classes[prio]
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledEntry:
     """One request's share of a step, as decided by the scheduler."""
 
@@ -122,11 +122,23 @@ class SchedulerOutput:
 
     @property
     def prefill(self) -> dict[str, int]:
-        return {e.request.request_id: e.num_tokens for e in self.entries if e.is_prefill}
+        return self.prefill_and_decode()[0]
 
     @property
     def decode(self) -> list[str]:
-        return [e.request.request_id for e in self.entries if not e.is_prefill]
+        return self.prefill_and_decode()[1]
+
+    def prefill_and_decode(self) -> tuple[dict[str, int], list[str]]:
+        """Prompt tokens per prefilling request, and the decoding requests (plan order); one
+        pass over the entries, as this runs every step."""
+        prefill: dict[str, int] = {}
+        decode: list[str] = []
+        for e in self.entries:
+            if e.is_prefill:
+                prefill[e.request.request_id] = e.num_tokens
+            else:
+                decode.append(e.request.request_id)
+        return prefill, decode
 
 
 class _Step:
@@ -203,9 +215,37 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         entries = list(step.entries.values())
-        scheduled_seq = self._scheduled_seq
-        plan = BatchPlan(step_id, [scheduled_seq(e) for e in entries])
-        return SchedulerOutput(plan, entries, step.admitted, step.preempted)
+        # One ScheduledSeq per sequence per step: built inline, with lookups hoisted.
+        block_table = self.kv_cache.block_table
+        seqs: list[ScheduledSeq] = []
+        append = seqs.append
+        for e in entries:
+            req = e.request
+            start = req.num_computed_tokens
+            end = start + e.num_tokens
+            token_ids = req.token_ids
+            num_tokens = len(token_ids)
+            sample = end == num_tokens
+            num_output = num_tokens - req.num_prompt_tokens
+            sp = req.sampling_params
+            append(
+                ScheduledSeq(
+                    req.request_id,
+                    token_ids[start:end],
+                    start,
+                    # The live table, not a copy: plan.py's contract lets executors read it
+                    # during the step only. Copying it cost more than the rest of a decode's
+                    # scheduling.
+                    block_table(req.request_id),
+                    sample,
+                    sp,
+                    num_output,
+                    # banned_token_ids() is [] from min_tokens on; the test spares the call.
+                    req.banned_token_ids() if sample and num_output < sp.min_tokens else [],
+                    req.spec_token_ids[: e.num_draft_tokens] if e.num_draft_tokens else [],
+                )
+            )
+        return SchedulerOutput(BatchPlan(step_id, seqs), entries, step.admitted, step.preempted)
 
     def _schedule_running(self, step: _Step, now: float) -> None:
         # Runs for every running request every step: attribute lookups are hoisted.
@@ -321,30 +361,6 @@ class Scheduler:
         if undone is not None:
             step.budget += undone.num_tokens + undone.num_draft_tokens
 
-    def _scheduled_seq(self, e: ScheduledEntry) -> ScheduledSeq:
-        req = e.request
-        start = req.num_computed_tokens
-        end = start + e.num_tokens
-        num_tokens = len(req.token_ids)
-        sample = end == num_tokens
-        num_output = num_tokens - req.num_prompt_tokens
-        return ScheduledSeq(
-            req.request_id,
-            req.token_ids[start:end],
-            start,
-            # The live table, not a copy: plan.py's contract lets executors read it during
-            # the step only. Copying it cost more than the rest of a decode's scheduling.
-            self.kv_cache.block_table(req.request_id),
-            sample,
-            req.sampling_params,
-            num_output,
-            # banned_token_ids() is [] from min_tokens on; the test spares the call.
-            req.banned_token_ids()
-            if sample and num_output < req.sampling_params.min_tokens
-            else [],
-            req.spec_token_ids[: e.num_draft_tokens] if e.num_draft_tokens else [],
-        )
-
     # ---- after the step ----
 
     def update_from_output(
@@ -375,11 +391,11 @@ class Scheduler:
             # prefix cache), so a step that crosses none has nothing to register. That is
             # most decode steps: the call is skipped.
             blocks_before = req.num_computed_tokens // bs
-            req.num_computed_tokens += e.num_tokens
-            if req.num_computed_tokens < len(token_ids):
+            computed = req.num_computed_tokens = req.num_computed_tokens + e.num_tokens
+            if computed < len(token_ids):
                 # a chunk that did not reach the end of the prompt
-                if req.num_computed_tokens // bs > blocks_before:
-                    cache_blocks(rid, token_ids, req.num_computed_tokens)
+                if computed // bs > blocks_before:
+                    cache_blocks(rid, token_ids, computed)
                 continue
             tokens = sampled.get(rid)
             if not tokens:

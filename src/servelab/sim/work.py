@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from servelab.engine.plan import BatchPlan
 
 
-@dataclass
+@dataclass(slots=True)
 class StepWork:
     """Sums over the sequences of one step.
 
