@@ -108,6 +108,22 @@ def test_other_target_uses_metrics_estimates_and_says_so(tmp_path):
     assert f.id == "queue_bound" and not f.exact
 
 
+def test_vllm_per_request_metrics_give_an_exact_queue_split(tmp_path):
+    exact = load_run(rundirs.burst(tmp_path / "exact"))
+    run = load_run(rundirs.as_other_target(rundirs.burst(tmp_path / "b"), figures=True))
+    d = diagnose(run)
+    assert d.source == "reported" and d.part_sources["queue"].startswith("exact")
+    assert "vllm metrics" in " ".join(d.notes)
+    truth = {b.request_id: b for b in attribute(exact).ttft}
+    for b in d.attribution.ttft:
+        t = truth[b.request_id]
+        assert b.queue == pytest.approx(t.queue, abs=1e-9)
+        assert b.prefill == pytest.approx(t.prefill + t.interference + t.overhead, abs=1e-9)
+        assert b.network_http == pytest.approx(t.network_http, abs=1e-9)
+    (f,) = d.findings
+    assert f.id == "queue_bound" and f.exact
+
+
 def test_other_target_kv_pressure_from_preemption_counter(tmp_path):
     run = load_run(rundirs.as_other_target(rundirs.preemptions(tmp_path / "p")))
     f = {f.id: f for f in diagnose(run).findings}["kv_pressure"]

@@ -17,8 +17,11 @@ TTFT from the intended send splits into parts that add up exactly:
 
 ``source`` says how the figures were obtained: "exact" (server timelines and steps of
 a servelab target), "summary" (only the phase summary the server returned: interference
-stays inside prefill), or "client" (another server: only client_lag is per request;
-see promscrape for run-level estimates).
+stays inside prefill), "reported" (another server's per-request figures, e.g. vLLM's
+``metrics``: queue and prefill as it measured them, interference inside prefill; without
+a queue figure, as from llama.cpp, queueing stays inside network_http), or "client"
+(another server without them: only client_lag is per request; see promscrape for
+run-level estimates).
 """
 
 from __future__ import annotations
@@ -197,17 +200,20 @@ def _base(rec: ClientRecord) -> TTFTBreakdown:
 
 def _summary_usable(rec: ClientRecord) -> bool:
     s = rec.server_timeline or {}
+    if "reported_by" in s:  # another server's figures: a queue figure is optional
+        return s.get("prefill_time") is not None and rec.stream
     return s.get("queue_time") is not None and s.get("prefill_time") is not None
 
 
 def _from_summary(rec: ClientRecord) -> TTFTBreakdown:
     s = rec.server_timeline or {}
     b = _base(rec)
-    b.queue = float(s["queue_time"])
+    q = s.get("queue_time")
+    b.queue = float(q) if q is not None else None
     b.prefill = float(s["prefill_time"])
-    b.network_http = b.ttft - b.queue - b.prefill
+    b.network_http = b.ttft - (b.queue or 0.0) - b.prefill
     b.cached_tokens = int(s.get("cached_prompt_tokens") or 0)
-    b.source = "summary"
+    b.source = "reported" if "reported_by" in s else "summary"
     return b
 
 

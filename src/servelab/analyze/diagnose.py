@@ -30,6 +30,12 @@ _PART_SOURCE = {
         "queue": "exact",
         "prefill": "exact (includes interference)",
     },
+    "reported": {
+        "client_lag": "exact",
+        "network_http": "exact (send -> the server's queue entry, and first-token delivery)",
+        "queue": "exact (the server's per-request figure)",
+        "prefill": "exact (the server's per-request figure; includes interference)",
+    },
     "client": {"client_lag": "exact"},
 }
 
@@ -129,6 +135,9 @@ def diagnose(run: Run) -> Diagnosis:
     notes: list[str] = []
     source = attr.source
     part_sources = dict(_PART_SOURCE.get(source, {}))
+    if source == "reported" and any(b.queue is None for b in rows):
+        part_sources.pop("queue")
+        part_sources["network_http"] = "exact (includes queueing: the server gave no queue figure)"
     keys = [k for k in TTFT_PARTS if k in part_sources] or ["client_lag"]
     overall = _table(rows, keys)
     tail = None
@@ -155,6 +164,15 @@ def diagnose(run: Run) -> Diagnosis:
                 "No server timelines and no /metrics scrapes: only the client's own lag is "
                 "attributed; the rest of TTFT is one unexplained server+network figure."
             )
+    elif source == "reported":
+        by = {(r.server_timeline or {}).get("reported_by", "") for r in run.records} - {
+            "",
+            "ignored",
+        }
+        notes.append(
+            f"Per-request server figures from {', '.join(sorted(by))}: queue and prefill are the "
+            "server's own; interference from other requests is included in prefill."
+        )
     elif source == "summary":
         notes.append(
             "Only the per-request phase summary was available (no server.jsonl/steps.jsonl): "

@@ -70,7 +70,7 @@ class Context:
 
     @property
     def server_exact(self) -> bool:
-        return self.attr.source in ("exact", "summary")
+        return self.attr.source in ("exact", "summary", "reported")
 
     def config(self, key: str, default: Any = None) -> Any:
         return self.run.engine_config.get(key, default)

@@ -314,6 +314,7 @@ class Bench:
                 self.warnings.append(f"{stage.label or 'run'}: no summary: {e}")
         if stage.summary:
             self._token_warnings(stage)
+        self._figures_warning(stage)
 
     def _token_warnings(self, stage: Stage) -> None:
         assert stage.summary is not None
@@ -332,6 +333,21 @@ class Bench:
                 f"{where}{t['output_length_not_honoured']} of {t['output_length_requested']} "
                 "requests did not produce the requested output length: the server ignores "
                 "min_tokens/ignore_eos, so output lengths follow the model"
+            )
+
+    def _figures_warning(self, stage: Stage) -> None:
+        """One warning for every request whose per-request server figures were unreadable."""
+        assert stage.result is not None
+        bad = [
+            r.server_timeline["ignored"]
+            for r in stage.result.records
+            if r.server_timeline and r.server_timeline.get("reported_by") == "ignored"
+        ]
+        if bad:
+            where = f"{stage.label}: " if stage.label else ""
+            self.warnings.append(
+                f"{where}{len(bad)} request(s) carried per-request server figures that could not "
+                f"be read and were ignored (first: {bad[0]}); their TTFT split uses client times"
             )
 
     def _slos(self) -> dict[str, SLO] | SLO:
