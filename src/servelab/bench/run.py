@@ -21,7 +21,7 @@ from rich.console import Console
 
 from servelab.analyze.summary import measured_window, summarize
 from servelab.bench.client import Target
-from servelab.bench.collect import MetricsScraper, TimelineCollector
+from servelab.bench.collect import SCRAPE_INTERVAL, MetricsScraper, TimelineCollector
 from servelab.bench.distributed.clock import timing_error_budget
 from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
@@ -72,6 +72,7 @@ class BenchOptions:
     overwrite: bool = False
     workers: int = 1  # > 1: local worker processes (bench.distributed)
     ray_address: str | None = None  # run the workers as Ray actors on this cluster
+    scrape_interval: float = SCRAPE_INTERVAL  # seconds between /metrics scrapes
 
     @property
     def distributed(self) -> bool:
@@ -244,7 +245,7 @@ class Bench:
         collector = (
             TimelineCollector(self.info.url, self.rundir, headers) if self.info.timelines else None
         )
-        scraper = MetricsScraper(self.info.url, self.rundir, headers)
+        scraper = MetricsScraper(self.info.url, self.rundir, headers, self.o.scrape_interval)
 
         def on_record(rec: ClientRecord) -> None:
             assert self.rundir is not None
@@ -294,12 +295,15 @@ class Bench:
         stage.plan_info = {
             **stage.plan_info,
             "scrapes": scraper.scrapes,
+            "scrape": scraper.report(own.wall_seconds),
             **({"server_timelines": collector.report()} if collector else {}),
             "timing_error_budget_s": dist.report["timing_error_budget_s"]
             if dist is not None
             else timing_error_budget(own.loop_lag.get("p99")),
             **({"distributed": {**dist.report, "driver": own.to_dict()}} if dist else {}),
         }
+        if scraper.note and not any(scraper.note in w for w in self.warnings):
+            self.warnings.append(f"{scraper.note} (the run went on)")
         if stage.result.interrupted:
             self.interrupted = True
         if stage.result.records:

@@ -183,6 +183,12 @@ def bench(
         "ray://HOST:PORT (pip install 'servelab[ray]').",
         rich_help_panel=_LOAD,
     ),
+    scrape_interval: str = typer.Option(
+        "0.5s",
+        help="How often the server's /metrics is scraped during the run (a time series of "
+        "its queue, running count and KV usage).",
+        rich_help_panel=_OUTPUT,
+    ),
 ) -> None:
     """Benchmark an OpenAI-compatible endpoint with a workload-shaped load."""
     from servelab.bench.manifest import redact
@@ -207,6 +213,9 @@ def bench(
             check_address(ray_address)
         except ValueError as e:
             raise bad_flag("--ray-address", str(e)) from None
+    scrape_every = seconds("--scrape-interval", scrape_interval) or 0.0
+    if not 0.05 <= scrape_every <= 60:
+        raise bad_flag("--scrape-interval", f"{scrape_interval!r}: give 50ms to 60s")
     if find_max_rate and concurrency is not None:
         raise bad_flag("--find-max-rate", "it searches over --rate (open loop); drop --concurrency")
     on = off = None
@@ -274,6 +283,7 @@ def bench(
             overwrite=overwrite,
             workers=workers,
             ray_address=ray_address,
+            scrape_interval=scrape_every,
         )
     except ValueError as e:
         raise fail(str(e), "bench") from None
