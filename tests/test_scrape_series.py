@@ -97,3 +97,40 @@ def test_too_few_or_foreign_scrapes_give_no_series():
     assert server_series(parse_scrapes([_scrape_text(1.0, 0, 0, 0, 0, 0, 0)])) is None
     other = [{"t": t, "text": "up 1\n"} for t in (1.0, 2.0)]
     assert server_series(parse_scrapes(other)) is None
+
+
+def test_bench_against_a_vllm_like_server_keeps_its_figures_and_series(tmp_path):
+    import subprocess
+    import sys
+
+    from servelab.analyze.diagnose import diagnose
+    from servelab.bench.testserver import run_test_server
+    from servelab.rundir import load_run, read_records
+
+    out = tmp_path / "run"
+    sched = Schedule(ttft=0.06, queue=0.02, itl=0.01, report="vllm")
+    with run_test_server(sched) as url:
+        p = subprocess.run(
+            [sys.executable, "-m", "servelab.cli", "bench", "--url", url, "--workload", "chat",
+             "--requests", "6", "--concurrency", "2", "--scrape-interval", "100ms",
+             "--out", str(out), "--quiet"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    assert p.returncode in (0, 3), p.stderr + p.stdout
+    recs = read_records(out / "requests.jsonl")
+    assert all(r.server_timeline["reported_by"] == "vllm metrics" for r in recs)
+    manifest = json.loads((out / "manifest.json").read_text())
+    scrape = manifest["stages"][0]["plan"]["scrape"]
+    assert scrape["interval_s"] == 0.1 and scrape["scrapes"] >= 2 and scrape["note"] is None
+    d = diagnose(load_run(out))
+    assert d.source == "reported" and d.server_series["scrapes"] == scrape["scrapes"]
+    assert all(b.queue == pytest.approx(0.02, abs=0.01) for b in d.attribution.ttft)
+
+
+def test_bad_scrape_interval_is_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from servelab.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--scrape-interval", "0s"])
+    assert r.exit_code != 0 and "--scrape-interval" in r.output and "Traceback" not in r.output
