@@ -435,17 +435,32 @@ def shared_prefix(path: Path, seed: int = 0, caching: bool = False) -> Path:
     return write_run(path, reqs, Engine(enable_prefix_caching=caching), seed=seed)
 
 
-def as_other_target(path: Path, scrape: bool = True) -> Path:
+def _vllm_figures(tl) -> dict:
+    """What the client stores of vLLM's per-request ``metrics`` for this timeline."""
+    return {
+        "reported_by": "vllm metrics",
+        "queue_time": tl.queue_time,
+        "prefill_time": tl.prefill_time,
+        "decode_time": tl.decode_time,
+    }
+
+
+def as_other_target(path: Path, scrape: bool = True, figures: bool = False) -> Path:
     """Turn a servelab run dir into what a run against another server leaves behind:
-    no timelines or steps, no per-request server summary, and (optionally) vLLM-named
-    /metrics scrapes taken before and after the run."""
+    no timelines or steps, no per-request server summary (or, with ``figures``, vLLM's
+    per-request ``metrics``), and (optionally) vLLM-named /metrics scrapes taken before
+    and after the run."""
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
     run = load_run(path)
     timelines, steps = list(run.timelines.values()), run.steps
     (path / "server.jsonl").unlink()
     (path / "steps.jsonl").unlink()
-    rows = [r.to_dict() | {"server_timeline": None} for r in run.records]
+    rows = []
+    for r in run.records:
+        tl = run.timeline_for(r)
+        server = _vllm_figures(tl) if figures and tl is not None else None
+        rows.append(r.to_dict() | {"server_timeline": server})
     _write_jsonl(path / "requests.jsonl", rows)
     man = json.loads((path / "manifest.json").read_text())
     man["target_kind"] = "other"

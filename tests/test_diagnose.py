@@ -108,6 +108,50 @@ def test_other_target_uses_metrics_estimates_and_says_so(tmp_path):
     assert f.id == "queue_bound" and not f.exact
 
 
+def test_vllm_per_request_metrics_give_an_exact_queue_split(tmp_path):
+    exact = load_run(rundirs.burst(tmp_path / "exact"))
+    run = load_run(rundirs.as_other_target(rundirs.burst(tmp_path / "b"), figures=True))
+    d = diagnose(run)
+    assert d.source == "reported" and d.part_sources["queue"].startswith("exact")
+    assert "vllm metrics" in " ".join(d.notes)
+    truth = {b.request_id: b for b in attribute(exact).ttft}
+    for b in d.attribution.ttft:
+        t = truth[b.request_id]
+        assert b.queue == pytest.approx(t.queue, abs=1e-9)
+        assert b.prefill == pytest.approx(t.prefill + t.interference + t.overhead, abs=1e-9)
+        assert b.network_http == pytest.approx(t.network_http, abs=1e-9)
+    (f,) = d.findings
+    assert f.id == "queue_bound" and f.exact
+
+
+@pytest.mark.parametrize("figures", [False, True])
+def test_other_target_stalls_are_blamed_on_the_long_prefills_seen_from_the_client(
+    tmp_path, figures
+):
+    path = rundirs.unchunked_stalls(tmp_path / "u")
+    truth = {(s.request_id, s.at) for s in attribute(load_run(path)).stalls if s.cause == "prefill"}
+    run = load_run(rundirs.as_other_target(path, figures=figures))
+    stalls = [s for s in attribute(run).stalls if s.gap > 0.2]
+    assert stalls and all(s.cause == "prefill" and not s.exact for s in stalls)
+    assert all(s.evidence["request"].startswith("d") for s in stalls)  # a long document
+    assert all(s.evidence["prompt_tokens"] == 3000 for s in stalls)
+    assert all(0 < s.confidence < 1 for s in stalls)
+    assert {(s.request_id, s.at) for s in stalls} <= truth
+    d = diagnose(run)
+    # Queueing behind the unchunked prefills is real (40% of TTFT); the client's in-flight
+    # count alone cannot tell it from capacity queueing, the server's queue figures can.
+    expected = {"itl_prefill_interference"} | (set() if figures else {"queue_bound"})
+    assert {f.id for f in d.findings} == expected
+    f = {f.id: f for f in d.findings}["itl_prefill_interference"]
+    assert not f.exact and f.evidence["stall_cause_confidence_mean"] > 0.5
+    assert d.findings[0].id == "itl_prefill_interference"  # the top finding
+
+
+def test_other_target_calm_run_has_no_findings(tmp_path):
+    run = load_run(rundirs.as_other_target(rundirs.calm(tmp_path / "c"), figures=True))
+    assert diagnose(run).findings == []
+
+
 def test_other_target_kv_pressure_from_preemption_counter(tmp_path):
     run = load_run(rundirs.as_other_target(rundirs.preemptions(tmp_path / "p")))
     f = {f.id: f for f in diagnose(run).findings}["kv_pressure"]

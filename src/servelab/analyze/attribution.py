@@ -17,8 +17,11 @@ TTFT from the intended send splits into parts that add up exactly:
 
 ``source`` says how the figures were obtained: "exact" (server timelines and steps of
 a servelab target), "summary" (only the phase summary the server returned: interference
-stays inside prefill), or "client" (another server: only client_lag is per request;
-see promscrape for run-level estimates).
+stays inside prefill), "reported" (another server's per-request figures, e.g. vLLM's
+``metrics``: queue and prefill as it measured them, interference inside prefill; without
+a queue figure, as from llama.cpp, queueing stays inside network_http), or "client"
+(another server without them: only client_lag is per request; see promscrape for
+run-level estimates).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import bisect
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from servelab.analyze.promscrape import parse_scrapes
 from servelab.analyze.stats import StepCost, fit_step_cost
+from servelab.analyze.timeseries import KV_PRESSURE, ServerSeries, server_series
 from servelab.rundir import Run
 from servelab.vocab import DECODE_ROLE, ClientRecord, RequestTimeline, StepRecord
 
@@ -86,6 +91,8 @@ class Stall:
     detail: str = ""
     server_gap: float | None = None
     evidence: dict = field(default_factory=dict)
+    confidence: float = 1.0  # how sure the cause is: 1 from server steps, lower when inferred
+    exact: bool = True  # False: inferred from the client's view and the /metrics series
 
     @property
     def excess(self) -> float:
@@ -174,12 +181,14 @@ def attribute(run: Run) -> Attribution:
             breakdowns.append(_base(rec))  # client-side figures only
     _fill_queue_depth(run, ok, breakdowns)
     stalls = []
+    series = server_series(parse_scrapes(run.scrapes)) if not run.timelines else None
+    windows = _Windows(ok)
     for rec in ok:
         tl = run.timeline_for(rec)
         if tl is not None and run.steps:
-            stalls.extend(_stalls(rec, tl, engines.decode(tl), cost, ok))
+            stalls.extend(_stalls(rec, tl, engines.decode(tl), cost, windows, series))
         else:
-            stalls.extend(_stalls(rec, None, _NO_STEPS, cost, ok))
+            stalls.extend(_stalls(rec, None, _NO_STEPS, cost, windows, series))
     sources = {b.source for b in breakdowns}
     source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
     return Attribution(breakdowns, stalls, cost, source)
@@ -197,17 +206,20 @@ def _base(rec: ClientRecord) -> TTFTBreakdown:
 
 def _summary_usable(rec: ClientRecord) -> bool:
     s = rec.server_timeline or {}
+    if "reported_by" in s:  # another server's figures: a queue figure is optional
+        return s.get("prefill_time") is not None and rec.stream
     return s.get("queue_time") is not None and s.get("prefill_time") is not None
 
 
 def _from_summary(rec: ClientRecord) -> TTFTBreakdown:
     s = rec.server_timeline or {}
     b = _base(rec)
-    b.queue = float(s["queue_time"])
+    q = s.get("queue_time")
+    b.queue = float(q) if q is not None else None
     b.prefill = float(s["prefill_time"])
-    b.network_http = b.ttft - b.queue - b.prefill
+    b.network_http = b.ttft - (b.queue or 0.0) - b.prefill
     b.cached_tokens = int(s.get("cached_prompt_tokens") or 0)
-    b.source = "summary"
+    b.source = "reported" if "reported_by" in s else "summary"
     return b
 
 
@@ -305,7 +317,8 @@ def _queue_reasons(
 
 
 def _fill_queue_depth(run: Run, ok: list[ClientRecord], out: list[TTFTBreakdown]) -> None:
-    """Queue depth at arrival: requests waiting (server) or awaiting a first token (client).
+    """Queue depth at arrival: requests waiting (server timelines, or the server's reported
+    queue figures) or awaiting a first token (client).
 
     A span (enter, leave) contains t when enter < t < leave; since enter <= leave, that
     count is #(enter < t) - #(leave < t), up to spans leaving exactly at t.
@@ -314,6 +327,14 @@ def _fill_queue_depth(run: Run, ok: list[ClientRecord], out: list[TTFTBreakdown]
         tls = [run.timeline_for(r) for r in ok]
         spans = [(t.arrival, t.scheduled[0]) for t in tls if t is not None and t.scheduled]
         at = [t.arrival if t is not None else None for t in tls]
+    elif all(b.source == "reported" and b.queue is not None for b in out):
+        # The server's own figures place each wait: [queued, scheduled], counted back from
+        # the first token, which is closer to the server's queue than the client's in-flight.
+        spans = []
+        for r, b in zip(ok, out):
+            scheduled = r.chunk_times[0] - (b.prefill or 0.0)
+            spans.append((scheduled - (b.queue or 0.0), scheduled))
+        at = [s for s, _ in spans]
     else:
         spans = [(r.actual_send, r.chunk_times[0]) for r in ok]
         at = [r.actual_send for r in ok]
@@ -329,7 +350,8 @@ def _stalls(
     tl: RequestTimeline | None,
     idx: _StepIndex,
     cost: StepCost | None,
-    others: list[ClientRecord],
+    windows: _Windows,
+    series: ServerSeries | None,
 ) -> list[Stall]:
     gaps = rec.itls
     if len(gaps) < MIN_GAPS_FOR_STALLS:
@@ -364,7 +386,8 @@ def _stalls(
             sa, sb = rec.chunk_times[i] - offset, rec.chunk_times[i + 1] - offset
             _server_cause(stall, rec.request_id, tl, sa, sb, idx, cost, med)
         elif tl is None:
-            _estimate_cause(stall, rec, others)
+            stall.exact = False
+            _estimate_cause(stall, rec, gaps, i, windows, series)
         out.append(stall)
     return out
 
@@ -414,18 +437,120 @@ def _server_cause(
     stall.detail = f"{len(steps)} engine step(s) with no prefill or batch growth to explain it"
 
 
-def _estimate_cause(stall: Stall, rec: ClientRecord, others: list[ClientRecord]) -> None:
-    """No server timeline: a long prompt in prefill during the gap is the likely cause."""
+class _Windows:
+    """Every other request's prefill window as the client saw it: from its send (or, with
+    the server's figures, from its send plus queue time) to its first token."""
+
+    def __init__(self, ok: list[ClientRecord]):
+        self.rows = []
+        for r in ok:
+            s = r.server_timeline or {}
+            prefill = s.get("prefill_time") if "reported_by" in s else None
+            start = r.chunk_times[0] - prefill if prefill is not None else r.actual_send
+            self.rows.append((start, r.chunk_times[0], r, prefill is not None))
+        self.rows.sort(key=lambda x: x[1])
+        self.firsts = [x[1] for x in self.rows]
+        inputs = sorted(r.input_tokens for r in ok)
+        self.typical_input = inputs[len(inputs) // 2] if inputs else 0
+
+    def first_tokens_in(self, a: float, b: float) -> list[tuple[float, float, ClientRecord, bool]]:
+        lo, hi = bisect.bisect_left(self.firsts, a), bisect.bisect_right(self.firsts, b)
+        return self.rows[lo:hi]
+
+    def in_prefill(self, a: float, b: float) -> list[tuple[float, float, ClientRecord, bool]]:
+        return [x for x in self.rows[bisect.bisect_right(self.firsts, a) :] if x[0] < b]
+
+
+# Confidence of each inferred cause (no server steps): a stall that ends as another
+# request's first token arrives, while that request's prefill covered it, is strong
+# evidence; a long prompt merely in flight is weaker; the series has the scrape
+# interval's resolution.
+CONF_PREFILL_ENDS = 0.75
+CONF_PREFILL_REPORTED = 0.85  # the other request's prefill window is the server's figure
+CONF_PREFILL_OVERLAP = 0.4
+CONF_PREEMPTION = 0.6
+CONF_KV = 0.35
+CONF_CLIENT = 0.5
+
+
+def _estimate_cause(
+    stall: Stall,
+    rec: ClientRecord,
+    gaps: list[float],
+    i: int,
+    windows: _Windows,
+    series: ServerSeries | None,
+) -> None:
+    """No server timeline: infer the cause from the other requests' windows and the series.
+
+    In order: another request's prefill whose first token ends the stall (and whose prefill
+    window covers it); a long prompt in prefill during the gap; a preemption counted in the
+    gap's scrape interval; a KV cache near full; tokens that piled up and arrived together
+    (the network or the client held them). Each sets a confidence and its evidence.
+    """
     a, b = stall.at, stall.at + stall.gap
-    inputs = sorted(r.input_tokens for r in others)
-    typical = inputs[len(inputs) // 2] if inputs else 0
-    for o in others:
-        if o is rec or not o.chunk_times:
-            continue
-        if o.actual_send < b and o.chunk_times[0] > a and o.input_tokens >= 4 * max(typical, 1):
-            stall.cause = "prefill?"
-            stall.detail = (
-                f"{o.request_id} ({o.input_tokens} input tokens) was in prefill during the gap "
-                "(estimate: no server timeline)"
-            )
+    slack = max(2 * stall.median_gap, 0.005)
+    # A short prompt's first token often lands at the end of a gap by chance: only a
+    # prefill long enough to explain the excess (by the server's figure), or a prompt well
+    # above the typical one, counts.
+    ends = [
+        x
+        for x in windows.first_tokens_in(a, b + slack)
+        if x[2] is not rec
+        and x[0] < b
+        and (
+            (x[3] and x[1] - x[0] >= 0.5 * stall.excess)
+            or x[2].input_tokens >= 2 * max(windows.typical_input, 1)
+        )
+    ]
+    if ends:
+        start, first, o, reported = max(ends, key=lambda x: x[2].input_tokens)
+        _blame_prefill(
+            stall, o, start, first, CONF_PREFILL_REPORTED if reported else CONF_PREFILL_ENDS
+        )
+        stall.evidence["ended_by_first_token_of"] = o.request_id
+        return
+    long = [
+        x
+        for x in windows.in_prefill(a, b)
+        if x[2] is not rec and x[2].input_tokens >= 4 * max(windows.typical_input, 1)
+    ]
+    if long:
+        start, first, o, _ = max(long, key=lambda x: x[2].input_tokens)
+        _blame_prefill(stall, o, start, first, CONF_PREFILL_OVERLAP)
+        return
+    if series is not None:
+        if (n := series.rose_during("preemptions", a, b)) > 0:
+            stall.cause, stall.confidence = "preemption", CONF_PREEMPTION
+            stall.detail = f"the server counted {n:.0f} preemption(s) in this interval (/metrics)"
+            stall.evidence = {"preemptions": n, "scrape_interval_s": series.interval}
             return
+        kv = series.peak("kv_usage", a, b)
+        if kv is not None and kv >= KV_PRESSURE:
+            stall.cause, stall.confidence = "kv_pressure", CONF_KV
+            stall.detail = f"the KV cache was {kv:.0%} full during the gap (/metrics)"
+            stall.evidence = {"kv_usage": kv, "waiting": series.peak("waiting", a, b)}
+            return
+    after = gaps[i + 1 : i + 4]
+    if len(after) >= 2 and max(after) < 0.25 * stall.median_gap:
+        stall.cause, stall.confidence = "client", CONF_CLIENT
+        stall.detail = (
+            f"the next {len(after)} tokens arrived together right after the gap: they were "
+            "held on the way (network or client), not late from the server"
+        )
+        stall.evidence = {"gaps_after_ms": [round(g * 1e3, 2) for g in after]}
+
+
+def _blame_prefill(
+    stall: Stall, o: ClientRecord, start: float, first: float, confidence: float
+) -> None:
+    stall.cause, stall.confidence = "prefill", confidence
+    stall.detail = (
+        f"{o.request_id} ({o.input_tokens} prompt tokens) was in prefill during the gap "
+        "(inferred from client times)"
+    )
+    stall.evidence = {
+        "request": o.request_id,
+        "prompt_tokens": o.input_tokens,
+        "prefill_window": [start, first],
+    }

@@ -16,7 +16,8 @@ import numpy as np
 from servelab.analyze.attribution import TTFT_PARTS, Attribution, TTFTBreakdown, attribute
 from servelab.analyze.findings import Context, Finding, find_all
 from servelab.analyze.levers import Recommendation, recommend
-from servelab.analyze.promscrape import ServerEstimates, estimate
+from servelab.analyze.promscrape import ServerEstimates, estimate, parse_scrapes
+from servelab.analyze.timeseries import server_series
 from servelab.rundir import Run
 
 TAIL_QUANTILE = 90
@@ -29,6 +30,12 @@ _PART_SOURCE = {
         "network_http": "exact",
         "queue": "exact",
         "prefill": "exact (includes interference)",
+    },
+    "reported": {
+        "client_lag": "exact",
+        "network_http": "exact (send -> the server's queue entry, and first-token delivery)",
+        "queue": "exact (the server's per-request figure)",
+        "prefill": "exact (the server's per-request figure; includes interference)",
     },
     "client": {"client_lag": "exact"},
 }
@@ -71,6 +78,7 @@ class Diagnosis:
     notes: list[str] = field(default_factory=list)
     estimates: ServerEstimates | None = None
     attribution: Attribution | None = None  # per-request detail
+    server_series: dict[str, Any] | None = None  # the /metrics time series, summarised
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,6 +95,7 @@ class Diagnosis:
             "findings": [f.to_dict() for f in self.findings],
             "recommendations": [r.to_dict() for r in self.recommendations],
             "server_estimates": self.estimates.to_dict() if self.estimates else None,
+            "server_series": self.server_series,
             "notes": self.notes,
             "requests": [b.to_dict() for b in self.attribution.ttft] if self.attribution else [],
             "itl_stalls": [s.to_dict() for s in self.attribution.stalls]
@@ -121,7 +130,10 @@ def _estimated_parts(est: ServerEstimates, rows: list[TTFTBreakdown]) -> dict[st
 
 def diagnose(run: Run) -> Diagnosis:
     attr = attribute(run)
-    est = estimate(run.scrapes) if run.target_kind != "servelab" or not run.timelines else None
+    foreign = run.target_kind != "servelab" or not run.timelines
+    parsed = parse_scrapes(run.scrapes) if foreign else []
+    est = estimate(run.scrapes, parsed) if foreign else None
+    series = server_series(parsed)
     ctx = Context(run, attr, est)
     findings = find_all(ctx)
     recs = recommend(ctx, findings)
@@ -129,6 +141,9 @@ def diagnose(run: Run) -> Diagnosis:
     notes: list[str] = []
     source = attr.source
     part_sources = dict(_PART_SOURCE.get(source, {}))
+    if source == "reported" and any(b.queue is None for b in rows):
+        part_sources.pop("queue")
+        part_sources["network_http"] = "exact (includes queueing: the server gave no queue figure)"
     keys = [k for k in TTFT_PARTS if k in part_sources] or ["client_lag"]
     overall = _table(rows, keys)
     tail = None
@@ -155,6 +170,15 @@ def diagnose(run: Run) -> Diagnosis:
                 "No server timelines and no /metrics scrapes: only the client's own lag is "
                 "attributed; the rest of TTFT is one unexplained server+network figure."
             )
+    elif source == "reported":
+        by = {(r.server_timeline or {}).get("reported_by", "") for r in run.records} - {
+            "",
+            "ignored",
+        }
+        notes.append(
+            f"Per-request server figures from {', '.join(sorted(by))}: queue and prefill are the "
+            "server's own; interference from other requests is included in prefill."
+        )
     elif source == "summary":
         notes.append(
             "Only the per-request phase summary was available (no server.jsonl/steps.jsonl): "
@@ -167,6 +191,11 @@ def diagnose(run: Run) -> Diagnosis:
             f"{attr.cost.decode_per_seq * 1e3:.2f} ms per decoding sequence, "
             f"{attr.cost.overhead * 1e3:.1f} ms per step; prefix-cache savings and gains are "
             "estimated from it."
+        )
+    if foreign and series is None:
+        notes.append(
+            "No /metrics time series (fewer than two usable scrapes): stall causes rest on "
+            "client times alone."
         )
     if run.skipped_lines:
         notes.append(f"{run.skipped_lines} truncated line(s) skipped (the run ended mid-write).")
@@ -191,4 +220,5 @@ def diagnose(run: Run) -> Diagnosis:
         notes=notes,
         estimates=est,
         attribution=attr,
+        server_series=series.to_dict() if series is not None else None,
     )

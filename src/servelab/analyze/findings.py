@@ -70,7 +70,7 @@ class Context:
 
     @property
     def server_exact(self) -> bool:
-        return self.attr.source in ("exact", "summary")
+        return self.attr.source in ("exact", "summary", "reported")
 
     def config(self, key: str, default: Any = None) -> Any:
         return self.run.engine_config.get(key, default)
@@ -224,16 +224,12 @@ def itl_prefill_interference(c: Context) -> Finding | None:
     gaps_total = sum(sum(r.itls) for r in c.run.records if r.ok)
     if gaps_total <= 0:
         return None
-    big = [
-        s
-        for s in c.attr.stalls
-        if s.cause in ("prefill", "prefill?") and s.gap >= BIG_STALL * s.median_gap
-    ]
+    big = [s for s in c.attr.stalls if s.cause == "prefill" and s.gap >= BIG_STALL * s.median_gap]
     excess = sum(s.excess for s in big)
     share = excess / gaps_total
     if len(big) < 3 or share < STALL_SHARE:
         return None
-    exact = all(s.cause == "prefill" for s in big)
+    exact = all(s.exact for s in big)
     itls = [g for r in c.run.records if r.ok for g in r.itls]
     ev: dict[str, Any] = {
         "long_prefill_stalls": len(big),
@@ -251,7 +247,9 @@ def itl_prefill_interference(c: Context) -> Finding | None:
     chunked = c.config("enable_chunked_prefill")
     levers = ["chunked_prefill"] if chunked is False else ["batch_budget_down"]
     levers.append("disaggregation")
-    conf = _clip(0.5 + share * 5) * (1.0 if exact else 0.6)
+    conf = _clip(0.5 + share * 5) * statistics.fmean(s.confidence for s in big)
+    if not exact:
+        ev["stall_cause_confidence_mean"] = round(statistics.fmean(s.confidence for s in big), 2)
     return Finding(
         "itl_prefill_interference",
         "ITL spikes line up with long prefills"

@@ -89,7 +89,7 @@ class ServerEstimates:
         }
 
 
-def _samples(text: str) -> dict[tuple[str, str | None], float]:
+def samples(text: str) -> dict[tuple[str, str | None], float]:
     """(sample name, le) -> value, summed over every other label (model, engine...)."""
     out: dict[tuple[str, str | None], float] = {}
     for fam in text_string_to_metric_families(text):
@@ -115,12 +115,26 @@ def _hist(before: dict, after: dict, name: str) -> HistDelta | None:
     )
 
 
-def estimate(scrapes: list[dict[str, Any]]) -> ServerEstimates | None:
+def parse_scrapes(scrapes: list[dict[str, Any]]) -> list[tuple[float, dict]]:
+    """(time, samples) per scrape, in time order; a scrape that is not Prometheus text is
+    skipped (the scraper checked the first one; a server may still send garbage later)."""
+    out = []
+    for s in sorted(scrapes, key=lambda s: s.get("t", 0.0)):
+        try:
+            out.append((float(s.get("t", 0.0)), samples(s.get("text", ""))))
+        except (ValueError, TypeError, IndexError):
+            continue
+    return out
+
+
+def estimate(
+    scrapes: list[dict[str, Any]], parsed_scrapes: list[tuple[float, dict]] | None = None
+) -> ServerEstimates | None:
     """Deltas between the first and last scrape; None with fewer than two scrapes."""
-    if len(scrapes) < 2:
+    timed = parsed_scrapes if parsed_scrapes is not None else parse_scrapes(scrapes)
+    if len(timed) < 2:
         return None
-    ordered = sorted(scrapes, key=lambda s: s.get("t", 0.0))
-    parsed = [_samples(s.get("text", "")) for s in ordered]
+    parsed = [p for _, p in timed]
     before, after = parsed[0], parsed[-1]
     est = ServerEstimates(n_scrapes=len(parsed))
     for key, name in HISTOGRAMS.items():

@@ -28,6 +28,7 @@ import msgspec
 from servelab.bench.http import HttpClient, StreamResult
 from servelab.bench.prompts import TokenizerLike
 from servelab.bench.recount import Recounter
+from servelab.bench.serverfigures import MalformedFigures, figures_from, ignored
 from servelab.vocab import ClientRecord
 
 _decode = msgspec.json.Decoder().decode
@@ -69,6 +70,10 @@ class _Chunk(msgspec.Struct):
     usage: dict[str, Any] | None = None
     servelab: dict[str, Any] | None = None
     error: Any = None
+    # Other servers' per-request figures (bench/serverfigures.py), kept undecoded here.
+    metrics: Any = None
+    timings: Any = None
+    meta_info: Any = None
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
@@ -175,6 +180,8 @@ class _Collector:
             self.usage = usage
         if ev.servelab is not None:
             self.rec.server_timeline = ev.servelab
+        elif ev.metrics is not None or ev.timings is not None or ev.meta_info is not None:
+            self._figures({"metrics": ev.metrics, "timings": ev.timings, "meta_info": ev.meta_info})
         text = None
         reasoning = False
         if ev.choices:
@@ -204,6 +211,16 @@ class _Collector:
             self.accounted += 1
         rec.chunk_tokens.append(carried)
 
+    def _figures(self, objects: dict[str, Any]) -> None:
+        """Another server's per-request figures; unreadable ones are kept as a reason only
+        (the run warns once about them), never raised."""
+        try:
+            got = figures_from(objects)
+        except MalformedFigures as e:
+            got = ignored(str(e))
+        if got is not None:
+            self.rec.server_timeline = got
+
     def _odd_event(self, payload: bytes) -> None:
         """An event that is not a chunk object: an error string, or not JSON at all."""
         try:
@@ -231,6 +248,8 @@ class _Collector:
         self.usage = d.get("usage")
         if d.get("servelab") is not None:
             self.rec.server_timeline = d["servelab"]
+        else:
+            self._figures(d)
         choices = d.get("choices") or [{}]
         c = choices[0]
         msg = c.get("message") or {}

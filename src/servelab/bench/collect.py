@@ -5,8 +5,9 @@
   (``since_step``) every few seconds, before the server's bounded buffers drop them,
   into ``server.jsonl`` / ``steps.jsonl``. Timelines are keyed by the id the server
   reported in the final chunk (it may have made the client's id unique).
-- ``MetricsScraper``: scrapes ``/metrics`` at the start, every ``period`` seconds and at
-  the end into ``metrics_scrape.jsonl``, for targets without timelines.
+- ``MetricsScraper``: scrapes ``/metrics`` at the start, every ``period`` seconds (0.5 s
+  by default) and at the end into ``metrics_scrape.jsonl``: the server's queue, running
+  count, KV usage and counters as a time series (``analyze/timeseries.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from servelab.rundir import RunDir
 from servelab.vocab import ClientRecord
 
 _IDS_PER_CALL = 64
+SCRAPE_INTERVAL = 0.5  # seconds between /metrics scrapes (``--scrape-interval``)
 
 
 class _Reply(msgspec.Struct):
@@ -128,34 +131,87 @@ class TimelineCollector:
 
 
 class MetricsScraper:
-    def __init__(self, url: str, rundir: RunDir, headers: dict[str, str], period: float = 30.0):
+    """``/metrics`` as a time series: one scrape every ``period`` seconds, off the hot path.
+
+    Bounded cost: scrapes run one at a time (a slow one delays the next, never stacks),
+    each with a timeout of ``max(1 s, 2 x period)``; a scrape slower than that, or slower
+    than half the period, doubles the period (up to ``MAX_PERIOD``). The first answer is
+    parsed once to check it is Prometheus text; later ones are stored as they came. A
+    missing (non-200), malformed or slow ``/metrics`` is noted once in ``note`` and the run
+    goes on; what it cost the client is in ``report()``.
+    """
+
+    MAX_PERIOD = 8.0
+
+    def __init__(
+        self,
+        url: str,
+        rundir: RunDir,
+        headers: dict[str, str],
+        period: float = SCRAPE_INTERVAL,
+    ):
         self.url = url
         self.rundir = rundir
         self.headers = headers
         self.period = period
+        self.requested_period = period
         self.scrapes = 0
         self.available = True
+        self.note: str | None = None
+        self.seconds = 0.0  # wall time spent waiting for and storing scrapes
+        self.bytes = 0
+        self._checked = False
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+
+    def _noted(self, what: str) -> None:
+        if self.note is None:
+            self.note = what
 
     async def scrape(self) -> None:
         if not self.available or self._session is None:
             return
+        t0 = time.monotonic()
         try:
-            async with self._session.get(f"{self.url}/metrics") as r:
+            timeout = aiohttp.ClientTimeout(total=self._timeout)
+            async with self._session.get(f"{self.url}/metrics", timeout=timeout) as r:
                 if r.status != 200:
                     self.available = False
+                    self._noted(f"/metrics answered HTTP {r.status}: no server time series")
                     return
                 text = await r.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except asyncio.TimeoutError:
+            self._slower(f"/metrics took over {self._timeout:g} s")
             return
+        except aiohttp.ClientError as e:
+            self._noted(f"/metrics failed: {e}")
+            return
+        finally:
+            self.seconds += time.monotonic() - t0
+        if not self._checked:
+            self._checked = True
+            if not _is_prometheus(text):
+                self.available = False
+                self._noted("/metrics is not Prometheus text: no server time series")
+                return
+        took = time.monotonic() - t0
         self.rundir.add_scrape(time.monotonic(), text)
         self.scrapes += 1
+        self.bytes += len(text)
+        if took > 0.5 * self.period:
+            self._slower(f"/metrics took {took:.2f} s")
+
+    def _slower(self, why: str) -> None:
+        if self.period < self.MAX_PERIOD:
+            self.period = min(self.MAX_PERIOD, self.period * 2)
+        self._noted(f"{why}; scraping every {self.period:g} s instead")
+
+    @property
+    def _timeout(self) -> float:
+        return max(1.0, 2 * self.period)
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=10), headers=self.headers
-        )
+        self._session = aiohttp.ClientSession(headers=self.headers)
         await self.scrape()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
@@ -172,3 +228,23 @@ class MetricsScraper:
         await self.scrape()
         if self._session is not None:
             await self._session.close()
+
+    def report(self, wall_seconds: float) -> dict[str, Any]:
+        """What scraping cost and gave, for the stage's self-check in the manifest."""
+        return {
+            "scrapes": self.scrapes,
+            "interval_s": self.requested_period,
+            "final_interval_s": self.period,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 4),
+            "share_of_wall": round(self.seconds / wall_seconds, 4) if wall_seconds > 0 else None,
+            "note": self.note,
+        }
+
+
+def _is_prometheus(text: str) -> bool:
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError):
+        return False
+    return bool(families)

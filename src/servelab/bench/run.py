@@ -22,7 +22,7 @@ from rich.console import Console
 from servelab.analyze.similarity import ideal_prefix_reuse
 from servelab.analyze.summary import measured_window, summarize
 from servelab.bench.client import Target
-from servelab.bench.collect import MetricsScraper, TimelineCollector
+from servelab.bench.collect import SCRAPE_INTERVAL, MetricsScraper, TimelineCollector
 from servelab.bench.datasets import Dataset, load_dataset
 from servelab.bench.distributed.clock import timing_error_budget
 from servelab.bench.http import HttpClient
@@ -76,6 +76,7 @@ class BenchOptions:
     sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, extra body
     workers: int = 1  # > 1: local worker processes (bench.distributed)
     ray_address: str | None = None  # run the workers as Ray actors on this cluster
+    scrape_interval: float = SCRAPE_INTERVAL  # seconds between /metrics scrapes
 
     @property
     def distributed(self) -> bool:
@@ -276,7 +277,7 @@ class Bench:
         collector = (
             TimelineCollector(self.info.url, self.rundir, headers) if self.info.timelines else None
         )
-        scraper = MetricsScraper(self.info.url, self.rundir, headers)
+        scraper = MetricsScraper(self.info.url, self.rundir, headers, self.o.scrape_interval)
 
         def on_record(rec: ClientRecord) -> None:
             assert self.rundir is not None
@@ -327,12 +328,15 @@ class Bench:
         stage.plan_info = {
             **stage.plan_info,
             "scrapes": scraper.scrapes,
+            "scrape": scraper.report(own.wall_seconds),
             **({"server_timelines": collector.report()} if collector else {}),
             "timing_error_budget_s": dist.report["timing_error_budget_s"]
             if dist is not None
             else timing_error_budget(own.loop_lag.get("p99")),
             **({"distributed": {**dist.report, "driver": own.to_dict()}} if dist else {}),
         }
+        if scraper.note and not any(scraper.note in w for w in self.warnings):
+            self.warnings.append(f"{scraper.note} (the run went on)")
         if stage.result.interrupted:
             self.interrupted = True
         if stage.result.records:
@@ -348,6 +352,7 @@ class Bench:
                 self.warnings.append(f"{stage.label or 'run'}: no summary: {e}")
         if stage.summary:
             self._token_warnings(stage)
+        self._figures_warning(stage)
 
     def _similarity(self, runner: Runner) -> dict[str, Any] | None:
         """The ideal prefix reuse of what this stage sent, tokenized after the stage so that
@@ -379,6 +384,21 @@ class Bench:
                 f"{where}{t['output_length_not_honoured']} of {t['output_length_requested']} "
                 "requests did not produce the requested output length: the server ignores "
                 "min_tokens/ignore_eos, so output lengths follow the model"
+            )
+
+    def _figures_warning(self, stage: Stage) -> None:
+        """One warning for every request whose per-request server figures were unreadable."""
+        assert stage.result is not None
+        bad = [
+            r.server_timeline["ignored"]
+            for r in stage.result.records
+            if r.server_timeline and r.server_timeline.get("reported_by") == "ignored"
+        ]
+        if bad:
+            where = f"{stage.label}: " if stage.label else ""
+            self.warnings.append(
+                f"{where}{len(bad)} request(s) carried per-request server figures that could not "
+                f"be read and were ignored (first: {bad[0]}); their TTFT split uses client times"
             )
 
     def _slos(self) -> dict[str, SLO] | SLO:

@@ -66,6 +66,12 @@ class Schedule:
     status: int = 200  # != 200: answer with an OpenAI error body
     default_max_tokens: int = 16
     reasoning: int = 0  # chat: the first n tokens stream as delta.reasoning_content
+    queue: float = 0.0  # of ``ttft``, the seconds reported as queueing (admitted after it)
+    # Which per-request figures the final chunk/response carries: "servelab" (a phase
+    # summary), "vllm" (vLLM's ``metrics``), "llamacpp" (``timings``), "malformed" (a
+    # ``metrics`` object with a non-numeric field) or "none".
+    report: str = "servelab"
+    metrics: str = "ok"  # /metrics: "ok", "missing" (404), "malformed" or "slow" (2 s late)
 
     def chunk_offsets(self, n_chunks: int) -> list[float]:
         """When each token chunk is due, in seconds after the request arrived."""
@@ -98,6 +104,7 @@ class TestServer:
     api_key: str | None = None
     served: dict[str, _Served] = field(default_factory=dict)
     resets: int = 0
+    metrics_scrapes: int = 0
     _counter: int = 0
 
     # ------------------------------------------------------------------ routes
@@ -126,9 +133,34 @@ class TestServer:
         return web.json_response({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_scrapes += 1
+        mode = self.schedule.metrics
+        if mode == "missing":
+            return web.Response(status=404, text="404: Not Found")
+        if mode == "malformed":
+            return web.Response(text="vllm:num_requests_running {{{ not prometheus\n")
+        if mode == "slow":
+            await asyncio.sleep(2.0)
+        now = time.monotonic()
+        tls = [v.timeline for v in self.served.values()]
+        waiting = sum(1 for t in tls if t.finished is None and t.scheduled[0] > now)
+        running = sum(1 for t in tls if t.finished is None and t.scheduled[0] <= now)
+        prompt = sum(t.prompt_tokens for t in tls)
         text = (
             "# TYPE vllm:request_success_total counter\n"
-            f"vllm:request_success_total {len(self.served)}\n"
+            f"vllm:request_success_total {sum(t.finished is not None for t in tls)}\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running {running}\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting {waiting}\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc {min(1.0, running / 16)}\n"
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f"vllm:prefix_cache_queries_total {prompt}\n"
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f"vllm:prefix_cache_hits_total {prompt // 4}\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            'vllm:cache_config_info{block_size="16",enable_prefix_caching="True"} 1.0\n'
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -137,6 +169,8 @@ class TestServer:
         return web.json_response({"reset": True})
 
     async def _timelines(self, request: web.Request) -> web.Response:
+        if self.schedule.report != "servelab":  # emulating another server: it has none
+            return web.Response(status=404, text="404: Not Found")
         ids = request.query.get("ids")
         keys = ids.split(",") if ids else list(self.served)
         tls = [self.served[k].timeline.to_dict() for k in keys if k in self.served]
@@ -176,7 +210,7 @@ class TestServer:
         n = int(limit or sched.default_max_tokens)
         prompt = _prompt_text(body, chat)
         tl = RequestTimeline(rid, arrival, prompt_tokens=len(prompt.split()), queued=[arrival])
-        tl.scheduled.append(arrival)
+        tl.scheduled.append(arrival + min(sched.queue, sched.ttft))
         headers = {k: v for k, v in request.headers.items() if k.lower() != "authorization"}
         headers["has_authorization"] = str("Authorization" in request.headers)
         self.served[rid] = _Served(tl, body, headers)
@@ -205,7 +239,7 @@ class TestServer:
             "total_tokens": tl.prompt_tokens + n,
         }
         return web.json_response(
-            {"id": rid, "choices": [choice], "usage": usage, "servelab": tl.summary()},
+            {"id": rid, "choices": [choice], "usage": usage, **_figures(tl, sched.report)},
             headers={"X-Request-Id": rid},
         )
 
@@ -295,7 +329,7 @@ class TestServer:
                 "object": obj,
                 "choices": [],
                 "usage": _usage(tl.prompt_tokens, n),
-                "servelab": tl.summary(),
+                **_figures(tl, sched.report),
             }
             await resp.write(b"data: " + msgspec.json.encode(final) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
@@ -341,6 +375,37 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def _figures(tl: RequestTimeline, report: str) -> dict[str, Any]:
+    """The per-request figures of the final chunk, in the dialect ``report`` names."""
+    if report == "servelab":
+        return {"servelab": tl.summary()}
+    ms = {"queue": tl.queue_time * 1e3, "prefill": tl.prefill_time * 1e3}
+    decode = tl.decode_time * 1e3
+    if report == "vllm":
+        itl = decode / max(1, tl.output_tokens - 1)
+        metrics = {
+            "queue_time_ms": ms["queue"],
+            "time_to_first_token_ms": ms["prefill"],
+            "generation_time_ms": decode,
+            "mean_itl_ms": itl,
+            "tokens_per_second": tl.output_tokens / decode * 1e3 if decode > 0 else 0.0,
+            "speculative_decoding": None,
+        }
+        return {"metrics": metrics}
+    if report == "llamacpp":
+        timings = {
+            "prompt_n": tl.prompt_tokens,
+            "cache_n": 0,
+            "prompt_ms": ms["prefill"],
+            "predicted_n": tl.output_tokens,
+            "predicted_ms": decode,
+        }
+        return {"timings": timings}
+    if report == "malformed":
+        return {"metrics": {"queue_time_ms": "soon", "time_to_first_token_ms": ms["prefill"]}}
+    return {}
 
 
 def _prompt_text(body: dict[str, Any], chat: bool) -> str:

@@ -260,6 +260,12 @@ def bench(
         "ray://HOST:PORT (pip install 'servelab[ray]').",
         rich_help_panel=_LOAD,
     ),
+    scrape_interval: str = typer.Option(
+        "0.5s",
+        help="How often the server's /metrics is scraped during the run (a time series of "
+        "its queue, running count and KV usage).",
+        rich_help_panel=_OUTPUT,
+    ),
 ) -> None:
     """Benchmark an OpenAI-compatible endpoint with a workload-shaped load."""
     from servelab.bench.manifest import redact
@@ -316,6 +322,9 @@ def bench(
             check_address(ray_address)
         except ValueError as e:
             raise bad_flag("--ray-address", str(e)) from None
+    scrape_every = seconds("--scrape-interval", scrape_interval) or 0.0
+    if not 0.05 <= scrape_every <= 60:
+        raise bad_flag("--scrape-interval", f"{scrape_interval!r}: give 50ms to 60s")
     if find_max_rate and concurrency is not None:
         raise bad_flag("--find-max-rate", "it searches over --rate (open loop); drop --concurrency")
     on = off = None
@@ -385,6 +394,7 @@ def bench(
             ray_address=ray_address,
             dataset=source,
             sampling=sampling,
+            scrape_interval=scrape_every,
         )
     except ValueError as e:
         raise fail(str(e), "bench") from None

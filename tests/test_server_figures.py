@@ -1,0 +1,95 @@
+"""Other servers' per-request figures: read by capability into the record's server side."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from servelab.bench.client import Target, send
+from servelab.bench.http import HttpClient
+from servelab.bench.serverfigures import LLAMACPP, VLLM, MalformedFigures, figures_from
+from servelab.bench.testserver import Schedule, TestServer
+
+
+def _send(schedule: Schedule, stream: bool = True, n: int = 3):
+    async def go():
+        http = HttpClient(url)
+        target = Target(url, "test-model", timeout=20.0)
+        try:
+            outs = [
+                await send(
+                    http,
+                    target,
+                    f"r{k}",
+                    "hello there",
+                    6,
+                    stream=stream,
+                    intended_send=time.monotonic(),
+                    workload_class="chat",
+                )
+                for k in range(n)
+            ]
+        finally:
+            await http.close()
+        return [o.record for o in outs]
+
+    with TestServer(schedule).running() as url:
+        return asyncio.run(go())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_vllm_metrics_become_queue_prefill_and_decode(stream):
+    recs = _send(Schedule(ttft=0.12, queue=0.05, itl=0.01, report="vllm"), stream=stream)
+    for r in recs:
+        assert r.ok
+        s = r.server_timeline
+        assert s["reported_by"] == VLLM
+        assert s["queue_time"] == pytest.approx(0.05, abs=0.01)
+        if stream:  # a whole response's "first token" is its last
+            assert s["prefill_time"] == pytest.approx(0.07, abs=0.02)
+        # The server's figures sit inside what the client measured.
+        assert s["queue_time"] + s["prefill_time"] <= r.ttft + 1e-3
+        assert s["decode_time"] >= 0.0 and s["mean_itl"] >= 0.0
+
+
+def test_llamacpp_timings_give_prefill_but_no_queue():
+    (r,) = _send(Schedule(ttft=0.08, report="llamacpp"), n=1)
+    s = r.server_timeline
+    assert s["reported_by"] == LLAMACPP
+    assert "queue_time" not in s and s["prefill_time"] > 0.0
+    assert s["prompt_tokens_computed"] == 2 and s["cached_prompt_tokens"] == 0
+
+
+def test_malformed_figures_are_ignored_and_the_request_is_ok():
+    recs = _send(Schedule(report="malformed"), n=2)
+    for r in recs:
+        assert r.ok and r.chunk_times
+        assert r.server_timeline["reported_by"] == "ignored"
+        assert "queue_time_ms" in r.server_timeline["ignored"]
+
+
+def test_a_server_with_no_figures_is_handled_as_before():
+    (r,) = _send(Schedule(report="none"), n=1)
+    assert r.ok and r.server_timeline is None
+
+
+@pytest.mark.parametrize(
+    "objects",
+    [
+        {"metrics": "fast"},
+        {"metrics": {"queue_time_ms": -3}},
+        {"timings": {"prompt_ms": float("nan")}},
+        {"meta_info": {"queue_time": True}},
+    ],
+)
+def test_bad_fields_raise_one_error_type(objects):
+    with pytest.raises(MalformedFigures):
+        figures_from(objects)
+
+
+def test_unknown_fields_only_are_no_figures():
+    assert figures_from({"metrics": {"speculative_decoding": None}, "meta_info": {}}) is None
+    sg = figures_from({"meta_info": {"queue_time": 0.25, "cached_tokens": 64}})
+    assert sg == {"queue_time": 0.25, "cached_prompt_tokens": 64, "reported_by": "sglang meta_info"}
