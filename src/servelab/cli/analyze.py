@@ -108,12 +108,13 @@ def register(app: typer.Typer) -> None:
         out: Annotated[
             Path | None, typer.Option(help="output directory (default: runs/<time>-demo)")
         ] = None,
+        seed: Annotated[int, typer.Option(help="seed of the planned requests")] = 1,
     ) -> None:
-        """The main job: rag, agent and mixed at two loads, chunked prefill on vs off, one report."""
+        """The main job: four questions (RAG TTFT, chunked prefill, priorities, decode ITL), each answered by one comparison."""
         from servelab.workflows.demo import run_demo
 
         try:
-            result = run_demo(quick=quick, out=out)
+            result = run_demo(quick=quick, out=out, seed=seed)
         except (ValueError, RuntimeError) as e:
             raise fail(str(e)) from None
         if result.interrupted:

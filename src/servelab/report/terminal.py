@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from servelab.analyze.answers import Answer
 from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
@@ -433,3 +434,14 @@ def sim_table(rows: list[dict[str, Any]]) -> Table:
                 cells.append(str(v))
         table.add_row(c, *cells)
     return table
+
+
+_ANSWER_STYLE = {"significant": "green", "noise": "yellow"}
+
+
+def render_answers(answers: list[Answer], console: Console) -> None:
+    """The demo's last word: each question and its answer in one sentence."""
+    console.rule("[bold]the answers")
+    for a in answers:
+        style = _ANSWER_STYLE[a.verdict]
+        console.print(f"[bold]{a.question.id}[/] [{style}]({a.verdict})[/]: {a.answer}")
