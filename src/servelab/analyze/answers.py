@@ -19,6 +19,8 @@ from servelab.analyze.summary import metric_values, run_summary
 from servelab.rundir import Run
 from servelab.vocab import ClientRecord
 
+# An extra sequence adding under this share of a one-sequence step: weight reads dominate.
+BANDWIDTH_BOUND_SHARE = 0.25
 QUESTION_IDS = ("rag_ttft", "chunked_prefill", "priorities", "decode_itl")
 
 
@@ -189,10 +191,18 @@ def _decode_answer(
     extra: dict[str, Any] = {}
     if fit is not None and fit.decode_per_seq > 0:
         one = fit.overhead + fit.decode_per_seq
+        share = fit.decode_per_seq / one
+        # A step that barely grows per sequence is reading the weights (once for the whole
+        # batch); one that grows by a large share of itself is paying per-sequence compute.
+        bound = (
+            "so decode is bound by reading the weights, not by the batch's compute"
+            if share < BANDWIDTH_BOUND_SHARE
+            else "a large share of a step, so on this machine decode is also compute-bound "
+            "per sequence and batching buys less than on a GPU"
+        )
         text += (
             f": a decode step costs {one * 1e3:.0f} ms for one sequence and "
-            f"{fit.decode_per_seq * 1e3:.1f} ms per extra one, so decode is bound by reading "
-            "the weights, not by the batch's compute."
+            f"{fit.decode_per_seq * 1e3:.1f} ms ({share:.0%}) per extra one, {bound}."
         )
         extra["step_cost"] = {
             "overhead_s": fit.overhead,

@@ -205,10 +205,10 @@ class DemoSize:
 
 FULL = DemoSize(
     scale=1.0,
-    requests={"rag_ttft": 12, "chunked_prefill": 16, "priorities": 16},
+    requests={"rag_ttft": 8, "chunked_prefill": 12, "priorities": 12},
     concurrency={"rag_ttft": 1, "chunked_prefill": 4, "priorities": 8},
     levels=(1, 2, 4, 8),
-    per_level=2,
+    per_level=1,
     repeats=2,
     budget="under 10 minutes on a 2-core CPU",
 )
