@@ -14,12 +14,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from servelab.analyze.compare import DEFAULT_ALPHA, permutation_pvalues
-from servelab.analyze.stats import describe, fit_step_cost
+from servelab.analyze.stats import describe
 from servelab.analyze.summary import metric_values, run_summary
 from servelab.rundir import Run
 from servelab.vocab import ClientRecord
 
-# An extra sequence adding under this share of a one-sequence step: weight reads dominate.
+# An extra sequence adding under this share of a one-sequence step: weight reads dominate
+# the step (they are shared by the batch), as on a GPU at small batch sizes.
 BANDWIDTH_BOUND_SHARE = 0.25
 QUESTION_IDS = ("rag_ttft", "chunked_prefill", "priorities", "decode_itl")
 
@@ -139,9 +140,17 @@ def _change(m: Measured) -> str:
 
 
 def answer(
-    q: Question, base: list[Run], treat: list[Run], alpha: float = DEFAULT_ALPHA, seed: int = 0
+    q: Question,
+    base: list[Run],
+    treat: list[Run],
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+    levels: tuple[int, int] | None = None,
 ) -> Answer:
-    """Measure ``q``'s key metric and cost on baseline vs treatment and say what it found."""
+    """Measure ``q``'s key metric and cost on baseline vs treatment and say what it found.
+
+    ``levels`` (the lowest and highest concurrency) make it a batch-size question: the
+    sentence then says what each extra sequence costs a step."""
     key = measure(base, treat, q.metric, seed)
     cost = measure(base, treat, q.cost, seed)
     significant = key.p_value is not None and key.p_value <= alpha
@@ -168,47 +177,35 @@ def answer(
     )
     extra: dict[str, Any] = {}
     text = head + cost_txt
-    if q.id == "decode_itl":
-        text, extra = _decode_answer(key, cost, treat, verdict, p_txt)
+    if levels is not None:
+        text, extra = _decode_answer(key, cost, levels, verdict, p_txt)
     return Answer(q, key, cost, verdict, text, extra)
 
 
 def _decode_answer(
-    key: Measured, cost: Measured, treat: list[Run], verdict: str, p_txt: str
+    key: Measured, cost: Measured, levels: tuple[int, int], verdict: str, p_txt: str
 ) -> tuple[str, dict[str, Any]]:
-    """Decode's sentence: how little a step grows per extra sequence (weights are read once
-    per step for the whole batch) and how much throughput the batch buys."""
-    steps = [s for r in treat for s in r.steps]
-    fit = fit_step_cost(steps)
-    gain = (
-        (cost.treatment_value or 0) / cost.baseline_value if cost.baseline_value else float("nan")
-    )
+    """Decode's sentence: what one extra sequence adds to a step, from ITL at the two ends
+    (a step reads the weights once for the whole batch; compute grows per sequence)."""
+    lo, hi = levels
+    gain = (cost.treatment_value or 0) / cost.baseline_value if cost.baseline_value else 0.0
     text = (
-        f"{key.label} goes from {fmt(key, key.baseline_value)} at the lowest concurrency to "
-        f"{fmt(key, key.treatment_value)} at the highest ({_change(key)}, {verdict}, {p_txt}), "
+        f"{key.label} goes from {fmt(key, key.baseline_value)} at concurrency {lo} to "
+        f"{fmt(key, key.treatment_value)} at {hi} ({_change(key)}, {verdict}, {p_txt}), "
         f"while output throughput rises {gain:.1f}x"
     )
-    extra: dict[str, Any] = {}
-    if fit is not None and fit.decode_per_seq > 0:
-        one = fit.overhead + fit.decode_per_seq
-        share = fit.decode_per_seq / one
-        # A step that barely grows per sequence is reading the weights (once for the whole
-        # batch); one that grows by a large share of itself is paying per-sequence compute.
-        bound = (
-            "so decode is bound by reading the weights, not by the batch's compute"
-            if share < BANDWIDTH_BOUND_SHARE
-            else "a large share of a step, so on this machine decode is also compute-bound "
-            "per sequence and batching buys less than on a GPU"
-        )
-        text += (
-            f": a decode step costs {one * 1e3:.0f} ms for one sequence and "
-            f"{fit.decode_per_seq * 1e3:.1f} ms ({share:.0%}) per extra one, {bound}."
-        )
-        extra["step_cost"] = {
-            "overhead_s": fit.overhead,
-            "decode_per_seq_s": fit.decode_per_seq,
-            "r2": fit.r2,
-        }
-    else:
-        text += "."
-    return text, extra
+    if not key.baseline_value or key.treatment_value is None or hi <= lo:
+        return text + ".", {}
+    per_seq = (key.treatment_value - key.baseline_value) / (hi - lo)
+    share = per_seq / key.baseline_value
+    bound = (
+        "so decode is bound by reading the weights, not by the batch's compute"
+        if share < BANDWIDTH_BOUND_SHARE
+        else "a large share of a step: on this machine decode is also compute-bound per "
+        "sequence, so batching buys less than on a GPU"
+    )
+    text += (
+        f": each extra sequence adds {per_seq * 1e3:.1f} ms ({share:.0%} of a one-sequence "
+        f"step), {bound}."
+    )
+    return text, {"per_extra_sequence_s": per_seq, "share_of_step": share}

@@ -59,6 +59,9 @@ SERVERS = {
     "four-seqs": f"--max-num-batched-tokens 256 --max-num-seqs 4 {KV}",
 }
 INTERRUPTED = 130
+# A permutation test relabels whole requests: one request at concurrency 1 is one cluster,
+# and no relabelling of one cluster can reach significance.
+MIN_LEVEL_REQUESTS = 4
 
 QUESTIONS = {
     "rag_ttft": Question(
@@ -198,7 +201,7 @@ class DemoSize:
     requests: dict[str, int]
     concurrency: dict[str, int]
     levels: tuple[int, ...]  # decode_itl's concurrency levels
-    per_level: int  # decode_itl: requests per level = per_level x concurrency
+    per_level: int  # decode_itl: requests per level = per_level x concurrency, >= 4
     repeats: int
     budget: str
 
@@ -325,7 +328,7 @@ def run_demo(
         with console.status("stopping the engine ..."):
             for srv in servers.values():
                 srv.stop()
-    return _conclude(out, groups, interrupted, console, t0, seed)
+    return _conclude(out, groups, interrupted, console, t0, seed, size)
 
 
 def _levels(
@@ -334,7 +337,8 @@ def _levels(
     """decode_itl: one run per concurrency level on the default engine, lowest first."""
     runs: list[list[Run]] = []
     for c in size.levels:
-        opts = _opts(out / "decode_itl", f"c{c}", workload, size.per_level * c, c, seed)
+        n = max(size.per_level * c, MIN_LEVEL_REQUESTS)
+        opts = _opts(out / "decode_itl", f"c{c}", workload, n, c, seed)
         code = run_bench(opts, console)
         run_dir = out / "decode_itl" / f"c{c}"
         if has_records(run_dir):
@@ -352,6 +356,7 @@ def _conclude(
     console: Console,
     t0: float,
     seed: int,
+    size: DemoSize,
 ) -> DemoResult:
     console.rule("step 3: findings and answers")
     answers: list[Answer] = []
@@ -364,7 +369,8 @@ def _conclude(
             q = QUESTIONS[qid]
             labels = [g[0].name.rsplit("-r", 1)[0] for g in gs]
             comparisons[qid] = compare(gs, labels, seed=seed)
-            answers.append(answer(q, gs[0], gs[-1], seed=seed))
+            levels = (size.levels[0], size.levels[len(gs) - 1]) if qid == "decode_itl" else None
+            answers.append(answer(q, gs[0], gs[-1], seed=seed, levels=levels))
             # The treatment's first run is the one a reader opens to see why.
             diagnoses[qid] = diagnose(gs[-1][0])
     for qid, d in diagnoses.items():
