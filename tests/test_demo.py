@@ -5,38 +5,61 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 from rundirs import StandIn
 
-from servelab.report.html import RUN_SECTIONS
+from servelab.analyze.answers import QUESTION_IDS
 from servelab.workflows import demo, matrix
+
+_KEYS = {
+    "id", "question", "metric", "baseline", "treatment", "baseline_value", "treatment_value",
+    "delta", "p_value", "verdict", "cost", "answer",
+}  # fmt: skip
+
+
+def check_demo_json(path) -> dict:
+    """demo.json against its schema: four questions, each with every field typed."""
+    doc = json.loads(path.read_text())
+    assert isinstance(doc["wall_s"], float) and doc["wall_s"] > 0
+    assert [q["id"] for q in doc["questions"]] == list(QUESTION_IDS)
+    for q in doc["questions"]:
+        assert _KEYS <= set(q), _KEYS - set(q)
+        assert q["verdict"] in ("significant", "noise")
+        for side in ("baseline_value", "treatment_value"):
+            assert isinstance(q[side]["value"], float)
+        assert q["p_value"] is None or 0 < q["p_value"] <= 1
+        assert isinstance(q["answer"], str) and q["answer"].endswith(".")
+        assert q["question"].endswith("?")
+        assert {"metric", "baseline_value", "treatment_value", "delta"} <= set(q["cost"])
+    return doc
 
 
 def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):
     StandIn.started = []
     monkeypatch.setattr(matrix, "LaunchedServer", StandIn)
-    # The quick sizes at rates a stand-in absorbs at once: the same steps, in seconds.
-    fast = dataclasses.replace(
-        demo.QUICK, rates=dict.fromkeys(demo.WORKLOADS, (4.0, 15.0)), matrix_rate=15.0
-    )
+    fast = dataclasses.replace(demo.QUICK, levels=(1, 2, 3))
     res = demo.run_demo(out=tmp_path / "d", size=fast)
-    # Both servers started once, up front, with the demo's configs.
-    assert StandIn.started == [demo.CHUNKED, demo.UNCHUNKED]
-    names = [r.name for r in res.runs]
-    assert names == ["rag", "agent", "mixed", "chunked-r0", "unchunked-r0"]
-    for run in res.runs[:3]:
-        assert run.stages == ["rate=4", "rate=15"]  # two load levels
-        assert run.engine_config["max_num_batched_tokens"] == 256  # flags recorded
-    assert res.runs[4].engine_config["enable_chunked_prefill"] is False
-    assert res.matrix.comparison.labels == ["chunked", "unchunked"]
+    # Every server started once, up front, with the demo's configs.
+    assert StandIn.started == list(demo.SERVERS.values())
+    assert [a.question.id for a in res.answers] == list(QUESTION_IDS)
+    # The baseline is always the run without the optimisation.
+    assert res.comparisons["rag_ttft"].labels == ["uncached", "cached"]
+    assert res.comparisons["chunked_prefill"].labels == ["unchunked", "chunked"]
+    assert res.comparisons["priorities"].labels == ["fcfs", "priority"]
+    assert res.comparisons["decode_itl"].labels == ["c1", "c2", "c3"]
+    prio = res.groups["priorities"][1][0]
+    assert {c["name"]: c["priority"] for c in prio.workload["classes"]} == {"chat": 0, "batch": 1}
+    assert res.groups["chunked_prefill"][0][0].engine_config["enable_chunked_prefill"] is False
+    check_demo_json(tmp_path / "d" / "demo.json")
     html = res.report.read_text()
-    secs = re.findall(r'data-section="([a-z-]+)"', html)
-    assert secs == ["comparison"] + list(RUN_SECTIONS) * 5
+    # The answers come first; the comparisons fold away.
+    assert html.index('data-section="answers"') < html.index("<details")
+    assert html.count('data-question="') == 4
 
 
 def _has_model() -> bool:
@@ -58,10 +81,9 @@ def test_demo_quick_end_to_end(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "report:" in proc.stdout
-    for step in ("step 1", "step 2.1", "step 3", "step 4", "step 5", "step 6"):
+    for step in ("step 1", "step 2.1", "step 2.4", "step 3", "step 4", "the answers"):
         assert step in proc.stdout
-    html = (out / "report.html").read_text()
-    assert html.count('data-section="phase-timeline"') == 5
-    assert 'data-section="comparison"' in html
-    for wl in ("rag", "agent", "mixed"):
-        assert (out / wl / "steps.jsonl").exists()  # the real engine's step records
+    check_demo_json(out / "demo.json")
+    for qid in QUESTION_IDS:
+        assert qid in proc.stdout.split("the answers")[-1]
+    assert (out / "decode_itl" / "c1" / "steps.jsonl").exists()  # the real engine's steps

@@ -35,7 +35,7 @@ from servelab.bench.runner import Runner, StageResult
 from servelab.bench.search import find_max_rate
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
-from servelab.report.terminal import rates_table, similarity_line, stages_table, summary_table
+from servelab.report.terminal import fit, rates_table, similarity_line, stages_table, summary_table
 from servelab.rundir import RunDir
 from servelab.units import SLO, Trim
 from servelab.vocab import DEFAULT_MODEL, ClientRecord
@@ -546,14 +546,13 @@ class Bench:
             s = shown[0].summary
             assert s is not None
             w = s["window"]
-            c.print(
-                summary_table(
-                    f"latency (measured window {w['duration_s']:.1f}s, "
-                    f"warm-up {w['warmup']}, cool-down {w['cooldown']})",
-                    s,
-                )
+            table = summary_table(
+                f"latency (measured window {w['duration_s']:.1f}s, "
+                f"warm-up {w['warmup']}, cool-down {w['cooldown']})",
+                s,
             )
-            c.print(rates_table(s))
+            c.print(fit(table, c, ["p90", "max", "p95", "mean"]))
+            c.print(fit(rates_table(s), c, ["failed", "in tok/s", "goodput req/s"]))
             c.print(similarity_line(s))
         elif shown:
             c.print(

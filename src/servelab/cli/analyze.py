@@ -88,6 +88,14 @@ def register(app: typer.Typer) -> None:
                 "--html", help="output file (default: report.html in the first run directory)"
             ),
         ] = None,
+        trace_json: Annotated[
+            Path | None,
+            typer.Option(
+                "--trace-json",
+                help="also write the first run's request phases and engine steps as a Chrome "
+                "Trace Event file (open it in ui.perfetto.dev or chrome://tracing)",
+            ),
+        ] = None,
     ) -> None:
         """Write one self-contained HTML report (charts work offline) for one or more runs."""
         from servelab.analyze.compare import compare as run_compare
@@ -97,8 +105,16 @@ def register(app: typer.Typer) -> None:
         runs = _load(run_dirs)
         out = html or (run_dirs[0] / "report.html")
         comparison = run_compare(runs) if len(runs) > 1 else None
-        write_report(runs, [run_diagnosis(r) for r in runs], out, comparison)
+        diagnoses = [run_diagnosis(r) for r in runs]
+        write_report(runs, diagnoses, out, comparison)
         typer.echo(f"report written to {out.resolve()}")
+        if trace_json is not None:
+            from servelab.report.trace import chrome_trace
+
+            d = diagnoses[0]
+            trace = chrome_trace(runs[0], d.attribution.stalls if d.attribution else [])
+            trace_json.write_text(json.dumps(trace))
+            typer.echo(f"trace written to {trace_json.resolve()} (open it in ui.perfetto.dev)")
 
     @app.command()
     def demo(
@@ -108,12 +124,13 @@ def register(app: typer.Typer) -> None:
         out: Annotated[
             Path | None, typer.Option(help="output directory (default: runs/<time>-demo)")
         ] = None,
+        seed: Annotated[int, typer.Option(help="seed of the planned requests")] = 1,
     ) -> None:
-        """The main job: rag, agent and mixed at two loads, chunked prefill on vs off, one report."""
+        """The main job: four questions (RAG TTFT, chunked prefill, priorities, decode ITL), each answered by one comparison."""
         from servelab.workflows.demo import run_demo
 
         try:
-            result = run_demo(quick=quick, out=out)
+            result = run_demo(quick=quick, out=out, seed=seed)
         except (ValueError, RuntimeError) as e:
             raise fail(str(e)) from None
         if result.interrupted:

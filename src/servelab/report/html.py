@@ -24,6 +24,8 @@ from servelab.report.terminal import PART_LABELS
 from servelab.rundir import Run
 from servelab.units import fmt_ms
 
+# A curve through two points says nothing about its shape.
+MIN_CURVE_POINTS = 3
 RUN_SECTIONS = (
     "summary",
     "findings",
@@ -198,8 +200,8 @@ def run_sections(run: Run, d: Diagnosis, prefix: str) -> str:
     pts = charts.stage_points(run)
     sweep = (
         _fig(charts.throughput_vs_latency({run.name: pts}))
-        if len(pts) >= 2
-        else '<p class="note">A single load level: no sweep stages to plot. Run '
+        if len(pts) >= MIN_CURVE_POINTS
+        else f'<p class="note">Fewer than {MIN_CURVE_POINTS} load levels: no sweep stages to plot. Run '
         "<code>servelab bench</code> with several rates to see the throughput-latency curve; "
         "with several runs, the comparison view above plots one point per run.</p>"
     )
@@ -239,8 +241,13 @@ def _parts_legend() -> str:
     )
 
 
-def comparison_html(c: Comparison, groups: list[list[Run]]) -> str:
-    """The comparison view: warnings, charts over the compared groups, the full table."""
+def comparison_html(
+    c: Comparison, groups: list[list[Run]], keep: set[tuple[str, str, str]] | None = None
+) -> str:
+    """The comparison view: warnings, charts over the compared groups, the full table.
+
+    With ``keep`` ((scope, metric, stat) rows a question names), the table shows those and
+    the significant rows; the rest fold away in a collapsed ``<details>``."""
     warn = "".join(f'<div class="warn">{_e(w)}</div>' for w in c.warnings)
     head = (
         "<tr><th class='l'>scope</th><th class='l'>metric</th>"
@@ -250,8 +257,9 @@ def comparison_html(c: Comparison, groups: list[list[Run]]) -> str:
         )
         + "</tr>"
     )
-    rows = []
+    rows, folded = [], []
     for r in c.rows:
+        shown = keep is None or (r.scope, r.metric, r.stat) in keep or any(r.significant[1:])
         unit = "" if "." in r.metric else " (ms)"
         cells = [
             f"<td class='l'>{_e(r.scope)}</td>",
@@ -270,7 +278,7 @@ def comparison_html(c: Comparison, groups: list[list[Run]]) -> str:
                     f"<td>{'-' if r.p[i] is None else f'{r.p[i]:.3f}'}</td>",
                     f"<td class='{verdict}'>{verdict or '-'}</td>",
                 ]
-        rows.append("<tr>" + "".join(cells) + "</tr>")
+        (rows if shown else folded).append("<tr>" + "".join(cells) + "</tr>")
     notes = "".join(f'<p class="note">{_e(n)}</p>' for n in c.notes)
     recs = [[r for run in g for r in run.records if r.ok] for g in groups]
     ttft = {lab: [r.ttft for r in g if r.ttft is not None] for lab, g in zip(c.labels, recs)}
@@ -285,11 +293,21 @@ def comparison_html(c: Comparison, groups: list[list[Run]]) -> str:
                 itl, "ITL distribution per run (CDF)", "inter-token latency (ms, log)", "run"
             )
         )
-        + _fig(charts.throughput_vs_latency({"runs": charts.comparison_points(c)}, connect=False))
+        + (
+            _fig(charts.throughput_vs_latency({"runs": points}, connect=False))
+            if len(points := charts.comparison_points(c)) >= MIN_CURVE_POINTS
+            else ""
+        )
         + '<div style="overflow-x:auto"><table>'
         + head
         + "".join(rows)
         + "</table></div>"
+        + (
+            f"<details><summary>{len(folded)} more rows, none significant</summary>"
+            f'<div style="overflow-x:auto"><table>{head}{"".join(folded)}</table></div></details>'
+            if folded
+            else ""
+        )
     )
 
 

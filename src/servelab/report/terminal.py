@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
+from servelab.analyze.answers import Answer
 from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
@@ -34,6 +36,20 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}"
     return str(v)
+
+
+def fit(table: Table, console: Console, droppable: list[str]) -> Table:
+    """Drop columns (by header, in the order given) until no cell must wrap or be cut at
+    the console's width: a narrow terminal loses detail columns, never digits."""
+    for header in droppable:
+        wide = console.options.update(width=10_000)
+        if Measurement.get(console, wide, table).maximum <= console.width:
+            break
+        for i, col in enumerate(table.columns):
+            if col.header == header:
+                del table.columns[i]
+                break
+    return table
 
 
 def render_diagnosis(d: Diagnosis, console: Console) -> None:
@@ -71,7 +87,8 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
             *[fmt_ms(tab.ttft_mean) for tab in d.by_class.values()],
             "",
         )
-        console.print(t)
+        # Least telling first: how each part was measured, then per-class, then the tail.
+        console.print(fit(t, console, ["how", *reversed(d.by_class), "share", "slowest 10%"]))
     if d.stalls_by_cause:
         t = Table(title=f"ITL stalls (gaps >= {STALL_FACTOR:g}x the request's median) by cause")
         t.add_column("cause")
@@ -199,7 +216,7 @@ def render_summary(name: str, metrics: dict[str, Any], console: Console) -> None
             "-" if tput is None else f"{tput:.1f}",
             "-" if good is None else f"{good:.0%}",
         )
-    console.print(t)
+    console.print(fit(t, console, ["TPOT p50", "goodput", "E2E p50", "out tok/s"]))
 
 
 def _ms0(x: float | None) -> str:
@@ -448,3 +465,14 @@ def defaults_line(used: dict[str, Any], info: dict[str, Any]) -> str:
         + (f"; dtype {prec['dtype']}, kv {prec['kv_dtype']}" if prec else "")
         + f" [{used['source']}]"
     )
+
+
+_ANSWER_STYLE = {"significant": "green", "noise": "yellow"}
+
+
+def render_answers(answers: list[Answer], console: Console) -> None:
+    """The demo's last word: each question and its answer in one sentence."""
+    console.rule("[bold]the answers")
+    for a in answers:
+        style = _ANSWER_STYLE[a.verdict]
+        console.print(f"[bold]{a.question.id}[/] [{style}]({a.verdict})[/]: {a.answer}")

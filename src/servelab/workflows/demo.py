@@ -1,38 +1,44 @@
-"""`servelab demo`: the main job, end to end on the embedded engine.
+"""`servelab demo`: the main job, four questions answered on the embedded engine.
 
-1. start the embedded engine (two `servelab serve` processes: the demo's default config
-   with chunked prefill, and the same with chunked prefill off, for step 3);
-2. run the `rag`, `agent` and `mixed` workloads, each as a two-stage sweep (a light and a
-   heavy load) against the default server;
-3. compare chunked prefill on vs off on the `mixed` load (`bench.matrix`, interleaved);
-4. print each run's summary and findings, and the comparison;
-5. write one HTML report of it all;
-6. print where it is.
+1. start the embedded engine: one `servelab serve` per configuration the questions need;
+2. answer each question with one comparison (interleaved repeats, ``workflows.matrix``):
+   - rag_ttft: long RAG prompts with a shared system prompt and documents, prefix caching
+     off vs on; TTFT p50;
+   - chunked_prefill: chat streams decoding while long unique RAG prompts arrive,
+     unchunked vs a 256-token chunk budget; chat ITL p99, TTFT beside it;
+   - priorities: interactive chat plus long non-streamed batch jobs on a 4-sequence
+     engine, FCFS vs the batch class at a lower priority; chat TTFT p95, batch E2E beside it;
+   - decode_itl: codegen at concurrency 1, 2, 4, 8; ITL p50 and throughput vs batch size;
+3. print the findings of one run per question and each answer in one sentence;
+4. write ``demo.json`` and one HTML report that opens with the answers.
 
-Sizes are set for a 2-core CPU: the full demo aims at under 10 minutes, ``--quick`` at a
-couple of minutes (CI). Both servers start once and are stopped at the end, whatever
-happens in between.
+Sizes are chosen so that each effect, where real, is several times its noise at the
+sample size a 2-core CPU gets in the time: the full demo aims at under 10 minutes,
+``--quick`` (CI) at a couple. All servers start once and are stopped at the end.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
+import yaml
 from rich.console import Console
 
+from servelab.analyze.answers import Answer, Question, answer
+from servelab.analyze.compare import Comparison, compare
 from servelab.analyze.diagnose import Diagnosis, diagnose
-from servelab.analyze.summary import run_summary
 from servelab.bench.plan import LoadSpec
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
-from servelab.report.html import write_report
-from servelab.report.terminal import render_comparison, render_summary
+from servelab.report.demo import write_demo_report
+from servelab.report.terminal import render_answers
 from servelab.rundir import Run, load_run
 from servelab.workflows.matrix import (
     MatrixConfig,
-    MatrixResult,
     MatrixSpec,
     execute_matrix,
     has_records,
@@ -40,50 +46,185 @@ from servelab.workflows.matrix import (
     start_servers,
 )
 
-# The demo's engine: a 256-token chunk budget makes chunking visible with ~1k-token
-# prompts; a 1 GB KV pool is plenty for these loads and halves the memory of two servers.
-CHUNKED = "--max-num-batched-tokens 256 --kv-cache-memory 1G"
-UNCHUNKED = "--no-enable-chunked-prefill --kv-cache-memory 1G"
-WORKLOADS = ("rag", "agent", "mixed")
+# A 1 GB KV pool holds every load below and keeps four servers' memory modest.
+KV = "--kv-cache-memory 1G"
+SERVERS = {
+    # The default engine: a 256-token chunk budget is ~1/6 of a RAG prompt, so a prefill
+    # shares steps with decodes instead of stalling them.
+    "cached": f"--max-num-batched-tokens 256 {KV}",
+    "uncached": f"--max-num-batched-tokens 256 --no-enable-prefix-caching {KV}",
+    "unchunked": f"--no-enable-chunked-prefill {KV}",
+    # Four sequences at most: batch jobs fill the engine and a queue forms, which is where
+    # a priority acts (the scheduler admits by priority; it preempts only for KV blocks).
+    "four-seqs": f"--max-num-batched-tokens 256 --max-num-seqs 4 {KV}",
+}
 INTERRUPTED = 130
+# A permutation test relabels whole requests: one request at concurrency 1 is one cluster,
+# and no relabelling of one cluster can reach significance.
+MIN_LEVEL_REQUESTS = 4
+
+QUESTIONS = {
+    "rag_ttft": Question(
+        "rag_ttft",
+        "RAG TTFT: where does it go, and what does prefix caching save?",
+        ("overall", "ttft", "p50"),
+        ("overall", "itl", "p50"),
+        "prefix caching off",
+        "prefix caching on",
+        "with the cache",
+    ),
+    "chunked_prefill": Question(
+        "chunked_prefill",
+        "Mixed traffic: does chunked prefill protect the streams decoding while long "
+        "prompts arrive?",
+        ("chat", "itl", "p99"),
+        ("overall", "ttft", "p50"),
+        "unchunked",
+        "chunked, 256-token budget",
+        "chunked",
+    ),
+    "priorities": Question(
+        "priorities",
+        "Interactive vs batch: does a lower priority for batch jobs protect interactive TTFT?",
+        ("chat", "ttft", "p95"),
+        ("batch", "e2e", "p50"),
+        "FCFS",
+        "batch at priority 1",
+        "with priorities",
+    ),
+    "decode_itl": Question(
+        "decode_itl",
+        "Long outputs: what sets ITL as concurrency rises?",
+        ("overall", "itl", "p50"),
+        ("overall", "throughput", "output_tokens_per_s"),
+        "concurrency 1",
+        "concurrency 8",
+        "at concurrency 8",
+    ),
+}
+
+_SYSTEM = {"name": "system", "count": 1, "tokens": 256, "reuse": 1.0}
+
+
+def rag_workload(scale: float) -> dict[str, Any]:
+    """Q1: prompts of 1.5-2k tokens (at scale 1): a shared system prompt, one of four
+    documents, a short question; short answers, so TTFT is most of the request."""
+    doc = {"dist": "uniform", "min": round(1300 * scale), "max": round(1700 * scale)}
+    return {
+        "name": "demo-rag",
+        "classes": [
+            {
+                "name": "rag",
+                "text": "question",
+                "input": {"dist": "uniform", "min": 32, "max": 96},
+                "output": {"dist": "uniform", "min": 16, "max": 24},
+                "prefix": [
+                    {**_SYSTEM, "tokens": round(256 * scale)},
+                    {"name": "document", "count": 4, "tokens": doc, "reuse": 1.0},
+                ],
+                "slo": {"ttft": "6s"},
+            }
+        ],
+    }
+
+
+def mixed_workload(scale: float) -> dict[str, Any]:
+    """Q2: chat streams with long outputs and, as often, 1k-token RAG prompts of unique documents
+    (no cache hit), so every RAG arrival is a full prefill landing on running decodes."""
+    return {
+        "name": "demo-mixed",
+        "classes": [
+            {
+                "name": "chat",
+                "input": {"dist": "uniform", "min": 64, "max": 160},
+                "output": {"dist": "uniform", "min": round(128 * scale), "max": round(192 * scale)},
+                "slo": {"itl": "500ms"},
+            },
+            {
+                "name": "rag",
+                "text": "question",
+                "input": {
+                    "dist": "uniform",
+                    "min": round(1500 * scale),
+                    "max": round(1800 * scale),
+                },
+                "output": {"dist": "fixed", "value": 8},
+                "slo": {"ttft": "6s"},
+            },
+        ],
+    }
+
+
+def priority_workload(scale: float, batch_priority: int) -> dict[str, Any]:
+    """Q3: short interactive chat and long non-streamed batch jobs, equally often."""
+    return {
+        "name": f"demo-priorities-{batch_priority}",
+        "classes": [
+            {
+                "name": "chat",
+                "input": {"dist": "uniform", "min": 64, "max": 160},
+                "output": {"dist": "uniform", "min": 16, "max": 32},
+                "slo": {"ttft": "2s"},
+            },
+            {
+                "name": "batch",
+                "input": {"dist": "uniform", "min": round(512 * scale), "max": round(768 * scale)},
+                "output": {"dist": "uniform", "min": round(96 * scale), "max": round(128 * scale)},
+                "stream": False,
+                "priority": batch_priority,
+                "slo": {"e2e": "120s"},
+            },
+        ],
+    }
+
+
+def codegen_workload(scale: float) -> dict[str, Any]:
+    """Q4: code prompts and long fixed-length outputs, so every level decodes the same."""
+    return {
+        "name": "demo-codegen",
+        "classes": [
+            {
+                "name": "codegen",
+                "text": "code",
+                "input": {"dist": "uniform", "min": 96, "max": 192},
+                "output": {"dist": "fixed", "value": round(96 * scale)},
+            }
+        ],
+    }
 
 
 @dataclass(frozen=True)
 class DemoSize:
-    """How much to run. Rates are sessions/s for (light, heavy); lengths are scaled."""
+    """How much to run: requests per run (closed loop at ``concurrency``), repeats per config."""
 
-    requests: int  # per load stage (sessions)
-    stage_seconds: float  # no sends after this long in a stage
-    rates: dict[str, tuple[float, float]]
-    length_scale: dict[str, float]
-    matrix_requests: int
-    matrix_rate: float
+    scale: float  # token lengths of the long parts (documents, RAG prompts, batch jobs)
+    requests: dict[str, int]
+    concurrency: dict[str, int]
+    levels: tuple[int, ...]  # decode_itl's concurrency levels
+    per_level: int  # decode_itl: requests per level = per_level x concurrency, >= 4
     repeats: int
-    budget: str  # what the user is told to expect
-    budget_s: float  # past 60% of it before step 3, the comparison runs one repeat only
+    budget: str
 
 
 FULL = DemoSize(
-    requests=8,
-    stage_seconds=35.0,
-    rates={"rag": (0.1, 0.25), "agent": (0.05, 0.2), "mixed": (0.15, 0.5)},
-    length_scale={"rag": 0.5, "agent": 0.25, "mixed": 0.5},
-    matrix_requests=8,
-    matrix_rate=0.4,
-    repeats=2,
+    scale=1.0,
+    # A 2k-token prefill takes ~15 s on a loaded 2-core CPU: one repeat of small samples is
+    # what 10 minutes allow, and the effects planned for are several times their noise.
+    requests={"rag_ttft": 6, "chunked_prefill": 10, "priorities": 10},
+    concurrency={"rag_ttft": 1, "chunked_prefill": 4, "priorities": 6},
+    levels=(1, 2, 4, 8),
+    per_level=1,
+    repeats=1,
     budget="under 10 minutes on a 2-core CPU",
-    budget_s=600.0,
 )
 QUICK = DemoSize(
-    requests=3,
-    stage_seconds=10.0,
-    rates={"rag": (0.4, 1.5), "agent": (0.4, 1.5), "mixed": (0.4, 1.5)},
-    length_scale={"rag": 0.15, "agent": 0.1, "mixed": 0.15},
-    matrix_requests=4,
-    matrix_rate=1.0,
+    scale=0.3,
+    requests={"rag_ttft": 4, "chunked_prefill": 6, "priorities": 6},
+    concurrency={"rag_ttft": 1, "chunked_prefill": 3, "priorities": 6},
+    levels=(1, 2, 4),
+    per_level=1,
     repeats=1,
     budget="a couple of minutes",
-    budget_s=180.0,
 )
 
 
@@ -91,45 +232,29 @@ QUICK = DemoSize(
 class DemoResult:
     out: Path
     report: Path | None
-    runs: list[Run]
-    diagnoses: list[Diagnosis]
-    matrix: MatrixResult | None
+    answers: list[Answer]
+    comparisons: dict[str, Comparison]
+    groups: dict[str, list[list[Run]]]
+    diagnoses: dict[str, Diagnosis]
+    wall_s: float
     interrupted: bool = False
 
 
-def _sweep_opts(wl: str, size: DemoSize, url: str, out: Path) -> BenchOptions:
-    low, high = size.rates[wl]
-    load = LoadSpec(
-        rate=low,
-        requests=size.requests,
-        duration=size.stage_seconds,
-        length_scale=size.length_scale[wl],
-    )
-    return BenchOptions(
-        url=url,
-        tokenizer=DEFAULT_MODEL,
-        workload=wl,
-        load=load,
-        sweep=("rate", [low, high]),
-        out=out / wl,
-        command=["servelab", "demo", f"({wl} at {low:g} and {high:g} sessions/s)"],
-    )
+def _write_workload(out: Path, spec: dict[str, Any]) -> str:
+    path = out / "workloads" / f"{spec['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(path)
 
 
-def _matrix_opts(size: DemoSize, out: Path) -> BenchOptions:
-    load = LoadSpec(
-        rate=size.matrix_rate,
-        requests=size.matrix_requests,
-        duration=size.stage_seconds,
-        length_scale=size.length_scale["mixed"],
-    )
+def _opts(out: Path, name: str, workload: str, requests: int, conc: int, seed: int) -> BenchOptions:
     return BenchOptions(
         tokenizer=DEFAULT_MODEL,
-        workload="mixed",
-        load=load,
-        out=out / "chunked-prefill",
-        seed=1,
-        command=["servelab", "demo", "(chunked prefill on vs off, mixed)"],
+        workload=workload,
+        load=LoadSpec(concurrency=conc, requests=requests),
+        out=out / name,
+        seed=seed,
+        command=["servelab", "demo", f"({name})"],
     )
 
 
@@ -138,6 +263,7 @@ def run_demo(
     out: Path | None = None,
     console: Console | None = None,
     size: DemoSize | None = None,
+    seed: int = 1,
 ) -> DemoResult:
     """Run the whole demo (``size`` overrides FULL/QUICK); raises RuntimeError when a
     server cannot start."""
@@ -148,88 +274,129 @@ def run_demo(
     t0 = time.monotonic()
     console.rule("[bold]servelab demo" + (" --quick" if quick else ""))
     console.print(
-        f"Workloads {', '.join(WORKLOADS)} at two loads each, then chunked prefill on vs off on "
-        f"'mixed'; expect {size.budget}. Everything lands in {out}."
+        "Four questions, each answered by one comparison: RAG TTFT and prefix caching, "
+        "chunked prefill under mixed traffic, interactive vs batch priorities, what sets ITL; "
+        f"expect {size.budget}. Everything lands in {out}."
     )
     console.rule("step 1: start the embedded engine")
-    servers = start_servers({"chunked": CHUNKED, "unchunked": UNCHUNKED}, out, console=console)
-    console.print(f"engine ready in {time.monotonic() - t0:.0f} s")
-    dirs: list[Path] = []
-    matrix = None
+    servers = start_servers(SERVERS, out, console=console)
+    console.print(f"{len(servers)} engines ready in {time.monotonic() - t0:.0f} s")
+    groups: dict[str, list[list[Run]]] = {}
     interrupted = False
+    s = size.scale
+    fcfs = _write_workload(out, priority_workload(s, 0))
+    # (question, workload, [(config, server, workload override)]): baseline first.
+    plans = [
+        (
+            "rag_ttft",
+            _write_workload(out, rag_workload(s)),
+            [("uncached", "uncached", None), ("cached", "cached", None)],
+        ),
+        (
+            "chunked_prefill",
+            _write_workload(out, mixed_workload(s)),
+            [("unchunked", "unchunked", None), ("chunked", "cached", None)],
+        ),
+        (
+            "priorities",
+            fcfs,
+            [
+                ("fcfs", "four-seqs", None),
+                ("priority", "four-seqs", _write_workload(out, priority_workload(s, 1))),
+            ],
+        ),
+    ]
+    code = _write_workload(out, codegen_workload(s))
     try:
-        for i, wl in enumerate(WORKLOADS, 1):
-            console.rule(f"step 2.{i}: {wl} at two loads")
-            opts = _sweep_opts(wl, size, servers["chunked"].url, out)
-            code = run_bench(opts, console)
-            if has_records(out / wl):
-                record_server(out / wl, servers["chunked"])
-                dirs.append(out / wl)
-            if code == INTERRUPTED:
-                interrupted = True
+        for i, (qid, workload, configs) in enumerate(plans, 1):
+            console.rule(f"step 2.{i}: {QUESTIONS[qid].question}")
+            spec = MatrixSpec([MatrixConfig(c, SERVERS[k], w) for c, k, w in configs], size.repeats)
+            res = execute_matrix(
+                spec,
+                _opts(out, qid, workload, size.requests[qid], size.concurrency[qid], seed),
+                console,
+                servers={c: servers[k] for c, k, _ in configs},
+            )
+            groups[qid] = res.groups
+            interrupted = INTERRUPTED in res.exit_codes.values()
+            if interrupted:
                 break
         if not interrupted:
-            console.rule("step 3: chunked prefill on vs off (mixed)")
-            repeats = size.repeats
-            if repeats > 1 and time.monotonic() - t0 > 0.6 * size.budget_s:
-                repeats = 1
-                console.print(
-                    "[yellow]this machine is slower than the demo's sizes assume: "
-                    "one repeat per config instead of "
-                    f"{size.repeats} to stay near {size.budget}[/]"
-                )
-            spec = MatrixSpec(
-                [MatrixConfig("chunked", CHUNKED), MatrixConfig("unchunked", UNCHUNKED)],
-                repeats,
-            )
-            matrix = execute_matrix(spec, _matrix_opts(size, out), console, servers=servers)
-            interrupted = INTERRUPTED in matrix.exit_codes.values()
+            console.rule("step 2.4: " + QUESTIONS["decode_itl"].question)
+            groups["decode_itl"], interrupted = _levels(out, code, size, servers, console, seed)
     finally:
         with console.status("stopping the engine ..."):
             for srv in servers.values():
                 srv.stop()
-    return _conclude(out, dirs, matrix, interrupted, console, t0)
+    return _conclude(out, groups, interrupted, console, t0, seed, size)
+
+
+def _levels(
+    out: Path, workload: str, size: DemoSize, servers: dict[str, Any], console: Console, seed: int
+) -> tuple[list[list[Run]], bool]:
+    """decode_itl: one run per concurrency level on the default engine, lowest first."""
+    runs: list[list[Run]] = []
+    for c in size.levels:
+        n = max(size.per_level * c, MIN_LEVEL_REQUESTS)
+        opts = _opts(out / "decode_itl", f"c{c}", workload, n, c, seed)
+        code = run_bench(opts, console)
+        run_dir = out / "decode_itl" / f"c{c}"
+        if has_records(run_dir):
+            record_server(run_dir, servers["cached"])
+            runs.append([load_run(run_dir)])
+        if code == INTERRUPTED:
+            return runs, True
+    return runs, False
 
 
 def _conclude(
     out: Path,
-    dirs: list[Path],
-    matrix: MatrixResult | None,
+    groups: dict[str, list[list[Run]]],
     interrupted: bool,
     console: Console,
     t0: float,
+    seed: int,
+    size: DemoSize,
 ) -> DemoResult:
-    console.rule("step 4: summary and findings")
-    runs = [load_run(d) for d in dirs]
-    groups = matrix.groups if matrix else []
-    all_runs = runs + [r for g in groups for r in g]
-    diagnoses = []
-    with console.status("diagnosing ..."):
-        diagnoses = [diagnose(r) for r in all_runs]
-    for run, d in zip(runs, diagnoses):
-        render_summary(run.name, run_summary(run), console)
+    console.rule("step 3: findings and answers")
+    answers: list[Answer] = []
+    comparisons: dict[str, Comparison] = {}
+    diagnoses: dict[str, Diagnosis] = {}
+    with console.status("comparing and diagnosing ..."):
+        for qid, gs in groups.items():
+            if len(gs) < 2:
+                continue
+            q = QUESTIONS[qid]
+            labels = [g[0].name.rsplit("-r", 1)[0] for g in gs]
+            comparisons[qid] = compare(gs, labels, seed=seed)
+            levels = (size.levels[0], size.levels[len(gs) - 1]) if qid == "decode_itl" else None
+            answers.append(answer(q, gs[0], gs[-1], seed=seed, levels=levels))
+            # The treatment's first run is the one a reader opens to see why.
+            diagnoses[qid] = diagnose(gs[-1][0])
+    for qid, d in diagnoses.items():
+        console.print(f"[bold]{qid}[/] ({groups[qid][-1][0].name}):")
         if not d.findings:
             console.print("  [green]no findings[/]")
         for f in d.findings:
             console.print(f"  [yellow]> {f.title}[/] [dim]({f.confidence_label})[/]: {f.summary}")
-    if matrix is not None and matrix.comparison is not None:
-        render_comparison(matrix.comparison, console, scopes=("overall",), stats=("p50", "p99"))
+    wall = time.monotonic() - t0
+    (out / "demo.json").write_text(
+        json.dumps(
+            {"questions": [a.to_dict() for a in answers], "wall_s": wall, "seed": seed},
+            indent=1,
+            default=str,
+        )
+    )
     report = None
-    if all_runs:
-        console.rule("step 5: the HTML report")
+    if answers:
+        console.rule("step 4: the HTML report")
         with console.status("writing the report ..."):
-            report = write_report(
-                all_runs,
-                diagnoses,
-                out / "report.html",
-                matrix.comparison if matrix else None,
-                title="servelab demo: rag, agent, mixed; chunked prefill on vs off",
-                groups=groups or None,
+            report = write_demo_report(
+                answers, comparisons, groups, diagnoses, out / "report.html", wall
             )
-    console.rule("step 6: where it is")
-    if report is not None:
         console.print(f"[bold]report: {report.resolve()}[/]")
-    console.print(f"run directories under {out.resolve()} ({time.monotonic() - t0:.0f} s in all)")
+    console.print(f"demo.json and run directories under {out.resolve()} ({wall:.0f} s in all)")
     if interrupted:
-        console.print("[yellow]interrupted: the report covers what ran[/]")
-    return DemoResult(out, report, all_runs, diagnoses, matrix, interrupted)
+        console.print("[yellow]interrupted: the answers cover what ran[/]")
+    render_answers(answers, console)
+    return DemoResult(out, report, answers, comparisons, groups, diagnoses, wall, interrupted)

@@ -1,0 +1,211 @@
+"""A question answered by one comparison: the key metric, its verdict, the cost, one sentence.
+
+Each question names its key metric before the runs (``Question.metric``), so the verdict
+is one pre-registered two-sided permutation test on the per-request values
+(``compare.permutation_pvalues``, whole requests relabelled), not a row picked from a table
+of a hundred: no multiple-comparison adjustment applies, and none is needed. The cost is
+stated beside it with its own test where it is a latency, without one where it is a rate
+(one value per run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from servelab.analyze.compare import DEFAULT_ALPHA, permutation_pvalues
+from servelab.analyze.stats import describe
+from servelab.analyze.summary import metric_values, run_summary
+from servelab.rundir import Run
+from servelab.vocab import ClientRecord
+
+# An extra sequence adding under this share of a one-sequence step: weight reads dominate
+# the step (they are shared by the batch), as on a GPU at small batch sizes.
+BANDWIDTH_BOUND_SHARE = 0.25
+QUESTION_IDS = ("rag_ttft", "chunked_prefill", "priorities", "decode_itl")
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    question: str
+    metric: tuple[str, str, str]  # (scope, metric, stat): scope "overall" or a class
+    cost: tuple[str, str, str]  # the same, or ("overall", "throughput", "output_tokens_per_s")
+    baseline: str  # the configuration without the optimisation
+    treatment: str
+    treatment_effect: str  # what the treatment does, for the sentence: "with the cache"
+
+
+@dataclass
+class Measured:
+    """One metric on both sides: values, 95% CIs, relative delta, p-value (None: untested)."""
+
+    scope: str
+    metric: str
+    stat: str
+    baseline_value: float | None
+    treatment_value: float | None
+    baseline_ci: tuple[float, float] | None
+    treatment_ci: tuple[float, float] | None
+    delta: float | None
+    p_value: float | None
+
+    @property
+    def label(self) -> str:
+        where = "" if self.scope == "overall" else f" ({self.scope})"
+        return f"{self.metric} {self.stat}{where}"
+
+
+@dataclass
+class Answer:
+    question: Question
+    key: Measured
+    cost: Measured
+    verdict: str  # "significant" | "noise"
+    answer: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        q = self.question
+        return {
+            "id": q.id,
+            "question": q.question,
+            "metric": self.key.label,
+            "baseline": q.baseline,
+            "treatment": q.treatment,
+            "baseline_value": {"value": self.key.baseline_value, "ci": self.key.baseline_ci},
+            "treatment_value": {"value": self.key.treatment_value, "ci": self.key.treatment_ci},
+            "delta": self.key.delta,
+            "p_value": self.key.p_value,
+            "verdict": self.verdict,
+            "cost": asdict(self.cost) | {"metric": self.cost.label},
+            "answer": self.answer,
+            **self.extra,
+        }
+
+
+def _records(group: list[Run], scope: str) -> list[ClientRecord]:
+    recs = [r for run in group for r in run.records if r.ok]
+    return recs if scope == "overall" else [r for r in recs if r.workload_class == scope]
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or not a else (b - a) / a
+
+
+def measure(
+    base: list[Run], treat: list[Run], spec: tuple[str, str, str], seed: int = 0
+) -> Measured:
+    """``spec`` on both groups; a rate (``throughput``/``goodput``) is the mean over runs."""
+    scope, metric, stat = spec
+    if metric in ("throughput", "goodput"):
+        a, b = (_mean_rate(g, metric, stat) for g in (base, treat))
+        return Measured(scope, metric, stat, a, b, None, None, _delta(a, b), None)
+    va = metric_values(_records(base, scope), metric)
+    vb = metric_values(_records(treat, scope), metric)
+    sa, sb = describe(*va, n_boot=400, seed=seed), describe(*vb, n_boot=400, seed=seed)
+    a, b = getattr(sa, stat), getattr(sb, stat)
+    p = permutation_pvalues(va, vb, seed=seed).get(stat)
+    return Measured(scope, metric, stat, a, b, sa.ci.get(stat), sb.ci.get(stat), _delta(a, b), p)
+
+
+def _mean_rate(group: list[Run], section: str, key: str) -> float | None:
+    xs = [(run_summary(r).get("overall") or {}).get(section, {}).get(key) for r in group]
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def fmt(m: Measured, v: float | None) -> str:
+    """A value in the unit people read: ms for latencies, /s for rates."""
+    if v is None:
+        return "-"
+    if m.metric in ("throughput", "goodput"):
+        return f"{v:.1f} tok/s" if "tokens" in m.stat else f"{v:.2f} req/s"
+    return f"{v * 1e3:.0f} ms"
+
+
+def _with_ci(m: Measured, v: float | None, ci: tuple[float, float] | None) -> str:
+    if ci is None or m.metric in ("throughput", "goodput"):
+        return fmt(m, v)
+    return f"{fmt(m, v)} [95% CI {ci[0] * 1e3:.0f}-{ci[1] * 1e3:.0f}]"
+
+
+def _change(m: Measured) -> str:
+    if m.delta is None:
+        return "an unmeasured change"
+    ratio = (m.treatment_value or 0) / m.baseline_value if m.baseline_value else None
+    if ratio and (ratio >= 2 or ratio <= 0.5):
+        return f"{ratio:.2g}x ({m.delta:+.0%})" if ratio >= 2 else f"{1 / ratio:.2g}x lower"
+    return f"{m.delta:+.0%}"
+
+
+def answer(
+    q: Question,
+    base: list[Run],
+    treat: list[Run],
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+    levels: tuple[int, int] | None = None,
+) -> Answer:
+    """Measure ``q``'s key metric and cost on baseline vs treatment and say what it found.
+
+    ``levels`` (the lowest and highest concurrency) make it a batch-size question: the
+    sentence then says what each extra sequence costs a step."""
+    key = measure(base, treat, q.metric, seed)
+    cost = measure(base, treat, q.cost, seed)
+    significant = key.p_value is not None and key.p_value <= alpha
+    verdict = "significant" if significant else "noise"
+    vals = (
+        f"{key.label} {_with_ci(key, key.treatment_value, key.treatment_ci)} {q.treatment_effect} "
+        f"vs {_with_ci(key, key.baseline_value, key.baseline_ci)} without"
+    )
+    p_txt = "untested" if key.p_value is None else f"p = {key.p_value:.3g}"
+    if significant:
+        head = f"Yes: {_change(key)}, significant ({p_txt}); {vals}."
+        if (key.delta or 0) > 0 and q.id != "decode_itl":
+            head = f"No, it is worse: {_change(key)}, significant ({p_txt}); {vals}."
+    else:
+        head = (
+            f"Not shown: the difference ({_change(key)}) is within the noise at this sample "
+            f"size ({p_txt}); {vals}."
+        )
+    cost_txt = (
+        f" Cost: {cost.label} {fmt(cost, cost.treatment_value)} vs "
+        f"{fmt(cost, cost.baseline_value)} ({_change(cost)}"
+        + ("" if cost.p_value is None else f", p = {cost.p_value:.3g}")
+        + ")."
+    )
+    extra: dict[str, Any] = {}
+    text = head + cost_txt
+    if levels is not None:
+        text, extra = _decode_answer(key, cost, levels, verdict, p_txt)
+    return Answer(q, key, cost, verdict, text, extra)
+
+
+def _decode_answer(
+    key: Measured, cost: Measured, levels: tuple[int, int], verdict: str, p_txt: str
+) -> tuple[str, dict[str, Any]]:
+    """Decode's sentence: what one extra sequence adds to a step, from ITL at the two ends
+    (a step reads the weights once for the whole batch; compute grows per sequence)."""
+    lo, hi = levels
+    gain = (cost.treatment_value or 0) / cost.baseline_value if cost.baseline_value else 0.0
+    text = (
+        f"{key.label} goes from {fmt(key, key.baseline_value)} at concurrency {lo} to "
+        f"{fmt(key, key.treatment_value)} at {hi} ({_change(key)}, {verdict}, {p_txt}), "
+        f"while output throughput rises {gain:.1f}x"
+    )
+    if not key.baseline_value or key.treatment_value is None or hi <= lo:
+        return text + ".", {}
+    per_seq = (key.treatment_value - key.baseline_value) / (hi - lo)
+    share = per_seq / key.baseline_value
+    bound = (
+        "so decode is bound by reading the weights, not by the batch's compute"
+        if share < BANDWIDTH_BOUND_SHARE
+        else "a large share of a step: on this machine decode is also compute-bound per "
+        "sequence, so batching buys less than on a GPU"
+    )
+    text += (
+        f": each extra sequence adds {per_seq * 1e3:.1f} ms ({share:.0%} of a one-sequence "
+        f"step), {bound}."
+    )
+    return text, {"per_extra_sequence_s": per_seq, "share_of_step": share}
