@@ -257,7 +257,8 @@ def comparison_html(
         )
         + "</tr>"
     )
-    rows, folded = [], []
+    rows: list[str] = []
+    folded: list[str] = []
     for r in c.rows:
         shown = keep is None or (r.scope, r.metric, r.stat) in keep or any(r.significant[1:])
         unit = "" if "." in r.metric else " (ms)"
