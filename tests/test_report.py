@@ -53,7 +53,8 @@ def test_single_run_report_has_every_section(single):
     assert "ITL spikes line up with long prefills" in html  # the finding
     assert "Turn chunked prefill on" in html  # its recommendation
     # One figure per chart section; a single-load run has a note instead of a sweep chart.
-    assert html.count('class="plotly-graph-div"') == 5
+    assert html.count('class="plotly-graph-div"') == 6
+    assert "ideal prefix reuse" in html and "Lengths sent" in html
     assert "Fewer than 3 load levels" in html
 
 
@@ -165,7 +166,9 @@ def test_two_stage_sweep_draws_no_curve(tmp_path):
     html = out.read_text()
     # Two points cannot show a curve's knee: the section says so instead of plotting.
     assert "Fewer than 3 load levels" in html
-    assert html.count('class="plotly-graph-div"') == 5
+    assert (
+        html.count('class="plotly-graph-div"') == 6
+    )  # the five run charts and the lengths sent, no sweep curve
 
 
 def test_report_for_another_server_uses_client_side_phases(tmp_path):

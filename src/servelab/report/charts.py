@@ -78,6 +78,35 @@ def ttft_vs_input(run: Run) -> go.Figure:
     )
 
 
+def lengths_sent(run: Run) -> go.Figure:
+    """Histograms of the input and output lengths the run actually sent, per class."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("input tokens", "output tokens"))
+    colors = class_colors(run.classes)
+    for cls in run.classes:
+        recs = [r for r in run.records if r.workload_class == cls]
+        for col, values in (
+            (1, [r.input_tokens for r in recs]),
+            (2, [r.output_tokens for r in recs if r.output_tokens]),
+        ):
+            fig.add_trace(
+                go.Histogram(
+                    x=values,
+                    name=cls,
+                    legendgroup=cls,
+                    showlegend=col == 1,
+                    marker={"color": colors[cls]},
+                    opacity=0.7,
+                    nbinsx=30,
+                ),
+                row=1,
+                col=col,
+            )
+    fig.update_layout(barmode="overlay")
+    return _layout(fig, "Lengths sent", legend_title="workload class", yaxis_title="requests")
+
+
 def _ecdf(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
     v = np.sort(np.asarray(values))
     y = np.arange(1, len(v) + 1) / len(v)

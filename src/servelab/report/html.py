@@ -31,6 +31,7 @@ RUN_SECTIONS = (
     "findings",
     "ttft-attribution",
     "ttft-vs-input",
+    "lengths-sent",
     "itl-cdf",
     "over-time",
     "throughput-latency",
@@ -76,6 +77,27 @@ def _fig(fig: go.Figure) -> str:
 
 def _section(key: str, prefix: str, title: str, body: str) -> str:
     return f'<section id="{prefix}{key}" data-section="{key}"><h3>{_e(title)}</h3>{body}</section>'
+
+
+def _similarity_html(m: dict[str, Any]) -> str:
+    """The prefix an ideal cache would reuse (client side) beside the server's hit rate."""
+
+    def pct(v: Any) -> str:
+        return "-" if v is None else f"{v:.1%}"
+
+    groups = [("overall", m.get("overall", {}))] + list(m.get("by_class", {}).items())
+    rows = "".join(
+        f"<tr><td class='l'>{_e(name)}</td><td>{pct(g.get('prefix_reuse_ideal'))}</td>"
+        f"<td>{pct(g.get('prefix_cache_hit_rate'))}</td></tr>"
+        for name, g in groups
+    )
+    return (
+        '<p class="note">Request similarity: the share of prompt tokens an ideal prefix cache '
+        "would reuse (whole blocks, in send order, from the token ids sent) beside the share the "
+        "server reported served from its cache (- where it reports none).</p>"
+        "<table><tr><th class='l'>group</th><th>ideal prefix reuse</th>"
+        f"<th>server cache hit rate</th></tr>{rows}</table>"
+    )
 
 
 def summary_table(metrics: dict[str, Any]) -> str:
@@ -217,6 +239,12 @@ def run_sections(run: Run, d: Diagnosis, prefix: str) -> str:
             + _parts_legend(),
         ),
         _section("ttft-vs-input", prefix, "TTFT vs input length", _fig(charts.ttft_vs_input(run))),
+        _section(
+            "lengths-sent",
+            prefix,
+            "What was sent: lengths and request similarity",
+            _similarity_html(run_summary(run)) + _fig(charts.lengths_sent(run)),
+        ),
         _section("itl-cdf", prefix, "ITL distribution", _fig(charts.itl_cdf(run))),
         _section("over-time", prefix, "Latency over time", _fig(charts.latency_over_time(run))),
         _section("throughput-latency", prefix, "Throughput vs latency", sweep),
