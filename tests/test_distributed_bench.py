@@ -263,8 +263,11 @@ def test_closed_loop_bounded_by_time_is_fed_while_it_runs(
     for rid, r in recs.items():
         p = planned[int(rid[1:])]
         assert (r.workload_class, r.session_id, r.turn) == (p.workload_class, p.session_id, p.turn)
-    # no session begins after the duration (its later turns may follow)
-    assert max(r.actual_send for r in run.records if r.turn == 0) <= run.stage["start"] + 1.5
+    # no session begins after the duration (its later turns may follow); the workers' send
+    # times reach the driver's clock only within the run's own timing error budget
+    slack = run.manifest["timing_error_budget_s"]["across_workers_s"]
+    first_turns = max(r.actual_send for r in run.records if r.turn == 0)
+    assert first_turns <= run.stage["start"] + 1.5 + slack
     assert all(w["recorded"] > 0 for w in run.dist["workers"])
     assert run.dist["concurrency"]["max"] <= 4
     seen = served_workers(server, run.tag)
