@@ -205,6 +205,35 @@ def test_a_profile_records_how_far_its_runs_speeds_differed(tmp_path):
     assert f"{fast:.2f}, {slow:.2f} of their mean" in r.output
 
 
+def test_a_profile_from_runs_records_the_weights_mode_and_refuses_a_mix(tmp_path):
+    import json
+
+    target = profile_target(_table(None))
+    reqs, info, _ = load_requests("chat", LoadSpec(rate=0.5, requests=8, length_scale=0.5), 0, 2048)
+    res = simulate(Scenario(target, reqs, info=info))
+    runs = []
+    for mode in ("q4_1", "q4_1", "none"):
+        run = write_run_dir(tmp_path / f"run{len(runs)}", res, target=target.describe(), n_boot=0)
+        manifest = json.loads((run / "manifest.json").read_text())
+        manifest["server"]["quantization"] = mode  # as a real server's /version reports it
+        (run / "manifest.json").write_text(json.dumps(manifest))
+        runs.append(str(run))
+    table = table_from_runs(runs[:2], "smollm2-135m")
+    assert table.meta["quantization"] == "q4_1"
+    assert profile_target(table).describe()["quantization"] == "q4_1"
+    with pytest.raises(ValueError, match="one weight mode at a time"):
+        table_from_runs(runs, "smollm2-135m")
+    # The CLI: a mode the server does not offer, or one given beside runs that carry theirs.
+    from typer.testing import CliRunner
+
+    from servelab.cli import app
+
+    bad = CliRunner().invoke(app, ["profile", "--quantization", "q9"])
+    assert bad.exit_code != 0 and "use none, q4_1" in bad.output
+    both = CliRunner().invoke(app, ["profile", "--from-run", runs[0], "--quantization", "q4_1"])
+    assert both.exit_code != 0 and "drop --quantization" in both.output
+
+
 def test_run_speeds_need_anchors_in_every_run():
     anchor, batch = StepWork(), StepWork()
     anchor.add(1, 300, 1)

@@ -426,6 +426,11 @@ def profile(
     from_run: list[str] | None = typer.Option(  # noqa: B008
         None, help="Build the table from these real runs' steps instead of a grid (repeatable)."
     ),
+    quantization: str = typer.Option(
+        "none",
+        "--quantization",
+        help="Weights as `servelab serve --quantization` runs them: none (fp32) or q4_1.",
+    ),
 ) -> None:
     """Measure the real engine's step times on this machine; `servelab sim --profile` replays them."""
     from servelab.engine.config import EngineConfig
@@ -433,9 +438,18 @@ def profile(
     from servelab.sim.profiled import ProfiledCostModel
     from servelab.sim.profiler import profile as run_profile
     from servelab.sim.profiler import table_from_runs
+    from servelab.vocab import QUANTIZATION_MODES
 
     try:
+        if quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"--quantization {quantization!r}: use {', '.join(QUANTIZATION_MODES)}"
+            )
         eng, _ = split_deployment(parse_engine_args(engine_args))
+        if from_run and quantization != "none":
+            raise ValueError(
+                "--from-run takes the weights' mode from the runs' servers; drop --quantization"
+            )
         if from_run:
             table = table_from_runs(from_run, model)
         else:
@@ -451,7 +465,9 @@ def profile(
                 )
                 typer.echo(f"[{k}/{n}] {what}: {t * 1000:.1f} ms")
 
-            table = run_profile(model, EngineConfig(**eng), grid, repeats, device, threads, show)
+            table = run_profile(
+                model, EngineConfig(**eng), grid, repeats, device, threads, show, quantization
+            )
         fitted = ProfiledCostModel(table)
     except ValueError as e:
         raise fail(str(e)) from None
@@ -468,7 +484,8 @@ def profile(
             "drift; the profile prices their mean; meta.run_speeds)"
         )
     typer.echo(
-        f"wrote {out}: {len(table.samples)} steps, interpolation error median "
+        f"wrote {out}: {len(table.samples)} steps of {table.meta.get('quantization', 'none')} "
+        "weights, interpolation error median "
         f"{fitted.fit_error:.1%}; use it with `servelab sim --profile {out}`"
     )
 

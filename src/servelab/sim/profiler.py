@@ -219,6 +219,7 @@ def profile_engine(
         "max_model_len": runner.max_model_len,
         "eos_token_ids": list(runner.eos_token_ids),
         "engine_config": dataclasses.asdict(engine.config),
+        "quantization": runner.loaded.quantization,
         "overhead": overhead,
         "shapes_left_out": too_big,
     }
@@ -233,10 +234,18 @@ def profile(
     device: str | None = None,
     threads: int | None = None,
     progress: Callable[[int, int, Shape, float], None] | None = None,
+    quantization: str = "none",
 ) -> ProfileTable:
-    """Load ``model`` into the real engine and profile it over ``grid(grid_kind)``."""
+    """Load ``model`` into the real engine (weights in ``quantization`` mode) and profile
+    it over ``grid(grid_kind)``."""
     shapes = grid(grid_kind)
-    engine = build_engine(model, config or EngineConfig(), device, threads or default_threads())
+    engine = build_engine(
+        model,
+        config or EngineConfig(),
+        device,
+        threads or default_threads(),
+        quantization=quantization,
+    )
     return profile_engine(engine, shapes, repeats, progress, grid_kind, model)
 
 
@@ -249,7 +258,8 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
     over the fitted model's, in step order, and the resent-history divergence
     (``sim.history``) from the sessions' prefix hits, and how the runs' speeds differed
     (``sim.drift``). The KV layout, context and engine config come from the first run's
-    manifest when it recorded them.
+    manifest when it recorded them, and the weights' mode from the servers' ``/version``
+    (runs of different modes are refused: their steps price different kernels).
     """
     from servelab.rundir import load_run
     from servelab.sim import history
@@ -266,6 +276,12 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
         steps = measured_steps(run)
         per_run.append([ProfileSample(m.work, m.duration) for m in steps if m.duration > 0])
         gaps += busy_gaps(steps)
+        mode = run.server.get("quantization")
+        if mode is not None and meta.setdefault("quantization", mode) != mode:
+            raise ValueError(
+                f"{run.name} ran {mode} weights and an earlier run "
+                f"{meta['quantization']}: profile one weight mode at a time"
+            )
         if "engine_config" not in meta and run.engine_config:
             meta["engine_config"] = {
                 k: v for k, v in run.engine_config.items() if k in EngineConfig.__dataclass_fields__

@@ -174,5 +174,10 @@ def profile_target(
         eos_token_ids=list(meta.get("eos_token_ids", [])),
         step_noise=StepNoise.from_dict(noise) if noise else None,
         resend=Resend.from_dict(meta.get("resend_divergence")),
-        info={"profile_device": t.device, "model": t.model},
+        info={
+            "profile_device": t.device,
+            "model": t.model,
+            # profiles made before the mode was recorded were all fp32
+            "quantization": meta.get("quantization", "none"),
+        },
     )
