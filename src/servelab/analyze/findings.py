@@ -18,6 +18,7 @@ import numpy as np
 from servelab.analyze.attribution import Attribution, TTFTBreakdown
 from servelab.analyze.promscrape import ServerEstimates
 from servelab.analyze.stats import confidence_label, spearman
+from servelab.analyze.summary import run_summary, stage_summaries
 from servelab.rundir import Run
 
 # Thresholds, in one place so the docs can quote them.
@@ -218,6 +219,48 @@ def _burst_or_capacity(c: Context) -> tuple[str, dict[str, Any]]:
     if trend >= 0.5:
         return "capacity-bound: the queue grew through the run", ev
     return "capacity-bound at peaks", ev
+
+
+def over_saturated(c: Context) -> Finding | None:
+    """The run never reached a steady state (``analyze.timeslices``): per stage for a sweep."""
+    stages = stage_summaries(c.run) or {"": run_summary(c.run)}
+    over = {
+        label: ts
+        for label, body in stages.items()
+        if (ts := body.get("timeslices")) and ts["saturation"]["state"] == "over_saturated"
+    }
+    if not over:
+        return None
+    label, ts = next(iter(over.items()))
+    sat = ts["saturation"]
+    ttft, depth = sat["ttft_p50_trend"], sat["queue_depth_trend"]
+    ev: dict[str, Any] = {
+        "offered_rate": round(ts["offered_rate"], 3),
+        "achieved_rate": round(ts["achieved_rate"], 3),
+        "ttft_p50_growth_ms_per_minute": round(ttft["slope_per_minute"] * 1e3, 1),
+        "queue_depth_growth_per_minute": round(depth["slope_per_minute"], 2),
+        "queue_depth_source": ts["depth_source"],
+        "windows": ttft["windows"],
+        "slice_duration_s": ts["slice_duration_s"],
+        "p_ttft_rising": ttft["p_rising"],
+        "p_queue_depth_rising": depth["p_rising"],
+    }
+    if label:
+        ev["stages"] = ", ".join(over)
+    where = f" (stage {', '.join(over)})" if label else ""
+    return Finding(
+        "over_saturated",
+        "Over-saturated: the queue grew through the run" + where,
+        f"{ev['offered_rate']:.3g} req/s were offered and {ev['achieved_rate']:.3g} req/s "
+        f"completed; TTFT p50 grew {ev['ttft_p50_growth_ms_per_minute']:.0f} ms per minute and "
+        f"the queue {ev['queue_depth_growth_per_minute']:.1f} requests per minute. Percentiles "
+        "of this run depend on its length, not only on the server: lower the rate below "
+        f"{ev['achieved_rate']:.3g} req/s to measure a steady state.",
+        ev,
+        _clip(1.0 - max(ttft["p_rising"], depth["p_rising"]) * 4),
+        True,
+        ["capacity"],
+    )
 
 
 def itl_prefill_interference(c: Context) -> Finding | None:
@@ -480,6 +523,7 @@ def network_overhead(c: Context) -> Finding | None:
 
 DETECTORS: tuple[Callable[[Context], Finding | None], ...] = (
     client_bottleneck,
+    over_saturated,
     queue_bound,
     prefill_bound,
     itl_prefill_interference,

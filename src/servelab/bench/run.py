@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from servelab.analyze.promscrape import parse_scrapes
 from servelab.analyze.similarity import ideal_prefix_reuse
 from servelab.analyze.summary import measured_window, summarize
+from servelab.analyze.timeseries import ServerSeries, server_series
+from servelab.analyze.timeslices import DEFAULT_SLICE_DURATION
 from servelab.bench.client import Target
 from servelab.bench.collect import SCRAPE_INTERVAL, MetricsScraper, TimelineCollector
 from servelab.bench.datasets import Dataset, load_dataset
@@ -36,7 +39,7 @@ from servelab.bench.search import find_max_rate
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
 from servelab.report.terminal import fit, rates_table, similarity_line, stages_table, summary_table
-from servelab.rundir import RunDir
+from servelab.rundir import RunDir, read_jsonl
 from servelab.units import SLO, Trim
 from servelab.vocab import DEFAULT_MODEL, ClientRecord
 
@@ -77,6 +80,7 @@ class BenchOptions:
     workers: int = 1  # > 1: local worker processes (bench.distributed)
     ray_address: str | None = None  # run the workers as Ray actors on this cluster
     scrape_interval: float = SCRAPE_INTERVAL  # seconds between /metrics scrapes
+    slice_duration: float = DEFAULT_SLICE_DURATION  # seconds per time window (timeslices)
 
     @property
     def distributed(self) -> bool:
@@ -347,12 +351,23 @@ class Bench:
                     warmup=self.o.warmup,
                     cooldown=self.o.cooldown,
                     similarity=self._similarity(runner) if runner is not None else None,
+                    slice_duration=self.o.slice_duration,
+                    series=self._series(scraper.scrapes),
                 )
             except ValueError as e:
                 self.warnings.append(f"{stage.label or 'run'}: no summary: {e}")
         if stage.summary:
             self._token_warnings(stage)
         self._figures_warning(stage)
+
+    def _series(self, scrapes: int) -> ServerSeries | None:
+        """The stage's ``/metrics`` time series: its last ``scrapes`` rows, read back."""
+        assert self.rundir is not None
+        path = self.rundir.path / "metrics_scrape.jsonl"
+        if scrapes < 2 or not path.exists():
+            return None
+        rows, _ = read_jsonl(path)
+        return server_series(parse_scrapes(rows[-scrapes:]))
 
     def _similarity(self, runner: Runner) -> dict[str, Any] | None:
         """The ideal prefix reuse of what this stage sent, tokenized after the stage so that
@@ -475,6 +490,7 @@ class Bench:
                 "goodput_target": o.goodput_target if o.find_max_rate else None,
                 "warmup": o.warmup.describe(),
                 "cooldown": o.cooldown.describe(),
+                "slice_duration": o.slice_duration,
                 "timeout_s": o.timeout,
                 "strict_openai": o.strict_openai,
                 "sampling": o.sampling,
