@@ -227,3 +227,43 @@ def test_stalls_map_by_time_when_token_counts_disagree(tmp_path):
             tl.token_times.append(tl.token_times[-1])  # one token the client never saw
     stalls = [s for s in attribute(run).stalls if s.gap > 0.2]
     assert stalls and all(s.cause == "prefill" and s.server_gap is None for s in stalls)
+
+
+def _as_vllm_by_models(path):
+    man = json.loads((path / "manifest.json").read_text())
+    man["server"]["models"] = [{"id": "smollm2", "owned_by": "vllm", "max_model_len": 8192}]
+    (path / "manifest.json").write_text(json.dumps(man))
+    return path
+
+
+def test_recommendations_name_the_targets_own_flags(tmp_path):
+    servelab = diagnose(load_run(rundirs.unchunked_stalls(tmp_path / "s")))
+    vllm = diagnose(
+        load_run(rundirs.as_other_target(rundirs.unchunked_stalls(tmp_path / "v"), figures=True))
+    )
+    other = diagnose(load_run(rundirs.as_other_target(rundirs.unchunked_stalls(tmp_path / "o"))))
+    s = {r.lever: r.action for r in servelab.recommendations}
+    v = {r.lever: r.action for r in vllm.recommendations}
+    o = {r.lever: r.action for r in other.recommendations}
+    assert s["chunked_prefill"].startswith("servelab serve --enable-chunked-prefill")
+    # vLLM's config is not recorded, so the chunk budget is lowered to a fixed suggestion
+    assert v["batch_budget_down"].startswith("vllm serve --max-num-batched-tokens 512")
+    assert "--long-prefill-token-threshold 512" in v["batch_budget_down"]
+    assert "now" not in v["batch_budget_down"]  # no servelab default passed off as vLLM's
+    assert (
+        o["batch_budget_down"]
+        == "on the server: set the per-step token budget (prefill chunk size) to 512"
+    )
+    assert "servelab" not in " ".join(o.values()) and "vllm" not in " ".join(o.values())
+
+
+def test_vllm_is_recognised_by_its_model_list_and_gets_vllm_kv_flags(tmp_path):
+    path = _as_vllm_by_models(rundirs.as_other_target(rundirs.preemptions(tmp_path / "p")))
+    recs = {r.lever: r.action for r in diagnose(load_run(path)).recommendations}
+    assert recs["kv_memory"].startswith("vllm serve --gpu-memory-utilization")
+    assert recs["max_num_seqs_down"] == "vllm serve --max-num-seqs <0.5x the current value>"
+    plain = diagnose(load_run(rundirs.as_other_target(rundirs.preemptions(tmp_path / "q"))))
+    recs = {r.lever: r.action for r in plain.recommendations}
+    assert recs["max_num_seqs_down"] == (
+        "on the server: cap the sequences run per step at <0.5x the current value>"
+    )

@@ -35,7 +35,7 @@ from servelab.bench.monitor import ClientHealth, LoopMonitor
 from servelab.bench.plan import LoadSpec, Plan, build_plan, iter_plan
 from servelab.bench.progress import Progress
 from servelab.bench.runner import Runner, StageResult
-from servelab.bench.search import find_max_rate
+from servelab.bench.search import find_max_rate, saturated, sweep_stop
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
 from servelab.report.terminal import fit, rates_table, similarity_line, stages_table, summary_table
@@ -440,6 +440,9 @@ class Bench:
                 return None
             frac = (stage.summary or {}).get("overall", {}).get("goodput", {}).get("fraction")
             healthy = bool(stage.health and stage.health.valid)
+            if saturated(stage.summary):
+                self.warnings.append(f"{stage.label}: over-saturated, counted as failing the SLOs")
+                return False
             return frac is not None and frac >= self.o.goodput_target and healthy
 
         result = await find_max_rate(trial, self.o.load.rate or 1.0, self.o.search_steps)
@@ -625,10 +628,13 @@ class Bench:
                 if o.find_max_rate:
                     await self._find_max_rate(http, target)
                 else:
-                    for stage in _stages(o):
+                    for i, stage in enumerate(_stages(o)):
                         self.stages.append(stage)
                         await self._run_stage(stage, http, target)
                         if self.interrupted or self._lost_workers():
+                            break
+                        if o.sweep and (why := sweep_stop(*o.sweep, i, stage.summary)):
+                            self.warnings.append(why)
                             break
             finally:
                 self.stamping = http.stamping
