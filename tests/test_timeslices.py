@@ -124,3 +124,25 @@ def test_diagnose_names_over_saturation_only_when_planted(tmp_path):
         tmp_path / "steady", rundirs.chat_requests(540, 12.0, 0), rundirs.Engine(max_num_seqs=4)
     )
     assert "over_saturated" not in {f.id for f in diagnose(load_run(steady)).findings}
+
+
+def test_terminal_and_report_say_length_dependent():
+    from rich.console import Console
+
+    from servelab.analyze.summary import summarize
+    from servelab.report.html import timeslices_html
+    from servelab.report.terminal import saturation_line, slices_table, summary_table
+
+    over = summarize(queue_run(12.0, 60.0, 0), n_boot=0)
+    steady = summarize(queue_run(6.4, 60.0, 0), n_boot=0)
+    console = Console(width=120, record=True)
+    console.print(summary_table("latency", over))
+    console.print(slices_table(over))
+    console.print(saturation_line(over))
+    text = console.export_text()
+    assert "over-saturated: percentiles depend on the run's length" in text
+    assert "0-10" in text and "50-59.84" in text and "offered 11.6 req/s" in text
+    assert "length-dependent" in timeslices_html(over)
+    assert "Over-saturated" in timeslices_html(over)
+    assert "Steady state: offered" in timeslices_html(steady)
+    assert saturation_line(steady).startswith("steady state: offered")

@@ -38,7 +38,15 @@ from servelab.bench.runner import Runner, StageResult
 from servelab.bench.search import find_max_rate, saturated, sweep_stop
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
-from servelab.report.terminal import fit, rates_table, similarity_line, stages_table, summary_table
+from servelab.report.terminal import (
+    fit,
+    rates_table,
+    saturation_line,
+    similarity_line,
+    slices_table,
+    stages_table,
+    summary_table,
+)
 from servelab.rundir import RunDir, read_jsonl
 from servelab.units import SLO, Trim
 from servelab.vocab import DEFAULT_MODEL, ClientRecord
@@ -573,6 +581,9 @@ class Bench:
             c.print(fit(table, c, ["p90", "max", "p95", "mean"]))
             c.print(fit(rates_table(s), c, ["failed", "in tok/s", "goodput req/s"]))
             c.print(similarity_line(s))
+            if (windows := slices_table(s)) is not None:
+                c.print(fit(windows, c, ["E2E p50", "ITL p99", "TTFT p99"]))
+            c.print(saturation_line(s))
         elif shown:
             c.print(
                 stages_table(
