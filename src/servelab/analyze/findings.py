@@ -39,6 +39,7 @@ CLIENT_LAG_LIMIT = 0.001  # the benchmark's own accuracy target (docs/reference-
 CLIENT_LAG_SHARE = 0.05  # lag that distorts TTFT p50 by this much matters
 NETWORK_SHARE = 0.3
 NETWORK_MIN = 0.020
+LONG_PROMPT = 4.0  # x the median input: a prompt others wait behind (attribution's rule)
 
 
 @dataclass
@@ -173,6 +174,17 @@ def queue_bound(c: Context) -> Finding | None:
         ev["queue_ms_mean_estimate"] = _ms(q_est)
         if q_est < QUEUE_SHARE * statistics.fmean(ttft):
             return None
+    if c.attr.source == "client" and (behind := _behind_long_prefills(c)):
+        # The client's depth (requests awaiting a first token) also counts requests held by
+        # one long unchunked prefill; keep the finding only if the depth still predicts TTFT
+        # without them, otherwise that wait is prefill interference, not capacity.
+        rest = [x for x in b if x.request_id not in behind]
+        if len(rest) >= MIN_REQUESTS:
+            rho_rest = spearman([x.queue_depth for x in rest], [x.ttft for x in rest])
+            ev["requests_waiting_behind_long_prefills"] = len(behind)
+            ev["spearman_depth_vs_ttft_without_them"] = round(rho_rest, 3)
+            if rho_rest < QUEUE_RHO:
+                return None
     kind, kind_ev = _burst_or_capacity(c)
     ev |= kind_ev
     levers = []
@@ -193,6 +205,21 @@ def queue_bound(c: Context) -> Finding | None:
         c.server_exact,
         levers,
     )
+
+
+def _behind_long_prefills(c: Context) -> set[str]:
+    """Requests whose wait for a first token overlapped a long prompt's prefill window as
+    the client saw it (the long prompt's send to its first token), and the long prompts."""
+    recs = [r for r in c.run.records if r.ok and r.chunk_times]
+    if not recs:
+        return set()
+    cut = LONG_PROMPT * max(statistics.median(r.input_tokens for r in recs), 1)
+    longs = [(r.actual_send, r.chunk_times[0], r) for r in recs if r.input_tokens >= cut]
+    return {
+        r.request_id
+        for r in recs
+        if any(o is r or (s < r.chunk_times[0] and f > r.actual_send) for s, f, o in longs)
+    }
 
 
 def _queue_reason_shares(b: list[TTFTBreakdown]) -> dict[str, float]:
