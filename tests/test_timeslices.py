@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import heapq
+import json
 import random
 
 import pytest
 import rundirs
+from rich.console import Console
 
 from servelab.analyze.diagnose import diagnose
 from servelab.analyze.timeseries import ServerSeries
 from servelab.analyze.timeslices import kendall_p_rising, timeslices, trend
+from servelab.report.terminal import render_diagnosis
 from servelab.rundir import load_run
 from servelab.vocab import ClientRecord
 
@@ -120,6 +123,20 @@ def test_diagnose_names_over_saturation_only_when_planted(tmp_path):
     assert f.evidence["offered_rate"] > 1.3 * f.evidence["achieved_rate"]
     assert f.evidence["ttft_p50_growth_ms_per_minute"] > 0
     assert "capacity" in {r.lever for r in d.recommendations}
+    assert d.timeslices["saturation"]["state"] == "over_saturated"
+    # A run recorded before time windows: computed from its records and recorded flag.
+    m = json.loads((over / "metrics.json").read_text())
+    del m["timeslices"]
+    (over / "metrics.json").write_text(json.dumps(m))
+    man = json.loads((over / "manifest.json").read_text())
+    man["config"] = {"slice_duration": 5.0}
+    (over / "manifest.json").write_text(json.dumps(man))
+    old = diagnose(load_run(over))
+    assert old.timeslices["slice_duration_s"] == 5.0
+    assert "over_saturated" in {f.id for f in old.findings}
+    console = Console(width=120, record=True)
+    render_diagnosis(old, console)
+    assert "over-saturated: offered" in console.export_text()
     steady = rundirs.write_run(
         tmp_path / "steady", rundirs.chat_requests(540, 12.0, 0), rundirs.Engine(max_num_seqs=4)
     )
@@ -127,8 +144,6 @@ def test_diagnose_names_over_saturation_only_when_planted(tmp_path):
 
 
 def test_terminal_and_report_say_length_dependent():
-    from rich.console import Console
-
     from servelab.analyze.summary import summarize
     from servelab.report.html import timeslices_html
     from servelab.report.terminal import saturation_line, slices_table, summary_table

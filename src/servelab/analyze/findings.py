@@ -18,7 +18,8 @@ import numpy as np
 from servelab.analyze.attribution import Attribution, TTFTBreakdown
 from servelab.analyze.promscrape import ServerEstimates
 from servelab.analyze.stats import confidence_label, spearman
-from servelab.analyze.summary import run_summary, stage_summaries
+from servelab.analyze.summary import run_timeslices, stage_summaries
+from servelab.analyze.timeseries import ServerSeries
 from servelab.rundir import Run
 
 # Thresholds, in one place so the docs can quote them.
@@ -65,6 +66,7 @@ class Context:
     run: Run
     attr: Attribution
     est: ServerEstimates | None
+    series: ServerSeries | None = None  # the /metrics time series, where there is one
 
     @property
     def ok(self) -> list[TTFTBreakdown]:
@@ -250,11 +252,12 @@ def _burst_or_capacity(c: Context) -> tuple[str, dict[str, Any]]:
 
 def over_saturated(c: Context) -> Finding | None:
     """The run never reached a steady state (``analyze.timeslices``): per stage for a sweep."""
-    stages = stage_summaries(c.run) or {"": run_summary(c.run)}
+    per_stage = {k: v.get("timeslices") for k, v in stage_summaries(c.run).items()}
+    stages = per_stage or {"": run_timeslices(c.run, c.series)}
     over = {
         label: ts
-        for label, body in stages.items()
-        if (ts := body.get("timeslices")) and ts["saturation"]["state"] == "over_saturated"
+        for label, ts in stages.items()
+        if ts and ts["saturation"]["state"] == "over_saturated"
     }
     if not over:
         return None

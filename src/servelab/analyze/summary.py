@@ -365,6 +365,22 @@ def run_summary(run: Run) -> dict[str, Any]:
     return run.derived["summary"]
 
 
+def run_timeslices(run: Run, series: ServerSeries | None = None) -> dict[str, Any] | None:
+    """The whole run's ``timeslices`` (metrics.json's, else computed over the recorded
+    window with the recorded ``--slice-duration``); None for a sweep (one per stage)."""
+    if run.stages:
+        return None
+    stored = run_summary(run).get("timeslices")
+    if stored:
+        return stored
+    ok = [r for r in run.records if r.ok]
+    if not ok:
+        return None
+    config = run.manifest.get("config") or {}
+    slice_s = float(config.get("slice_duration") or DEFAULT_SLICE_DURATION)
+    return timeslices(run.records, *run.window, slice_duration=slice_s, series=series)
+
+
 def stage_summaries(run: Run) -> dict[str, dict[str, Any]]:
     """label -> ``summarize`` body per sweep stage (empty for a single-load run)."""
     stored = {

@@ -98,6 +98,10 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
         for cause, lost in by_loss:
             t.add_row(cause, str(int(lost["count"])), f"{lost['excess_seconds']:.2f}")
         console.print(t)
+    if d.timeslices is not None:
+        if (windows := slices_table({"timeslices": d.timeslices})) is not None:
+            console.print(fit(windows, console, ["E2E p50", "ITL p99", "TTFT p99"]))
+        console.print(saturation_line({"timeslices": d.timeslices}))
     if not d.findings:
         console.print("[green]No findings: no cause is large enough to move a percentile.")
     else:
