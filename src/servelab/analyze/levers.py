@@ -68,6 +68,11 @@ def _vllm_flag(name: str, v: Any) -> str:
     if name == "kv_cache_memory":
         # vLLM sizes KV by a GPU memory fraction; its CPU build reads an env variable (GiB)
         return f"--gpu-memory-utilization (raise it; CPU build: VLLM_CPU_KVCACHE_SPACE={v})"
+    return _cli_flag(name, v)
+
+
+def _cli_flag(name: str, v: Any) -> str:
+    """True -> --x, False -> --no-x, else --x v (servelab and vLLM share this style)."""
     flag = name.replace("_", "-")
     if v is True:
         return f"--{flag}"
@@ -88,15 +93,7 @@ def engine_flags(c: Context, **flags: Any) -> str:
             text = _NEUTRAL[k]
             parts.append(text[0 if v else 1] if isinstance(text, tuple) else text.format(v=v))
         return "on the server: " + "; ".join(parts)
-    parts = []
-    for k, v in flags.items():
-        name = k.replace("_", "-")
-        if v is True:
-            parts.append(f"--{name}")
-        elif v is False:
-            parts.append(f"--no-{name}")
-        else:
-            parts.append(f"--{name} {v}")
+    parts = [_cli_flag(k, v) for k, v in flags.items()]
     return f'servelab serve {" ".join(parts)} (bench: --engine-args "{" ".join(parts)}")'
 
 

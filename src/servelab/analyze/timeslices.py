@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from servelab.analyze.stats import describe
 from servelab.analyze.timeseries import ServerSeries
 from servelab.vocab import ClientRecord
 
@@ -129,10 +130,8 @@ def _end(r: ClientRecord) -> float:
 
 
 def _pcts(vals: list[float]) -> dict[str, float | None]:
-    if not vals:
-        return {"p50": None, "p90": None, "p99": None}
-    p50, p90, p99 = np.percentile(vals, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    d = describe(vals, n_boot=0)
+    return {"p50": d.p50, "p90": d.p90, "p99": d.p99}
 
 
 def _server_depth(series: ServerSeries | None) -> list[tuple[float, float]] | None:
