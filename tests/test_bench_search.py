@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from servelab.bench.search import find_max_rate
+from servelab.bench.search import find_max_rate, saturated, sweep_stop
 
 
 def _search(limit: float, start: float, steps: int = 3, stop_after: int | None = None):
@@ -40,3 +40,18 @@ def test_nothing_passes_and_interruption():
     assert res.max_rate is None and len(tried) == 9
     res, tried = _search(limit=5.0, start=1.0, stop_after=2)
     assert tried == [1.0, 2.0] and res.max_rate == pytest.approx(2.0)
+
+
+def _body(state: str) -> dict:
+    return {"timeslices": {"saturation": {"state": state}}}
+
+
+def test_a_sweep_stops_raising_the_load_at_an_over_saturated_stage():
+    rates = [1.0, 2.0, 4.0, 8.0]
+    assert sweep_stop("rate", rates, 1, _body("steady")) == ""
+    assert sweep_stop("rate", rates, 1, _body("undetermined")) == ""
+    why = sweep_stop("rate", rates, 1, _body("over_saturated"))
+    assert "rate=2 never reached a steady state" in why and "4, 8 were not run" in why
+    assert sweep_stop("rate", rates, 3, _body("over_saturated")) == ""  # nothing left
+    assert sweep_stop("rate", [8.0, 1.0], 0, _body("over_saturated")) == ""  # load goes down
+    assert saturated(_body("over_saturated")) and not saturated(None)

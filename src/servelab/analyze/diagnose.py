@@ -17,6 +17,7 @@ from servelab.analyze.attribution import TTFT_PARTS, Attribution, TTFTBreakdown,
 from servelab.analyze.findings import Context, Finding, find_all
 from servelab.analyze.levers import Recommendation, recommend
 from servelab.analyze.promscrape import ServerEstimates, estimate, parse_scrapes
+from servelab.analyze.summary import run_timeslices
 from servelab.analyze.timeseries import server_series
 from servelab.rundir import Run
 
@@ -79,6 +80,7 @@ class Diagnosis:
     estimates: ServerEstimates | None = None
     attribution: Attribution | None = None  # per-request detail
     server_series: dict[str, Any] | None = None  # the /metrics time series, summarised
+    timeslices: dict[str, Any] | None = None  # per-window figures and the steady-state verdict
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -96,6 +98,7 @@ class Diagnosis:
             "recommendations": [r.to_dict() for r in self.recommendations],
             "server_estimates": self.estimates.to_dict() if self.estimates else None,
             "server_series": self.server_series,
+            "timeslices": self.timeslices,
             "notes": self.notes,
             "requests": [b.to_dict() for b in self.attribution.ttft] if self.attribution else [],
             "itl_stalls": [s.to_dict() for s in self.attribution.stalls]
@@ -134,7 +137,7 @@ def diagnose(run: Run) -> Diagnosis:
     parsed = parse_scrapes(run.scrapes) if foreign else []
     est = estimate(run.scrapes, parsed) if foreign else None
     series = server_series(parsed)
-    ctx = Context(run, attr, est)
+    ctx = Context(run, attr, est, series)
     findings = find_all(ctx)
     recs = recommend(ctx, findings)
     rows = attr.ttft
@@ -221,4 +224,5 @@ def diagnose(run: Run) -> Diagnosis:
         estimates=est,
         attribution=attr,
         server_series=series.to_dict() if series is not None else None,
+        timeslices=run_timeslices(run, series),
     )

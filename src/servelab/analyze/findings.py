@@ -18,6 +18,8 @@ import numpy as np
 from servelab.analyze.attribution import Attribution, TTFTBreakdown
 from servelab.analyze.promscrape import ServerEstimates
 from servelab.analyze.stats import confidence_label, spearman
+from servelab.analyze.summary import run_timeslices, stage_summaries
+from servelab.analyze.timeseries import ServerSeries
 from servelab.rundir import Run
 
 # Thresholds, in one place so the docs can quote them.
@@ -38,6 +40,7 @@ CLIENT_LAG_LIMIT = 0.001  # the benchmark's own accuracy target (docs/reference-
 CLIENT_LAG_SHARE = 0.05  # lag that distorts TTFT p50 by this much matters
 NETWORK_SHARE = 0.3
 NETWORK_MIN = 0.020
+LONG_PROMPT = 4.0  # x the median input: a prompt others wait behind (attribution's rule)
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Context:
     run: Run
     attr: Attribution
     est: ServerEstimates | None
+    series: ServerSeries | None = None  # the /metrics time series, where there is one
 
     @property
     def ok(self) -> list[TTFTBreakdown]:
@@ -172,6 +176,17 @@ def queue_bound(c: Context) -> Finding | None:
         ev["queue_ms_mean_estimate"] = _ms(q_est)
         if q_est < QUEUE_SHARE * statistics.fmean(ttft):
             return None
+    if c.attr.source == "client" and (behind := _behind_long_prefills(c)):
+        # The client's depth (requests awaiting a first token) also counts requests held by
+        # one long unchunked prefill; keep the finding only if the depth still predicts TTFT
+        # without them, otherwise that wait is prefill interference, not capacity.
+        rest = [x for x in b if x.request_id not in behind]
+        if len(rest) >= MIN_REQUESTS:
+            rho_rest = spearman([x.queue_depth for x in rest], [x.ttft for x in rest])
+            ev["requests_waiting_behind_long_prefills"] = len(behind)
+            ev["spearman_depth_vs_ttft_without_them"] = round(rho_rest, 3)
+            if rho_rest < QUEUE_RHO:
+                return None
     kind, kind_ev = _burst_or_capacity(c)
     ev |= kind_ev
     levers = []
@@ -192,6 +207,21 @@ def queue_bound(c: Context) -> Finding | None:
         c.server_exact,
         levers,
     )
+
+
+def _behind_long_prefills(c: Context) -> set[str]:
+    """Requests whose wait for a first token overlapped a long prompt's prefill window as
+    the client saw it (the long prompt's send to its first token), and the long prompts."""
+    recs = [r for r in c.run.records if r.ok and r.chunk_times]
+    if not recs:
+        return set()
+    cut = LONG_PROMPT * max(statistics.median(r.input_tokens for r in recs), 1)
+    longs = [(r.actual_send, r.chunk_times[0], r) for r in recs if r.input_tokens >= cut]
+    return {
+        r.request_id
+        for r in recs
+        if any(o is r or (s < r.chunk_times[0] and f > r.actual_send) for s, f, o in longs)
+    }
 
 
 def _queue_reason_shares(b: list[TTFTBreakdown]) -> dict[str, float]:
@@ -218,6 +248,49 @@ def _burst_or_capacity(c: Context) -> tuple[str, dict[str, Any]]:
     if trend >= 0.5:
         return "capacity-bound: the queue grew through the run", ev
     return "capacity-bound at peaks", ev
+
+
+def over_saturated(c: Context) -> Finding | None:
+    """The run never reached a steady state (``analyze.timeslices``): per stage for a sweep."""
+    per_stage = {k: v.get("timeslices") for k, v in stage_summaries(c.run).items()}
+    stages = per_stage or {"": run_timeslices(c.run, c.series)}
+    over = {
+        label: ts
+        for label, ts in stages.items()
+        if ts and ts["saturation"]["state"] == "over_saturated"
+    }
+    if not over:
+        return None
+    label, ts = next(iter(over.items()))
+    sat = ts["saturation"]
+    ttft, depth = sat["ttft_p50_trend"], sat["queue_depth_trend"]
+    ev: dict[str, Any] = {
+        "offered_rate": round(ts["offered_rate"], 3),
+        "achieved_rate": round(ts["achieved_rate"], 3),
+        "ttft_p50_growth_ms_per_minute": round(ttft["slope_per_minute"] * 1e3, 1),
+        "queue_depth_growth_per_minute": round(depth["slope_per_minute"], 2),
+        "queue_depth_source": ts["depth_source"],
+        "windows": ttft["windows"],
+        "slice_duration_s": ts["slice_duration_s"],
+        "p_ttft_rising": ttft["p_rising"],
+        "p_queue_depth_rising": depth["p_rising"],
+    }
+    if label:
+        ev["stages"] = ", ".join(over)
+    where = f" (stage {', '.join(over)})" if label else ""
+    return Finding(
+        "over_saturated",
+        "Over-saturated: the queue grew through the run" + where,
+        f"{ev['offered_rate']:.3g} req/s were offered and {ev['achieved_rate']:.3g} req/s "
+        f"completed; TTFT p50 grew {ev['ttft_p50_growth_ms_per_minute']:.0f} ms per minute and "
+        f"the queue {ev['queue_depth_growth_per_minute']:.1f} requests per minute. Percentiles "
+        "of this run depend on its length, not only on the server: lower the rate below "
+        f"{ev['achieved_rate']:.3g} req/s to measure a steady state.",
+        ev,
+        _clip(1.0 - max(ttft["p_rising"], depth["p_rising"]) * 4),
+        True,
+        ["capacity"],
+    )
 
 
 def itl_prefill_interference(c: Context) -> Finding | None:
@@ -480,6 +553,7 @@ def network_overhead(c: Context) -> Finding | None:
 
 DETECTORS: tuple[Callable[[Context], Finding | None], ...] = (
     client_bottleneck,
+    over_saturated,
     queue_bound,
     prefill_bound,
     itl_prefill_interference,

@@ -40,23 +40,81 @@ class Recommendation:
         return asdict(self)
 
 
-def serve_flags(**flags: Any) -> str:
-    """`servelab serve` flags as `--engine-args` takes them: True -> --x, False -> --no-x."""
-    parts = []
-    for k, v in flags.items():
-        name = k.replace("_", "-")
-        if v is True:
-            parts.append(f"--{name}")
-        elif v is False:
-            parts.append(f"--no-{name}")
-        else:
-            parts.append(f"--{name} {v}")
+def server_kind(c: Context) -> str:
+    """Whose flags a recommendation names: ``servelab``, ``vllm`` (its ``/v1/models`` says
+    ``owned_by: vllm`` or its responses carried vLLM's per-request ``metrics``), or
+    ``other`` (neutral wording)."""
+    if c.run.target_kind == "servelab":
+        return "servelab"
+    models = c.run.server.get("models") or []
+    owners = {str(m.get("owned_by", "")).lower() for m in models if isinstance(m, dict)}
+    reported = {(r.server_timeline or {}).get("reported_by", "") for r in c.run.records}
+    if "vllm" in owners or any(str(x).startswith("vllm") for x in reported):
+        return "vllm"
+    return "other"
+
+
+# What each engine setting is called where servelab has no flag to name.
+_NEUTRAL: dict[str, str | tuple[str, str]] = {
+    "enable_chunked_prefill": ("turn chunked prefill on", "turn chunked prefill off"),
+    "enable_prefix_caching": ("turn prefix caching on", "turn prefix caching off"),
+    "max_num_batched_tokens": "set the per-step token budget (prefill chunk size) to {v}",
+    "max_num_seqs": "cap the sequences run per step at {v}",
+    "kv_cache_memory": "give the KV cache {v} of memory",
+}
+
+
+def _vllm_flag(name: str, v: Any) -> str:
+    if name == "kv_cache_memory":
+        # vLLM sizes KV by a GPU memory fraction; its CPU build reads an env variable (GiB)
+        return f"--gpu-memory-utilization (raise it; CPU build: VLLM_CPU_KVCACHE_SPACE={v})"
+    return _cli_flag(name, v)
+
+
+def _cli_flag(name: str, v: Any) -> str:
+    """True -> --x, False -> --no-x, else --x v (servelab and vLLM share this style)."""
+    flag = name.replace("_", "-")
+    if v is True:
+        return f"--{flag}"
+    if v is False:
+        return f"--no-{flag}"
+    return f"--{flag} {v}"
+
+
+def engine_flags(c: Context, **flags: Any) -> str:
+    """The settings as the target takes them: servelab's ``serve`` flags (True -> --x,
+    False -> --no-x), vLLM's ``vllm serve`` flags, or neutral wording for another server."""
+    kind = server_kind(c)
+    if kind == "vllm":
+        return "vllm serve " + " ".join(_vllm_flag(k, v) for k, v in flags.items())
+    if kind == "other":
+        parts = []
+        for k, v in flags.items():
+            text = _NEUTRAL[k]
+            parts.append(text[0 if v else 1] if isinstance(text, tuple) else text.format(v=v))
+        return "on the server: " + "; ".join(parts)
+    parts = [_cli_flag(k, v) for k, v in flags.items()]
     return f'servelab serve {" ".join(parts)} (bench: --engine-args "{" ".join(parts)}")'
 
 
 def _cfg(c: Context, key: str, default: Any) -> Any:
     v = c.config(key)
     return default if v is None else v
+
+
+def _scaled(c: Context, key: str, default: float, factor: float) -> Any:
+    """``factor`` x the run's setting; for another server whose setting was not recorded,
+    the rule in words rather than a number built on servelab's default."""
+    v = c.config(key)
+    if v is None and server_kind(c) != "servelab":
+        return f"<{factor:g}x the current value>"
+    return (default if v is None else v) * factor
+
+
+def _now(c: Context, key: str, unit: str = "") -> str:
+    """ "; now X" where the run recorded the setting; nothing where it is unknown."""
+    v = c.config(key)
+    return "" if v is None else f"; now {v:g}{unit}" if isinstance(v, float) else f"; now {v}"
 
 
 def _decode_step(c: Context) -> float | None:
@@ -83,7 +141,7 @@ def chunked_prefill(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "chunked_prefill",
         "Turn chunked prefill on",
-        serve_flags(enable_chunked_prefill=True, max_num_batched_tokens=budget),
+        engine_flags(c, enable_chunked_prefill=True, max_num_batched_tokens=budget),
         gain,
         "a long prompt takes several steps, so its own TTFT grows by one step overhead and one "
         "decode batch per extra chunk",
@@ -109,7 +167,13 @@ def batch_budget_down(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "batch_budget_down",
         "Lower the chunked-prefill token budget",
-        serve_flags(max_num_batched_tokens=target) + f"; now {budget}",
+        engine_flags(c, max_num_batched_tokens=target)
+        + (
+            f" (or --long-prefill-token-threshold {target}: only long prompts are cut smaller)"
+            if server_kind(c) == "vllm"
+            else ""
+        )
+        + _now(c, "max_num_batched_tokens"),
         gain,
         "long prompts need more steps, so their TTFT rises; throughput falls slightly as each "
         "step's fixed overhead is shared by fewer tokens",
@@ -124,7 +188,8 @@ def batch_budget_up(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "batch_budget_up",
         "Raise the chunked-prefill token budget",
-        serve_flags(max_num_batched_tokens=budget * 2) + f"; now {budget}",
+        engine_flags(c, max_num_batched_tokens=_scaled(c, "max_num_batched_tokens", budget, 2))
+        + _now(c, "max_num_batched_tokens"),
         "long prompts finish prefill in half the steps, saving one step overhead and one "
         "co-scheduled decode batch per chunk saved",
         "bigger chunks make larger ITL spikes for the requests decoding beside them",
@@ -152,8 +217,8 @@ def prefix_caching(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "prefix_caching",
         "Use prefix caching" if on is False else "Make prefixes reusable",
-        serve_flags(enable_prefix_caching=True)
-        if on is False
+        engine_flags(c, enable_prefix_caching=True)
+        if on is False or (on is None and server_kind(c) != "servelab")
         else "put the shared text first and keep it byte-identical; give the cache KV room "
         "(kv_cache_memory_gb) so shared blocks are not evicted",
         gain,
@@ -172,7 +237,7 @@ def max_num_seqs_up(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "max_num_seqs_up",
         "Admit more sequences per step",
-        serve_flags(max_num_seqs=n * 2) + f"; now {n}",
+        engine_flags(c, max_num_seqs=_scaled(c, "max_num_seqs", n, 2)) + _now(c, "max_num_seqs"),
         f"queueing behind the sequence cap ({f.evidence.get('queue_ms_mean', '?')} ms mean) "
         "shrinks while the KV cache has room",
         "larger decode batches raise TPOT" + extra,
@@ -186,7 +251,13 @@ def max_num_seqs_down(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "max_num_seqs_down",
         "Cap the batch lower",
-        serve_flags(max_num_seqs=max(1, n // 2)) + f"; now {n}",
+        engine_flags(
+            c,
+            max_num_seqs=max(1, n // 2)
+            if c.config("max_num_seqs") is not None or server_kind(c) == "servelab"
+            else _scaled(c, "max_num_seqs", n, 0.5),
+        )
+        + _now(c, "max_num_seqs"),
         "fewer sequences share each step: lower TPOT and no preemption from KV overcommit",
         "lower throughput; requests wait in the queue instead (TTFT rises under load)",
         "low",
@@ -203,7 +274,13 @@ def kv_memory(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "kv_memory",
         "Give the KV cache more memory",
-        serve_flags(kv_cache_memory=f"{gb * 2:g}G") + f"; now {gb:g} GB",
+        engine_flags(
+            c,
+            kv_cache_memory=f"{gb * 2:g}G"
+            if server_kind(c) == "servelab"
+            else _scaled(c, "kv_cache_memory_gb", gb, 2),
+        )
+        + _now(c, "kv_cache_memory_gb", " GB"),
         gain,
         "memory taken from the host or GPU",
         "low",
@@ -285,8 +362,13 @@ def capacity(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "capacity",
         "Add capacity or shape the load",
-        "more replicas behind a load balancer, or admission control (servelab serve "
-        "--max-queue N answers 429 instead of queueing without bound)",
+        "more replicas behind a load balancer, or admission control ("
+        + (
+            "servelab serve --max-queue N answers 429 instead of queueing without bound)"
+            if server_kind(c) == "servelab"
+            else "a bounded queue at the server or its load balancer that answers 429 "
+            "instead of queueing without bound)"
+        ),
         "queueing falls in proportion to the capacity added; bursts are absorbed",
         "hardware, or rejected requests with admission control",
         "medium",

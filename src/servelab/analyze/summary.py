@@ -33,6 +33,8 @@ from typing import Any
 
 from servelab.analyze.similarity import cache_hit_rate
 from servelab.analyze.stats import DEFAULT_CONFIDENCE, DEFAULT_N_BOOT, describe
+from servelab.analyze.timeseries import ServerSeries
+from servelab.analyze.timeslices import DEFAULT_SLICE_DURATION, timeslices
 from servelab.rundir import Run
 from servelab.units import SLO, Trim
 from servelab.vocab import LATENCY_METRICS, ClientRecord
@@ -289,6 +291,8 @@ def summarize(
     seed: int = 0,
     confidence: float = DEFAULT_CONFIDENCE,
     similarity: dict[str, Any] | None = None,
+    slice_duration: float = DEFAULT_SLICE_DURATION,
+    series: ServerSeries | None = None,
 ) -> dict[str, Any]:
     """The body of ``metrics.json`` for a set of client records.
 
@@ -297,8 +301,13 @@ def summarize(
     ``similarity`` (``analyze.similarity.ideal_prefix_reuse`` of the prompts sent) puts
     ``prefix_reuse_ideal`` beside each group's measured ``prefix_cache_hit_rate``.
 
+    ``timeslices`` holds per-window figures and the steady/over-saturated verdict
+    (``analyze.timeslices``), the queue depth from ``series`` (the ``/metrics`` time
+    series) where it has one, else from the client's in-flight count.
+
     Returns ``{"window", "counts", "tokens", "slos", "overall", "by_class",
-    "by_input_bucket"}``; each of the last three holds ``summarize_group`` dicts.
+    "by_input_bucket", "timeslices"}``; ``overall``, ``by_class`` and ``by_input_bucket``
+    hold ``summarize_group`` dicts.
     """
     if window is None:
         window = measured_window(records, warmup, cooldown)
@@ -343,6 +352,7 @@ def summarize(
             for k in bucket_order
             if k in by_bucket
         },
+        "timeslices": timeslices(records, window.start, window.end, slice_duration, series),
     }
 
 
@@ -353,6 +363,22 @@ def run_summary(run: Run) -> dict[str, Any]:
         m = run.metrics or {}
         run.derived["summary"] = m if "overall" in m else summarize(run.records)
     return run.derived["summary"]
+
+
+def run_timeslices(run: Run, series: ServerSeries | None = None) -> dict[str, Any] | None:
+    """The whole run's ``timeslices`` (metrics.json's, else computed over the recorded
+    window with the recorded ``--slice-duration``); None for a sweep (one per stage)."""
+    if run.stages:
+        return None
+    stored = run_summary(run).get("timeslices")
+    if stored:
+        return stored
+    ok = [r for r in run.records if r.ok]
+    if not ok:
+        return None
+    config = run.manifest.get("config") or {}
+    slice_s = float(config.get("slice_duration") or DEFAULT_SLICE_DURATION)
+    return timeslices(run.records, *run.window, slice_duration=slice_s, series=series)
 
 
 def stage_summaries(run: Run) -> dict[str, dict[str, Any]]:

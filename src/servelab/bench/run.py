@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from servelab.analyze.promscrape import parse_scrapes
 from servelab.analyze.similarity import ideal_prefix_reuse
 from servelab.analyze.summary import measured_window, summarize
+from servelab.analyze.timeseries import ServerSeries, server_series
+from servelab.analyze.timeslices import DEFAULT_SLICE_DURATION
 from servelab.bench.client import Target
 from servelab.bench.collect import SCRAPE_INTERVAL, MetricsScraper, TimelineCollector
 from servelab.bench.datasets import Dataset, load_dataset
@@ -32,11 +35,19 @@ from servelab.bench.monitor import ClientHealth, LoopMonitor
 from servelab.bench.plan import LoadSpec, Plan, build_plan, iter_plan
 from servelab.bench.progress import Progress
 from servelab.bench.runner import Runner, StageResult
-from servelab.bench.search import find_max_rate
+from servelab.bench.search import find_max_rate, saturated, sweep_stop
 from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
-from servelab.report.terminal import fit, rates_table, similarity_line, stages_table, summary_table
-from servelab.rundir import RunDir
+from servelab.report.terminal import (
+    fit,
+    rates_table,
+    saturation_line,
+    similarity_line,
+    slices_table,
+    stages_table,
+    summary_table,
+)
+from servelab.rundir import RunDir, read_jsonl
 from servelab.units import SLO, Trim
 from servelab.vocab import DEFAULT_MODEL, ClientRecord
 
@@ -77,6 +88,7 @@ class BenchOptions:
     workers: int = 1  # > 1: local worker processes (bench.distributed)
     ray_address: str | None = None  # run the workers as Ray actors on this cluster
     scrape_interval: float = SCRAPE_INTERVAL  # seconds between /metrics scrapes
+    slice_duration: float = DEFAULT_SLICE_DURATION  # seconds per time window (timeslices)
 
     @property
     def distributed(self) -> bool:
@@ -347,12 +359,23 @@ class Bench:
                     warmup=self.o.warmup,
                     cooldown=self.o.cooldown,
                     similarity=self._similarity(runner) if runner is not None else None,
+                    slice_duration=self.o.slice_duration,
+                    series=self._series(scraper.scrapes),
                 )
             except ValueError as e:
                 self.warnings.append(f"{stage.label or 'run'}: no summary: {e}")
         if stage.summary:
             self._token_warnings(stage)
         self._figures_warning(stage)
+
+    def _series(self, scrapes: int) -> ServerSeries | None:
+        """The stage's ``/metrics`` time series: its last ``scrapes`` rows, read back."""
+        assert self.rundir is not None
+        path = self.rundir.path / "metrics_scrape.jsonl"
+        if scrapes < 2 or not path.exists():
+            return None
+        rows, _ = read_jsonl(path)
+        return server_series(parse_scrapes(rows[-scrapes:]))
 
     def _similarity(self, runner: Runner) -> dict[str, Any] | None:
         """The ideal prefix reuse of what this stage sent, tokenized after the stage so that
@@ -425,6 +448,9 @@ class Bench:
                 return None
             frac = (stage.summary or {}).get("overall", {}).get("goodput", {}).get("fraction")
             healthy = bool(stage.health and stage.health.valid)
+            if saturated(stage.summary):
+                self.warnings.append(f"{stage.label}: over-saturated, counted as failing the SLOs")
+                return False
             return frac is not None and frac >= self.o.goodput_target and healthy
 
         result = await find_max_rate(trial, self.o.load.rate or 1.0, self.o.search_steps)
@@ -475,6 +501,7 @@ class Bench:
                 "goodput_target": o.goodput_target if o.find_max_rate else None,
                 "warmup": o.warmup.describe(),
                 "cooldown": o.cooldown.describe(),
+                "slice_duration": o.slice_duration,
                 "timeout_s": o.timeout,
                 "strict_openai": o.strict_openai,
                 "sampling": o.sampling,
@@ -554,6 +581,9 @@ class Bench:
             c.print(fit(table, c, ["p90", "max", "p95", "mean"]))
             c.print(fit(rates_table(s), c, ["failed", "in tok/s", "goodput req/s"]))
             c.print(similarity_line(s))
+            if (windows := slices_table(s)) is not None:
+                c.print(fit(windows, c, ["E2E p50", "ITL p99", "TTFT p99"]))
+            c.print(saturation_line(s))
         elif shown:
             c.print(
                 stages_table(
@@ -609,10 +639,13 @@ class Bench:
                 if o.find_max_rate:
                     await self._find_max_rate(http, target)
                 else:
-                    for stage in _stages(o):
+                    for i, stage in enumerate(_stages(o)):
                         self.stages.append(stage)
                         await self._run_stage(stage, http, target)
                         if self.interrupted or self._lost_workers():
+                            break
+                        if o.sweep and (why := sweep_stop(*o.sweep, i, stage.summary)):
+                            self.warnings.append(why)
                             break
             finally:
                 self.stamping = http.stamping

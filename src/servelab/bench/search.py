@@ -5,6 +5,10 @@ its goodput fraction above the target?) at a sequence of rates: doubling from
 ``start`` while they pass (or halving while they fail) until one brackets the limit,
 then a few bisection steps at the geometric mean of the highest pass and the lowest
 fail above it. Every rate is tried at most once.
+
+Both the search and ``--sweep`` stop raising the load at a stage that never reached a
+steady state (``saturated``: the ``over_saturated`` verdict of ``analyze.timeslices``):
+its percentiles depend on how long it ran, and a higher rate would only queue more.
 """
 
 from __future__ import annotations
@@ -15,6 +19,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_BRACKET_STEPS = 8
+
+
+def saturated(summary: dict[str, Any] | None) -> bool:
+    """Whether a stage's ``summarize`` body says its queue grew through the run."""
+    ts = (summary or {}).get("timeslices") or {}
+    return bool(ts.get("saturation", {}).get("state") == "over_saturated")
+
+
+def sweep_stop(over: str, values: list[float], done: int, summary: dict[str, Any] | None) -> str:
+    """Why a sweep ends after stage ``done`` (0-based), or "" to go on: that stage was
+    over-saturated and every later value only adds load."""
+    rest = values[done + 1 :]
+    if not rest or not saturated(summary) or any(v <= values[done] for v in rest):
+        return ""
+    return (
+        f"{over}={values[done]:g} never reached a steady state (its queue grew through the "
+        f"stage); the higher {over} values {', '.join(f'{v:g}' for v in rest)} were not run"
+    )
 
 
 @dataclass

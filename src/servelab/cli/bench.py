@@ -266,6 +266,12 @@ def bench(
         "its queue, running count and KV usage).",
         rich_help_panel=_OUTPUT,
     ),
+    slice_duration: str = typer.Option(
+        "10s",
+        help="Length of the time windows (timeslices) with their own percentiles, rates and "
+        "queue depth; their trend says whether the run reached a steady state.",
+        rich_help_panel=_OUTPUT,
+    ),
 ) -> None:
     """Benchmark an OpenAI-compatible endpoint with a workload-shaped load."""
     from servelab.bench.manifest import redact
@@ -325,6 +331,9 @@ def bench(
     scrape_every = seconds("--scrape-interval", scrape_interval) or 0.0
     if not 0.05 <= scrape_every <= 60:
         raise bad_flag("--scrape-interval", f"{scrape_interval!r}: give 50ms to 60s")
+    slice_s = seconds("--slice-duration", slice_duration) or 0.0
+    if not 0.1 <= slice_s <= 3600:
+        raise bad_flag("--slice-duration", f"{slice_duration!r}: give 100ms to 1h")
     if find_max_rate and concurrency is not None:
         raise bad_flag("--find-max-rate", "it searches over --rate (open loop); drop --concurrency")
     on = off = None
@@ -395,6 +404,7 @@ def bench(
             dataset=source,
             sampling=sampling,
             scrape_interval=scrape_every,
+            slice_duration=slice_s,
         )
     except ValueError as e:
         raise fail(str(e), "bench") from None

@@ -28,6 +28,7 @@ from servelab.units import fmt_ms
 MIN_CURVE_POINTS = 3
 RUN_SECTIONS = (
     "summary",
+    "timeslices",
     "findings",
     "ttft-attribution",
     "ttft-vs-input",
@@ -197,6 +198,45 @@ def findings_html(d: Diagnosis) -> str:
     return "".join(parts)
 
 
+def timeslices_html(summary: dict[str, Any]) -> str:
+    """The steady-state verdict, offered vs achieved rate, and one row per time window."""
+    ts = summary.get("timeslices")
+    if not ts:
+        return '<p class="note">This summary has no time windows (recorded before them).</p>'
+    sat = ts["saturation"]
+    rates = f"offered {_num(ts['offered_rate'])} req/s, achieved {_num(ts['achieved_rate'])} req/s"
+    if sat["state"] == "over_saturated":
+        growth = sat["ttft_p50_trend"]["slope_per_minute"] * 1e3
+        head = (
+            f'<div class="warn">Over-saturated: {rates}; TTFT p50 grew {growth:,.0f} ms per '
+            "minute. The queue grew through the run, so every percentile above depends on "
+            "how long the run was (length-dependent), not only on the server.</div>"
+        )
+    elif sat["state"] == "steady":
+        head = f"<p>Steady state: {rates} ({_e(sat['reason'])}).</p>"
+    else:
+        head = f"<p>Steady state: cannot tell. {_e(sat['reason'])}; {rates}.</p>"
+    rows = "".join(
+        f'<tr><td class="l">{w["start"]:g}-{w["end"]:g} s</td><td>{w["sent"]}</td>'
+        f"<td>{_num(w['offered_rate'])}</td><td>{_num(w['achieved_rate'])}</td>"
+        f"<td>{_num(w['queue_depth'])}</td>"
+        + "".join(f"<td>{fmt_ms(w[m][p])}</td>" for m, p in _WINDOW_COLS)
+        + "</tr>"
+        for w in ts["slices"]
+    )
+    cols = "".join(f"<th>{m.upper()} {p}</th>" for m, p in _WINDOW_COLS)
+    return (
+        head + f'<p class="note">Windows of {ts["slice_duration_s"]:g} s over the sending span; '
+        f"queue depth: {_e(ts['depth_source'])} (time-weighted mean); latencies in ms of the "
+        "requests sent in the window. docs/metrics.md gives the trend test.</p>"
+        "<table><tr><th>window</th><th>sent</th><th>offered/s</th><th>achieved/s</th>"
+        f"<th>queue</th>{cols}</tr>{rows}</table>"
+    )
+
+
+_WINDOW_COLS = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p99"), ("e2e", "p50"))
+
+
 def _run_header(run: Run) -> str:
     cfg = ", ".join(f"{k}={v}" for k, v in run.engine_config.items()) or "unknown"
     wl = run.workload
@@ -230,6 +270,12 @@ def run_sections(run: Run, d: Diagnosis, prefix: str) -> str:
     body = [
         _run_header(run),
         _section("summary", prefix, "Summary", summary_table(run_summary(run))),
+        _section(
+            "timeslices",
+            prefix,
+            "Steady state: time windows",
+            timeslices_html(run_summary(run)),
+        ),
         _section("findings", prefix, "Findings and recommendations", findings_html(d)),
         _section(
             "ttft-attribution",

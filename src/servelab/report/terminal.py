@@ -98,6 +98,10 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
         for cause, lost in by_loss:
             t.add_row(cause, str(int(lost["count"])), f"{lost['excess_seconds']:.2f}")
         console.print(t)
+    if d.timeslices is not None:
+        if (windows := slices_table({"timeslices": d.timeslices})) is not None:
+            console.print(fit(windows, console, ["E2E p50", "ITL p99", "TTFT p99"]))
+        console.print(saturation_line({"timeslices": d.timeslices}))
     if not d.findings:
         console.print("[green]No findings: no cause is large enough to move a percentile.")
     else:
@@ -301,9 +305,15 @@ def _ci(stat: dict[str, Any], key: str) -> str:
     return "" if not ci else f" [{ci[0] * 1e3:,.1f}-{ci[1] * 1e3:,.1f}]"
 
 
+def _saturation(summary: dict[str, Any]) -> dict[str, Any]:
+    return (summary.get("timeslices") or {}).get("saturation") or {}
+
+
 def summary_table(title: str, summary: dict[str, Any]) -> Table:
     """Latency percentiles (ms, with CIs for p50/p99) of one summary's overall group."""
     o = summary["overall"]
+    if _saturation(summary).get("length_dependent"):
+        title += " [bold red](over-saturated: percentiles depend on the run's length)[/]"
     t = Table(title=title, title_justify="left")
     for col in ("metric (ms)", "n", "p50 [95% CI]", "p90", "p95", "p99 [95% CI]", "mean", "max"):
         t.add_column(col, justify="right" if col != "metric (ms)" else "left")
@@ -328,6 +338,65 @@ def summary_table(title: str, summary: dict[str, Any]) -> Table:
             _ms1(s["p99"]) + _ci(s, "p99"),
             _ms1(s["mean"]),
             _ms1(s["max"]),
+        )
+    return t
+
+
+def saturation_line(summary: dict[str, Any]) -> str:
+    """Steady state, over-saturated or cannot tell, with offered vs achieved request rate."""
+    ts = summary.get("timeslices")
+    if not ts:
+        return "steady state: not assessed (no time windows in this summary)"
+    sat = ts["saturation"]
+    rates = (
+        f"offered {ts['offered_rate']:.3g} req/s, achieved {ts['achieved_rate']:.3g} req/s"
+        if ts["offered_rate"] is not None
+        else "no sending span"
+    )
+    if sat["state"] == "over_saturated":
+        growth = sat["ttft_p50_trend"]["slope_per_minute"] * 1e3
+        return (
+            f"[bold red]over-saturated[/]: {rates}; TTFT p50 grew {growth:,.0f} ms per minute "
+            f"({sat['reason']})"
+        )
+    if sat["state"] == "steady":
+        return f"steady state: {rates} ({sat['reason']})"
+    return f"steady state: cannot tell: {sat['reason']}; {rates}"
+
+
+def slices_table(summary: dict[str, Any]) -> Table | None:
+    """One row per time window: rates, queue depth and latency percentiles."""
+    ts = summary.get("timeslices")
+    if not ts or not ts["slices"]:
+        return None
+    t = Table(
+        title=f"time windows of {ts['slice_duration_s']:g} s (queue depth: {ts['depth_source']})",
+        title_justify="left",
+    )
+    for col in (
+        "window (s)",
+        "sent",
+        "offered/s",
+        "achieved/s",
+        "queue",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p99",
+        "E2E p50",
+    ):
+        t.add_column(col, justify="left" if col.startswith("window") else "right")
+    for w in ts["slices"]:
+        depth = w["queue_depth"]
+        t.add_row(
+            f"{w['start']:g}-{w['end']:g}",
+            str(w["sent"]),
+            f"{w['offered_rate']:.2f}",
+            f"{w['achieved_rate']:.2f}",
+            "-" if depth is None else f"{depth:.1f}",
+            _ms0(w["ttft"]["p50"]),
+            _ms0(w["ttft"]["p99"]),
+            _ms0(w["itl"]["p99"]),
+            _ms0(w["e2e"]["p50"]),
         )
     return t
 
@@ -401,6 +470,7 @@ def stages_table(stages: list[tuple[str | None, dict[str, Any] | None, bool]]) -
         "ITL p50",
         "ITL p99",
         "met SLO",
+        "steady",
         "client",
     ):
         t.add_column(col, justify="left" if col == "stage" else "right")
@@ -425,6 +495,9 @@ def stages_table(stages: list[tuple[str | None, dict[str, Any] | None, bool]]) -
             ms("itl", "p50"),
             ms("itl", "p99"),
             "-" if frac is None else f"{frac:.0%}",
+            {"steady": "yes", "over_saturated": "[red]NO[/red]"}.get(
+                _saturation(m).get("state", ""), "?"
+            ),
             "ok" if valid else "[red]INVALID[/red]",
         )
     return t

@@ -1,0 +1,272 @@
+"""Steady state or over-saturated: percentiles per time window and a trend test.
+
+A percentile over a run whose queue grows without bound measures how long the run was,
+not the server: every request waits behind all the earlier surplus. So each run is cut
+into windows of ``slice_duration`` seconds over the part of the measured window in which
+requests were sent (the drain after the last send would show a falling queue that says
+nothing about the load). Per window: requests offered (intended sends) and achieved
+(successful completions) per second, TTFT/ITL/E2E percentiles of the requests sent in
+it, and the mean queue depth. The depth is the server's own count of requests it holds
+(``vllm:num_requests_waiting + vllm:num_requests_running`` from the ``/metrics`` time
+series) where the series has it, else the client's in-flight count (sent, not finished),
+both time-weighted over the window.
+
+The verdict (``saturation``) is a trend test on the per-window series, so that the
+correlation between consecutive requests (one burst delays many) is not mistaken for
+evidence. A series is *rising* when both hold:
+
+- Mann-Kendall: Kendall's S of the values against window order is significant, one-sided
+  p < ``TREND_ALPHA`` (exact null distribution without ties up to ``EXACT_MAX_N``
+  windows, the normal approximation with continuity correction above);
+- size: the Theil-Sen slope times the span from the first to the last window's middle is
+  at least ``GROWTH_MIN`` times the early level (median of the first third of windows),
+  and for the depth at least ``DEPTH_GROWTH_MIN`` requests. A queue that fluctuates
+  around a level does not double in its run; one that grows without bound does.
+
+``over_saturated``: depth and TTFT p50 both rise, and the achieved rate (successful
+completions per second over the sending span) is at least ``RATE_SHORTFALL`` below the
+offered one: the surplus is what queued. ``undetermined``: fewer than
+``MIN_SLICES`` windows or ``MIN_REQUESTS`` successful requests (the test cannot tell).
+``steady`` otherwise. With 4 windows, only a strictly rising series reaches p < 0.05
+(1/24), so at the default 10 s windows a run needs 40 s of sends to be judged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from servelab.analyze.stats import describe
+from servelab.analyze.timeseries import ServerSeries
+from servelab.vocab import ClientRecord
+
+DEFAULT_SLICE_DURATION = 10.0  # seconds (`servelab bench --slice-duration`)
+MIN_SLICES = 4
+MIN_REQUESTS = 20
+TREND_ALPHA = 0.05
+EXACT_MAX_N = 30
+GROWTH_MIN = 1.0  # growth over the run >= this x the early level ("at least doubled")
+DEPTH_GROWTH_MIN = 2.0  # requests
+RATE_SHORTFALL = 0.1  # achieved below offered by this share: the surplus queued
+PARTIAL_MIN = 0.5  # a last, partial window counts when it is at least this full
+
+
+@dataclass(frozen=True)
+class Trend:
+    """Mann-Kendall S and one-sided p, Theil-Sen slope (per second), growth, early level."""
+
+    n: int
+    s: int
+    p: float
+    slope: float
+    growth: float
+    early: float
+    rising: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "windows": self.n,
+            "kendall_s": self.s,
+            "p_rising": round(self.p, 5),
+            "slope_per_minute": round(self.slope * 60.0, 6),
+            "growth": round(self.growth, 6),
+            "early_level": round(self.early, 6),
+            "rising": self.rising,
+        }
+
+
+def _mahonian(n: int) -> np.ndarray:
+    """Permutations of n items by number of inversions (Kendall's null distribution)."""
+    counts = np.ones(1)
+    for k in range(2, n + 1):
+        counts = np.convolve(counts, np.ones(k))
+    return counts
+
+
+def kendall_p_rising(values: Sequence[float] | np.ndarray) -> tuple[int, float]:
+    """Kendall's S of ``values`` against their order and the one-sided p of S this large."""
+    y = np.asarray(values, dtype=float)
+    n = y.size
+    if n < 2:
+        return 0, 1.0
+    diff = y[None, :] - y[:, None]
+    s = int(np.sign(diff[np.triu_indices(n, 1)]).sum())
+    pairs = n * (n - 1) // 2
+    if n <= EXACT_MAX_N:
+        # S = pairs - 2 * inversions; P(S >= s) = P(inversions <= (pairs - s) / 2)
+        dist = _mahonian(n)
+        k = math.floor((pairs - s) / 2 + 1e-9)
+        return s, float(dist[: k + 1].sum() / dist.sum())
+    var = n * (n - 1) * (2 * n + 5) / 18.0
+    z = (s - 1) / math.sqrt(var) if s > 0 else 0.0
+    return s, 1.0 - NormalDist().cdf(z)
+
+
+def trend(t: Sequence[float], values: Sequence[float], min_growth: float = 0.0) -> Trend | None:
+    """The trend of ``values`` (one per window, at times ``t``); None with < 2 points."""
+    pts = [(a, b) for a, b in zip(t, values) if b is not None and math.isfinite(b)]
+    if len(pts) < 2:
+        return None
+    ts = np.array([a for a, _ in pts])
+    ys = np.array([b for _, b in pts])
+    s, p = kendall_p_rising(ys)
+    i, j = np.triu_indices(len(ys), 1)
+    slope = float(np.median((ys[j] - ys[i]) / (ts[j] - ts[i])))
+    growth = slope * float(ts[-1] - ts[0])
+    early = float(np.median(ys[: max(1, len(ys) // 3)]))
+    rising = p < TREND_ALPHA and growth >= max(min_growth, GROWTH_MIN * early) and growth > 0
+    return Trend(len(ys), s, p, slope, growth, early, rising)
+
+
+def _end(r: ClientRecord) -> float:
+    if r.done is not None:
+        return r.done
+    return r.chunk_times[-1] if r.chunk_times else r.actual_send
+
+
+def _pcts(vals: list[float]) -> dict[str, float | None]:
+    d = describe(vals, n_boot=0)
+    return {"p50": d.p50, "p90": d.p90, "p99": d.p99}
+
+
+def _server_depth(series: ServerSeries | None) -> list[tuple[float, float]] | None:
+    """(scrape time, waiting + running) where the series has both gauges."""
+    if series is None or "waiting" not in series.gauges or "running" not in series.gauges:
+        return None
+    out = [
+        (t, w + r)
+        for t, w, r in zip(series.t, series.gauges["waiting"], series.gauges["running"])
+        if w is not None and r is not None
+    ]
+    return out or None
+
+
+def _step_mean(pts: list[tuple[float, float]], a: float, b: float) -> float | None:
+    """Time-weighted mean over [a, b] of a step function (each value holds until the next)."""
+    total = 0.0
+    for k, (t, v) in enumerate(pts):
+        nxt = pts[k + 1][0] if k + 1 < len(pts) else math.inf
+        lo, hi = max(a, t), min(b, nxt)
+        if hi > lo:
+            total += v * (hi - lo)
+    covered = b - max(a, pts[0][0])
+    return total / covered if covered > 0 else None
+
+
+def timeslices(
+    records: Sequence[ClientRecord],
+    start: float,
+    end: float,
+    slice_duration: float = DEFAULT_SLICE_DURATION,
+    series: ServerSeries | None = None,
+) -> dict[str, Any]:
+    """Per-window figures over [start, end] and the saturation verdict (module doc).
+
+    Returns ``{"slice_duration_s", "depth_source", "offered_rate", "achieved_rate",
+    "slices": [...], "saturation": {...}}``. Rates are over the sending span; each slice
+    has ``start``/``end`` (seconds from ``start``), ``sent``, ``ok``, ``completed``,
+    ``offered_rate``, ``achieved_rate``, ``queue_depth`` and ``ttft``/``itl``/``e2e``
+    p50/p90/p99 of the requests sent in it.
+    """
+    if slice_duration <= 0:
+        raise ValueError(f"slice duration must be > 0 s, not {slice_duration:g}")
+    inside = [r for r in records if start <= r.actual_send <= end]
+    sends_end = max((r.actual_send for r in inside), default=start)
+    span = sends_end - start
+    n_full = int(span // slice_duration)
+    edges = [start + k * slice_duration for k in range(n_full + 1)]
+    if span - n_full * slice_duration >= PARTIAL_MIN * slice_duration or n_full == 0:
+        edges.append(sends_end if n_full else max(sends_end, start + 1e-9))
+    server = _server_depth(series)
+    depth_source = "server" if server else "client"
+    sends = np.array([r.actual_send for r in records])
+    ends = np.array([_end(r) for r in records])
+    slices: list[dict[str, Any]] = []
+    for a, b in zip(edges, edges[1:]):
+        last = b == edges[-1]
+        sent = [r for r in inside if a <= r.actual_send < b or (last and r.actual_send == b)]
+        ok = [r for r in sent if r.ok]
+        offered_n = sum(a <= r.intended_send < b for r in records)
+        completed = sum(r.ok and r.done is not None and a <= r.done < b for r in records)
+        if server:
+            depth = _step_mean(server, a, b)
+        else:
+            overlap = np.clip(np.minimum(ends, b) - np.maximum(sends, a), 0.0, None)
+            depth = float(overlap.sum() / (b - a)) if records else None
+        dur = b - a
+        slices.append(
+            {
+                "start": round(a - start, 6),
+                "end": round(b - start, 6),
+                "sent": len(sent),
+                "ok": len(ok),
+                "completed": completed,
+                "offered_rate": offered_n / dur,
+                "achieved_rate": completed / dur,
+                "queue_depth": depth,
+                "ttft": _pcts([x for r in ok if (x := r.ttft) is not None]),
+                "itl": _pcts([g for r in ok for g in r.itls]),
+                "e2e": _pcts([x for r in ok if (x := r.e2e) is not None]),
+            }
+        )
+    offered_all = sum(start <= r.intended_send <= sends_end for r in records)
+    done_all = sum(r.ok and r.done is not None and start <= r.done <= sends_end for r in records)
+    offered = offered_all / span if span > 0 else None
+    achieved = done_all / span if span > 0 else None
+    return {
+        "slice_duration_s": slice_duration,
+        "depth_source": "server /metrics: waiting + running"
+        if depth_source == "server"
+        else "client: requests in flight",
+        "offered_rate": offered,
+        "achieved_rate": achieved,
+        "slices": slices,
+        "saturation": saturation(slices, slice_duration, offered, achieved),
+    }
+
+
+def saturation(
+    slices: list[dict[str, Any]],
+    slice_duration: float,
+    offered: float | None,
+    achieved: float | None,
+) -> dict[str, Any]:
+    """``{"state": steady | over_saturated | undetermined, "reason", trends...}``."""
+    full = [s for s in slices if s["ok"] > 0]
+    n_ok = sum(s["ok"] for s in full)
+    if len(full) < MIN_SLICES or n_ok < MIN_REQUESTS:
+        return {
+            "state": "undetermined",
+            "reason": f"{len(full)} window(s) of {slice_duration:g} s with sends and {n_ok} "
+            f"successful request(s): the trend test needs >= {MIN_SLICES} windows and "
+            f">= {MIN_REQUESTS} requests (a longer run, or a smaller --slice-duration)",
+            "length_dependent": None,
+        }
+    mid = [(s["start"] + s["end"]) / 2 for s in full]
+    depth = trend(mid, [s["queue_depth"] for s in full], DEPTH_GROWTH_MIN)
+    ttft = trend(mid, [s["ttft"]["p50"] for s in full])
+    short = (
+        offered is not None and achieved is not None and achieved < (1 - RATE_SHORTFALL) * offered
+    )
+    checks = {
+        "queue depth rose": bool(depth and depth.rising),
+        "TTFT p50 rose": bool(ttft and ttft.rising),
+        f"achieved rate >= {RATE_SHORTFALL:.0%} below offered": short,
+    }
+    over = all(checks.values())
+    held = [k for k, v in checks.items() if v]
+    return {
+        "state": "over_saturated" if over else "steady",
+        "reason": " and ".join(held)
+        if over
+        else "not all of: " + "; ".join(checks) + (f" (held: {', '.join(held)})" if held else ""),
+        "checks": checks,
+        "length_dependent": over,
+        "queue_depth_trend": depth.to_dict() if depth else None,
+        "ttft_p50_trend": ttft.to_dict() if ttft else None,
+    }
