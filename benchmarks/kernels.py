@@ -32,13 +32,15 @@ linear on the plain weight (``onednn``, what servelab routes to) and on a weight
 ahead of time (``onednn_packed``) -- in alternating rounds, best kept; then the model's
 prefill at 256-2048 tokens with servelab's routing and with stock ``F.linear``, in
 alternating rounds, its GFLOP/s (layers plus causal attention) against the best rate
-measured in the same run (target: >= 85%). One thread is timed in CPU time of the calling
+measured in the same run (target: >= 85%); with ``--quantization`` the model's products
+dequantise their blocks first, as served. One thread is timed in CPU time of the calling
 thread (every backend then runs inline), so other processes' load on the core does not
 count; more threads are timed by the wall clock and read true only on a quiet machine.
 
 Usage: python benchmarks/kernels.py [--rows 1,4,16,64,256] [--threads N] [--repeat 5]
                                     [--model smollm2-135m] [--skip-kernels]
        python benchmarks/kernels.py --gemm 1,2 [--repeat 5] [--model smollm2-135m]
+                                    [--quantization none|q8_0|q4_1]
 """
 
 from __future__ import annotations
@@ -222,7 +224,9 @@ def gemm_rates(threads: int, rounds: int) -> dict[int, float]:
     return best_rate
 
 
-def bench_prefill(name: str, threads: int, rounds: int, best_rate: dict[int, float]) -> None:
+def bench_prefill(
+    name: str, quantization: str, threads: int, rounds: int, best_rate: dict[int, float]
+) -> None:
     """The model's prefill, routed and stock, against the best GEMM rate of this run."""
     from servelab.engine.plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
@@ -230,11 +234,13 @@ def bench_prefill(name: str, threads: int, rounds: int, best_rate: dict[int, flo
     from servelab.model.loader import load_model
     from servelab.model.runner import TorchModelRunner
 
-    loaded = load_model(name, device="cpu")
+    loaded = load_model(name, device="cpu", quantization=quantization)
     c = loaded.config
+    q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    inter, hidden = c.intermediate_size, c.hidden_size
+    layer_params = c.num_layers * hidden * (q_out + hidden + 3 * inter)
     runner = TorchModelRunner(loaded, device="cpu", num_threads=threads, seed=0)
     runner.allocate_kv(-(-max(PREFILL_LENS) // 16) + 1, 16)
-    layer_params = sum(p.numel() for p in loaded.model.layers.parameters() if p.dim() == 2)
     greedy = SamplingParams(temperature=0.0)
     clock = _clock(threads)
     for n in PREFILL_LENS:
@@ -268,6 +274,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="also measure this model end to end")
     ap.add_argument("--skip-kernels", action="store_true", help="only the --model section")
     ap.add_argument("--gemm", default=None, help="thread counts: prefill GEMM rates, e.g. 1,2")
+    ap.add_argument("--quantization", default="none", help="the --gemm model's weights")
     args = ap.parse_args()
     if args.gemm:
         for threads in (int(t) for t in args.gemm.split(",")):
@@ -276,7 +283,8 @@ def main() -> None:
                 print(f"\n{threads} thread(s): GFLOP/s of one layer's products (ratio to best)")
                 best_rate = gemm_rates(threads, args.repeat)
                 if args.model:
-                    bench_prefill(args.model, threads, max(2, args.repeat // 2), best_rate)
+                    rounds = max(2, args.repeat // 2)
+                    bench_prefill(args.model, args.quantization, threads, rounds, best_rate)
         return
     torch.set_num_threads(args.threads)
     cpu_kernels.set_num_threads(args.threads)
