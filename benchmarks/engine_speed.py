@@ -4,7 +4,9 @@ One run, same fp32 weights (the GGUF's dequantised HF directory), same thread co
 
 - the machine's limits, measured first: streaming read bandwidth (a torch sum over 512 MB)
   -> the decode floor (weight bytes / bandwidth, every step reads all weights); fp32 GEMM
-  FLOP/s (``F.linear`` at prefill shapes) -> the prefill ceiling: 2 FLOP per non-embedding
+  FLOP/s (the faster of ``F.linear`` and, on CPU, oneDNN's linear on weights packed ahead
+  of time, at prefill shapes; ``benchmarks/kernels.py --gemm`` compares every backend) -> the
+  prefill ceiling: 2 FLOP per non-embedding
   weight per token (~212 MFLOP for SmolLM2-135M) plus causal attention's score and value
   products (4 * heads * head_dim per visible key per layer: +8% at 512 tokens, +33% at
   2048), all at the measured GEMM rate;
@@ -99,12 +101,21 @@ def read_bandwidth(device: torch.device, repeat: int) -> float:
 def gemm_flops(
     hidden: int, inter: int, q_out: int, rows: int, device: torch.device, repeat: int
 ) -> float:
-    """fp32 FLOP/s of F.linear over one layer's matrices at ``rows`` rows ([out, in] weights)."""
+    """Best fp32 FLOP/s over one layer's matrices at ``rows`` rows ([out, in] weights)."""
     shapes = [(q_out, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
     mats = [torch.randn(o, i, device=device) for o, i in shapes]
     xs = {i: torch.randn(rows, i, device=device) for _, i in shapes}
     flops = sum(2 * rows * o * i for o, i in shapes)
     t = _best(lambda: [F.linear(xs[m.shape[1]], m) for m in mats], repeat, device)
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        dnn = torch.ops.mkldnn
+        packed = [(xs[m.shape[1]], dnn._reorder_linear_weight(m, rows)) for m in mats]
+
+        def onednn() -> None:
+            for x, p in packed:
+                dnn._linear_pointwise(x, p, None, "none", [], "")
+
+        t = min(t, _best(onednn, repeat, device))
     return flops / t
 
 

@@ -24,8 +24,23 @@ prefill against the GEMM throughput of the same shapes; with servelab's routing,
 CPU kernels switched off (numpy/OpenBLAS for decode, gathered SDPA), and with stock
 ``F.linear``.
 
+With ``--gemm 1,2`` it measures prefill instead, at each of those thread counts: the fp32
+GEMM rate of one layer's four products (summed) at 64-2048 rows for every backend servelab
+could route prefill to -- ``torch.mm`` (MKL, what ``F.linear`` runs), numpy/OpenBLAS in
+both operand orders writing into torch's memory (``out=`` on ``.numpy()`` views), oneDNN's
+linear on the plain weight (``onednn``, what servelab routes to) and on a weight packed
+ahead of time (``onednn_packed``) -- in alternating rounds, best kept; then the model's
+prefill at 256-2048 tokens with servelab's routing and with stock ``F.linear``, in
+alternating rounds, its GFLOP/s (layers plus causal attention) against the best rate
+measured in the same run (target: >= 85%); with ``--quantization`` the model's products
+dequantise their blocks first, as served. One thread is timed in CPU time of the calling
+thread (every backend then runs inline), so other processes' load on the core does not
+count; more threads are timed by the wall clock and read true only on a quiet machine.
+
 Usage: python benchmarks/kernels.py [--rows 1,4,16,64,256] [--threads N] [--repeat 5]
                                     [--model smollm2-135m] [--skip-kernels]
+       python benchmarks/kernels.py --gemm 1,2 [--repeat 5] [--model smollm2-135m]
+                                    [--quantization none|q8_0|q4_1]
 """
 
 from __future__ import annotations
@@ -156,6 +171,101 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
     cpu_kernels.enabled = True
 
 
+GEMM_ROWS = (64, 256, 1024, 2048)
+PREFILL_LENS = (256, 1024, 2048)
+
+
+def _clock(threads: int) -> Callable[[], float]:
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], rounds: int, clock) -> dict[str, float]:
+    """Best time of each function over ``rounds`` rounds that run them in turn."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = clock()
+            fn()
+            best[k] = min(best[k], clock() - t0)
+    return best
+
+
+def gemm_backends(w: torch.Tensor, rows: int) -> dict[str, Callable[[], object]]:
+    """``x @ w.T`` at ``rows`` rows through each backend, all writing fp32 torch memory."""
+    x = torch.randn(rows, w.shape[1])
+    y, yt = torch.empty(rows, w.shape[0]), torch.empty(w.shape[0], rows)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    return {
+        "torch_mkl": lambda: torch.mm(x, w.t(), out=y),
+        "np_xwt": lambda: np.matmul(x.numpy(), w.numpy().T, out=y.numpy()),
+        "np_wxt": lambda: np.matmul(w.numpy(), x.numpy().T, out=yt.numpy()),
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        "onednn_packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+    }  # fmt: skip
+
+
+def gemm_rates(threads: int, rounds: int) -> dict[int, float]:
+    """Print each backend's GFLOP/s per row count; return the best backend's per row count."""
+    clock = _clock(threads)
+    ws = [torch.randn(o, i) for _, o, i in LAYER_SHAPES]
+    best_rate = {}
+    for rows in GEMM_ROWS:
+        total: dict[str, float] = {}
+        for w in ws:
+            for k, t in _interleaved(gemm_backends(w, rows), rounds, clock).items():
+                total[k] = total.get(k, 0.0) + t
+        flops = sum(2 * rows * o * i for _, o, i in LAYER_SHAPES)
+        rates = {k: flops / t / 1e9 for k, t in total.items()}
+        best_rate[rows] = max(rates.values())
+        cells = "  ".join(f"{k} {r:5.1f} ({r / best_rate[rows]:.2f})" for k, r in rates.items())
+        print(f"rows {rows:>4}: {cells}")
+    return best_rate
+
+
+def bench_prefill(
+    name: str, quantization: str, threads: int, rounds: int, best_rate: dict[int, float]
+) -> None:
+    """The model's prefill, routed and stock, against the best GEMM rate of this run."""
+    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.sampling_params import SamplingParams
+    from servelab.model import linear as lin
+    from servelab.model.loader import load_model
+    from servelab.model.runner import TorchModelRunner
+
+    loaded = load_model(name, device="cpu", quantization=quantization)
+    c = loaded.config
+    q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    inter, hidden = c.intermediate_size, c.hidden_size
+    layer_params = c.num_layers * hidden * (q_out + hidden + 3 * inter)
+    runner = TorchModelRunner(loaded, device="cpu", num_threads=threads, seed=0)
+    runner.allocate_kv(-(-max(PREFILL_LENS) // 16) + 1, 16)
+    greedy = SamplingParams(temperature=0.0)
+    clock = _clock(threads)
+    for n in PREFILL_LENS:
+        plan = BatchPlan(0, [ScheduledSeq("p", list(range(100, 100 + n)), 0,
+                                          list(range(-(-n // 16))), True, greedy)])  # fmt: skip
+
+        def run(routed: bool, plan: BatchPlan = plan) -> None:
+            lin.use_numpy_on_cpu = routed
+            runner.execute(plan)
+
+        times = _interleaved(
+            {"servelab": lambda: run(True), "stock F.linear": lambda: run(False)}, rounds, clock
+        )
+        # Layers: 2 FLOP per weight per token; causal attention: 4 * width per visible key.
+        attn = 4 * c.num_layers * c.num_heads * c.head_dim * n * (n + 1) / 2
+        flops = 2 * layer_params * n + attn
+        gemm = best_rate[min(GEMM_ROWS, key=lambda r: abs(r - n))]
+        cells = "  ".join(
+            f"{k} {n / t:6.0f} tok/s {flops / t / 1e9:5.1f} GFLOP/s = {flops / t / 1e9 / gemm:.0%}"
+            for k, t in times.items()
+        )
+        print(f"prefill {n:>4}: {cells} of best GEMM {gemm:.1f} (target >= 85%)")
+    lin.use_numpy_on_cpu = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
@@ -163,7 +273,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--model", default=None, help="also measure this model end to end")
     ap.add_argument("--skip-kernels", action="store_true", help="only the --model section")
+    ap.add_argument("--gemm", default=None, help="thread counts: prefill GEMM rates, e.g. 1,2")
+    ap.add_argument("--quantization", default="none", help="the --gemm model's weights")
     args = ap.parse_args()
+    if args.gemm:
+        for threads in (int(t) for t in args.gemm.split(",")):
+            torch.set_num_threads(threads)
+            with threadpool_limits(limits=threads, user_api="blas"):
+                print(f"\n{threads} thread(s): GFLOP/s of one layer's products (ratio to best)")
+                best_rate = gemm_rates(threads, args.repeat)
+                if args.model:
+                    rounds = max(2, args.repeat // 2)
+                    bench_prefill(args.model, args.quantization, threads, rounds, best_rate)
+        return
     torch.set_num_threads(args.threads)
     cpu_kernels.set_num_threads(args.threads)
     layer_mats = [torch.randn(o, i) for _ in range(NUM_LAYERS) for _, o, i in LAYER_SHAPES]

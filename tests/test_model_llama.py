@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from servelab.model.linear import linear
 from servelab.model.llama import causal_batch
 from servelab.model.loader import load_model
 
@@ -81,3 +82,18 @@ def test_unsupported_architecture_is_a_clear_error(make_tiny_llama) -> None:
     path = make_tiny_llama(model_type="gpt2")
     with pytest.raises(ValueError, match="Llama-family"):
         load_model(str(path), device="cpu")
+
+
+@pytest.mark.parametrize("rows", [33, 100, 257])
+def test_prefill_products_match_torch(rows: int) -> None:
+    """Products over the kernels' rows (prefill: oneDNN on CPU) equal ``x @ w.T`` with a
+    bias and with a residual added, for odd shapes."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, b, res = (torch.randn(s, generator=g) for s in ((rows, 67), (45, 67), (45,), (rows, 45)))
+    want = x @ w.T
+    torch.testing.assert_close(linear(x, w), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x, w, b), want + b, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x, w, residual=res.clone()), res + want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        linear(x[:, :60], w[:, :60].contiguous()), x[:, :60] @ w[:, :60].T, rtol=1e-5, atol=1e-4
+    )
