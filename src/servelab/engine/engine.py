@@ -65,11 +65,13 @@ class EngineStepResult:
 
 @dataclass
 class DecodeBurst:
-    """Steps run by ``decode_burst``: each of ``requests`` got one token in every one."""
+    """Steps run by ``decode_burst``: each of ``requests`` got one token in every one, and
+    any in ``finished`` finished in the last."""
 
     requests: list[Request]
     ends: list[float]  # each step's end
     records: list[StepRecord]  # each step's record, when asked for
+    finished: list[RequestOutput]  # the outputs of the requests the last step finished
 
 
 class DecodeExecutor(Protocol):
@@ -324,14 +326,15 @@ class LLMEngine:
 
     def decode_burst(self, horizon: float, keep_records: bool = False) -> DecodeBurst | None:
         """Run, in bulk, the steps that start before ``horizon`` while they are pure decode
-        of the same requests (the scheduler's ``decode_run``) and none of them finishes.
+        of the same requests (the scheduler's ``decode_run``), up to and including the first
+        step that finishes any of them (by length: nothing else can stop them here).
 
-        Each step is the one ``step`` would run, with the same tokens, times, KV blocks and
-        counters; only the per-step objects are not made: no outputs, and step records only
-        with ``keep_records`` (then also kept in ``step_records``). For a caller that owns a
-        virtual clock (the simulator) and an executor with ``execute_decodes``; None when
-        the next step is not such a step, there is no such executor, or the engine
-        speculates or detokenizes (stop strings).
+        Each step is the one ``step`` would run, with the same tokens, times, KV blocks,
+        counters and finishes; only the per-step objects are not made: outputs only for the
+        requests that finished, and step records only with ``keep_records`` (then also kept
+        in ``step_records``). For a caller that owns a virtual clock (the simulator) and an
+        executor with ``execute_decodes``; None when the next step is not such a step, there
+        is no such executor, or the engine speculates or detokenizes (stop strings).
         """
         ex = self.executor
         if self.spec is not None or self.tokenizer is not None:
@@ -342,15 +345,17 @@ class LLMEngine:
         if run is None:
             return None
         reqs = run.requests
-        # A step in which a request reaches its length limit finishes it: stop before it.
-        # Stop ids are checked per token, so a request with any has no burst.
-        steps = self.max_model_len
+        # Steps until each request reaches its length limit (that step finishes it). Stop
+        # ids are checked per token, so a request with any has no burst; the executor's
+        # tokens are never EOS.
+        left: list[int] = []
         for req in reqs:
             sp = req.sampling_params
             if sp.stop_token_ids:
                 return None
             limit = min(sp.max_tokens, self.max_model_len - req.num_prompt_tokens)
-            steps = min(steps, limit - (len(req.token_ids) - req.num_prompt_tokens) - 1)
+            left.append(limit - (len(req.token_ids) - req.num_prompt_tokens))
+        steps = min(left)
         dex = cast(DecodeExecutor, ex)
         execute, tokens = dex.execute_decodes, dex.decode_tokens
         clock, kv, n = self.clock, self.kv_cache, len(reqs)
@@ -362,7 +367,7 @@ class LLMEngine:
             start = clock()
             if start >= horizon or not run.allocate(j):
                 break
-            kv_used = kv.num_used_blocks
+            kv_used = kv.num_used_blocks if keep_records else 0
             execute(n, context)
             end = clock()
             context += n
@@ -376,8 +381,27 @@ class LLMEngine:
         if not ends:
             return None
         run.commit(ends, tokens)
+        finished: list[RequestOutput] = []
+        if j == steps:  # the last step finished these, in plan order as _emit does
+            end = ends[-1]
+            for req, k in zip(reqs, left, strict=True):
+                if k == steps:
+                    self._finish(req, FinishReason.LENGTH, end)
+                    n_out = len(req.token_ids) - req.num_prompt_tokens
+                    finished.append(
+                        RequestOutput(
+                            req.request_id,
+                            req.token_ids[-1:],
+                            "",
+                            True,
+                            FinishReason.LENGTH,
+                            req.num_prompt_tokens,
+                            n_out,
+                            req.timeline,
+                        )
+                    )
         self.step_records.extend(records)
-        return DecodeBurst(reqs, ends, records)
+        return DecodeBurst(reqs, ends, records, finished)
 
     def _decode_record(
         self, step_id: int, start: float, end: float, reqs: list[Request], kv_used: int

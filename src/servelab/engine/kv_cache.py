@@ -125,8 +125,12 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
         parent = hashes[-1] if hashes else _ROOT_HASH
-        for i in range(len(hashes), num_blocks):
-            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+        first = len(hashes)
+        # One tuple of the new blocks' tokens, sliced per block: a slice of a tuple is a
+        # tuple, so each block's is built once rather than as a list and then a tuple.
+        tokens = tuple(token_ids[first * bs : num_blocks * bs])
+        for off in range(0, (num_blocks - first) * bs, bs):
+            key = (parent, tokens[off : off + bs])
             parent = hash(key)
             keys.append(key)
             hashes.append(parent)

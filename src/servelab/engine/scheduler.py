@@ -482,20 +482,24 @@ class DecodeRun:
         # Step j of the run needs a block for request i when its table, which covers at
         # least its computed tokens, ends at token computed + j; from then on every block
         # size steps. Likewise a block fills when computed + j + 1 reaches a multiple of it.
-        self._alloc: list[list[tuple[int, int]]] = [[] for _ in range(bs)]
-        self._fill: list[list[int]] | None = (
-            [[] for _ in range(bs)] if kv.enable_prefix_caching else None
-        )
+        # Keyed by step modulo the block size; lists in running order.
+        self._alloc: dict[int, list[tuple[int, int]]] = {}
+        self._fill: dict[int, list[int]] = {}
+        tables = kv.block_table
         for i, req in enumerate(requests):
             c = self._computed[i]
-            first = len(kv.block_table(req.request_id)) * bs - c
-            self._alloc[first % bs].append((i, first))
-            if self._fill is not None:
-                self._fill[(-c - 1) % bs].append(i)
+            first = len(tables(req.request_id)) * bs - c
+            self._alloc.setdefault(first % bs, []).append((i, first))
+        if kv.enable_prefix_caching:
+            for i, c in enumerate(self._computed):
+                self._fill.setdefault((-c - 1) % bs, []).append(i)
 
     def allocate(self, j: int) -> bool:
         """Give step ``j`` its new blocks; False (nothing changed) if the free ones are short."""
-        due = [i for i, first in self._alloc[j % self._bs] if first <= j]
+        slot = self._alloc.get(j % self._bs)
+        if slot is None:
+            return True
+        due = [i for i, first in slot if first <= j]
         if not due:
             return True
         kv = self._kv
@@ -510,10 +514,8 @@ class DecodeRun:
     def computed(self, j: int, tokens: Callable[[int, int], list[int]]) -> None:
         """Step ``j`` ran: register the blocks it filled. ``tokens(num_output, count)`` gives
         a request's tokens (the executor's), for the ones a filled block holds."""
-        if self._fill is None:
-            return
-        due = self._fill[j % self._bs]
-        if not due:
+        due = self._fill.get(j % self._bs)
+        if due is None:
             return
         reqs, computed = self.requests, self._computed
         for i in due:

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from servelab.engine.engine import RequestOutput
 from servelab.engine.routing import Router, make_router
 from servelab.engine.sampling_params import SamplingParams
 from servelab.sim.executor import SimExecutor, VirtualClock
@@ -329,33 +330,39 @@ class Simulation:
             if out.new_token_ids:
                 rec_c.chunk_times.append(client_t)
                 rec_c.chunk_tokens.append(len(out.new_token_ids))
-            if not out.finished:
-                continue
-            replica.outstanding -= 1
-            replica.executor.forget(out.request_id)
-            tl = out.timeline
-            if replica.role == PREFILL_ROLE and out.finish_reason is not FinishReason.ERROR:
-                rec_c.output_tokens = 1
-                if c.req.max_tokens > 1:
-                    c.prefill_timeline = tl
-                    nbytes = len(c.req.prompt_token_ids) * self.kv_bytes_per_token
-                    assert self.topology.link is not None
-                    self._push(
-                        end + self.topology.link.transfer_time(nbytes), _TRANSFER, out.request_id
-                    )
-                    continue
-            else:
-                rec_c.output_tokens = (1 if c.prefill_timeline else 0) + out.num_output_tokens
-            if c.prefill_timeline is not None:
-                tl = _merge(c.prefill_timeline, tl)
-            if out.finish_reason is FinishReason.ERROR:
-                rec_c.error = tl.error or "engine error"
-                rec_c.status = 500
-            else:
-                rec_c.status = 200
-            rec_c.server_timeline = tl.summary()
-            self._timelines.append(tl)
-            self._push(client_t, _DONE, out.request_id)
+            if out.finished:
+                self._finished(replica, out, c, end, client_t)
+
+    def _finished(
+        self, replica: Replica, out: RequestOutput, c: _Client, end: float, client_t: float
+    ) -> None:
+        """A request finished on ``replica`` at ``end``: hand it on (prefill) or answer it."""
+        rec_c = c.record
+        replica.outstanding -= 1
+        replica.executor.forget(out.request_id)
+        tl = out.timeline
+        if replica.role == PREFILL_ROLE and out.finish_reason is not FinishReason.ERROR:
+            rec_c.output_tokens = 1
+            if c.req.max_tokens > 1:
+                c.prefill_timeline = tl
+                nbytes = len(c.req.prompt_token_ids) * self.kv_bytes_per_token
+                assert self.topology.link is not None
+                self._push(
+                    end + self.topology.link.transfer_time(nbytes), _TRANSFER, out.request_id
+                )
+                return
+        else:
+            rec_c.output_tokens = (1 if c.prefill_timeline else 0) + out.num_output_tokens
+        if c.prefill_timeline is not None:
+            tl = _merge(c.prefill_timeline, tl)
+        if out.finish_reason is FinishReason.ERROR:
+            rec_c.error = tl.error or "engine error"
+            rec_c.status = 500
+        else:
+            rec_c.status = 200
+        rec_c.server_timeline = tl.summary()
+        self._timelines.append(tl)
+        self._push(client_t, _DONE, out.request_id)
 
     def _keep(self, rec: StepRecord) -> None:
         if self.keep_steps or self.step_sink is not None:
@@ -369,7 +376,7 @@ class Simulation:
     def _burst(self, replica: Replica, horizon: float) -> bool:
         """Run ``replica``'s steps before ``horizon`` in one decode burst, if its next step is
         one; False if not. Nothing else can happen meanwhile: no event falls before the
-        horizon and a burst step pushes none (no request finishes in it)."""
+        horizon, and only the burst's last step can finish requests (push events)."""
         want = self.keep_steps or self.step_sink is not None
         burst = replica.engine.decode_burst(horizon, keep_records=want)
         if burst is None:
@@ -386,6 +393,8 @@ class Simulation:
             rec_c = clients[req.request_id].record
             rec_c.chunk_times += client_times
             rec_c.chunk_tokens += ones
+        for out in burst.finished:
+            self._finished(replica, out, clients[out.request_id], ends[-1], client_times[-1])
         return True
 
     # ---- main loop ----
