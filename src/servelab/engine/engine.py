@@ -98,6 +98,8 @@ class LLMEngine:
     - Once no request is unfinished, every KV block has reference count 0.
     - ``proposer`` (optional) replaces the proposer that ``config.speculative_config`` names
       (EAGLE-style heads, tests); it needs a speculative config for the draft count.
+    - ``decode_burst`` (the simulator's) runs the coming pure-decode steps in bulk with the
+      same outcome as calling ``step`` for each.
     """
 
     def __init__(

@@ -464,9 +464,10 @@ class DecodeRun:
     for a request whose next token starts a block. So per step this object calls the KV
     cache only where a block is needed (``allocate``) or filled (``cache_blocks``), in
     running order as ``schedule`` and ``update_from_output`` would, and :meth:`commit`
-    books the tokens, times and counters of all the steps at once. The caller stops before
-    a step in which a request would finish, and :meth:`allocate` says when a step would
-    run short of blocks (the policy then preempts, which only ``schedule`` does).
+    books the tokens, times and counters of all the steps at once. The caller (the engine)
+    ends the run with the first step that finishes a request and finishes it itself, and
+    :meth:`allocate` says when a step would run short of blocks (the policy then preempts,
+    which only ``schedule`` does).
     """
 
     def __init__(self, scheduler: Scheduler, requests: list[Request]) -> None:
