@@ -221,3 +221,52 @@ def test_efficiency_changes_move_latency_the_right_way():
         return sum(x for r in Simulation(t.factory, reqs).run().records for x in r.itls)
 
     assert itl(slow) > 2 * itl(fast)
+
+
+def test_decode_work_is_the_work_of_a_decode_plan():
+    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.sampling_params import SamplingParams
+    from servelab.sim.work import decode_work, work_of_plan
+
+    rng = random.Random(3)
+    starts = [rng.randrange(0, 130_000) for _ in range(300)]
+    seqs = [ScheduledSeq(f"r{i}", [7], s, [], True, SamplingParams()) for i, s in enumerate(starts)]
+    assert decode_work(len(starts), sum(starts)) == work_of_plan(BatchPlan(0, seqs))
+
+
+def test_decode_tokens_are_the_tokens_execute_samples():
+    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.sampling_params import SamplingParams
+
+    ex = _target().make_executor(VirtualClock(T0))
+    ex._placeholders = [5, 6, 7]
+    sampled = [
+        ex.execute(
+            BatchPlan(k, [ScheduledSeq("a", [1], 10 + k, [], True, SamplingParams(), 4 + k)])
+        ).sampled["a"][0]
+        for k in range(8)
+    ]
+    assert ex.decode_tokens(4, 8) == sampled
+
+
+def test_decode_bursts_change_nothing_with_shared_prefixes_and_several_placeholders():
+    """Bursts register the blocks they fill with the tokens the executor samples: with a
+    shared prefix, three placeholder ids and two replicas, every record, timeline, step and
+    counter matches the step-by-step run."""
+    import dataclasses
+
+    target = dataclasses.replace(_target(num_kv_blocks=400), placeholder_ids=[5, 6, 7])
+    reqs = _requests(n=80, rate=30.0, shared_prefix=64)
+
+    def run(bursts):
+        return Simulation(
+            target.factory, reqs, Topology(2, router="least-loaded"), decode_bursts=bursts
+        ).run()
+
+    fast, ref = run(True), run(False)
+    assert fast.num_burst_steps > 0 and ref.num_burst_steps == 0
+    assert fast.records == ref.records
+    assert [t.to_dict() for t in fast.timelines] == [t.to_dict() for t in ref.timelines]
+    assert fast.steps == ref.steps
+    assert fast.replicas == ref.replicas
+    assert any(r["stats"]["prefix_cache_hits"] for r in fast.replicas)

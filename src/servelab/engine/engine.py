@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 from servelab.engine.config import EngineConfig
 from servelab.engine.detokenizer import Detokenizer
@@ -63,6 +63,29 @@ class EngineStepResult:
     record: StepRecord | None  # None when nothing ran
 
 
+@dataclass
+class DecodeBurst:
+    """Steps run by ``decode_burst``: each of ``requests`` got one token in every one, and
+    any in ``finished`` finished in the last."""
+
+    requests: list[Request]
+    ends: list[float]  # each step's end
+    records: list[StepRecord]  # each step's record, when asked for
+    finished: list[RequestOutput]  # the outputs of the requests the last step finished
+
+
+class DecodeExecutor(Protocol):
+    """An executor that runs pure-decode steps without plans, on the clock the engine reads
+    (the simulator's). ``execute_decodes`` runs one step of ``num_seqs`` one-token decodes
+    after ``context_tokens`` cached tokens in all, exactly as ``execute`` would that plan,
+    advancing the clock; ``decode_tokens(num_output_tokens, count)`` are the tokens it
+    samples for a sequence over its next ``count`` decodes, never an EOS id."""
+
+    def execute_decodes(self, num_seqs: int, context_tokens: int) -> float: ...
+
+    def decode_tokens(self, num_output_tokens: int, count: int) -> list[int]: ...
+
+
 class LLMEngine:
     """A continuous-batching engine over an ``Executor``.
 
@@ -75,6 +98,8 @@ class LLMEngine:
     - Once no request is unfinished, every KV block has reference count 0.
     - ``proposer`` (optional) replaces the proposer that ``config.speculative_config`` names
       (EAGLE-style heads, tests); it needs a speculative config for the draft count.
+    - ``decode_burst`` (the simulator's) runs the coming pure-decode steps in bulk with the
+      same outcome as calling ``step`` for each.
     """
 
     def __init__(
@@ -300,6 +325,106 @@ class LLMEngine:
         )
         self.step_records.append(record)
         return EngineStepResult(outputs, record)
+
+    def decode_burst(self, horizon: float, keep_records: bool = False) -> DecodeBurst | None:
+        """Run, in bulk, the steps that start before ``horizon`` while they are pure decode
+        of the same requests (the scheduler's ``decode_run``), up to and including the first
+        step that finishes any of them (by length: nothing else can stop them here).
+
+        Each step is the one ``step`` would run, with the same tokens, times, KV blocks,
+        counters and finishes; only the per-step objects are not made: outputs only for the
+        requests that finished, and step records only with ``keep_records`` (then also kept
+        in ``step_records``). For a caller that owns a virtual clock (the simulator) and an
+        executor with ``execute_decodes``; None when the next step is not such a step, there
+        is no such executor, or the engine speculates or detokenizes (stop strings).
+        """
+        ex = self.executor
+        if self.spec is not None or self.tokenizer is not None:
+            return None
+        if not hasattr(ex, "execute_decodes"):
+            return None
+        run = self.scheduler.decode_run()
+        if run is None:
+            return None
+        reqs = run.requests
+        # Steps until each request reaches its length limit (that step finishes it). Stop
+        # ids are checked per token, so a request with any has no burst; the executor's
+        # tokens are never EOS.
+        left: list[int] = []
+        for req in reqs:
+            sp = req.sampling_params
+            if sp.stop_token_ids:
+                return None
+            limit = min(sp.max_tokens, self.max_model_len - req.num_prompt_tokens)
+            left.append(limit - (len(req.token_ids) - req.num_prompt_tokens))
+        steps = min(left)
+        dex = cast(DecodeExecutor, ex)
+        execute, tokens = dex.execute_decodes, dex.decode_tokens
+        clock, kv, n = self.clock, self.kv_cache, len(reqs)
+        context = run.context_tokens
+        ends: list[float] = []
+        records: list[StepRecord] = []
+        j = 0
+        while j < steps:
+            start = clock()
+            if start >= horizon or not run.allocate(j):
+                break
+            kv_used = kv.num_used_blocks if keep_records else 0
+            execute(n, context)
+            end = clock()
+            context += n
+            run.computed(j, tokens)
+            ends.append(end)
+            if keep_records:
+                records.append(
+                    self._decode_record(run.first_step_id + j, start, end, reqs, kv_used)
+                )
+            j += 1
+        if not ends:
+            return None
+        run.commit(ends, tokens)
+        finished: list[RequestOutput] = []
+        if j == steps:  # the last step finished these, in plan order as _emit does
+            end = ends[-1]
+            for req, k in zip(reqs, left, strict=True):
+                if k == steps:
+                    self._finish(req, FinishReason.LENGTH, end)
+                    n_out = len(req.token_ids) - req.num_prompt_tokens
+                    finished.append(
+                        RequestOutput(
+                            req.request_id,
+                            req.token_ids[-1:],
+                            "",
+                            True,
+                            FinishReason.LENGTH,
+                            req.num_prompt_tokens,
+                            n_out,
+                            req.timeline,
+                        )
+                    )
+        self.step_records.extend(records)
+        return DecodeBurst(reqs, ends, records, finished)
+
+    def _decode_record(
+        self, step_id: int, start: float, end: float, reqs: list[Request], kv_used: int
+    ) -> StepRecord:
+        return StepRecord(
+            step_id=step_id,
+            start=start,
+            end=end,
+            prefill_tokens=0,
+            decode_seqs=len(reqs),
+            prefill={},
+            decode=[r.request_id for r in reqs],
+            spec_proposed=0,
+            spec_accepted=0,
+            kv_blocks_used=kv_used,
+            kv_blocks_total=self.kv_cache.num_blocks,
+            num_waiting=self.num_waiting,
+            preempted=[],
+            replica=self.replica,
+            role=self.role,
+        )
 
     def _emit(self, req: Request, tokens: list[int], now: float) -> RequestOutput:
         """Apply the stop rules to this step's new tokens and build the request's output."""

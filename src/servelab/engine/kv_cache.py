@@ -9,9 +9,12 @@ blocks are handed out first, then cached ones, least recently freed first (LRU);
 a cached block evicts it from the prefix cache.
 
 Prefix caching: block i of a token sequence is identified by the chained key
-``(hash of block i-1's key, tuple of block i's token ids)``. The dict lookup compares the
-token tuple itself, so a hit is confirmed against the tokens, not just a hash. Only full
-blocks whose K/V has been computed are registered.
+``(hash of block i-1's key, tuple of block i's token ids)``. The cache maps each registered
+block's chain hash (the hash of its key) to the block, and a lookup confirms a hit against
+the key the block holds, so a hit is checked against the tokens, not just a hash (a hash
+collision costs a miss, never a wrong hit). Keying by the hash, an int, spares hashing the
+token tuple again at every registration, lookup and eviction. Only full blocks whose K/V
+has been computed are registered.
 
 Contract (the interface the scheduler relies on):
 - ``lookup(request_id, token_ids) -> PrefixHit``: the longest run of cached full blocks at
@@ -46,12 +49,13 @@ class PrefixHit:
 
 
 class _Block:
-    __slots__ = ("block_id", "key", "ref_count")
+    __slots__ = ("block_id", "hash", "key", "ref_count")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.key: BlockKey | None = None  # set while registered in the prefix cache
+        self.hash = 0  # hash(key) while registered: its entry in the cache
 
 
 class KVCacheManager:
@@ -69,7 +73,7 @@ class KVCacheManager:
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # ref_count == 0 blocks in hand-out order (front first); values unused.
         self._evictable: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[BlockKey, int] = {}
+        self._cached: dict[int, int] = {}  # chain hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[int]] = {}  # chain hashes of a request's full blocks
         self._keys: dict[str, list[BlockKey]] = {}  # and their keys (hashes[i] == hash(keys[i]))
@@ -121,8 +125,12 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
         parent = hashes[-1] if hashes else _ROOT_HASH
-        for i in range(len(hashes), num_blocks):
-            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+        first = len(hashes)
+        # One tuple of the new blocks' tokens, sliced per block: a slice of a tuple is a
+        # tuple, so each block's is built once rather than as a list and then a tuple.
+        tokens = tuple(token_ids[first * bs : num_blocks * bs])
+        for off in range(0, (num_blocks - first) * bs, bs):
+            key = (parent, tokens[off : off + bs])
             parent = hash(key)
             keys.append(key)
             hashes.append(parent)
@@ -138,11 +146,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching or not token_ids:
             return PrefixHit()
         max_blocks = (len(token_ids) - 1) // self.block_size
-        keys = self._chain(request_id, token_ids, max_blocks)[0]
+        keys, hashes = self._chain(request_id, token_ids, max_blocks)
+        cached, all_blocks = self._cached, self._blocks
         blocks: list[int] = []
         for i in range(max_blocks):
-            block_id = self._cached.get(keys[i])
-            if block_id is None:
+            block_id = cached.get(hashes[i])
+            if block_id is None or all_blocks[block_id].key != keys[i]:
                 break
             blocks.append(block_id)
         return PrefixHit(blocks, len(blocks) * self.block_size, len(token_ids))
@@ -162,15 +171,16 @@ class KVCacheManager:
         num_full = min(num_full, len(table))
         if num_full <= start:
             return
-        keys = self._chain(request_id, token_ids, num_full)[0]
+        keys, hashes = self._chain(request_id, token_ids, num_full)
         blocks, cached = self._blocks, self._cached
         for i in range(start, num_full):
             block = blocks[table[i]]
-            key = keys[i]
             # Another request may have computed the same content first: keep that copy.
-            # (setdefault hashes the key once; no key maps to a block whose key is None.)
-            if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
-                block.key = key
+            # (no hash maps to a block whose key is None.)
+            if block.key is None:
+                h = hashes[i]
+                if cached.setdefault(h, block.block_id) == block.block_id:
+                    block.key, block.hash = keys[i], h
         self._num_registered[request_id] = num_full
 
     def reset_prefix_cache(self) -> bool:
@@ -220,17 +230,19 @@ class KVCacheManager:
 
     def _take_blocks(self, n: int) -> list[int]:
         """Hand out ``n`` blocks from the front of the queue, evicting cached ones."""
-        evictable, blocks = self._evictable, self._blocks
+        evictable, blocks, cached = self._evictable, self._blocks, self._cached
         taken = []
+        evicted = 0
         for _ in range(n):
             block_id, _ = evictable.popitem(last=False)
             block = blocks[block_id]
             if block.key is not None:
-                del self._cached[block.key]
+                del cached[block.hash]
                 block.key = None
-                self.evictions += 1
+                evicted += 1
             block.ref_count = 1
             taken.append(block_id)
+        self.evictions += evicted
         return taken
 
     def free(self, request_id: str) -> None:
@@ -262,5 +274,6 @@ class KVCacheManager:
                 f"block {block.block_id} evictable state"
             )
             if block.key is not None:
-                assert self._cached.get(block.key) == block.block_id, "cache map mismatch"
+                assert block.hash == hash(block.key), f"block {block.block_id} hash"
+                assert self._cached.get(block.hash) == block.block_id, "cache map mismatch"
         assert len(self._cached) == sum(b.key is not None for b in self._blocks)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from servelab.engine.plan import BatchPlan, StepOutput
-from servelab.sim.work import StepWork, work_of_plan
+from servelab.sim.work import StepWork, decode_work, work_of_plan
 
 
 class CostModel(Protocol):
@@ -96,8 +96,16 @@ class SimExecutor:
         self.num_blocks = num_blocks
 
     def predict(self, plan: BatchPlan) -> float:
-        dt = self.cost_model.predict(work_of_plan(plan, self.imported))
+        return self._time(work_of_plan(plan, self.imported))
+
+    def _time(self, w: StepWork) -> float:
+        dt = self.cost_model.predict(w)
         return dt if self.step_noise is None else dt * self.step_noise()
+
+    def _run(self, dt: float) -> None:
+        self.clock.advance(dt)
+        self.busy_time += dt
+        self.steps += 1
 
     def _sample(self, plan: BatchPlan) -> dict[str, list[int]]:
         ph = self._placeholders
@@ -120,10 +128,27 @@ class SimExecutor:
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         dt = self.predict(plan)
-        self.clock.advance(dt)
-        self.busy_time += dt
-        self.steps += 1
+        self._run(dt)
         return StepOutput(sampled=self._sample(plan), elapsed=dt)
+
+    # The engine's decode bursts (``LLMEngine.decode_burst``): the same steps without plans.
+
+    def execute_decodes(self, num_seqs: int, context_tokens: int) -> float:
+        """Run one step of ``num_seqs`` one-token decodes after ``context_tokens`` cached tokens
+        in all, exactly as :meth:`execute` runs that plan (time, clock, counters, noise draw);
+        the tokens are :meth:`decode_tokens`'. Imported prompts change nothing for a decode."""
+        dt = self._time(decode_work(num_seqs, context_tokens))
+        self._run(dt)
+        return dt
+
+    def decode_tokens(self, num_output_tokens: int, count: int) -> list[int]:
+        """The tokens :meth:`execute` samples for a sequence over its next ``count`` decodes,
+        from ``num_output_tokens`` output tokens on (never an EOS id)."""
+        ph = self._placeholders
+        if len(ph) == 1:
+            return ph * count
+        nph = len(ph)
+        return [ph[i % nph] for i in range(num_output_tokens, num_output_tokens + count)]
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state once the request is finished."""

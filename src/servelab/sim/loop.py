@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from servelab.engine.engine import RequestOutput
 from servelab.engine.routing import Router, make_router
 from servelab.engine.sampling_params import SamplingParams
 from servelab.sim.executor import SimExecutor, VirtualClock
@@ -133,6 +134,7 @@ class SimResult:
     replicas: list[dict[str, Any]]
     topology: Topology
     num_steps: int = 0
+    num_burst_steps: int = 0  # of those, how many ran in decode bursts
     sim_duration: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -164,6 +166,7 @@ class Simulation:
         keep_steps: bool = True,
         block_size: int = 16,
         sim_seed: int = 0,
+        decode_bursts: bool = True,
     ) -> None:
         self.topology = topology or Topology()
         self.topology.validate()
@@ -182,6 +185,9 @@ class Simulation:
         self.keep_steps = keep_steps
         self.steps: list[dict[str, Any]] = []
         self.num_steps = 0
+        # Off: every step through ``engine.step``, the reference the bursts are tested against.
+        self.decode_bursts = decode_bursts
+        self.num_burst_steps = 0
         topo = self.topology
         # Replica i draws from seed sim_seed * 100_000 + i (step noise, speculative acceptance).
         seeds = itertools.count(sim_seed * 100_000)
@@ -308,14 +314,8 @@ class Simulation:
         result = replica.engine.step()
         end = replica.clock.now
         self.num_steps += 1
-        rec = result.record
-        if rec is not None and (self.keep_steps or self.step_sink is not None):
-            # Shallow: asdict's deep copy costs more than the rest of the step here.
-            d = {k: getattr(rec, k) for k in _STEP_FIELDS}
-            if self.step_sink is not None:
-                self.step_sink(d)
-            if self.keep_steps:
-                self.steps.append(d)
+        if result.record is not None:
+            self._keep(result.record)
         if not result.outputs and end == before:
             raise RuntimeError(
                 f"replica {replica.index} made no progress at t={end:.6f} with "
@@ -330,33 +330,72 @@ class Simulation:
             if out.new_token_ids:
                 rec_c.chunk_times.append(client_t)
                 rec_c.chunk_tokens.append(len(out.new_token_ids))
-            if not out.finished:
-                continue
-            replica.outstanding -= 1
-            replica.executor.forget(out.request_id)
-            tl = out.timeline
-            if replica.role == PREFILL_ROLE and out.finish_reason is not FinishReason.ERROR:
-                rec_c.output_tokens = 1
-                if c.req.max_tokens > 1:
-                    c.prefill_timeline = tl
-                    nbytes = len(c.req.prompt_token_ids) * self.kv_bytes_per_token
-                    assert self.topology.link is not None
-                    self._push(
-                        end + self.topology.link.transfer_time(nbytes), _TRANSFER, out.request_id
-                    )
-                    continue
-            else:
-                rec_c.output_tokens = (1 if c.prefill_timeline else 0) + out.num_output_tokens
-            if c.prefill_timeline is not None:
-                tl = _merge(c.prefill_timeline, tl)
-            if out.finish_reason is FinishReason.ERROR:
-                rec_c.error = tl.error or "engine error"
-                rec_c.status = 500
-            else:
-                rec_c.status = 200
-            rec_c.server_timeline = tl.summary()
-            self._timelines.append(tl)
-            self._push(client_t, _DONE, out.request_id)
+            if out.finished:
+                self._finished(replica, out, c, end, client_t)
+
+    def _finished(
+        self, replica: Replica, out: RequestOutput, c: _Client, end: float, client_t: float
+    ) -> None:
+        """A request finished on ``replica`` at ``end``: hand it on (prefill) or answer it."""
+        rec_c = c.record
+        replica.outstanding -= 1
+        replica.executor.forget(out.request_id)
+        tl = out.timeline
+        if replica.role == PREFILL_ROLE and out.finish_reason is not FinishReason.ERROR:
+            rec_c.output_tokens = 1
+            if c.req.max_tokens > 1:
+                c.prefill_timeline = tl
+                nbytes = len(c.req.prompt_token_ids) * self.kv_bytes_per_token
+                assert self.topology.link is not None
+                self._push(
+                    end + self.topology.link.transfer_time(nbytes), _TRANSFER, out.request_id
+                )
+                return
+        else:
+            rec_c.output_tokens = (1 if c.prefill_timeline else 0) + out.num_output_tokens
+        if c.prefill_timeline is not None:
+            tl = _merge(c.prefill_timeline, tl)
+        if out.finish_reason is FinishReason.ERROR:
+            rec_c.error = tl.error or "engine error"
+            rec_c.status = 500
+        else:
+            rec_c.status = 200
+        rec_c.server_timeline = tl.summary()
+        self._timelines.append(tl)
+        self._push(client_t, _DONE, out.request_id)
+
+    def _keep(self, rec: StepRecord) -> None:
+        if self.keep_steps or self.step_sink is not None:
+            # Shallow: asdict's deep copy costs more than the rest of the step here.
+            d = {k: getattr(rec, k) for k in _STEP_FIELDS}
+            if self.step_sink is not None:
+                self.step_sink(d)
+            if self.keep_steps:
+                self.steps.append(d)
+
+    def _burst(self, replica: Replica, horizon: float) -> bool:
+        """Run ``replica``'s steps before ``horizon`` in one decode burst, if its next step is
+        one; False if not. Nothing else can happen meanwhile: no event falls before the
+        horizon, and only the burst's last step can finish requests (push events)."""
+        want = self.keep_steps or self.step_sink is not None
+        burst = replica.engine.decode_burst(horizon, keep_records=want)
+        if burst is None:
+            return False
+        ends = burst.ends
+        self.num_steps += len(ends)
+        self.num_burst_steps += len(ends)
+        for rec in burst.records:
+            self._keep(rec)
+        client_times = [end + self.delay for end in ends]
+        ones = [1] * len(ends)
+        clients = self._clients
+        for req in burst.requests:
+            rec_c = clients[req.request_id].record
+            rec_c.chunk_times += client_times
+            rec_c.chunk_tokens += ones
+        for out in burst.finished:
+            self._finished(replica, out, clients[out.request_id], ends[-1], client_times[-1])
+        return True
 
     # ---- main loop ----
 
@@ -386,6 +425,7 @@ class Simulation:
             replicas=[self._replica_summary(r) for r in self.replicas],
             topology=self.topology,
             num_steps=self.num_steps,
+            num_burst_steps=self.num_burst_steps,
             sim_duration=max([*ends, *(r.done or T0 for r in records)]) - T0,
         )
 
@@ -414,7 +454,22 @@ class Simulation:
                     self._finish_client(t, payload)
             else:
                 assert busy is not None
-                self._step(busy)
+                if not (self.decode_bursts and self._burst(busy, self._horizon(busy, t_ev))):
+                    self._step(busy)
+
+    def _horizon(self, busy: Replica, t_ev: float) -> float:
+        """The time before which ``busy`` keeps being the one the loop advances (see _loop):
+        the next event, and each other busy replica's clock, which a replica earlier in the
+        list wins on a tie."""
+        horizon = t_ev
+        before = True
+        for r in self.replicas:
+            if r is busy:
+                before = False
+            elif r.engine.has_unfinished():
+                now = r.clock.now
+                horizon = min(horizon, now if before else math.nextafter(now, math.inf))
+        return horizon
 
     def _replica_summary(self, r: Replica) -> dict[str, Any]:
         from dataclasses import asdict

@@ -39,8 +39,9 @@ def simulate(
     scenario: Scenario,
     keep_steps: bool = True,
     step_sink: Callable[[dict[str, Any]], None] | None = None,
+    decode_bursts: bool = True,
 ) -> SimResult:
-    """Run the scenario once, deterministically."""
+    """Run the scenario once, deterministically (``decode_bursts``: see ``Simulation``)."""
     t = scenario.target
     return Simulation(
         t.factory,
@@ -53,6 +54,7 @@ def simulate(
         step_sink=step_sink,
         block_size=t.engine_config.block_size,
         sim_seed=scenario.sim_seed,
+        decode_bursts=decode_bursts,
     ).run()
 
 

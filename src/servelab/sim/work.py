@@ -81,3 +81,11 @@ def work_of_plan(plan: BatchPlan, imported: set[str] | frozenset = frozenset()) 
         else:
             prefill += n
     return StepWork(tokens, prefill, decode, seqs, logits, pairs, kv_read)
+
+
+def decode_work(num_seqs: int, context_tokens: int) -> StepWork:
+    """The work of a step in which ``num_seqs`` sequences each decode one token, after
+    ``context_tokens`` cached tokens in all: what :func:`work_of_plan` gives for that plan
+    (its pair sum is of whole numbers, so the float is exact), without building the plan."""
+    n, kv = num_seqs, context_tokens + num_seqs
+    return StepWork(n, 0, n, n, n, float(kv), kv)
