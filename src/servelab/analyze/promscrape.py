@@ -99,6 +99,21 @@ def samples(text: str) -> dict[tuple[str, str | None], float]:
     return out
 
 
+def info_metrics(text: str) -> dict[str, dict[str, str]]:
+    """The labels of each ``*_info`` gauge (e.g. vLLM's ``vllm:cache_config_info``): how
+    a server describes its configuration on /metrics. Labels that differ between samples
+    of one family (one per engine or model) are kept from the first."""
+    out: dict[str, dict[str, str]] = {}
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.endswith("_info") or fam.name.startswith(("python_", "process_")):
+            continue
+        for s in fam.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "le"}
+            if labels:
+                out.setdefault(fam.name, labels)
+    return out
+
+
 def _hist(before: dict, after: dict, name: str) -> HistDelta | None:
     count = after.get((f"{name}_count", None))
     if count is None:
