@@ -7,6 +7,7 @@ others; a request's parts must come from its own engine's steps, or they stop ad
 from __future__ import annotations
 
 import pytest
+import rundirs
 
 from servelab.analyze.attribution import attribute
 from servelab.bench.plan import LoadSpec
@@ -54,3 +55,14 @@ def test_ttft_parts_add_up_for_disaggregated_prefill_and_decode(tmp_path):
     handed_off = [t for t in run.timelines.values() if t.decode_replica is not None]
     assert handed_off and all(t.role == "prefill" for t in handed_off)
     assert_parts_add_up(run)
+
+
+def test_another_servers_queueing_under_kv_pressure_is_put_down_to_kv(tmp_path):
+    # vLLM's figures place each wait; the /metrics series says the server preempted during it.
+    pre = attribute(
+        load_run(rundirs.as_other_target(rundirs.preemptions(tmp_path / "p"), figures=True))
+    )
+    queued = [b for b in pre.ttft if b.queue]
+    assert queued and {b.queue_reason for b in queued} == {"kv"}
+    calm = attribute(load_run(rundirs.as_other_target(rundirs.burst(tmp_path / "b"), figures=True)))
+    assert {b.queue_reason for b in calm.ttft if b.queue} == {"other"}

@@ -178,4 +178,4 @@ def test_report_for_another_server_uses_client_side_phases(tmp_path):
     assert _sections(html) == list(RUN_SECTIONS)
     assert "an estimate from /metrics histogram deltas" in html
     names = {t.name for t in charts.phase_timeline(run, d.attribution.stalls).data}
-    assert "prefill chunk" not in names and {"queued (waiting for admission)", "decoding"} <= names
+    assert "prefill chunk" not in names and {charts.PHASE_NAMES["unsplit"], "decoding"} <= names

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+from pathlib import Path
 
 import pytest
 
-from servelab.analyze.promscrape import parse_scrapes
+from servelab.analyze.promscrape import estimate, info_metrics, parse_scrapes
 from servelab.analyze.timeseries import server_series
 from servelab.bench.collect import MetricsScraper
 from servelab.bench.testserver import Schedule, TestServer
@@ -134,3 +136,48 @@ def test_bad_scrape_interval_is_one_line(tmp_path):
 
     r = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--scrape-interval", "0s"])
     assert r.exit_code != 0 and "--scrape-interval" in r.output and "Traceback" not in r.output
+
+
+# ---------------------------------------------------------------- recorded from vLLM 0.32 CPU
+# Three scrapes of vLLM 0.32's /metrics (CPU build, SmolLM2-135M): before any request, while
+# one request ran, and after 10 requests had finished.
+def _recorded() -> list[dict]:
+    base = Path(__file__).parent / "fixtures" / "vllm"
+    return [
+        {
+            "t": float(i),
+            "text": gzip.decompress((base / f"metrics{i}.prom.gz").read_bytes()).decode(),
+        }
+        for i in range(3)
+    ]
+
+
+def test_recorded_vllm_scrapes_give_the_series():
+    s = server_series(parse_scrapes(_recorded()))
+    assert s is not None
+    assert s.gauges["running"] == [0.0, 1.0, 0.0] and s.gauges["waiting"] == [0.0, 0.0, 0.0]
+    assert 0.0 < s.peak("kv_usage", 0.0, 2.0) < 0.01  # a fraction of the cache, not percent
+    assert s.delta("prefix_cache_queries") == 682.0 and s.prefix_hit_rate() == 0.0
+    assert s.increases("preemptions") == []
+
+
+def test_recorded_vllm_scrapes_give_every_histogram_and_sane_quantiles():
+    est = estimate(_recorded())
+    assert est is not None
+    # vLLM 0.32 names TPOT vllm:request_time_per_output_token_seconds.
+    assert set(est.histograms) == {"ttft", "queue", "prefill", "decode", "itl", "tpot", "e2e"}
+    assert {h.count for k, h in est.histograms.items() if k != "itl"} == {10.0}
+    queue = est.histograms["queue"]
+    # Every queue time fell in vLLM's first bucket (0-0.3 s) with a mean of microseconds: the
+    # quantile is that mean, not the bucket's middle.
+    assert queue.mean < 1e-3 and queue.quantile(0.5) == pytest.approx(queue.mean)
+    for h in est.histograms.values():
+        assert h.quantile(0.5) <= h.quantile(0.9)
+
+
+def test_recorded_vllm_scrape_describes_its_cache_config():
+    info = info_metrics(_recorded()[0]["text"])
+    assert set(info) == {"vllm:cache_config_info"}  # python_info is the client library's
+    cache = info["vllm:cache_config_info"]
+    assert cache["block_size"] == "128" and cache["enable_prefix_caching"] == "True"
+    assert int(cache["num_gpu_blocks"]) * 128 == int(cache["kv_cache_size_tokens"])

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from servelab.bench.client import Target, send
 from servelab.bench.http import HttpClient
@@ -93,3 +96,88 @@ def test_unknown_fields_only_are_no_figures():
     assert figures_from({"metrics": {"speculative_decoding": None}, "meta_info": {}}) is None
     sg = figures_from({"meta_info": {"queue_time": 0.25, "cached_tokens": 64}})
     assert sg == {"queue_time": 0.25, "cached_prompt_tokens": 64, "reported_by": "sglang meta_info"}
+
+
+# ---------------------------------------------------------------- recorded from vLLM 0.32 CPU
+# tests/fixtures/vllm/: what vLLM 0.32 (CPU build, --enable-per-request-metrics, SmolLM2-135M
+# exported by `servelab export-hf`) sent, replayed byte for byte over HTTP to the client.
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+
+
+def _replay(name: str, endpoint: str, stream: bool):
+    body = (FIXTURES / name).read_bytes()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if not stream:
+            return web.Response(body=body, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in body.split(b"\n\n" if b"\n\n" in body else b"\n"):
+            if event.strip():
+                await resp.write(event.strip() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v1/{path:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        http = HttpClient(url)
+        try:
+            out = await send(
+                http,
+                Target(url, "smollm2-135m", endpoint=endpoint, timeout=20.0),
+                "r0",
+                "hello",
+                8,
+                stream=stream,
+                intended_send=time.monotonic(),
+                workload_class="chat",
+            )
+        finally:
+            await http.close()
+            await runner.cleanup()
+        return out.record
+
+    return asyncio.run(go())
+
+
+def _final_metrics(name: str) -> dict:
+    for line in (FIXTURES / name).read_text().splitlines():
+        if line.startswith("data: {") and '"metrics"' in line:
+            return json.loads(line[6:])["metrics"]
+    raise AssertionError(f"no metrics in {name}")
+
+
+@pytest.mark.parametrize(
+    ("name", "endpoint"), [("stream_chat.sse", "chat"), ("stream_completion.sse", "completions")]
+)
+def test_recorded_vllm_stream_gives_its_metrics_in_our_vocabulary(name, endpoint):
+    rec = _replay(name, endpoint, stream=True)
+    m = _final_metrics(name)
+    assert rec.ok and rec.error is None
+    # The role-only first chunk carries no token; the usage chunk carries no text.
+    assert sum(rec.chunk_tokens) == rec.output_tokens == len(rec.chunk_times)
+    s = rec.server_timeline
+    assert s["reported_by"] == VLLM
+    assert s["queue_time"] == pytest.approx(m["queue_time_ms"] / 1e3)
+    assert s["prefill_time"] == pytest.approx(m["time_to_first_token_ms"] / 1e3)
+    assert s["decode_time"] == pytest.approx(m["generation_time_ms"] / 1e3)
+    assert s["mean_itl"] == pytest.approx(m["mean_itl_ms"] / 1e3)
+    # vLLM's own figures are consistent: mean ITL x (tokens - 1) is the generation time.
+    assert s["mean_itl"] * (rec.output_tokens - 1) == pytest.approx(s["decode_time"], rel=1e-6)
+
+
+def test_recorded_vllm_whole_response_gives_its_metrics():
+    rec = _replay("completion.json", "completions", stream=False)
+    m = json.loads((FIXTURES / "completion.json").read_text())["metrics"]
+    assert rec.ok and rec.output_tokens == 6
+    s = rec.server_timeline
+    assert s["reported_by"] == VLLM and "speculative_decoding" not in s
+    assert s["queue_time"] == pytest.approx(m["queue_time_ms"] / 1e3)
+    assert s["prefill_time"] == pytest.approx(m["time_to_first_token_ms"] / 1e3)

@@ -182,6 +182,8 @@ def attribute(run: Run) -> Attribution:
     _fill_queue_depth(run, ok, breakdowns)
     stalls = []
     series = server_series(parse_scrapes(run.scrapes)) if not run.timelines else None
+    if series is not None:
+        _reported_queue_reasons(ok, breakdowns, series)
     windows = _Windows(ok)
     for rec in ok:
         tl = run.timeline_for(rec)
@@ -314,6 +316,25 @@ def _queue_reasons(
         else:
             reason = "budget"
         acc[reason] = acc.get(reason, 0.0) + ov
+
+
+def _reported_queue_reasons(
+    ok: list[ClientRecord], out: list[TTFTBreakdown], series: ServerSeries
+) -> None:
+    """Why another server kept a request queued, from the /metrics series: "kv" when its
+    KV cache was nearly full or it preempted during the wait (so kv_pressure, not
+    queue_bound, explains the wait), else "other". The wait is placed from the server's own
+    queue and prefill figures, counted back from the first token."""
+    for r, b in zip(ok, out):
+        if b.source != "reported" or not b.queue:
+            continue
+        scheduled = r.chunk_times[0] - (b.prefill or 0.0)
+        a = scheduled - b.queue
+        kv = series.peak("kv_usage", a, scheduled)
+        full = kv is not None and kv >= KV_PRESSURE
+        b.queue_reason = (
+            "kv" if full or series.rose_during("preemptions", a, scheduled) else "other"
+        )
 
 
 def _fill_queue_depth(run: Run, ok: list[ClientRecord], out: list[TTFTBreakdown]) -> None:

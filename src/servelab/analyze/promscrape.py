@@ -15,14 +15,20 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-HISTOGRAMS = {
-    "ttft": "vllm:time_to_first_token_seconds",
-    "queue": "vllm:request_queue_time_seconds",
-    "prefill": "vllm:request_prefill_time_seconds",
-    "decode": "vllm:request_decode_time_seconds",
-    "itl": "vllm:inter_token_latency_seconds",
-    "tpot": "vllm:time_per_output_token_seconds",
-    "e2e": "vllm:e2e_request_latency_seconds",
+# Each key's histogram, by the names it has had: vLLM 0.32 calls TPOT
+# ``vllm:request_time_per_output_token_seconds``; older builds and servelab's own server
+# ``vllm:time_per_output_token_seconds``. The first name a scrape carries is read.
+HISTOGRAMS: dict[str, tuple[str, ...]] = {
+    "ttft": ("vllm:time_to_first_token_seconds",),
+    "queue": ("vllm:request_queue_time_seconds",),
+    "prefill": ("vllm:request_prefill_time_seconds",),
+    "decode": ("vllm:request_decode_time_seconds",),
+    "itl": ("vllm:inter_token_latency_seconds",),
+    "tpot": (
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:time_per_output_token_seconds",
+    ),
+    "e2e": ("vllm:e2e_request_latency_seconds",),
 }
 COUNTERS = {
     "preemptions": "vllm:num_preemptions_total",
@@ -49,13 +55,21 @@ class HistDelta:
         return self.total / self.count if self.count > 0 else None
 
     def quantile(self, q: float) -> float | None:
-        """histogram_quantile: linear inside the bucket holding rank q * count."""
+        """histogram_quantile: linear inside the bucket holding rank q * count.
+
+        When every observation fell in that one bucket, the mean is the only location the
+        histogram gives inside it, and it is returned instead: interpolation would put all of
+        them mid-bucket (vLLM's queue-time buckets start at 0.3 s, so a 30 us queue would
+        read as 150 ms).
+        """
         if self.count <= 0 or not self.buckets:
             return None
         rank = q * self.count
         prev_le, prev_c = 0.0, 0.0
         for le, c in self.buckets:
             if c >= rank:
+                if prev_c == 0.0 and c >= self.count and self.mean is not None:
+                    return min(max(self.mean, prev_le), le)
                 if le == float("inf"):
                     return prev_le  # the top bucket has no upper edge: report its floor
                 if c == prev_c:
@@ -99,6 +113,21 @@ def samples(text: str) -> dict[tuple[str, str | None], float]:
     return out
 
 
+def info_metrics(text: str) -> dict[str, dict[str, str]]:
+    """The labels of each ``*_info`` gauge (e.g. vLLM's ``vllm:cache_config_info``): how
+    a server describes its configuration on /metrics. Labels that differ between samples
+    of one family (one per engine or model) are kept from the first."""
+    out: dict[str, dict[str, str]] = {}
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.endswith("_info") or fam.name.startswith(("python_", "process_")):
+            continue
+        for s in fam.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "le"}
+            if labels:
+                out.setdefault(fam.name, labels)
+    return out
+
+
 def _hist(before: dict, after: dict, name: str) -> HistDelta | None:
     count = after.get((f"{name}_count", None))
     if count is None:
@@ -137,10 +166,13 @@ def estimate(
     parsed = [p for _, p in timed]
     before, after = parsed[0], parsed[-1]
     est = ServerEstimates(n_scrapes=len(parsed))
-    for key, name in HISTOGRAMS.items():
-        h = _hist(before, after, name)
-        if h is not None and h.count > 0:
-            est.histograms[key] = h
+    for key, names in HISTOGRAMS.items():
+        for name in names:
+            h = _hist(before, after, name)
+            if h is not None:
+                if h.count > 0:
+                    est.histograms[key] = h
+                break
     for key, name in COUNTERS.items():
         if (name, None) in after:
             est.counters[key] = after[(name, None)] - before.get((name, None), 0.0)

@@ -2,8 +2,9 @@
 
 ``launch_server`` starts ``servelab serve`` as a child process on a free loopback port,
 waits for ``/health`` (with a spinner), and ``stop()`` ends it (SIGTERM, then SIGKILL).
-``probe`` reads what a server says about itself: ``/version``, ``/v1/models`` and
-whether it serves servelab timelines.
+``probe`` reads what a server says about itself: ``/version``, ``/v1/models``, the
+``*_info`` gauges of ``/metrics`` (vLLM's ``vllm:cache_config_info``: block size, KV
+blocks, prefix caching...) and whether it serves servelab timelines.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 import aiohttp
 
+from servelab.analyze.promscrape import info_metrics
+
 HEALTH_TIMEOUT_S = 900.0  # loading and dequantising a model on 2 cores takes a while
 
 
@@ -38,6 +41,7 @@ class ServerInfo:
     launched: bool = False
     command: list[str] | None = None
     engine_args: str = ""
+    info_metrics: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def model_id(self) -> str | None:
@@ -76,6 +80,7 @@ class ServerInfo:
             "models": self.models,
             "model": self.model_id,
             "max_model_len": self.max_model_len,
+            "info_metrics": self.info_metrics,
         }
 
 
@@ -141,6 +146,14 @@ async def probe(url: str, api_key: str | None = None, timeout: float = 10.0) -> 
             async with s.get(f"{url}/version") as r:
                 if r.status == 200:
                     info.version = await r.json(content_type=None)
+        # A /metrics that is missing or not Prometheus text leaves the description empty;
+        # the scraper notes it once for the run.
+        with contextlib.suppress(
+            aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, IndexError
+        ):
+            async with s.get(f"{url}/metrics") as r:
+                if r.status == 200:
+                    info.info_metrics = info_metrics(await r.text())
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             async with s.get(f"{url}/v1/timelines", params={"ids": ""}) as r:
                 body = await r.json(content_type=None) if r.status == 200 else None

@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from servelab.analyze.attribution import TTFT_PARTS, Stall
 from servelab.analyze.compare import Comparison
-from servelab.analyze.diagnose import Diagnosis
+from servelab.analyze.diagnose import Diagnosis, PartsTable
 from servelab.analyze.summary import stage_summaries
 from servelab.rundir import Run
 from servelab.vocab import ClientRecord, RequestTimeline
@@ -27,10 +27,14 @@ PHASE_COLORS = {
     "decode": "#1f77b4",
     "stall": "#d62728",
     "preempted": "#9467bd",
+    "network": "#7f7f7f",
+    "unsplit": "#dadaeb",
 }
 PART_COLORS = dict(
     zip(TTFT_PARTS, ["#8c564b", "#7f7f7f", "#bdbdbd", "#ff7f0e", "#e377c2", "#9467bd", "#17becf"])
 )
+UNSPLIT = "not split: server + network (client view only)"
+UNSPLIT_MIN_SHARE = 0.01  # below this the parts are taken to cover TTFT (rounding, clock skew)
 MAX_CDF_POINTS = 1500
 GANTT_SAMPLE = 24
 
@@ -269,7 +273,12 @@ def throughput_vs_latency(
 
 
 def ttft_attribution(d: Diagnosis) -> go.Figure:
-    """Stacked bars: mean ms per TTFT part, overall, slowest 10% and per class."""
+    """Stacked bars: mean ms per TTFT part, overall, slowest 10% and per class.
+
+    Whatever of a row's TTFT its parts do not cover is drawn as "not split": a run against
+    another server may split only the overall row (from /metrics means), and its other rows
+    would otherwise be empty.
+    """
     named = {"all requests": d.overall, "slowest 10%": d.tail} | {
         f"class {k}": v for k, v in d.by_class.items()
     }
@@ -286,6 +295,17 @@ def ttft_attribution(d: Diagnosis) -> go.Figure:
                 marker={"color": PART_COLORS.get(part)},
             )
         )
+    rest = {k: unsplit_ttft(t) for k, t in tables.items()}
+    if any(v > 0 for v in rest.values()):
+        fig.add_trace(
+            go.Bar(
+                y=list(rest),
+                x=[v * 1e3 for v in rest.values()],
+                name=UNSPLIT,
+                orientation="h",
+                marker={"color": PHASE_COLORS["unsplit"], "pattern": {"shape": "/"}},
+            )
+        )
     fig.update_layout(barmode="stack")
     fig.update_yaxes(autorange="reversed")
     return _layout(
@@ -296,6 +316,13 @@ def ttft_attribution(d: Diagnosis) -> go.Figure:
         yaxis_title="requests",
         legend_title="part (how obtained)",
     )
+
+
+def unsplit_ttft(t: PartsTable) -> float:
+    """Mean seconds of TTFT from the intended send that no part covers (0 when covered)."""
+    whole = t.ttft_mean + t.parts.get("client_lag", 0.0)
+    rest = whole - sum(t.parts.values())
+    return rest if whole > 0 and rest > UNSPLIT_MIN_SHARE * whole else 0.0
 
 
 def _sample(run: Run, stalls: list[Stall], n: int = GANTT_SAMPLE) -> list[ClientRecord]:
@@ -338,7 +365,7 @@ def phase_timeline(run: Run, stalls: list[Stall]) -> go.Figure:
         vertical_spacing=0.04,
         row_heights=[0.7, 0.15, 0.15][:rows] if rows == 3 else [1.0],
     )
-    spans: dict[str, list[tuple[float, float, str]]] = {k: [] for k in PHASE_COLORS}
+    spans: dict[str, list[tuple[float, float, str]]] = {k: [] for k in PHASE_NAMES}
     stall_by_req: dict[str, list[Stall]] = {}
     for s in stalls:
         stall_by_req.setdefault(s.request_id, []).append(s)
@@ -347,29 +374,26 @@ def phase_timeline(run: Run, stalls: list[Stall]) -> go.Figure:
         tl = run.timeline_for(rec)
         if tl is not None and tl.scheduled:
             _timeline_spans(tl, label, t0, spans)
-        else:  # other targets: waiting for the first token, then streaming
-            spans["queue"].append((rec.actual_send - t0, rec.chunk_times[0] - t0, label))
-            spans["decode"].append((rec.chunk_times[0] - t0, rec.chunk_times[-1] - t0, label))
+        else:
+            _client_spans(rec, label, t0, spans)
         for s in stall_by_req.get(rec.request_id, []):
             spans["stall"].append((s.at - t0, s.at + s.gap - t0, label))
-    names = {
-        "queue": "queued (waiting for admission)",
-        "prefill": "prefill chunk",
-        "decode": "decoding",
-        "stall": "ITL stall (client view)",
-        "preempted": "preempted (re-queued)",
-    }
     for kind, pairs in spans.items():
         if not pairs:
             continue
         xs, ys = _segments(pairs)
+        base = kind.removesuffix(REPORTED)
         fig.add_trace(
             go.Scatter(
                 x=xs,
                 y=ys,
                 mode="lines",
-                name=names[kind],
-                line={"color": PHASE_COLORS[kind], "width": 9 if kind != "stall" else 4},
+                name=PHASE_NAMES[kind],
+                line={
+                    "color": PHASE_COLORS[base],
+                    "width": 9 if kind != "stall" else 4,
+                    "dash": "dot" if kind in ESTIMATED_PHASES else "solid",
+                },
             ),
             row=1,
             col=1,
@@ -406,6 +430,45 @@ def phase_timeline(run: Run, stalls: list[Stall]) -> go.Figure:
         legend_title="phase",
         bargap=0,
     )
+
+
+# Phase rows of the timeline. Another server's phases come from its per-request figures
+# (durations it measured, placed back from the first token the client saw: "reported"), or,
+# without them, from the client alone (the wait for the first token is not split).
+REPORTED = "_reported"
+PHASE_NAMES = {
+    "queue": "queued (waiting for admission)",
+    "prefill": "prefill chunk",
+    "decode": "decoding",
+    "stall": "ITL stall (client view)",
+    "preempted": "preempted (re-queued)",
+    "network": "send to server queue (estimated: network, HTTP, tokenising)",
+    "queue" + REPORTED: "queued (server's figure, placed from the first token)",
+    "prefill" + REPORTED: "prefill (server's figure, placed from the first token)",
+    "unsplit": "waiting for the first token (queue + prefill, not split: client view)",
+}
+ESTIMATED_PHASES = {"network", "queue" + REPORTED, "prefill" + REPORTED, "unsplit"}
+
+
+def _client_spans(
+    rec: ClientRecord, label: str, t0: float, spans: dict[str, list[tuple[float, float, str]]]
+) -> None:
+    """A request of another server: its reported queue and prefill, or one unsplit wait."""
+    first, send = rec.chunk_times[0], rec.actual_send
+    s = rec.server_timeline or {}
+    prefill = s.get("prefill_time") if "reported_by" in s else None
+    if prefill is not None:
+        scheduled = max(send, first - prefill)
+        queued = max(send, scheduled - (s.get("queue_time") or 0.0))
+        if "queue_time" in s:
+            spans["network"].append((send - t0, queued - t0, label))
+            spans["queue" + REPORTED].append((queued - t0, scheduled - t0, label))
+        else:  # no queue figure (llama.cpp): queueing stays inside the wait before prefill
+            spans["unsplit"].append((send - t0, scheduled - t0, label))
+        spans["prefill" + REPORTED].append((scheduled - t0, first - t0, label))
+    else:
+        spans["unsplit"].append((send - t0, first - t0, label))
+    spans["decode"].append((first - t0, rec.chunk_times[-1] - t0, label))
 
 
 def _timeline_spans(

@@ -237,8 +237,27 @@ def timeslices_html(summary: dict[str, Any]) -> str:
 _WINDOW_COLS = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p99"), ("e2e", "p50"))
 
 
+def server_said(server: dict[str, Any]) -> str:
+    """What a server without a resolved engine config said about itself when probed: its
+    /version, /v1/models' max_model_len and the labels of its /metrics info gauges."""
+    said = []
+    version = server.get("version")
+    if isinstance(version, dict) and isinstance(version.get("version"), str):
+        said.append(f"version={version['version']}")
+    if server.get("max_model_len") is not None:
+        said.append(f"max_model_len={server['max_model_len']}")
+    for name, labels in (server.get("info_metrics") or {}).items():
+        kept = ", ".join(f"{k}={v}" for k, v in labels.items() if v not in ("", "None"))
+        said.append(f"{name}: {kept}")
+    return "; ".join(said)
+
+
 def _run_header(run: Run) -> str:
-    cfg = ", ".join(f"{k}={v}" for k, v in run.engine_config.items()) or "unknown"
+    cfg = (
+        ", ".join(f"{k}={v}" for k, v in run.engine_config.items())
+        or server_said(run.server)
+        or "unknown"
+    )
     wl = run.workload
     wl_txt = wl.get("name") if isinstance(wl, dict) and wl.get("name") else wl
     t0, t1 = run.window

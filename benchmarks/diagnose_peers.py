@@ -1,0 +1,389 @@
+"""Does `servelab diagnose` explain servers it cannot see inside? Checked against truth.
+
+(a) servelab's own engine, run once, then diagnosed twice: as itself (exact timelines and
+    steps) and with its timelines withheld, as a foreign server leaves a run (only the
+    OpenAI API's answers and the /metrics scrapes). Printed: each TTFT part's exact p50/p90
+    beside the /metrics estimate, and the share of ITL stalls whose inferred cause matches
+    the exact one.
+(b) Causes planted by configuration on live vLLM (the CPU build from
+    benchmarks/peers/install.sh, on weights from `servelab export-hf`), one server core, the
+    client on the other: overload, long prompts during streaming without chunked prefill and
+    with a large token budget, a tiny KV space, a shared system prompt with prefix caching
+    off and on, and the client squeezed onto the server's core. Printed: case, expected
+    cause, top finding, confidence, false findings (other findings at medium confidence or
+    more), and vLLM's per-request queue and scheduled->first-token figures against the
+    client's TTFT for the same requests.
+
+    python benchmarks/diagnose_peers.py [--vllm-python .venv-peers/vllm/bin/python]
+        [--model-dir DIR] [--out DIR] [--only overload,unchunked,...]
+
+Not a test: it takes about 20 minutes on a 2-core machine (vLLM CPU decodes ~100 ms/token
+on one thread) and needs the 4 GB vLLM install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from servelab.analyze.attribution import attribute
+from servelab.analyze.diagnose import diagnose
+from servelab.analyze.promscrape import estimate
+from servelab.analyze.stats import confidence_label
+from servelab.rundir import load_run
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER_CPU, CLIENT_CPU = "0", "1"
+MEDIUM = 0.45  # confidence_label's "medium"
+AGREE_MS = 5.0
+
+CHAT = {"name": "chat", "text": "question", "input": {"dist": "uniform", "min": 64, "max": 128}}
+WORKLOADS = {
+    "chat": {"classes": [CHAT | {"output": {"dist": "fixed", "value": 24}}]},
+    "long_during_streams": {
+        "classes": [
+            CHAT | {"weight": 3, "output": {"dist": "fixed", "value": 48}},
+            {
+                "name": "rag",
+                "input": {"dist": "uniform", "min": 1200, "max": 1500},
+                "output": {"dist": "fixed", "value": 4},
+            },
+        ]
+    },
+    "kv": {
+        "classes": [
+            CHAT
+            | {
+                "input": {"dist": "uniform", "min": 100, "max": 120},
+                "output": {"dist": "fixed", "value": 96},
+            }
+        ]
+    },
+    "shared_prefix": {
+        "classes": [
+            CHAT
+            | {
+                "input": {"dist": "uniform", "min": 520, "max": 560},
+                "output": {"dist": "fixed", "value": 6},
+                "prefix": [{"name": "system", "count": 1, "tokens": 480, "reuse": 1.0}],
+            }
+        ]
+    },
+}
+
+
+@dataclass
+class Case:
+    name: str
+    expected: str  # the finding that must come first; "no low_prefix_reuse" for caching on
+    flags: list[str]
+    workload: str
+    load: list[str]
+    client_cpu: str = CLIENT_CPU
+    extra: dict = field(default_factory=dict)
+
+
+BASE = ["--max-num-seqs", "4", "--max-model-len", "2048"]
+CASES = [
+    Case("overload", "queue_bound", BASE, "chat", ["--rate", "2.5", "--requests", "24"]),
+    Case(
+        "prefix_on",
+        "no low_prefix_reuse",
+        BASE,
+        "shared_prefix",
+        ["--rate", "0.2", "--requests", "12"],
+    ),
+    Case(
+        "squeezed",
+        "client_bottleneck",
+        BASE,
+        "chat",
+        ["--rate", "0.3", "--requests", "10"],
+        client_cpu=SERVER_CPU,
+    ),
+    Case(
+        "prefix_off",
+        "low_prefix_reuse",
+        [*BASE, "--no-enable-prefix-caching"],
+        "shared_prefix",
+        ["--rate", "0.2", "--requests", "12"],
+    ),
+    Case(
+        "unchunked",
+        "itl_prefill_interference",
+        [*BASE, "--no-enable-chunked-prefill"],
+        "long_during_streams",
+        ["--rate", "0.6", "--requests", "16"],
+    ),
+    Case(
+        "big_budget",
+        "itl_prefill_interference",
+        [*BASE, "--max-num-batched-tokens", "4096"],
+        "long_during_streams",
+        ["--rate", "0.6", "--requests", "16"],
+    ),
+    Case(
+        "tiny_kv",
+        "kv_pressure",
+        # 6 blocks of 128 tokens hold 640 tokens of context (vLLM keeps one block back): two of
+        # the six requests' ~220 tokens each fit, the rest are preempted as they grow.
+        ["--max-num-seqs", "6", "--max-model-len", "512", "--num-gpu-blocks-override", "6"],
+        "kv",
+        ["--rate", "4", "--requests", "12"],
+    ),
+]
+
+
+def _servelab() -> list[str]:
+    return [sys.executable, "-m", "servelab.cli"]  # child processes inherit PYTHONPATH
+
+
+def _get(url: str, timeout: float = 2.0) -> bytes | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read()
+    except OSError:
+        return None
+
+
+class Vllm:
+    """vLLM's OpenAI server from the peers' venv, pinned to one core with one thread."""
+
+    def __init__(self, python: str, model_dir: Path, flags: list[str], log: Path, port: int):
+        self.url = f"http://127.0.0.1:{port}"
+        env = os.environ | {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("PYTHONPATH", None)
+        cmd = [
+            "taskset", "-c", SERVER_CPU, python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", "smollm2-135m",
+            "--port", str(port), "--enable-per-request-metrics", "--enforce-eager", *flags,
+        ]  # fmt: skip
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+    def wait(self, timeout: float = 600.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited: see {self.log}")
+            if _get(f"{self.url}/v1/models"):
+                return
+            time.sleep(2.0)
+        raise RuntimeError(f"vLLM did not come up in {timeout:.0f} s: see {self.log}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+REUSE = False  # --reuse: diagnose the runs already in --out instead of running them again
+
+
+def bench(out: Path, workload: Path, load: list[str], cpu: str, url: str | None, tok: str) -> None:
+    if REUSE and (out / "manifest.json").exists():
+        return
+    target = ["--url", url, "--tokenizer", tok] if url else []
+    cmd = [
+        "taskset", "-c", cpu, *_servelab(), "bench", *target, "--workload", str(workload),
+        *load, "--seed", "1", "--out", str(out), "--overwrite", "--quiet",
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    # A run the client marked invalid (exit 3: on a shared machine, loop lag) is still a
+    # run: the diagnosis says so, and the squeezed case expects it.
+    if r.returncode not in (0, 3) or not (out / "manifest.json").exists():
+        raise RuntimeError(f"bench failed ({r.returncode}): {r.stderr[-800:]}")
+
+
+# ---------------------------------------------------------------- (a) exact vs estimated
+def withhold(src: Path, dst: Path) -> Path:
+    """The run as a foreign server would leave it: no timelines, steps or per-request
+    summary, the server's config unknown; the client records and /metrics scrapes kept."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for name in ("server.jsonl", "steps.jsonl"):
+        (dst / name).unlink(missing_ok=True)
+    rows = [json.loads(x) for x in (dst / "requests.jsonl").read_text().splitlines() if x]
+    (dst / "requests.jsonl").write_text(
+        "".join(json.dumps(r | {"server_timeline": None}) + "\n" for r in rows)
+    )
+    man = json.loads((dst / "manifest.json").read_text())
+    man["target_kind"] = "other"
+    man["server"] = {"model": (man.get("server") or {}).get("model")}
+    (dst / "manifest.json").write_text(json.dumps(man))
+    return dst
+
+
+def exact_vs_estimated(work: Path) -> None:
+    wl = work / "long_during_streams.yaml"
+    run_dir = work / "servelab"
+    print("\n(a) servelab's engine as itself vs with its timelines withheld", flush=True)
+    bench(run_dir, wl, ["--rate", "1.5", "--requests", "24"], CLIENT_CPU, None, "")
+    exact = load_run(run_dir)
+    foreign = load_run(withhold(run_dir, work / "servelab-withheld"))
+    ea, fa = attribute(exact), attribute(foreign)
+    est = estimate(foreign.scrapes)
+    print(f"  {'part':<10} {'exact p50':>10} {'est p50':>9} {'err':>8} {'exact p90':>10} "
+          f"{'est p90':>9} {'err':>8}")  # fmt: skip
+    # servelab's prefill histogram spans first admission to the first token, so the exact
+    # figure it estimates is every part after the queue, not the request's own share.
+    after_queue = ("prefill", "interference", "preemption", "overhead")
+    exact_parts = {
+        "queue": [b.queue or 0.0 for b in ea.ttft],
+        "prefill": [sum(getattr(b, k) or 0.0 for k in after_queue) for b in ea.ttft],
+    }
+    for part, xs in exact_parts.items():
+        h = est.histograms.get(part) if est else None
+        row = [f"  {part:<10}"]
+        for q in (0.5, 0.9):
+            x = float(np.percentile(xs, q * 100)) * 1e3
+            got = h.quantile(q) if h else None
+            e = got * 1e3 if got is not None else float("nan")
+            row.append(f"{x:>10.1f} {e:>9.1f} {e - x:>+8.1f}")
+        print(" ".join(row))
+    by_key = {(s.request_id, round(s.at, 6)): s for s in ea.stalls}
+    pairs = [(by_key[k], s) for s in fa.stalls if (k := (s.request_id, round(s.at, 6))) in by_key]
+    agree = sum(1 for e, f in pairs if e.cause == f.cause)
+    causes = sorted({e.cause for e, _ in pairs})
+    print(f"  ITL stalls: {len(ea.stalls)} exact, {len(fa.stalls)} inferred; cause agrees on "
+          f"{agree}/{len(pairs)} ({agree / max(len(pairs), 1):.0%}); exact causes {causes}")  # fmt: skip
+    for c in causes:
+        sub = [(e, f) for e, f in pairs if e.cause == c]
+        inferred = statistics.multimode(f.cause for _, f in sub)
+        print(f"    exact {c:<12} n={len(sub):<3} inferred as {inferred}")
+
+
+# ---------------------------------------------------------------- (b) planted causes on vLLM
+def agreement(run) -> str:
+    """vLLM's queue + scheduled->first token against the client's TTFT, per request."""
+    diffs, queues = [], []
+    for r in run.records:
+        s = r.server_timeline or {}
+        if r.ok and r.ttft is not None and s.get("reported_by") == "vllm metrics":
+            server = (s.get("queue_time") or 0.0) + (s.get("prefill_time") or 0.0)
+            diffs.append((r.ttft - server) * 1e3)
+            queues.append((s.get("queue_time") or 0.0) * 1e3)
+    if not diffs:
+        return "no per-request figures"
+    p50 = float(np.median(diffs))
+    ok = "ok" if abs(p50) <= AGREE_MS else "OFF"
+    return f"client-server p50 {p50:+.1f} ms ({ok}), vLLM queue p50 {np.median(queues):.0f} ms"
+
+
+def judge(case: Case, run_dir: Path) -> dict:
+    run = load_run(run_dir)
+    d = diagnose(run)
+    found = [(f.id, f.confidence) for f in d.findings]
+    top = found[0] if found else ("none", 0.0)
+    if case.expected.startswith("no "):
+        unwanted = case.expected[3:]
+        ok = all(i != unwanted or c < MEDIUM for i, c in found)
+        false = [f"{i} {confidence_label(c)}" for i, c in found if c >= MEDIUM]
+    else:
+        ok = top[0] == case.expected
+        false = [
+            f"{i} {confidence_label(c)}" for i, c in found if i != case.expected and c >= MEDIUM
+        ]
+    series = d.server_series or {}
+    return {
+        "case": case.name,
+        "expected": case.expected,
+        "top": top[0],
+        "confidence": f"{top[1]:.2f} {confidence_label(top[1])}",
+        "false": ", ".join(false) or "-",
+        "verdict": "PASS" if ok and not false else "FAIL",
+        "agreement": agreement(run),
+        "valid": run.valid,
+        "stalls": {k: int(v["count"]) for k, v in d.stalls_by_cause.items()},
+        "hit_rate": series.get("prefix_cache_hit_rate"),
+        "ttft_p50_ms": float(np.median([r.ttft for r in run.records if r.ok and r.ttft])) * 1e3,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-peers/vllm/bin/python"))
+    ap.add_argument("--model-dir", default=None, help="an HF export (default: export now)")
+    ap.add_argument("--out", default=None, help="keep the runs here (default: a temp dir)")
+    ap.add_argument("--only", default="", help="comma-separated case names, or 'a' for (a)")
+    ap.add_argument("--skip-a", action="store_true", help="skip (a), servelab's own engine")
+    ap.add_argument("--port", type=int, default=8731)
+    ap.add_argument("--reuse", action="store_true", help="diagnose the runs already in --out")
+    a = ap.parse_args()
+    global REUSE
+    REUSE = a.reuse
+    if not Path(a.vllm_python).exists():
+        sys.exit(f"no vLLM python at {a.vllm_python}: run benchmarks/peers/install.sh first")
+    work = Path(a.out or tempfile.mkdtemp(prefix="diagnose-peers-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for name, spec in WORKLOADS.items():
+        (work / f"{name}.yaml").write_text(yaml.safe_dump({"name": name, **spec}))
+    model_dir = Path(a.model_dir) if a.model_dir else work / "smollm2-hf"
+    if not (model_dir / "config.json").exists():
+        subprocess.run([*_servelab(), "export-hf", "--model", "smollm2-135m", str(model_dir)],
+                       check=True, capture_output=True)  # fmt: skip
+    only = set(filter(None, a.only.split(",")))
+    t0 = time.monotonic()
+    if not a.skip_a and (not only or "a" in only):
+        exact_vs_estimated(work)
+    print("\n(b) planted causes on vLLM 0.32 CPU (1 thread, core 0; client on core 1)", flush=True)
+    rows = []
+    cases = [c for c in CASES if not only or c.name in only]
+    server: Vllm | None = None
+    flags: list[str] | None = None
+    try:
+        for case in cases:
+            if case.flags != flags and not (
+                REUSE and (work / case.name / "manifest.json").exists()
+            ):
+                if server:
+                    server.stop()
+                server = Vllm(a.vllm_python, model_dir, case.flags, work / f"vllm-{case.name}.log",
+                              a.port)  # fmt: skip
+                flags = case.flags
+                try:
+                    server.wait()
+                except RuntimeError as e:
+                    rows.append({"case": case.name, "expected": case.expected,
+                                 "verdict": f"ERROR {e}"})  # fmt: skip
+                    continue
+            out = work / case.name
+            t = time.monotonic()
+            try:
+                bench(out, work / f"{case.workload}.yaml", case.load, case.client_cpu,
+                      server.url if server else "", str(model_dir))  # fmt: skip
+                row = judge(case, out)
+            except RuntimeError as e:
+                row = {"case": case.name, "expected": case.expected, "verdict": f"ERROR {e}"}
+            row["seconds"] = round(time.monotonic() - t)
+            rows.append(row)
+            print("  " + json.dumps(row), flush=True)
+    finally:
+        if server:
+            server.stop()
+    print("\n| case | expected cause | top finding | confidence | false findings | verdict |"
+          " vLLM vs client TTFT |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['expected']} | {r.get('top', '-')} | {r.get('confidence', '-')}"
+              f" | {r.get('false', '-')} | {r['verdict']} | {r.get('agreement', '-')} |")  # fmt: skip
+    print(f"\nruns in {work}; {time.monotonic() - t0:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()
