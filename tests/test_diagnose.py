@@ -96,6 +96,38 @@ def test_prefix_reuse_found_only_when_caching_is_off(tmp_path):
     assert saved and min(saved) > 0
 
 
+def test_prefix_reuse_on_another_server_reads_its_config_and_judges_tokens_by_the_ideal(
+    tmp_path,
+):
+    from types import SimpleNamespace
+
+    from servelab.analyze.findings import Context, low_prefix_reuse
+
+    run = load_run(rundirs.as_other_target(rundirs.shared_prefix(tmp_path / "r"), scrape=False))
+    attr = attribute(run)
+
+    def finding(caching: str, hits: float, queries: float, ideal: float | None):
+        run.server["info_metrics"] = {
+            "vllm:cache_config_info": {"enable_prefix_caching": caching, "block_size": "128"}
+        }
+        run.metrics = {"similarity": {"overall": ideal} if ideal else None}
+        est = SimpleNamespace(counters={"prefix_cache_queries": queries, "prefix_cache_hits": hits})
+        return low_prefix_reuse(Context(run, attr, est))  # type: ignore[arg-type]
+
+    # vLLM with caching off keeps its cache counters at zero; its own label says it is off.
+    off = finding("False", 0.0, 0.0, 0.43)
+    assert off is not None and off.evidence["prefix_caching"] is False
+    assert "prefix caching is off" in off.summary and off.confidence_label == "high"
+    # On, its token hit rate (0.35) is most of what an ideal cache could serve (0.43): fine,
+    # though below the request-level threshold that a token rate must not be held to.
+    assert finding("True", 35.0, 100.0, 0.43) is None
+    # A token hit rate far below the ideal is low reuse, estimated.
+    low = finding("True", 5.0, 100.0, 0.43)
+    assert low is not None and not low.exact and low.evidence["share_of_ideal"] < 0.5
+    # Without the ideal, the hit rate itself is judged.
+    assert finding("True", 35.0, 100.0, None) is not None
+
+
 def test_other_target_uses_metrics_estimates_and_says_so(tmp_path):
     run = load_run(rundirs.as_other_target(rundirs.burst(tmp_path / "b")))
     d = diagnose(run)

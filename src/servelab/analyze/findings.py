@@ -77,7 +77,27 @@ class Context:
         return self.attr.source in ("exact", "summary", "reported")
 
     def config(self, key: str, default: Any = None) -> Any:
-        return self.run.engine_config.get(key, default)
+        """An engine setting: the resolved config a servelab server reported, else the
+        label of that name on another server's ``/metrics`` info gauges (vLLM's
+        ``vllm:cache_config_info`` carries ``enable_prefix_caching`` and ``block_size``)."""
+        if key in self.run.engine_config:
+            return self.run.engine_config[key]
+        for labels in (self.run.server.get("info_metrics") or {}).values():
+            if key in labels:
+                return _label_value(labels[key])
+        return default
+
+
+def _label_value(v: str) -> Any:
+    """A Prometheus label as the setting it states (labels are always strings)."""
+    if v in ("True", "False"):
+        return v == "True"
+    if v == "None":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        return v
 
 
 def _ms(x: float | None) -> float | None:
@@ -420,9 +440,23 @@ def low_prefix_reuse(c: Context) -> Finding | None:
         ev["fraction_with_cache_hits"] = round(frac, 3)
         ev["cached_tokens_share"] = round(cached / max(sum(r.input_tokens for r in reusable), 1), 3)
         exact = True
+    elif caching is False:
+        # The server says so itself; its cache counters then stay at zero.
+        frac, exact = 0.0, False
     elif c.est is not None and c.est.counters.get("prefix_cache_queries"):
-        frac = c.est.counters.get("prefix_cache_hits", 0.0) / c.est.counters["prefix_cache_queries"]
-        ev["prefix_cache_hit_rate_estimate"] = round(frac, 3)
+        hit_rate = (
+            c.est.counters.get("prefix_cache_hits", 0.0) / c.est.counters["prefix_cache_queries"]
+        )
+        ev["prefix_cache_hit_rate_estimate"] = round(hit_rate, 3)
+        # The counters are tokens, not requests: judge them against the share of prompt
+        # tokens an ideal cache could have served (analyze.similarity), where it is known.
+        ideal = ((c.run.metrics or {}).get("similarity") or {}).get("overall")
+        if ideal:
+            ev["prefix_reuse_ideal"] = round(ideal, 3)
+            frac = hit_rate / ideal
+            ev["share_of_ideal"] = round(frac, 3)
+        else:
+            frac = hit_rate
         exact = False
     else:
         return None
@@ -437,9 +471,10 @@ def low_prefix_reuse(c: Context) -> Finding | None:
         "low_prefix_reuse",
         "Low prefix reuse despite shared prompts",
         f"{len(reusable)} requests share a prompt prefix with an earlier one, but only "
-        f"{frac:.0%} reused cached KV ({why}).",
+        f"{frac:.0%} {'of the reusable tokens ' if 'share_of_ideal' in ev else ''}reused "
+        f"cached KV ({why}).",
         ev,
-        0.9 if exact else 0.6,
+        0.9 if exact or caching is False else 0.6,
         exact,
         ["prefix_caching"],
     )
