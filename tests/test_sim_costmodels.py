@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from servelab.sim.dtypes import Precision
 from servelab.sim.hardware import HARDWARE, get_hardware
 from servelab.sim.modelspec import PRESETS, load_model_spec
 from servelab.sim.profiled import ProfiledCostModel, ProfileSample, ProfileTable
@@ -84,7 +85,8 @@ def test_roofline_decode_is_memory_bound_hand_computed():
     eff = Efficiency(mfu=0.5, mbu=0.75, step_overhead=1e-3, layer_overhead=5e-6)
     rm = RooflineCostModel(m, hw, efficiency=eff)
     c = rm.cost(_decode(1, 1023))
-    weights = 8_030_261_248 * 2
+    # Streamed: every parameter but the input embedding (128256 x 4096), which is indexed.
+    weights = (8_030_261_248 - 128256 * 4096) * 2
     kv = 131072 * (1024 + 1)  # read 1024 positions, write 1
     assert c.bytes == pytest.approx(weights + kv)
     assert c.bound == "memory"
@@ -106,6 +108,22 @@ def test_roofline_prefill_is_compute_bound_hand_computed():
     assert c.flops == pytest.approx(lin + attn + head)
     assert c.bound == "compute"
     assert rm.predict(w) == pytest.approx((lin + attn + head) / (989e12 * 0.5))
+
+
+def test_gemms_and_attention_each_sit_on_their_own_roofline():
+    # A large decode batch: the GEMMs are compute-bound (1024 tokens through FP8 weights)
+    # while attention streams 1024 x 2048 tokens of KV. The kernels run one after the
+    # other, so the step costs the GEMMs' compute plus the attention's memory time, more
+    # than the larger of total compute and total memory.
+    m, hw = PRESETS["llama-3.1-8b"], HARDWARE["h200"]
+    eff = Efficiency(mfu=0.5, mbu=0.75, step_overhead=0.0, layer_overhead=0.0)
+    rm = RooflineCostModel(m, hw, efficiency=eff, precision=Precision.parse("fp8", None, "bf16"))
+    c = rm.cost(_decode(1024, 2047))
+    assert c.gemm_compute > c.gemm_memory and c.attn_memory > c.attn_compute
+    # Each of the 1024 reads its 2048 positions; the step writes 1024 new ones.
+    assert c.attn_memory == pytest.approx(131072 * (1024 * 2048 + 1024) / (4.8e12 * 0.75))
+    assert rm.predict(_decode(1024, 2047)) == pytest.approx(c.gemm_compute + c.attn_memory)
+    assert c.time > max(c.compute_time, c.memory_time)
 
 
 def test_tensor_parallel_splits_work_and_adds_communication():

@@ -106,7 +106,7 @@ def test_dtype_flops_and_bytes_by_hand_on_one_layer():
     # q and o 4096x4096, k and v 4096x1024, gate/up/down 4096x14336, two norms.
     layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     assert layer == 218_112_000
-    rest = 4096 * 1000 * 2 + 4096  # embedding, LM head, final norm stay 16-bit
+    rest = 4096 * 1000 + 4096  # LM head and final norm, 16-bit; the embedding is only indexed
     lin_flops = 2 * layer * 512
     other_flops = 4 * 32 * 128 * (512 * 513 / 2) + 2 * 4096 * 1000
     kv_bf16 = 2 * 8 * 128 * 2  # K and V of one layer, 2 bytes each

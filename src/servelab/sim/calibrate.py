@@ -103,8 +103,11 @@ def fit_efficiency(
         precision=precision,
     )
     costs = [probe.cost(m.work) for m in steps]
-    comp = np.array([c.compute_time for c in costs])  # at mfu = 1
-    mem = np.array([c.memory_time for c in costs])  # at mbu = 1
+    # Each kernel class's compute (at mfu = 1) and memory (at mbu = 1) time.
+    gemm_c = np.array([c.gemm_compute for c in costs])
+    gemm_m = np.array([c.gemm_memory for c in costs])
+    attn_c = np.array([c.attn_compute for c in costs])
+    attn_m = np.array([c.attn_memory for c in costs])
     comm = np.array([c.comm_time for c in costs])
     meas = np.array([m.duration for m in steps])
     seqs = np.array([m.work.seqs for m in steps], dtype=float)
@@ -113,7 +116,8 @@ def fit_efficiency(
 
     def solve(mfu: float, mbu: float) -> tuple[float, float, float]:
         """Loss and the non-negative fixed costs that minimise it at (mfu, mbu)."""
-        base = np.maximum(comp / mfu, mem / mbu) + comm
+        base = np.maximum(gemm_c / mfu, gemm_m / mbu) + np.maximum(attn_c / mfu, attn_m / mbu)
+        base = base + comm
         b = (meas - base) * inv
         (c0, c1), *_ = np.linalg.lstsq(a, b, rcond=None)
         if c1 < 0:
@@ -152,7 +156,7 @@ def fit_efficiency(
         "error_fitted": _errors(after, steps),
         "step_overhead_in_step": c0,
         "busy_gap_between_steps": gap,
-        "compute_bound_steps": int(sum(comp / mfu >= mem / mbu)),
+        "compute_bound_steps": sum(after.cost(m.work).bound == "compute" for m in steps),
     }
     fitted.step_overhead = c0 + gap
     return Calibration(hardware.name, spec.name, tp, fitted, fit)

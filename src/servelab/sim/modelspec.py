@@ -67,6 +67,12 @@ class ModelSpec:
         head = 0 if self.tied_embeddings else self.lm_head_params
         return emb + self.layers * self.layer_params + self.hidden + head
 
+    @property
+    def streamed_params(self) -> int:
+        """Weights one forward pass reads in full: the layers, the final norm and the LM
+        head. The input embedding is only indexed (one row per token)."""
+        return self.layers * self.layer_params + self.hidden + self.lm_head_params
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token across all layers."""
         return 2 * self.layers * self.kv_dim * dtype_bytes
@@ -81,6 +87,9 @@ PRESETS: dict[str, ModelSpec] = {
         # Shapes from each model's published config.json on the Hugging Face hub.
         ModelSpec("llama-3.1-8b", 4096, 32, 32, 8, 128, 14336, 128256, False, 131072),
         ModelSpec("llama-3.1-70b", 8192, 80, 64, 8, 128, 28672, 128256, False, 131072),
+        ModelSpec("llama-3.3-70b", 8192, 80, 64, 8, 128, 28672, 128256, False, 131072),
+        ModelSpec("llama-3-8b", 4096, 32, 32, 8, 128, 14336, 128256, False, 8192),
+        ModelSpec("llama-3-70b", 8192, 80, 64, 8, 128, 28672, 128256, False, 8192),
         ModelSpec("qwen2.5-7b", 3584, 28, 28, 4, 128, 18944, 152064, False, 32768, qkv_bias=True),
         ModelSpec("qwen2.5-32b", 5120, 64, 40, 8, 128, 27648, 152064, False, 32768, qkv_bias=True),
         ModelSpec("smollm2-135m", 576, 30, 9, 3, 64, 1536, 49152, True, 8192),

@@ -1,21 +1,25 @@
 """Roofline cost model: step time from FLOPs and bytes of a Llama-family step.
 
-Per step (per device, tensor parallel degree ``tp``)::
+Per step (per device, tensor parallel degree ``tp``), the matrix multiplies and the
+attention kernels are separate kernels that run one after the other, so each is bounded by
+its own roofline and their times add::
 
-    flops = 2 * layer_params * tokens            # q/k/v/o projections and the gated MLP
-          + 4 * layers * heads * head_dim * attn_pairs   # QK^T and PV over causal pairs
-          + 2 * hidden * vocab * logits          # LM head, only where a token is sampled
-    bytes = weights + kv_bytes_per_token * (kv_read + tokens)   # weights once; KV read + write
-    compute = (layer_flops / gemm_peak + (attn_flops + head_flops) / base_peak) / mfu
-    time  = max(compute, bytes / (bandwidth * mbu))
-          + 2 * layers * allreduce(tokens * hidden)            # tensor parallel, ring
+    gemm  = max((2 * layer_params * tokens + 2 * hidden * vocab * logits) / gemm_peak / mfu,
+                weight_bytes / (bandwidth * mbu))      # q/k/v/o, gated MLP, LM head
+    attn  = max(4 * layers * heads * head_dim * attn_pairs / base_peak / mfu,
+                kv_bytes_per_token * (kv_read + tokens) / (bandwidth * mbu))  # KV read + write
+    time  = gemm + attn
+          + 2 * layers * allreduce(tokens * hidden)    # tensor parallel, ring
           + step_overhead + layers * layer_overhead + seqs * seq_overhead
 
+``weight_bytes`` are the weights a step streams: the decoder layers, the final norm and the
+LM head (the input embedding is a lookup of a few rows, not a read of the table).
 FLOPs and bytes divide by ``tp`` (heads and MLP columns split; KV heads replicated
 when fewer than ``tp``). The datatypes (:class:`~servelab.sim.dtypes.Precision`) set the
 bytes per layer weight and KV element and the peak the decoder GEMMs run at (FP8 W8A8 at
-the FP8 peak; weight-only int8/int4 and everything else at the 16-bit peak). The efficiencies and fixed costs are stated, adjustable
-parameters (:class:`Efficiency`); ``servelab.sim.calibrate`` fits them to a measured run.
+the FP8 peak; weight-only int8/int4 and everything else at the 16-bit peak). The
+efficiencies and fixed costs are stated, adjustable parameters (:class:`Efficiency`);
+``servelab.sim.calibrate`` fits them to a measured run.
 """
 
 from __future__ import annotations
@@ -54,22 +58,46 @@ class Efficiency:
 
 @dataclass
 class StepCost:
-    """The terms of one predicted step (seconds, FLOPs, bytes), for explanation and tests."""
+    """The terms of one predicted step (seconds, FLOPs, bytes), for explanation and tests.
+
+    ``gemm_*`` are the matrix multiplies (weights streamed), ``attn_*`` the attention
+    kernels (KV streamed); each pair is one kernel class's compute and memory roofline.
+    """
 
     flops: float
     bytes: float
-    compute_time: float
-    memory_time: float
+    gemm_compute: float
+    gemm_memory: float
+    attn_compute: float
+    attn_memory: float
     comm_time: float
     fixed_time: float
 
     @property
+    def compute_time(self) -> float:
+        return self.gemm_compute + self.attn_compute
+
+    @property
+    def memory_time(self) -> float:
+        return self.gemm_memory + self.attn_memory
+
+    @property
     def time(self) -> float:
-        return max(self.compute_time, self.memory_time) + self.comm_time + self.fixed_time
+        return (
+            max(self.gemm_compute, self.gemm_memory)
+            + max(self.attn_compute, self.attn_memory)
+            + self.comm_time
+            + self.fixed_time
+        )
 
     @property
     def bound(self) -> str:
-        return "compute" if self.compute_time >= self.memory_time else "memory"
+        """Which roofline the larger kernel class sits on."""
+        gemm = max(self.gemm_compute, self.gemm_memory)
+        attn = max(self.attn_compute, self.attn_memory)
+        if gemm >= attn:
+            return "compute" if self.gemm_compute >= self.gemm_memory else "memory"
+        return "compute" if self.attn_compute >= self.attn_memory else "memory"
 
 
 class RooflineCostModel:
@@ -109,6 +137,12 @@ class RooflineCostModel:
             m.linear_params_per_token * p.layer_weight_bytes
             + (m.num_params - m.linear_params_per_token) * p.base_bytes
         ) / tp
+        # What a step streams: the layers, the final norm and the LM head, not the input
+        # embedding table (tied embeddings are read once, as the LM head).
+        self._streamed_weight_bytes = (
+            m.linear_params_per_token * p.layer_weight_bytes
+            + (m.streamed_params - m.linear_params_per_token) * p.base_bytes
+        ) / tp
         self._kv_per_token = self.kv_bytes_per_token_per_device
         self._act_bytes_per_token = m.hidden * hardware.dtype_bytes
 
@@ -132,16 +166,22 @@ class RooflineCostModel:
 
     def cost(self, w: StepWork) -> StepCost:
         e, hw = self.efficiency, self.hardware
-        lin = self._lin_flops_per_token * w.tokens
-        rest = self._attn_flops_per_pair * w.attn_pairs + self._head_flops_per_logit * w.logits
-        flops = lin + rest
-        nbytes = self._weight_bytes_per_device + self._kv_per_token * (w.kv_read + w.tokens)
+        lin = self._lin_flops_per_token * w.tokens + self._head_flops_per_logit * w.logits
+        attn = self._attn_flops_per_pair * w.attn_pairs
+        kv = self._kv_per_token * (w.kv_read + w.tokens)
         comm = 2 * self.model.layers * self.allreduce_time(w.tokens * self._act_bytes_per_token)
+        peak, bw = hw.peak_flops * e.mfu, hw.mem_bw * e.mbu
         return StepCost(
-            flops=flops,
-            bytes=nbytes,
-            compute_time=(lin * self._gemm_scale + rest) / (hw.peak_flops * e.mfu),
-            memory_time=nbytes / (hw.mem_bw * e.mbu),
+            flops=lin + attn,
+            bytes=self._streamed_weight_bytes + kv,
+            gemm_compute=(
+                self._lin_flops_per_token * w.tokens * self._gemm_scale
+                + self._head_flops_per_logit * w.logits
+            )
+            / peak,
+            gemm_memory=self._streamed_weight_bytes / bw,
+            attn_compute=attn / peak,
+            attn_memory=kv / bw,
             comm_time=comm,
             fixed_time=e.step_overhead
             + self.model.layers * e.layer_overhead
