@@ -77,3 +77,28 @@ def test_tables_fit_80_and_100_columns(tmp_path):
         # The attribution table keeps one line per part: no label wrapped word by word.
         table = text.split("Where TTFT went")[1].split("\n\n")[0]
         assert "server queueing" in table and "prefill compute" in table
+
+
+def test_longest_itl_per_request_sees_what_chunking_spreads(tmp_path):
+    # One workload, chunked prefill off vs on: each chat stream's longest gap shrinks,
+    # one value per request (a stall is one gap unchunked, several chunked).
+    import random
+
+    from rundirs import Engine, Req, chat_requests, write_run
+
+    from servelab.analyze.answers import MAX_ITL, measure
+
+    def run(name: str, chunked: bool):
+        reqs = chat_requests(60, 8.0, 0, outputs=(40, 60))
+        rng = random.Random(1)
+        reqs += [
+            Req(f"d{k}", "rag", 0.4 + 1.6 * k + rng.uniform(0, 0.1), 3000, 4) for k in range(4)
+        ]
+        eng = Engine(enable_chunked_prefill=chunked, max_num_batched_tokens=512)
+        return load_run(write_run(tmp_path / name, reqs, eng, seed=0))
+
+    off, on = run("off", False), run("on", True)
+    m = measure([off], [on], ("chat", MAX_ITL, "mean"))
+    assert m.label == "longest ITL per request mean (chat)"
+    assert m.treatment_value < 0.7 * m.baseline_value
+    assert m.p_value is not None and m.p_value < 0.05
