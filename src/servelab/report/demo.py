@@ -13,7 +13,7 @@ from plotly.offline import get_plotlyjs
 from servelab.analyze.answers import Answer
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
-from servelab.report.html import _CSS, _e, _fig, comparison_html, run_sections
+from servelab.report.html import CSS, comparison_html, esc, figure_div, run_sections
 from servelab.rundir import Run
 
 _VERDICT_CSS = {"significant": "better", "noise": "noise"}
@@ -51,9 +51,9 @@ def answers_html(answers: list[Answer], wall_s: float) -> str:
     for a in answers:
         cls = _VERDICT_CSS[a.verdict]
         cards.append(
-            f'<div class="card" data-question="{_e(a.question.id)}"><h3>{_e(a.question.question)}</h3>'
-            f'<p><span class="{cls}">{_e(a.verdict)}</span> {_e(a.answer)}</p>'
-            + _fig(answer_chart(a))
+            f'<div class="card" data-question="{esc(a.question.id)}"><h3>{esc(a.question.question)}</h3>'
+            f'<p><span class="{cls}">{esc(a.verdict)}</span> {esc(a.answer)}</p>'
+            + figure_div(answer_chart(a))
             + "</div>"
         )
     return (
@@ -79,12 +79,12 @@ def write_demo_report(
         keep = {a.question.metric, a.question.cost}
         body = comparison_html(comparisons[qid], groups[qid], keep=keep)
         run = groups[qid][-1][0]
-        body += f"<h3>One run: {_e(run.name)}</h3>" + run_sections(run, diagnoses[qid], f"{qid}-")
+        body += f"<h3>One run: {esc(run.name)}</h3>" + run_sections(run, diagnoses[qid], f"{qid}-")
         details.append(
-            f'<details data-section="details-{_e(qid)}"><summary><b>{_e(qid)}</b>: the full '
+            f'<details data-section="details-{esc(qid)}"><summary><b>{esc(qid)}</b>: the full '
             f"comparison and one run</summary>{body}</details>"
         )
-    css = _CSS + (
+    css = CSS + (
         ".cards{display:grid;grid-template-columns:1fr 1fr;gap:12px}"
         ".card{background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px 14px}"
         ".card h3{font-size:15px}.card p{font-size:13px;margin:4px 0}"

@@ -39,7 +39,7 @@ RUN_SECTIONS = (
     "phase-timeline",
 )
 
-_CSS = """
+CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
 header{background:#1f2d3d;color:#fff;padding:18px 32px}
 header a{color:#9cf}
@@ -60,11 +60,13 @@ th{background:#f0f0f0} td.l,th.l{text-align:left}
 """
 
 
-def _e(x: Any) -> str:
+def esc(x: Any) -> str:
+    """``x`` as text safe inside HTML (the report's and the demo page's)."""
     return html.escape(str(x))
 
 
-def _fig(fig: go.Figure) -> str:
+def figure_div(fig: go.Figure) -> str:
+    """A plotly figure as a chart div (plotly.js is loaded once per page)."""
     return (
         '<div class="chart">'
         + fig.to_html(
@@ -77,7 +79,7 @@ def _fig(fig: go.Figure) -> str:
 
 
 def _section(key: str, prefix: str, title: str, body: str) -> str:
-    return f'<section id="{prefix}{key}" data-section="{key}"><h3>{_e(title)}</h3>{body}</section>'
+    return f'<section id="{prefix}{key}" data-section="{key}"><h3>{esc(title)}</h3>{body}</section>'
 
 
 def _similarity_html(m: dict[str, Any]) -> str:
@@ -88,7 +90,7 @@ def _similarity_html(m: dict[str, Any]) -> str:
 
     groups = [("overall", m.get("overall", {}))] + list(m.get("by_class", {}).items())
     rows = "".join(
-        f"<tr><td class='l'>{_e(name)}</td><td>{pct(g.get('prefix_reuse_ideal'))}</td>"
+        f"<tr><td class='l'>{esc(name)}</td><td>{pct(g.get('prefix_reuse_ideal'))}</td>"
         f"<td>{pct(g.get('prefix_cache_hit_rate'))}</td></tr>"
         for name, g in groups
     )
@@ -110,7 +112,7 @@ def summary_table(metrics: dict[str, Any]) -> str:
     groups += [(f"input {k}", v) for k, v in metrics.get("by_input_bucket", {}).items()]
     for label, g in groups:
         cells = [
-            f'<td class="l">{_e(label)}</td>',
+            f'<td class="l">{esc(label)}</td>',
             f"<td>{g['requests']['ok']}/{g['requests']['sent']}</td>",
         ]
         for m in ("ttft", "itl", "tpot", "e2e"):
@@ -151,27 +153,27 @@ def _num(x: float | None) -> str:
 
 def findings_html(d: Diagnosis) -> str:
     parts = [
-        f'<p class="note">Attribution: <b>{_e(d.source)}</b>. '
-        + " ".join(_e(n) for n in d.notes)
+        f'<p class="note">Attribution: <b>{esc(d.source)}</b>. '
+        + " ".join(esc(n) for n in d.notes)
         + "</p>"
     ]
     if not d.findings:
         parts.append("<p>No findings: no cause is large enough to move a percentile.</p>")
     for f in d.findings:
-        ev = ", ".join(f"{_e(k)}={_e(v)}" for k, v in f.evidence.items())
+        ev = ", ".join(f"{esc(k)}={esc(v)}" for k, v in f.evidence.items())
         parts.append(
-            f'<div class="finding {f.confidence_label}"><b>{_e(f.title)}</b> '
+            f'<div class="finding {f.confidence_label}"><b>{esc(f.title)}</b> '
             f"(confidence {f.confidence_label}, {f.confidence:.2f}; "
-            f"{'exact' if f.exact else 'estimate'})<br>{_e(f.summary)}"
+            f"{'exact' if f.exact else 'estimate'})<br>{esc(f.summary)}"
             f'<div class="ev">{ev}</div></div>'
         )
     recommended = [r for r in d.recommendations if r.recommended]
     if recommended:
         rows = "".join(
-            f'<tr><td class="l"><b>{_e(r.title)}</b><br><span class="ci">for {_e(", ".join(r.because))}</span></td>'
-            f'<td class="l">{_e(r.action)}</td><td class="l">{_e(r.expected_gain)}</td>'
-            f'<td class="l">{_e(r.cost)}</td><td class="l">{_e(r.complexity)}</td>'
-            f'<td class="l">{_e(r.not_worth_it_when)}</td></tr>'
+            f'<tr><td class="l"><b>{esc(r.title)}</b><br><span class="ci">for {esc(", ".join(r.because))}</span></td>'
+            f'<td class="l">{esc(r.action)}</td><td class="l">{esc(r.expected_gain)}</td>'
+            f'<td class="l">{esc(r.cost)}</td><td class="l">{esc(r.complexity)}</td>'
+            f'<td class="l">{esc(r.not_worth_it_when)}</td></tr>'
             for r in recommended
         )
         parts.append(
@@ -180,13 +182,13 @@ def findings_html(d: Diagnosis) -> str:
             "<th class='l'>not worth it when</th></tr>" + rows + "</table>"
         )
     parts += [
-        f'<p class="note">Considered, not recommended here: <b>{_e(r.title)}</b>: {_e(r.why_not)}</p>'
+        f'<p class="note">Considered, not recommended here: <b>{esc(r.title)}</b>: {esc(r.why_not)}</p>'
         for r in d.recommendations
         if not r.recommended
     ]
     if d.stalls_by_cause:
         rows = "".join(
-            f"<tr><td class='l'>{_e(c)}</td><td>{int(v['count'])}</td><td>{v['excess_seconds']:.2f}</td></tr>"
+            f"<tr><td class='l'>{esc(c)}</td><td>{int(v['count'])}</td><td>{v['excess_seconds']:.2f}</td></tr>"
             for c, v in sorted(d.stalls_by_cause.items(), key=lambda kv: -kv[1]["excess_seconds"])
         )
         parts.append(
@@ -213,9 +215,9 @@ def timeslices_html(summary: dict[str, Any]) -> str:
             "how long the run was (length-dependent), not only on the server.</div>"
         )
     elif sat["state"] == "steady":
-        head = f"<p>Steady state: {rates} ({_e(sat['reason'])}).</p>"
+        head = f"<p>Steady state: {rates} ({esc(sat['reason'])}).</p>"
     else:
-        head = f"<p>Steady state: cannot tell. {_e(sat['reason'])}; {rates}.</p>"
+        head = f"<p>Steady state: cannot tell. {esc(sat['reason'])}; {rates}.</p>"
     rows = "".join(
         f'<tr><td class="l">{w["start"]:g}-{w["end"]:g} s</td><td>{w["sent"]}</td>'
         f"<td>{_num(w['offered_rate'])}</td><td>{_num(w['achieved_rate'])}</td>"
@@ -227,7 +229,7 @@ def timeslices_html(summary: dict[str, Any]) -> str:
     cols = "".join(f"<th>{m.upper()} {p}</th>" for m, p in _WINDOW_COLS)
     return (
         head + f'<p class="note">Windows of {ts["slice_duration_s"]:g} s over the sending span; '
-        f"queue depth: {_e(ts['depth_source'])} (time-weighted mean); latencies in ms of the "
+        f"queue depth: {esc(ts['depth_source'])} (time-weighted mean); latencies in ms of the "
         "requests sent in the window. docs/metrics.md gives the trend test.</p>"
         "<table><tr><th>window</th><th>sent</th><th>offered/s</th><th>achieved/s</th>"
         f"<th>queue</th>{cols}</tr>{rows}</table>"
@@ -262,16 +264,16 @@ def _run_header(run: Run) -> str:
     wl_txt = wl.get("name") if isinstance(wl, dict) and wl.get("name") else wl
     t0, t1 = run.window
     lines = [
-        f"<b>model</b> {_e(run.model)} &nbsp; <b>target</b> {_e(run.target_kind)}"
+        f"<b>model</b> {esc(run.model)} &nbsp; <b>target</b> {esc(run.target_kind)}"
         + (" (simulated)" if run.simulated else ""),
-        f"<b>server config</b> {_e(cfg)}",
-        f"<b>workload</b> {_e(wl_txt)} &nbsp; <b>requests</b> {len(run.records)} &nbsp; "
+        f"<b>server config</b> {esc(cfg)}",
+        f"<b>workload</b> {esc(wl_txt)} &nbsp; <b>requests</b> {len(run.records)} &nbsp; "
         + f"<b>window</b> {t1 - t0:.1f} s",
     ]
     warn = (
         ""
         if run.valid
-        else f'<div class="warn">This run is marked invalid: {_e(run.invalid_reason)}</div>'
+        else f'<div class="warn">This run is marked invalid: {esc(run.invalid_reason)}</div>'
     )
     return warn + "<p>" + "<br>".join(lines) + "</p>"
 
@@ -280,7 +282,7 @@ def run_sections(run: Run, d: Diagnosis, prefix: str) -> str:
     stalls = d.attribution.stalls if d.attribution else []
     pts = charts.stage_points(run)
     sweep = (
-        _fig(charts.throughput_vs_latency({run.name: pts}))
+        figure_div(charts.throughput_vs_latency({run.name: pts}))
         if len(pts) >= MIN_CURVE_POINTS
         else f'<p class="note">Fewer than {MIN_CURVE_POINTS} load levels: no sweep stages to plot. Run '
         "<code>servelab bench</code> with several rates to see the throughput-latency curve; "
@@ -300,18 +302,26 @@ def run_sections(run: Run, d: Diagnosis, prefix: str) -> str:
             "ttft-attribution",
             prefix,
             "Where TTFT went",
-            (_fig(charts.ttft_attribution(d)) if d.overall else "<p>No successful requests.</p>")
+            (
+                figure_div(charts.ttft_attribution(d))
+                if d.overall
+                else "<p>No successful requests.</p>"
+            )
             + _parts_legend(),
         ),
-        _section("ttft-vs-input", prefix, "TTFT vs input length", _fig(charts.ttft_vs_input(run))),
+        _section(
+            "ttft-vs-input", prefix, "TTFT vs input length", figure_div(charts.ttft_vs_input(run))
+        ),
         _section(
             "lengths-sent",
             prefix,
             "What was sent: lengths and request similarity",
-            _similarity_html(run_summary(run)) + _fig(charts.lengths_sent(run)),
+            _similarity_html(run_summary(run)) + figure_div(charts.lengths_sent(run)),
         ),
-        _section("itl-cdf", prefix, "ITL distribution", _fig(charts.itl_cdf(run))),
-        _section("over-time", prefix, "Latency over time", _fig(charts.latency_over_time(run))),
+        _section("itl-cdf", prefix, "ITL distribution", figure_div(charts.itl_cdf(run))),
+        _section(
+            "over-time", prefix, "Latency over time", figure_div(charts.latency_over_time(run))
+        ),
         _section("throughput-latency", prefix, "Throughput vs latency", sweep),
         _section(
             "phase-timeline",
@@ -320,7 +330,7 @@ def run_sections(run: Run, d: Diagnosis, prefix: str) -> str:
             '<p class="note">Each row is one request (the slowest TTFTs, those with stalls, and '
             "a random rest): grey queued, orange prefill chunks, blue decoding, red stalls as "
             "the client saw them. Beneath, what each engine step computed.</p>"
-            + _fig(charts.phase_timeline(run, stalls)),
+            + figure_div(charts.phase_timeline(run, stalls)),
         ),
     ]
     return "".join(body)
@@ -329,7 +339,7 @@ def run_sections(run: Run, d: Diagnosis, prefix: str) -> str:
 def _parts_legend() -> str:
     return (
         '<p class="note">'
-        + "; ".join(f"<b>{_e(k)}</b>: {_e(v)}" for k, v in PART_LABELS.items())
+        + "; ".join(f"<b>{esc(k)}</b>: {esc(v)}" for k, v in PART_LABELS.items())
         + ".</p>"
     )
 
@@ -341,11 +351,11 @@ def comparison_html(
 
     With ``keep`` ((scope, metric, stat) rows a question names), the table shows those and
     the significant rows; the rest fold away in a collapsed ``<details>``."""
-    warn = "".join(f'<div class="warn">{_e(w)}</div>' for w in c.warnings)
+    warn = "".join(f'<div class="warn">{esc(w)}</div>' for w in c.warnings)
     head = (
         "<tr><th class='l'>scope</th><th class='l'>metric</th>"
         + "".join(
-            f"<th>{_e(label)}</th>" + ("<th>delta</th><th>p</th><th>verdict</th>" if i else "")
+            f"<th>{esc(label)}</th>" + ("<th>delta</th><th>p</th><th>verdict</th>" if i else "")
             for i, label in enumerate(c.labels)
         )
         + "</tr>"
@@ -356,8 +366,8 @@ def comparison_html(
         shown = keep is None or (r.scope, r.metric, r.stat) in keep or any(r.significant[1:])
         unit = "" if "." in r.metric else " (ms)"
         cells = [
-            f"<td class='l'>{_e(r.scope)}</td>",
-            f"<td class='l'>{_e(r.metric)} {_e(r.stat if r.stat != 'value' else '')}{unit}</td>",
+            f"<td class='l'>{esc(r.scope)}</td>",
+            f"<td class='l'>{esc(r.metric)} {esc(r.stat if r.stat != 'value' else '')}{unit}</td>",
         ]
         for i in range(len(c.labels)):
             v = r.values[i]
@@ -373,22 +383,22 @@ def comparison_html(
                     f"<td class='{verdict}'>{verdict or '-'}</td>",
                 ]
         (rows if shown else folded).append("<tr>" + "".join(cells) + "</tr>")
-    notes = "".join(f'<p class="note">{_e(n)}</p>' for n in c.notes)
+    notes = "".join(f'<p class="note">{esc(n)}</p>' for n in c.notes)
     recs = [[r for run in g for r in run.records if r.ok] for g in groups]
     ttft = {lab: [r.ttft for r in g if r.ttft is not None] for lab, g in zip(c.labels, recs)}
     itl = {lab: [x for r in g for x in r.itls] for lab, g in zip(c.labels, recs)}
     return (
         warn
         + notes
-        + _fig(charts.percentile_bars(c))
-        + _fig(charts.cdf(ttft, "TTFT distribution per run (CDF)", "TTFT (ms, log)", "run"))
-        + _fig(
+        + figure_div(charts.percentile_bars(c))
+        + figure_div(charts.cdf(ttft, "TTFT distribution per run (CDF)", "TTFT (ms, log)", "run"))
+        + figure_div(
             charts.cdf(
                 itl, "ITL distribution per run (CDF)", "inter-token latency (ms, log)", "run"
             )
         )
         + (
-            _fig(charts.throughput_vs_latency({"runs": points}, connect=False))
+            figure_div(charts.throughput_vs_latency({"runs": points}, connect=False))
             if len(points := charts.comparison_points(c)) >= MIN_CURVE_POINTS
             else ""
         )
@@ -428,18 +438,18 @@ def build_report(
         )
     for i, (run, d) in enumerate(zip(runs, diagnoses)):
         prefix = f"r{i}-"
-        nav.append(f'<a href="#{prefix}run">{_e(run.name)}</a>')
+        nav.append(f'<a href="#{prefix}run">{esc(run.name)}</a>')
         body.append(
-            f'<section class="run" id="{prefix}run" data-run="{_e(run.name)}"><h2>{_e(run.name)}</h2>'
+            f'<section class="run" id="{prefix}run" data-run="{esc(run.name)}"><h2>{esc(run.name)}</h2>'
             + run_sections(run, d, prefix)
             + "</section>"
         )
     now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{_e(title)}</title><style>{_CSS}</style>"
+        f"<title>{esc(title)}</title><style>{CSS}</style>"
         f"<script>{get_plotlyjs()}</script></head><body>"
-        f"<header><h1>{_e(title)}</h1><div>generated {now} by servelab · "
+        f"<header><h1>{esc(title)}</h1><div>generated {now} by servelab · "
         "how to read it: docs/reading-the-report.md · " + " · ".join(nav) + "</div></header>"
         "<main>" + "".join(body) + "</main></body></html>"
     )
