@@ -91,6 +91,8 @@ def test_longest_token_bound_is_never_beaten(tiny_llama_dir: Path) -> None:
         ("n", 2**64),
         ("stop_token_ids", [2**64]),
         ("prompt", [1, 2**64]),
+        ("logit_bias", {"5": 10**400}),
+        ("logit_bias", {"5": -100}),  # in range, but not supported: never silently ignored
     ],
 )
 def test_huge_integers_are_400_naming_the_field(http: httpx.Client, field: str, value: Any) -> None:

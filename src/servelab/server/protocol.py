@@ -56,6 +56,7 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -144,6 +145,8 @@ def _unsupported(req: _Common) -> None:
         value = getattr(req, name)
         if value not in (None, 0, 0.0):
             raise APIError(400, f"{name} is not supported: leave it unset or 0.", param=name)
+    if req.logit_bias:  # ignoring it would answer as if the bias had been applied
+        raise APIError(400, "logit_bias is not supported: leave it unset.", param="logit_bias")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise APIError(
             400, "response_format other than text is not supported.", param="response_format"
