@@ -1,14 +1,21 @@
 """Soak and chaos for `servelab serve`: does an hour of hostile traffic leak anything?
 
-One bounded run, in three acts, against a server started here (the default model):
+One bounded run, in four acts, against a server started here (the default model):
 
+0. **Door**: each of the heaviest single requests known (``WORST``), alone, while the same
+   client polls ``/health`` every 10 ms; the worst poll must stay under 100 ms. Beside it:
+   the idle round trip, and how often the server's own event-loop timer was over 100 ms
+   late (which tells a stalled API process from a slow client or a busy CPU).
+   ``--door-only`` stops after this act.
 1. **Load** for ``--minutes`` (default 30): streamed completions with Poisson arrivals at
-   ``--rate`` requests/s (default: 80% of the capacity measured in a short probe first),
+   ``--rate`` requests/s (default: 80% of the capacity measured first, as requests finished
+   in 60 s with 16 always in flight),
    prompts of 16-400 tokens and 16-128 output tokens. ``--hangup`` of them (10%) disconnect
    after a random number of events, and every ``--fuzz-every`` seconds a hostile request is
    sent (huge integers, deep nesting, huge strings and stop lists, many messages, broken
    JSON); each must get a 4xx.
-2. **Kill** at ``--kill-at`` of the load (default half way): the engine core is SIGKILLed.
+2. **Kill** at ``--kill-at`` of the load (default a quarter, so that the last 20 minutes,
+   where RSS slopes are taken, are the restarted server's): the engine core is SIGKILLed.
    Open requests must end (with ``engine_dead``), then the server is stopped and started
    again and the load goes on.
 3. **Drain**: SIGTERM with requests in flight; the server must exit 0.
@@ -16,7 +23,7 @@ One bounded run, in three acts, against a server started here (the default model
 Every 10 s it records the RSS of each server process, KV blocks in use against running
 requests, open file descriptors, and the API's event-loop lag (``/health`` round trip and
 the server's own ``servelab:api_event_loop_lag_seconds``). At the end it prints the slope of
-RSS over the last 20 minutes (or the last two thirds of a shorter run), the 5xx count outside
+each process's RSS over the last 20 minutes (or the last two thirds of a shorter run), the 5xx count outside
 the kill window, requests that never ended, and KV blocks still held once idle.
 
 Targets: 0 5xx outside the kill, 0 leaked blocks, 0 requests without an end, RSS slope
@@ -92,6 +99,7 @@ WORST: list[tuple[str, str, bytes]] = [
     ("valid, 40 KB prompt", "/v1/completions", json.dumps({"prompt": "word " * 8_000}).encode()),
 ]
 DOOR_TARGET_S = 0.100
+PROBE_S = 60.0
 WORDS = "the paged cache keeps keys and values of every token in fixed blocks".split()
 
 
@@ -277,6 +285,26 @@ def loop_lag_ticks(text: str) -> tuple[float, float]:
     return count, count - within
 
 
+async def capacity(url: str, seconds: float, concurrency: int = 16) -> int:
+    """Requests finished in ``seconds`` with ``concurrency`` always in flight (a closed loop:
+    an open-loop probe above capacity queues work that takes minutes to drain on a loaded
+    machine). What is still running at the end is cancelled (the server aborts it)."""
+    t = Tally()
+    killing = [False]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+
+        async def client() -> None:
+            while True:
+                await one_request(s, url, t, killing)
+
+        clients = [asyncio.create_task(client()) for _ in range(concurrency)]
+        await asyncio.sleep(seconds)
+        for c in clients:
+            c.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+    return t.ended
+
+
 async def door(url: str) -> bool:
     """Each of WORST alone, with /health polled every 10 ms from the same client. Prints the
     idle round trip beside the worst one during each request; True if all met the target."""
@@ -367,12 +395,10 @@ def main() -> None:
         raise SystemExit(0 if door_ok else 1)
     t = Tally(hangup_fraction=args.hangup)
     rate = args.rate
-    if rate is None:  # capacity: requests/s finished at a heavy load for 30 s
-        probe = Tally()
-        start = time.monotonic()
-        asyncio.run(load(url, 4.0, 30.0, probe, args))
-        rate = 0.8 * probe.ended / (time.monotonic() - start)
-        print(f"capacity probe: {probe.ended} requests in 30 s -> soak at {rate:.2f} req/s")
+    if rate is None:
+        done = asyncio.run(capacity(url, PROBE_S))
+        rate = 0.8 * done / PROBE_S
+        print(f"capacity probe: {done} requests in {PROBE_S:.0f} s -> soak at {rate:.3f} req/s")
 
     async def kill_and_restart() -> None:
         pid = core_pid(args.server_ref[0])
