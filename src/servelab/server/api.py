@@ -260,10 +260,10 @@ async def _stream(
             "X-Request-Id": shape.request_id,
         }
     )
-    await resp.prepare(request)
     first = True
     n_prompt = n_out = 0
     try:
+        await resp.prepare(request)  # the client may already have gone: no 500 in the log
         while True:
             outs = await stream.get()
             last = outs[-1]
@@ -300,7 +300,7 @@ async def _stream(
         )
         await _write_quietly(resp, SSE_DONE)
     except ConnectionResetError:
-        pass  # the client went away between two events; the caller aborts the request
+        pass  # the client went away; the caller aborts the request
     return resp
 
 
