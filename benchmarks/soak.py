@@ -446,6 +446,10 @@ def main() -> None:
         f"/health round trip: median {statistics.median(rtts) * 1e3:.1f} ms, max "
         f"{max(rtts) * 1e3:.1f} ms over {len(rtts)} samples"
     )
+    slow = [
+        f"{s['t']:.0f} s: {s['health_rtt_s']:.2f} s" for s in t.samples if s["health_rtt_s"] > 1
+    ]
+    print(f"/health samples over 1 s (seconds since the start): {slow or 'none'}")
     print(f"open fds first/last: {t.samples[0]['fds']} / {t.samples[-1]['fds']}")
     print(f"SIGTERM drain: exit code {code}, drain statuses {drain.status}")
     verdicts = {
