@@ -1,14 +1,21 @@
 """Soak and chaos for `servelab serve`: does an hour of hostile traffic leak anything?
 
-One bounded run, in three acts, against a server started here (the default model):
+One bounded run, in four acts, against a server started here (the default model):
 
+0. **Door**: each of the heaviest single requests known (``WORST``), alone, while the same
+   client polls ``/health`` every 10 ms; the worst poll must stay under 100 ms. Beside it:
+   the idle round trip, and how often the server's own event-loop timer was over 100 ms
+   late (which tells a stalled API process from a slow client or a busy CPU).
+   ``--door-only`` stops after this act.
 1. **Load** for ``--minutes`` (default 30): streamed completions with Poisson arrivals at
-   ``--rate`` requests/s (default: 80% of the capacity measured in a short probe first),
+   ``--rate`` requests/s (default: 80% of the capacity measured first, as requests finished
+   in 60 s with 16 always in flight),
    prompts of 16-400 tokens and 16-128 output tokens. ``--hangup`` of them (10%) disconnect
    after a random number of events, and every ``--fuzz-every`` seconds a hostile request is
    sent (huge integers, deep nesting, huge strings and stop lists, many messages, broken
    JSON); each must get a 4xx.
-2. **Kill** at ``--kill-at`` of the load (default half way): the engine core is SIGKILLed.
+2. **Kill** at ``--kill-at`` of the load (default a quarter, so that the last 20 minutes,
+   where RSS slopes are taken, are the restarted server's): the engine core is SIGKILLed.
    Open requests must end (with ``engine_dead``), then the server is stopped and started
    again and the load goes on.
 3. **Drain**: SIGTERM with requests in flight; the server must exit 0.
@@ -16,7 +23,7 @@ One bounded run, in three acts, against a server started here (the default model
 Every 10 s it records the RSS of each server process, KV blocks in use against running
 requests, open file descriptors, and the API's event-loop lag (``/health`` round trip and
 the server's own ``servelab:api_event_loop_lag_seconds``). At the end it prints the slope of
-RSS over the last 20 minutes (or the last two thirds of a shorter run), the 5xx count outside
+each process's RSS over the last 20 minutes (or the last two thirds of a shorter run), the 5xx count outside
 the kill window, requests that never ended, and KV blocks still held once idle.
 
 Targets: 0 5xx outside the kill, 0 leaked blocks, 0 requests without an end, RSS slope
@@ -56,6 +63,43 @@ HOSTILE: list[tuple[str, bytes]] = [
     ("broken json", b'{"prompt": "hi", "max_tokens": '),
     ("negative max_tokens", b'{"prompt": "hi", "max_tokens": -5}'),
 ]
+# The heaviest single requests known (issue 22's probe and the prepare.py measurements): each
+# is sent alone while /health is polled; /health must answer within DOOR_TARGET_S.
+WORST: list[tuple[str, str, bytes]] = [
+    (
+        "chat, 300,000 messages (10.5 MB)",
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}] * 300_000}).encode(),
+    ),
+    (
+        "chat, 2048 messages of 300 characters (templated)",
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "word " * 60}] * 2048}).encode(),
+    ),
+    (
+        "prompt of 15 MB",
+        "/v1/completions",
+        json.dumps({"prompt": "y" * 15_000_000, "max_tokens": 2}).encode(),
+    ),
+    (
+        "8 million token ids (16 MB)",
+        "/v1/completions",
+        b'{"prompt": [' + b"1," * 8_000_000 + b"1]}",
+    ),
+    (
+        "5 MB of brackets in a string",
+        "/v1/completions",
+        json.dumps({"prompt": "hi", "max_tokens": 2, "x": "[" * 5_000_000}).encode(),
+    ),
+    (
+        "an unknown field of 8 million numbers",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 2, "x": [' + b"1," * 8_000_000 + b"1]}",
+    ),
+    ("valid, 40 KB prompt", "/v1/completions", json.dumps({"prompt": "word " * 8_000}).encode()),
+]
+DOOR_TARGET_S = 0.100
+PROBE_S = 60.0
 WORDS = "the paged cache keeps keys and values of every token in fixed blocks".split()
 
 
@@ -100,11 +144,20 @@ def start_server(cpu: int | None, port: int) -> subprocess.Popen[bytes]:
     raise SystemExit("servelab serve did not become ready in 15 minutes")
 
 
+def role(p: psutil.Process, server: subprocess.Popen[bytes]) -> str:
+    """api (the server process), core (the engine), prepare (request-preparation workers)
+    or mp (multiprocessing's resource tracker)."""
+    if p.pid == server.pid:
+        return "api"
+    cmd = " ".join(p.cmdline())
+    if "servelab.server.core" in cmd:
+        return "core"
+    return "prepare" if "spawn_main" in cmd else "mp"
+
+
 def core_pid(server: subprocess.Popen[bytes]) -> int:
-    """The engine core: the server process's child that holds the model."""
     kids = psutil.Process(server.pid).children(recursive=True)
-    python = [p for p in kids if "python" in p.name().lower()]
-    return max(python or kids, key=lambda p: p.memory_info().rss).pid
+    return next(p.pid for p in kids if role(p, server) == "core")
 
 
 def metrics(text: str) -> dict[str, float]:
@@ -176,7 +229,7 @@ async def sample(s: aiohttp.ClientSession, url: str, server: subprocess.Popen[by
     procs = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
     return {
         "t": time.monotonic() - t0,
-        "rss_mb": {p.pid: p.memory_info().rss / 2**20 for p in procs},
+        "rss_mb": {f"{role(p, server)}:{p.pid}": p.memory_info().rss / 2**20 for p in procs},
         "fds": sum(p.num_fds() for p in procs),
         "kv_blocks_used": m.get("servelab:kv_cache_blocks_used"),
         "running": m.get("vllm:num_requests_running"),
@@ -212,19 +265,102 @@ async def load(url: str, rate: float, seconds: float, t: Tally, args, on_half=No
                 fuzzing.add_done_callback(tasks.discard)
                 next_fuzz = now + args.fuzz_every
             if now >= next_sample:
-                with_server = args.server_ref[0]
-                t.samples.append(await sample(s, url, with_server, args.t_start))
                 next_sample = now + 10
+                try:
+                    t.samples.append(await sample(s, url, args.server_ref[0], args.t_start))
+                except (aiohttp.ClientError, asyncio.TimeoutError, psutil.Error) as e:
+                    print(f"sample at {now - args.t_start:.0f} s failed: {e!r}")
             await asyncio.sleep(random.expovariate(rate))
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def slope_mb_per_min(samples: list[dict], since: float) -> float:
-    pts = [(s["t"], sum(s["rss_mb"].values())) for s in samples if s["t"] >= since]
-    if len(pts) < 3:
-        return float("nan")
-    xs, ys = zip(*pts)
-    return statistics.linear_regression(xs, ys).slope * 60
+def loop_lag_ticks(text: str) -> tuple[float, float]:
+    """(timer ticks, ticks later than 100 ms) of the API's event-loop lag histogram."""
+    count = within = 0.0
+    for line in text.splitlines():
+        if line.startswith("servelab:api_event_loop_lag_seconds_count"):
+            count = float(line.rpartition(" ")[2])
+        elif line.startswith("servelab:api_event_loop_lag_seconds_bucket") and 'le="0.1"' in line:
+            within = float(line.rpartition(" ")[2])
+    return count, count - within
+
+
+async def capacity(url: str, seconds: float, concurrency: int = 16) -> int:
+    """Requests finished in ``seconds`` with ``concurrency`` always in flight (a closed loop:
+    an open-loop probe above capacity queues work that takes minutes to drain on a loaded
+    machine). What is still running at the end is cancelled (the server aborts it)."""
+    t = Tally()
+    killing = [False]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+
+        async def client() -> None:
+            while True:
+                await one_request(s, url, t, killing)
+
+        clients = [asyncio.create_task(client()) for _ in range(concurrency)]
+        await asyncio.sleep(seconds)
+        for c in clients:
+            c.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+    return t.ended
+
+
+async def door(url: str) -> bool:
+    """Each of WORST alone, with /health polled every 10 ms from the same client. Prints the
+    idle round trip beside the worst one during each request; True if all met the target."""
+
+    async def rtt(s: aiohttp.ClientSession) -> float:
+        t1 = time.monotonic()
+        async with s.get(f"{url}/health") as r:
+            await r.read()
+        return time.monotonic() - t1
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        idle = []
+        for _ in range(50):
+            idle.append(await rtt(s))
+            await asyncio.sleep(0.01)
+        base = statistics.median(idle)
+        print(
+            f"door: /health idle round trip median {base * 1e3:.1f} ms, max {max(idle) * 1e3:.1f}"
+        )
+        ok = True
+        for name, path, body in WORST:
+            headers = {"Content-Type": "application/json"}
+            async with s.get(f"{url}/metrics") as m:
+                ticks0, late0 = loop_lag_ticks(await m.text())
+            t1 = time.monotonic()
+            send = asyncio.create_task(s.post(f"{url}{path}", data=body, headers=headers))
+            polls = []
+            while not send.done():
+                polls.append(await rtt(s))
+                await asyncio.sleep(0.01)
+            r = send.result()
+            await r.read()
+            took = time.monotonic() - t1
+            async with s.get(f"{url}/metrics") as m:
+                ticks1, late1 = loop_lag_ticks(await m.text())
+            worst = max(polls, default=0.0)
+            ok &= worst <= DOOR_TARGET_S and r.status < 500
+            print(
+                f"door: {name}: {r.status} in {took:.2f} s; /health max {worst * 1e3:.1f} ms "
+                f"({worst / base:.0f}x idle) over {len(polls)} polls; the server's loop timer "
+                f"late by > 100 ms {late1 - late0:.0f} of {ticks1 - ticks0:.0f} ticks"
+            )
+        return ok
+
+
+def slopes_mb_per_min(samples: list[dict], since: float) -> dict[str, float]:
+    """Per process alive at the end: the least-squares slope of its RSS since ``since``."""
+    out = {}
+    for proc in samples[-1]["rss_mb"]:
+        pts = [
+            (s["t"], s["rss_mb"][proc]) for s in samples if s["t"] >= since and proc in s["rss_mb"]
+        ]
+        if len(pts) >= 3:
+            xs, ys = zip(*pts)
+            out[proc] = statistics.linear_regression(xs, ys).slope * 60
+    return out
 
 
 def main() -> None:
@@ -233,7 +369,13 @@ def main() -> None:
     ap.add_argument("--rate", type=float, help="requests/s (default: 80%% of a probe)")
     ap.add_argument("--hangup", type=float, default=0.10)
     ap.add_argument("--fuzz-every", type=float, default=3.0)
-    ap.add_argument("--kill-at", type=float, default=0.5)
+    ap.add_argument(
+        "--kill-at",
+        type=float,
+        default=0.25,
+        help="fraction of the load; early, so the last 20 minutes are the restarted server's",
+    )
+    ap.add_argument("--door-only", action="store_true", help="only the worst single requests")
     ap.add_argument("--quick", action="store_true", help="3 minutes, for a smoke run")
     args = ap.parse_args()
     if args.quick:
@@ -246,14 +388,17 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     server = start_server(server_cpu, port)
     args.server_ref, args.t_start = [server], time.monotonic()
+    door_ok = asyncio.run(door(url))
+    if args.door_only:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+        raise SystemExit(0 if door_ok else 1)
     t = Tally(hangup_fraction=args.hangup)
     rate = args.rate
-    if rate is None:  # capacity: requests/s finished at a heavy load for 30 s
-        probe = Tally()
-        start = time.monotonic()
-        asyncio.run(load(url, 4.0, 30.0, probe, args))
-        rate = 0.8 * probe.ended / (time.monotonic() - start)
-        print(f"capacity probe: {probe.ended} requests in 30 s -> soak at {rate:.2f} req/s")
+    if rate is None:
+        done = asyncio.run(capacity(url, PROBE_S))
+        rate = 0.8 * done / PROBE_S
+        print(f"capacity probe: {done} requests in {PROBE_S:.0f} s -> soak at {rate:.3f} req/s")
 
     async def kill_and_restart() -> None:
         pid = core_pid(args.server_ref[0])
@@ -265,7 +410,9 @@ def main() -> None:
         old.wait(timeout=60)
         args.server_ref[0] = start_server(server_cpu, port)
 
+    load_t0 = time.monotonic() - args.t_start
     asyncio.run(load(url, rate, args.minutes * 60, t, args, on_half=kill_and_restart))
+    load_t1 = time.monotonic() - args.t_start
     server = args.server_ref[0]
     idle = asyncio.run(_idle_sample(url, server, args.t_start))
     # Drain: SIGTERM while requests are in flight; the server must finish them and exit 0.
@@ -279,24 +426,44 @@ def main() -> None:
 
     asyncio.run(drain_run())
     code = server.wait(timeout=120)
-    total = args.minutes * 60
-    window = max(0.0, total - 20 * 60) if total > 30 * 60 else total / 3
+    # The last 20 minutes of the load, or its last two thirds if it is shorter than 30.
+    since = max(load_t1 - 20 * 60, load_t0 + (load_t1 - load_t0) / 3)
     print("\n== soak results")
     print(f"requests sent {t.sent}, ended {t.ended}, hung up {t.hung_up}, statuses {t.status}")
     print(f"requests without an end: {t.sent - t.ended} ({t.cut} streams closed without [DONE])")
     print(f"5xx outside the kill window: {t.fivexx_outside_kill}")
     print(f"fuzz requests not answered 4xx: {len(t.fuzz_not_4xx)} {t.fuzz_not_4xx[:5]}")
     print(f"KV blocks held once idle (leaked): {idle['kv_blocks_used']}")
-    print(
-        f"RSS slope after {window / 60:.0f} min: {slope_mb_per_min(t.samples, window):+.2f} MB/min"
-    )
+    slopes = slopes_mb_per_min(t.samples, since)
+    print(f"RSS slope over the last {(load_t1 - since) / 60:.0f} min of the load, per process:")
+    for proc, slope in slopes.items():
+        first = next(s["rss_mb"][proc] for s in t.samples if proc in s["rss_mb"])
+        print(
+            f"  {proc}: {slope:+.2f} MB/min ({first:.0f} -> {t.samples[-1]['rss_mb'][proc]:.0f} MB)"
+        )
     rtts = [s["health_rtt_s"] for s in t.samples]
     print(
         f"/health round trip: median {statistics.median(rtts) * 1e3:.1f} ms, max "
         f"{max(rtts) * 1e3:.1f} ms over {len(rtts)} samples"
     )
+    slow = [
+        f"{s['t']:.0f} s: {s['health_rtt_s']:.2f} s" for s in t.samples if s["health_rtt_s"] > 1
+    ]
+    print(f"/health samples over 1 s (seconds since the start): {slow or 'none'}")
     print(f"open fds first/last: {t.samples[0]['fds']} / {t.samples[-1]['fds']}")
     print(f"SIGTERM drain: exit code {code}, drain statuses {drain.status}")
+    verdicts = {
+        "/health within 100 ms during each worst single request": door_ok,
+        "0 5xx outside the kill": t.fivexx_outside_kill == 0,
+        "every fuzz request 4xx": not t.fuzz_not_4xx,
+        "0 requests without an end": t.sent == t.ended,
+        "0 leaked KV blocks": not idle["kv_blocks_used"],
+        "RSS slope <= 1 MB/min in every process": all(v <= 1.0 for v in slopes.values()),
+        "SIGTERM drain exits 0": code == 0,
+    }
+    for what, ok in verdicts.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {what}")
+    raise SystemExit(0 if all(verdicts.values()) else 1)
 
 
 async def _idle_sample(url: str, server: subprocess.Popen[bytes], t0: float) -> dict:

@@ -302,6 +302,7 @@ FIELDS = [
     "echo",
     "best_of",
     "response_format",
+    "logit_bias",
     "tools",
     "add_special_tokens",
 ]

@@ -72,6 +72,11 @@ def serve(
         help="Seconds a connection may take to send a request's headers, from its opening or "
         "its previous response; also closes idle keep-alive connections.",
     ),
+    body_timeout: float = typer.Option(
+        30.0,
+        help="Seconds a request's body may take to arrive after its headers; a slower one "
+        "gets 408 and the connection is closed.",
+    ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     simulate: str | None = typer.Option(
         None,
@@ -126,6 +131,7 @@ def serve(
         max_stop_sequences=max_stop_sequences,
         max_body_size=max_body_size,
         header_timeout=header_timeout,
+        body_timeout=body_timeout,
         log_level=log_level,
         simulate=simulate,
         speculative_config=speculative_config,

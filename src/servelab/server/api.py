@@ -8,24 +8,22 @@ Streams send one SSE event per batch of new tokens, the first one carrying the f
 token (chat: with ``role``), and end with ``data: [DONE]``. The last event before
 [DONE] carries ``"servelab": RequestTimeline.summary()``.
 
-Nothing heavy on the event loop: a body over ``_OFF_LOOP_BYTES`` is decoded, templated and
-tokenised in a small thread pool (tokenised with ``encode_batch``, which releases the GIL),
-and the limits in protocol.py bound that work, so ``/health`` answers meanwhile.
+Nothing heavy on the event loop: a body over ``prepare.OFF_LOOP_BYTES`` is decoded,
+templated and tokenised in a worker process (prepare.py), and the limits in protocol.py
+bound that work, so ``/health`` answers meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import hmac
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +35,13 @@ from servelab.server import ipc
 from servelab.server.engine_client import EngineDeadError, RequestStream
 from servelab.server.errors import APIError, error_body
 from servelab.server.metrics import CONTENT_TYPE
+from servelab.server.prepare import MALLOC_TRIM, OFF_LOOP_BYTES, TRIM_BYTES, PreparePool, prepare
 from servelab.server.protocol import (
     SSE_DONE,
     ModelLimits,
     ParsedRequest,
     ResponseShape,
     finalize,
-    parse_chat,
-    parse_completion,
     sse,
     usage,
 )
@@ -53,10 +50,7 @@ from servelab.vocab import RequestTimeline
 
 log = logging.getLogger("servelab.server")
 
-_OFF_LOOP_BYTES = 32_768  # bigger bodies are parsed and tokenised in the pool
-_TRIM_BYTES = 1 << 20  # after a request this big, hand freed heap memory back to the OS
 _TRIM_DELAY_S = 0.2  # once the request's objects are gone
-_POOL_THREADS = 2
 _LAG_PERIOD_S = 0.05
 _RETRY_AFTER_S = "1"
 _MAX_ID_LEN = 256
@@ -69,9 +63,11 @@ class ServerState:
     client: ServingClient
     tokenizer: Any  # servelab.model.tokenizer.Tokenizer (or a test double with the same API)
     limits: ModelLimits
+    prepare_pool: PreparePool  # prepares bodies over OFF_LOOP_BYTES in worker processes
     api_key: str | None = None
     max_queue: int | None = None
     max_body_bytes: int = 16 * 1024**2
+    body_timeout_s: float = 30.0
     draining: bool = False
 
     @property
@@ -80,7 +76,6 @@ class ServerState:
 
 
 STATE = web.AppKey("servelab_state", ServerState)
-POOL = web.AppKey("servelab_prepare_pool", ThreadPoolExecutor)
 TRIM_PENDING = web.AppKey("servelab_trim_pending", list)  # [bool]: a malloc_trim is scheduled
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -104,7 +99,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except APIError as e:
         request.app[STATE].client.metrics.observe_rejected(e.status)
-        return _json(e.body(), e.status, e.headers)
+        resp = _json(e.body(), e.status, e.headers)
+        if e.status == 408:  # the rest of a trickling body is not worth waiting for
+            resp.force_close()
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -122,27 +120,17 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _json(error_body(500, "Internal server error; see the server log."), 500)
 
 
-def _libc_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc; absent elsewhere
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _libc_malloc_trim()
-
-
 @web.middleware
 async def _return_memory(request: web.Request, handler: Handler) -> web.StreamResponse:
     """glibc keeps the heap a big body grew: after its first big free it raises its mmap
     threshold, so later big buffers come from the heap and stay there once freed (ten
     refused 15 MB prompts left the API process at +82% RSS). A moment after such a request
-    ends, ``malloc_trim`` in the pool hands the free pages back; one trim covers a burst."""
+    ends, ``malloc_trim`` in a thread hands the free pages back; one trim covers a burst."""
     try:
         return await handler(request)
     finally:
         app = request.app
-        if _MALLOC_TRIM is not None and (request.content_length or 0) >= _TRIM_BYTES:
+        if MALLOC_TRIM is not None and (request.content_length or 0) >= TRIM_BYTES:
             if not app[TRIM_PENDING][0]:
                 app[TRIM_PENDING][0] = True
                 loop = asyncio.get_running_loop()
@@ -151,8 +139,8 @@ async def _return_memory(request: web.Request, handler: Handler) -> web.StreamRe
 
 def _trim_soon(app: web.Application, loop: asyncio.AbstractEventLoop) -> None:
     app[TRIM_PENDING][0] = False
-    assert _MALLOC_TRIM is not None
-    loop.run_in_executor(app[POOL], _MALLOC_TRIM, 0)  # ctypes releases the GIL
+    assert MALLOC_TRIM is not None
+    loop.run_in_executor(None, MALLOC_TRIM, 0)  # ctypes releases the GIL
 
 
 @web.middleware
@@ -189,33 +177,23 @@ def _request_id(request: web.Request, st: ServerState) -> str:
     return rid
 
 
-def _prepare(st: ServerState, body: bytes, chat: bool, off_loop: bool) -> ParsedRequest:
-    """Validate, template and tokenise one request body (the limits run first)."""
-    if chat:
-        parsed, messages = parse_chat(body, st.limits)
-        try:
-            parsed.text = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 -- jinja errors, the template's raise_exception()
-            raise APIError(
-                400, f"The chat template rejected the messages: {e}", param="messages"
-            ) from None
-    else:
-        parsed = parse_completion(body, st.limits)
-    if parsed.token_ids is None:
-        text = parsed.text or ""
-        if off_loop:  # encode_batch releases the GIL while it works; encode does not
-            parsed.token_ids = st.tokenizer.encode_batch([text], parsed.add_special_tokens)[0]
-        else:
-            parsed.token_ids = st.tokenizer.encode(text, parsed.add_special_tokens)
-    return parsed
+async def _read_body(request: web.Request, st: ServerState) -> bytes:
+    """The whole body, or 408 if it trickles in slower than --body-timeout allows."""
+    try:
+        return await asyncio.wait_for(request.read(), st.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408,
+            f"The request body did not arrive within {st.body_timeout_s:g} s of its headers "
+            "(the server's --body-timeout); the connection is closed.",
+        ) from None
 
 
 async def _prompt_ids(request: web.Request, body: bytes, chat: bool) -> ParsedRequest:
     st = request.app[STATE]
-    if len(body) <= _OFF_LOOP_BYTES:
-        return _prepare(st, body, chat, off_loop=False)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(request.app[POOL], _prepare, st, body, chat, True)
+    if len(body) <= OFF_LOOP_BYTES:
+        return prepare(st.tokenizer, st.limits, body, chat)
+    return await st.prepare_pool.prepare(st.limits, body, chat)
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -229,7 +207,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             f"{st.client.dead_reason or 'The engine is not running'}; restart the server.",
             code="engine_dead",
         )
-    parsed = await _prompt_ids(request, await request.read(), chat)
+    parsed = await _prompt_ids(request, await _read_body(request, st), chat)
     assert parsed.token_ids is not None
     params = finalize(parsed, parsed.token_ids, st.limits)
     if st.max_queue is not None and st.client.num_waiting >= st.max_queue:
@@ -282,10 +260,10 @@ async def _stream(
             "X-Request-Id": shape.request_id,
         }
     )
-    await resp.prepare(request)
     first = True
     n_prompt = n_out = 0
     try:
+        await resp.prepare(request)  # the client may already have gone: no 500 in the log
         while True:
             outs = await stream.get()
             last = outs[-1]
@@ -322,7 +300,7 @@ async def _stream(
         )
         await _write_quietly(resp, SSE_DONE)
     except ConnectionResetError:
-        pass  # the client went away between two events; the caller aborts the request
+        pass  # the client went away; the caller aborts the request
     return resp
 
 
@@ -461,13 +439,6 @@ async def _watch_loop_lag(app: web.Application) -> Any:
     task.cancel()
 
 
-async def _prepare_pool(app: web.Application) -> AsyncIterator[None]:
-    pool = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="servelab-prepare")
-    app[POOL] = pool
-    yield
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
         middlewares=[_return_memory, _errors, _auth], client_max_size=state.max_body_bytes
@@ -475,7 +446,6 @@ def build_app(state: ServerState) -> web.Application:
     app[TRIM_PENDING] = [False]
     app[STATE] = state
     app.cleanup_ctx.append(_watch_loop_lag)
-    app.cleanup_ctx.append(_prepare_pool)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -57,6 +57,9 @@ class ServerArgs:
     # Seconds a connection may take to send a complete request head, counted from its
     # opening or its previous response: it also closes idle keep-alive connections.
     header_timeout: float = 5.0
+    # Seconds a request's body may take to arrive once its head has: a client that trickles
+    # it is answered 408 and closed.
+    body_timeout: float = 30.0
     log_level: str = "info"
     simulate: str | None = None  # HARDWARE:MODEL: stream at the simulator's timings
     speculative_config: str | None = None  # vLLM's JSON, e.g. '{"method": "ngram", ...}'
@@ -108,6 +111,10 @@ class ServerArgs:
         if not self.header_timeout > 0:
             raise ValueError(
                 f"--header-timeout must be a positive number of seconds, got {self.header_timeout}"
+            )
+        if not self.body_timeout > 0:
+            raise ValueError(
+                f"--body-timeout must be a positive number of seconds, got {self.body_timeout}"
             )
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"--log-level {self.log_level!r}: use debug, info, warning or error")

@@ -53,6 +53,10 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in a request-preparation worker process and unpickled in the API process.
+        return (APIError, (self.status, self.message), self.__dict__)
+
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 

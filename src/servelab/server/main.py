@@ -10,14 +10,12 @@ and return 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from aiohttp import web
 
@@ -27,6 +25,7 @@ from servelab.server.args import ServerArgs
 from servelab.server.bounds import longest_token_chars
 from servelab.server.engine_client import CoreStartupError, EngineClient
 from servelab.server.metrics import ServerMetrics
+from servelab.server.prepare import PreparePool, load_tokenizer
 from servelab.server.protocol import ModelLimits
 from servelab.server.serving_client import ServingClient
 from servelab.server.timelines import TimelineStore
@@ -34,16 +33,6 @@ from servelab.server.timelines import TimelineStore
 log = logging.getLogger("servelab.server")
 
 _DRAIN_POLL_S = 0.05
-
-
-def _load_tokenizer(model: str) -> Any:
-    from servelab.model.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_model(model)
-    # Compile the chat template now rather than inside the first chat request.
-    with contextlib.suppress(Exception):  # no template, or one that rejects this message
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
-    return tok
 
 
 def _bound_port(runner: web.AppRunner, fallback: int) -> int:
@@ -97,34 +86,31 @@ def _make_client(
 async def serve(
     args: ServerArgs,
     *,
-    tokenizer: Any = None,
     engine_factory: str | None = None,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
 ) -> int:
     """Run the server until ``stop`` is set (or SIGTERM/SIGINT in the main thread).
 
-    ``tokenizer``/``engine_factory`` replace the model's tokenizer and the real engine
-    (tests use them to exercise the processes and IPC without weights). ``on_ready`` gets
-    the bound port. Returns the exit status.
+    ``engine_factory`` replaces the real engine (tests use it to exercise the processes and
+    IPC without weights). ``on_ready`` gets the bound port. Returns the exit status.
     """
     stop = stop or asyncio.Event()
     metrics = ServerMetrics(args.model_name)
     client = _make_client(args, metrics, engine_factory)
     t0 = time.monotonic()
-    tok_task = (
-        None
-        if tokenizer is not None
-        else asyncio.create_task(asyncio.to_thread(_load_tokenizer, args.model))
-    )
+    tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, args.model))
+    prepare_pool = PreparePool(args.model)
+    pool_task = asyncio.create_task(prepare_pool.start())
     try:
         info = await client.start()
-        if tok_task is not None:
-            tokenizer = await tok_task
+        tokenizer = await tok_task
+        await pool_task
     except (CoreStartupError, ValueError, OSError) as e:
         log.error("servelab serve: could not start: %s", e)
-        if tok_task is not None:
-            tok_task.cancel()
+        tok_task.cancel()
+        pool_task.cancel()
+        prepare_pool.shutdown()
         await client.shutdown()
         return 1
     log.info(
@@ -147,9 +133,11 @@ async def serve(
         client,
         tokenizer,
         limits,
+        prepare_pool,
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
     )
     runner = Runner(
         build_app(state),
@@ -174,6 +162,7 @@ async def serve(
             e,
         )
         await runner.cleanup()
+        prepare_pool.shutdown()
         await client.shutdown()
         return 1
     port = _bound_port(runner, args.port)
@@ -205,6 +194,7 @@ async def serve(
             "servelab serve: ended %d unfinished requests with finish_reason 'abort'", aborted
         )
     await runner.cleanup()
+    prepare_pool.shutdown()
     await client.shutdown()
     log.info("servelab serve: stopped")
     return 0

@@ -56,6 +56,7 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -144,6 +145,8 @@ def _unsupported(req: _Common) -> None:
         value = getattr(req, name)
         if value not in (None, 0, 0.0):
             raise APIError(400, f"{name} is not supported: leave it unset or 0.", param=name)
+    if req.logit_bias:  # ignoring it would answer as if the bias had been applied
+        raise APIError(400, "logit_bias is not supported: leave it unset.", param="logit_bias")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise APIError(
             400, "response_format other than text is not supported.", param="response_format"
@@ -268,6 +271,20 @@ def _check_chars(chars: int, max_tokens: int | None, limits: ModelLimits, param:
     )
 
 
+def _check_context(n: int, max_tokens: int, limits: ModelLimits, param: str) -> None:
+    limit = limits.max_model_len
+    want = n + max_tokens
+    if n >= limit or want > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{want} tokens ({n} in the {param}, {max_tokens} for the completion). "
+            f"Shorten the {param} or lower max_tokens.",
+            param=param if n >= limit else "max_tokens",
+            code="context_length_exceeded",
+        )
+
+
 def _make_params(fields: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**fields)
@@ -304,6 +321,9 @@ def parse_completion(body: bytes, limits: ModelLimits) -> ParsedRequest:
     if isinstance(prompt, str):
         _check_chars(len(prompt), common["sampling"]["max_tokens"], limits, "prompt")
         return ParsedRequest(False, prompt, None, req.add_special_tokens, **common)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        # Before checking each id: millions of them cost seconds of Python.
+        _check_context(len(prompt), common["sampling"]["max_tokens"], limits, "prompt")
     if (
         isinstance(prompt, list)
         and prompt
@@ -364,20 +384,12 @@ def finalize(parsed: ParsedRequest, token_ids: list[int], limits: ModelLimits) -
         raise APIError(
             400, f"The {param} is empty after tokenisation: send some text.", param=param
         )
-    n, limit = len(token_ids), limits.max_model_len
+    n = len(token_ids)
     fields = dict(parsed.sampling)
     if fields["max_tokens"] is None:
-        fields["max_tokens"] = limit - n
+        fields["max_tokens"] = limits.max_model_len - n
+    _check_context(n, fields["max_tokens"], limits, param)
     want = n + fields["max_tokens"]
-    if n >= limit or want > limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{want} tokens ({n} in the {param}, {fields['max_tokens']} for the completion). "
-            f"Shorten the {param} or lower max_tokens.",
-            param=param if n >= limit else "max_tokens",
-            code="context_length_exceeded",
-        )
     # The last sampled token never needs K/V (the engine's own rule).
     if limits.kv_capacity_tokens is not None and want - 1 > limits.kv_capacity_tokens:
         raise APIError(
