@@ -486,6 +486,8 @@ class _Windows:
 # request's first token arrives, while that request's prefill covered it, is strong
 # evidence; a long prompt merely in flight is weaker; the series has the scrape
 # interval's resolution.
+# A prompt this many times the run's typical input is one other requests wait behind.
+LONG_PROMPT = 4
 CONF_PREFILL_ENDS = 0.75
 CONF_PREFILL_REPORTED = 0.85  # the other request's prefill window is the server's figure
 CONF_PREFILL_OVERLAP = 0.4
@@ -534,7 +536,7 @@ def _estimate_cause(
     long = [
         x
         for x in windows.in_prefill(a, b)
-        if x[2] is not rec and x[2].input_tokens >= 4 * max(windows.typical_input, 1)
+        if x[2] is not rec and x[2].input_tokens >= LONG_PROMPT * max(windows.typical_input, 1)
     ]
     if long:
         start, first, o, _ = max(long, key=lambda x: x[2].input_tokens)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from servelab.analyze.attribution import Attribution, TTFTBreakdown
+from servelab.analyze.attribution import LONG_PROMPT, Attribution, TTFTBreakdown
 from servelab.analyze.promscrape import ServerEstimates
 from servelab.analyze.stats import confidence_label, spearman
 from servelab.analyze.summary import run_timeslices, stage_summaries
@@ -40,7 +40,6 @@ CLIENT_LAG_LIMIT = 0.001  # the benchmark's own accuracy target (docs/reference-
 CLIENT_LAG_SHARE = 0.05  # lag that distorts TTFT p50 by this much matters
 NETWORK_SHARE = 0.3
 NETWORK_MIN = 0.020
-LONG_PROMPT = 4.0  # x the median input: a prompt others wait behind (attribution's rule)
 
 
 @dataclass
