@@ -22,6 +22,13 @@ DEFAULT_MODEL = "smollm2-135m"  # the model every command uses when none is name
 # in the model layer but misses its quality bar (docs/design/model.md), so it is not offered.
 QUANTIZATION_MODES = ("none", "q4_1")
 
+
+def check_quantization(mode: str) -> None:
+    """Raise ValueError, naming the offered modes, when ``mode`` is not one of them."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"--quantization {mode!r}: use {', '.join(QUANTIZATION_MODES)}")
+
+
 # What an engine of a deployment does: serves whole requests, or one half of disaggregated
 # serving. Step records and timelines carry it with the engine's ``replica`` index, so two
 # engines' steps are never read as one engine's.

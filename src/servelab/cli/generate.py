@@ -38,14 +38,14 @@ def register(app: typer.Typer) -> None:
         from servelab.engine.sampling_params import SamplingParams
         from servelab.model.build import build_engine
         from servelab.report.terminal import phase_table
-        from servelab.vocab import QUANTIZATION_MODES
+        from servelab.vocab import check_quantization
         from servelab.workflows.offline import chat_ids
 
         console = Console()
-        if quantization not in QUANTIZATION_MODES:
-            raise typer.BadParameter(
-                f"--quantization {quantization!r}: use {', '.join(QUANTIZATION_MODES)}"
-            )
+        try:
+            check_quantization(quantization)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
         try:
             sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
             engine = build_engine(model, EngineConfig(), device=device, quantization=quantization)

@@ -438,13 +438,10 @@ def profile(
     from servelab.sim.profiled import ProfiledCostModel
     from servelab.sim.profiler import profile as run_profile
     from servelab.sim.profiler import table_from_runs
-    from servelab.vocab import QUANTIZATION_MODES
+    from servelab.vocab import check_quantization
 
     try:
-        if quantization not in QUANTIZATION_MODES:
-            raise ValueError(
-                f"--quantization {quantization!r}: use {', '.join(QUANTIZATION_MODES)}"
-            )
+        check_quantization(quantization)
         eng, _ = split_deployment(parse_engine_args(engine_args))
         if from_run and quantization != "none":
             raise ValueError(

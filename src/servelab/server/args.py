@@ -12,7 +12,7 @@ from servelab.engine.config import EngineConfig
 from servelab.engine.spec.config import parse_speculative_config
 from servelab.model.build import default_threads
 from servelab.units import parse_size_gb
-from servelab.vocab import DEFAULT_MODEL, QUANTIZATION_MODES
+from servelab.vocab import DEFAULT_MODEL, check_quantization
 
 API_KEY_ENV = "SERVELAB_API_KEY"
 
@@ -121,10 +121,7 @@ class ServerArgs:
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
             raise ValueError(f"--device {self.device!r} is not known: use cpu, cuda or cuda:N")
         self._validate_disagg()
-        if self.quantization not in QUANTIZATION_MODES:
-            raise ValueError(
-                f"--quantization {self.quantization!r}: use {', '.join(QUANTIZATION_MODES)}"
-            )
+        check_quantization(self.quantization)
         if self.quantization != "none" and self.disaggregated:
             raise ValueError(
                 "--quantization does not work with --disaggregated yet; drop one of them"
