@@ -306,22 +306,16 @@ class LLMEngine:
         requests, emit = self._requests, self._emit
         outputs = [emit(requests[rid], tokens, end) for rid, tokens in new_tokens.items()]
         prefill, decode = out.prefill_and_decode()
-        record = StepRecord(
-            step_id=out.plan.step_id,
-            start=start,
-            end=end,
-            prefill_tokens=sum(prefill.values()),
-            decode_seqs=len(decode),
-            prefill=prefill,
-            decode=decode,
-            spec_proposed=sum(e.num_draft_tokens for e in speculated) if speculated else 0,
-            spec_accepted=sum(e.num_accepted for e in speculated) if speculated else 0,
-            kv_blocks_used=kv_used,
-            kv_blocks_total=self.kv_cache.num_blocks,
-            num_waiting=self.num_waiting,
-            preempted=list(out.preempted),
-            replica=self.replica,
-            role=self.role,
+        record = self._record(
+            out.plan.step_id,
+            start,
+            end,
+            prefill,
+            decode,
+            kv_used,
+            list(out.preempted),
+            sum(e.num_draft_tokens for e in speculated) if speculated else 0,
+            sum(e.num_accepted for e in speculated) if speculated else 0,
         )
         self.step_records.append(record)
         return EngineStepResult(outputs, record)
@@ -376,8 +370,9 @@ class LLMEngine:
             run.computed(j, tokens)
             ends.append(end)
             if keep_records:
+                decode = [r.request_id for r in reqs]
                 records.append(
-                    self._decode_record(run.first_step_id + j, start, end, reqs, kv_used)
+                    self._record(run.first_step_id + j, start, end, {}, decode, kv_used, [])
                 )
             j += 1
         if not ends:
@@ -405,23 +400,32 @@ class LLMEngine:
         self.step_records.extend(records)
         return DecodeBurst(reqs, ends, records, finished)
 
-    def _decode_record(
-        self, step_id: int, start: float, end: float, reqs: list[Request], kv_used: int
+    def _record(
+        self,
+        step_id: int,
+        start: float,
+        end: float,
+        prefill: dict[str, int],
+        decode: list[str],
+        kv_used: int,
+        preempted: list[str],
+        spec_proposed: int = 0,
+        spec_accepted: int = 0,
     ) -> StepRecord:
         return StepRecord(
             step_id=step_id,
             start=start,
             end=end,
-            prefill_tokens=0,
-            decode_seqs=len(reqs),
-            prefill={},
-            decode=[r.request_id for r in reqs],
-            spec_proposed=0,
-            spec_accepted=0,
+            prefill_tokens=sum(prefill.values()),
+            decode_seqs=len(decode),
+            prefill=prefill,
+            decode=decode,
+            spec_proposed=spec_proposed,
+            spec_accepted=spec_accepted,
             kv_blocks_used=kv_used,
             kv_blocks_total=self.kv_cache.num_blocks,
             num_waiting=self.num_waiting,
-            preempted=[],
+            preempted=preempted,
             replica=self.replica,
             role=self.role,
         )
