@@ -40,10 +40,9 @@ from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefi
 from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
 from servelab.report.terminal import (
     fit,
+    print_timeslices,
     rates_table,
-    saturation_line,
     similarity_line,
-    slices_table,
     stages_table,
     summary_table,
 )
@@ -581,9 +580,7 @@ class Bench:
             c.print(fit(table, c, ["p90", "max", "p95", "mean"]))
             c.print(fit(rates_table(s), c, ["failed", "in tok/s", "goodput req/s"]))
             c.print(similarity_line(s))
-            if (windows := slices_table(s)) is not None:
-                c.print(fit(windows, c, ["E2E p50", "ITL p99", "TTFT p99"]))
-            c.print(saturation_line(s))
+            print_timeslices(s, c)
         elif shown:
             c.print(
                 stages_table(

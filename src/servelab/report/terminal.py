@@ -99,9 +99,7 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
             t.add_row(cause, str(int(lost["count"])), f"{lost['excess_seconds']:.2f}")
         console.print(t)
     if d.timeslices is not None:
-        if (windows := slices_table({"timeslices": d.timeslices})) is not None:
-            console.print(fit(windows, console, ["E2E p50", "ITL p99", "TTFT p99"]))
-        console.print(saturation_line({"timeslices": d.timeslices}))
+        print_timeslices({"timeslices": d.timeslices}, console)
     if not d.findings:
         console.print("[green]No findings: no cause is large enough to move a percentile.")
     else:
@@ -362,6 +360,13 @@ def saturation_line(summary: dict[str, Any]) -> str:
     if sat["state"] == "steady":
         return f"steady state: {rates} ({sat['reason']})"
     return f"steady state: cannot tell: {sat['reason']}; {rates}"
+
+
+def print_timeslices(summary: dict[str, Any], console: Console) -> None:
+    """The time-window table (narrowed to the terminal) and the steady-state line."""
+    if (windows := slices_table(summary)) is not None:
+        console.print(fit(windows, console, ["E2E p50", "ITL p99", "TTFT p99"]))
+    console.print(saturation_line(summary))
 
 
 def slices_table(summary: dict[str, Any]) -> Table | None:
