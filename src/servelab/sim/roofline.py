@@ -166,19 +166,16 @@ class RooflineCostModel:
 
     def cost(self, w: StepWork) -> StepCost:
         e, hw = self.efficiency, self.hardware
-        lin = self._lin_flops_per_token * w.tokens + self._head_flops_per_logit * w.logits
+        layers = self._lin_flops_per_token * w.tokens
+        head = self._head_flops_per_logit * w.logits
         attn = self._attn_flops_per_pair * w.attn_pairs
         kv = self._kv_per_token * (w.kv_read + w.tokens)
         comm = 2 * self.model.layers * self.allreduce_time(w.tokens * self._act_bytes_per_token)
         peak, bw = hw.peak_flops * e.mfu, hw.mem_bw * e.mbu
         return StepCost(
-            flops=lin + attn,
+            flops=layers + head + attn,
             bytes=self._streamed_weight_bytes + kv,
-            gemm_compute=(
-                self._lin_flops_per_token * w.tokens * self._gemm_scale
-                + self._head_flops_per_logit * w.logits
-            )
-            / peak,
+            gemm_compute=(layers * self._gemm_scale + head) / peak,
             gemm_memory=self._streamed_weight_bytes / bw,
             attn_compute=attn / peak,
             attn_memory=kv / bw,
