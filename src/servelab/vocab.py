@@ -291,6 +291,12 @@ class ClientRecord:
         return [b - a for a, b in itertools.pairwise(self.chunk_times)]
 
     @property
+    def max_itl(self) -> float | None:
+        """The request's longest ITL: the longest freeze a reader of its stream saw."""
+        gaps = self.itls
+        return max(gaps) if gaps else None
+
+    @property
     def e2e(self) -> float | None:
         """E2E: actual send -> last byte."""
         if self.done is None:

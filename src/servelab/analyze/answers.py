@@ -23,7 +23,7 @@ from servelab.vocab import ClientRecord
 # percentiles cannot judge chunked prefill: unchunked, one prompt makes one long gap per
 # stream (often under 1% of the gaps, so p99 misses it); chunked, the same work makes several
 # short ones (over 1%, so p99 lands on them), and p99 can come out higher with chunking.
-MAX_ITL = "max_itl"
+MAX_ITL = "max_itl"  # ClientRecord.max_itl
 _LABELS = {MAX_ITL: "longest ITL per request"}
 # An extra sequence adding under this share of a one-sequence step: weight reads dominate
 # the step (they are shared by the batch), as on a GPU at small batch sizes.
@@ -95,12 +95,6 @@ def _records(group: list[Run], scope: str) -> list[ClientRecord]:
     return recs if scope == "overall" else [r for r in recs if r.workload_class == scope]
 
 
-def _values(records: list[ClientRecord], metric: str) -> tuple[list[float], list[int] | None]:
-    if metric == MAX_ITL:
-        return [max(r.itls) for r in records if len(r.chunk_times) > 1], None
-    return metric_values(records, metric)
-
-
 def _delta(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or not a else (b - a) / a
 
@@ -113,8 +107,8 @@ def measure(
     if metric in ("throughput", "goodput"):
         a, b = (_mean_rate(g, metric, stat) for g in (base, treat))
         return Measured(scope, metric, stat, a, b, None, None, _delta(a, b), None)
-    va = _values(_records(base, scope), metric)
-    vb = _values(_records(treat, scope), metric)
+    va = metric_values(_records(base, scope), metric)
+    vb = metric_values(_records(treat, scope), metric)
     sa, sb = describe(*va, n_boot=400, seed=seed), describe(*vb, n_boot=400, seed=seed)
     a, b = getattr(sa, stat), getattr(sb, stat)
     p = permutation_pvalues(va, vb, seed=seed).get(stat)
