@@ -254,3 +254,102 @@ def test_bad_flags_say_what_to_do(args, message, tmp_path):
     text = r.output + (r.stderr if r.stderr_bytes is not None else "")
     assert r.exit_code == 2, text
     assert message in " ".join(text.replace("│", " ").split()), text
+
+
+# ------------------------------------------- run.py stops a sweep / fails a search stage
+# Planted stage results: each stage's summary is a real ``summarize`` of a few ok records,
+# with the over-saturation verdict of analyze/timeslices set by the test, so only the
+# verdict decides. The target is the real test server (probe); nothing is sent.
+def _planted_stages(monkeypatch, saturated_from: float) -> list[float]:
+    from servelab.analyze.summary import summarize
+    from servelab.bench.distributed.clock import timing_error_budget
+    from servelab.bench.monitor import ClientHealth
+    from servelab.bench.run import Bench
+    from servelab.bench.runner import StageResult
+    from servelab.vocab import ClientRecord
+
+    ran: list[float] = []
+
+    async def run_stage(self, stage, http, target):
+        rate = stage.load.rate
+        ran.append(rate)
+        recs = [
+            ClientRecord(
+                request_id=f"{stage.label}-{k}",
+                workload_class="chat",
+                intended_send=k * 0.1,
+                actual_send=k * 0.1,
+                output_tokens=3,
+                chunk_times=[k * 0.1 + 0.02 * j for j in (1, 2, 3)],
+                chunk_tokens=[1, 1, 1],
+                done=k * 0.1 + 0.07,
+                status=200,
+                stage=stage.label,
+            )
+            for k in range(5)
+        ]
+        stage.result = StageResult(stage.label, 0.0, 0.5, len(recs), recs)
+        stage.health = ClientHealth()
+        stage.plan_info = {"timing_error_budget_s": timing_error_budget(None)}
+        stage.summary = summarize(recs, slos=self._slos())
+        verdict = "over_saturated" if rate >= saturated_from else "steady"
+        stage.summary["timeslices"]["saturation"]["state"] = verdict
+
+    monkeypatch.setattr(Bench, "_run_stage", run_stage)
+    monkeypatch.setattr(Bench, "_plan_inputs", lambda self: None)  # no requests to plan
+    return ran
+
+
+def _run_planted(server, tmp_path, **kw):
+    import io
+
+    from rich.console import Console
+
+    from servelab.bench.plan import LoadSpec
+    from servelab.bench.run import BenchOptions, run_bench
+    from servelab.units import SLO
+
+    out = tmp_path / "run"
+    opts = BenchOptions(
+        url=server,
+        api_key=SECRET,
+        model="test-model",
+        load=LoadSpec(rate=1.0, requests=5),
+        slo=SLO(ttft=10.0),
+        out=out,
+        quiet=True,
+        **kw,
+    )
+    code = run_bench(opts, Console(file=io.StringIO(), width=160))
+    return code, json.loads((out / "manifest.json").read_text())
+
+
+def test_a_sweep_stops_after_the_first_over_saturated_stage(server, tmp_path, monkeypatch):
+    ran = _planted_stages(monkeypatch, saturated_from=2.0)
+    code, man = _run_planted(server, tmp_path, sweep=("rate", [1.0, 2.0, 4.0, 8.0]))
+    assert code == 0 and ran == [1.0, 2.0]
+    assert [s["label"] for s in man["stages"]] == ["rate=1", "rate=2"]
+    assert any("rate=2 never reached a steady state" in w for w in man["warnings"])
+    assert any("4, 8 were not run" in w for w in man["warnings"])
+
+
+def test_a_sweep_runs_every_stage_while_each_stays_steady(server, tmp_path, monkeypatch):
+    ran = _planted_stages(monkeypatch, saturated_from=float("inf"))
+    code, man = _run_planted(server, tmp_path / "s", sweep=("rate", [1.0, 2.0, 4.0]))
+    assert code == 0 and ran == [1.0, 2.0, 4.0]
+    assert not any("steady state" in w for w in man["warnings"])
+
+
+def test_find_max_rate_counts_an_over_saturated_stage_as_failing(server, tmp_path, monkeypatch):
+    # Every planted stage meets its SLOs (goodput fraction 1.0): only the verdict fails one.
+    ran = _planted_stages(monkeypatch, saturated_from=3.0)
+    code, man = _run_planted(server, tmp_path, find_max_rate=True)
+    best = man["max_rate"]
+    assert code == 0 and ran[:3] == [1.0, 2.0, 4.0]
+    assert best["failed"] == sorted(r for r in ran if r >= 3.0) and best["failed"]
+    assert best["passed"] == sorted(r for r in ran if r < 3.0)
+    assert 2.0 <= best["max_rate"] < 3.0 <= best["lowest_failing_rate"] <= 4.0
+    assert "rate=4: over-saturated, counted as failing the SLOs" in man["warnings"]
+    steady = _planted_stages(monkeypatch, saturated_from=float("inf"))
+    _, man = _run_planted(server, tmp_path / "s", find_max_rate=True)
+    assert man["max_rate"]["failed"] == [] and max(steady) == man["max_rate"]["max_rate"]

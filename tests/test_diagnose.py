@@ -262,9 +262,9 @@ def test_stalls_map_by_time_when_token_counts_disagree(tmp_path):
     assert stalls and all(s.cause == "prefill" and s.server_gap is None for s in stalls)
 
 
-def _as_vllm_by_models(path):
+def _owned_by(path, owner="vllm"):
     man = json.loads((path / "manifest.json").read_text())
-    man["server"]["models"] = [{"id": "smollm2", "owned_by": "vllm", "max_model_len": 8192}]
+    man["server"]["models"] = [{"id": "smollm2", "owned_by": owner, "max_model_len": 8192}]
     (path / "manifest.json").write_text(json.dumps(man))
     return path
 
@@ -291,7 +291,7 @@ def test_recommendations_name_the_targets_own_flags(tmp_path):
 
 
 def test_vllm_is_recognised_by_its_model_list_and_gets_vllm_kv_flags(tmp_path):
-    path = _as_vllm_by_models(rundirs.as_other_target(rundirs.preemptions(tmp_path / "p")))
+    path = _owned_by(rundirs.as_other_target(rundirs.preemptions(tmp_path / "p")))
     recs = {r.lever: r.action for r in diagnose(load_run(path)).recommendations}
     assert recs["kv_memory"].startswith("vllm serve --gpu-memory-utilization")
     assert recs["max_num_seqs_down"] == "vllm serve --max-num-seqs <0.5x the current value>"
@@ -300,6 +300,72 @@ def test_vllm_is_recognised_by_its_model_list_and_gets_vllm_kv_flags(tmp_path):
     assert recs["max_num_seqs_down"] == (
         "on the server: cap the sequences run per step at <0.5x the current value>"
     )
+
+
+def _actions(path):
+    return {r.lever: r.action for r in diagnose(load_run(path)).recommendations}
+
+
+def test_sglang_and_llamacpp_get_their_own_flags(tmp_path):
+    # owned_by as each server's /v1/models writes it (docs/design/analyze.md)
+    sg = _actions(_owned_by(rundirs.as_other_target(rundirs.preemptions(tmp_path / "s")), "sglang"))
+    assert sg["kv_memory"].startswith("python -m sglang.launch_server --mem-fraction-static")
+    assert sg["max_num_seqs_down"] == (
+        "python -m sglang.launch_server --max-running-requests <0.5x the current value>"
+    )
+    assert "--max-queued-requests N" in sg["capacity"]
+    lc = _actions(
+        _owned_by(rundirs.as_other_target(rundirs.preemptions(tmp_path / "l")), "llamacpp")
+    )
+    assert lc["kv_memory"].startswith("llama-server --ctx-size <2x the current value>")
+    assert lc["max_num_seqs_down"].startswith("llama-server --parallel <0.5x the current value>")
+    assert "llama-server" not in lc["capacity"]  # it has no bounded queue: neutral wording
+    for owner, want in (
+        ("sglang", "python -m sglang.launch_server --chunked-prefill-size 512"),
+        ("llamacpp", "llama-server --batch-size 512"),
+    ):
+        run = rundirs.as_other_target(rundirs.unchunked_stalls(tmp_path / owner))
+        acts = _actions(_owned_by(run, owner))
+        assert acts["batch_budget_down"] == want  # no vLLM-only threshold flag
+        assert "vllm" not in " ".join(acts.values()) and "servelab" not in " ".join(acts.values())
+
+
+def test_llamacpp_is_recognised_by_its_timings_alone(tmp_path):
+    path = rundirs.as_other_target(rundirs.unchunked_stalls(tmp_path / "t"), figures=True)
+    rows = [json.loads(x) for x in (path / "requests.jsonl").read_text().splitlines()]
+    for row in rows:  # what serverfigures makes of llama.cpp's timings: no queue figure
+        s = row["server_timeline"]
+        row["server_timeline"] = {
+            "prefill_time": s["prefill_time"],
+            "decode_time": s["decode_time"],
+            "reported_by": "llama.cpp timings",
+        }
+    (path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _actions(path)["batch_budget_down"] == "llama-server --batch-size 512"
+
+
+def test_priorities_and_prefix_caching_in_each_servers_words(tmp_path):
+    from servelab.analyze.findings import Context, Finding
+    from servelab.analyze.levers import recommend
+
+    planted = Finding("planted", "t", "s", {}, 1.0, False, ["priorities", "prefix_caching"])
+    acts = {}
+    for owner in ("vllm", "sglang", "llamacpp", "someone"):
+        run = load_run(_owned_by(rundirs.as_other_target(rundirs.burst(tmp_path / owner)), owner))
+        recs = recommend(Context(run, attribute(run), None), [planted])
+        acts[owner] = {r.lever: r.action for r in recs}
+    # servelab's workloads send lower `priority` for sooner; SGLang must be told to agree
+    assert acts["sglang"]["priorities"].startswith(
+        "python -m sglang.launch_server --enable-priority-scheduling "
+        "--schedule-low-priority-values-first, then send"
+    )
+    assert acts["vllm"]["priorities"].startswith("vllm serve --scheduling-policy priority")
+    assert acts["llamacpp"]["priorities"] == acts["someone"]["priorities"]
+    assert acts["llamacpp"]["priorities"].startswith("send the interactive class")
+    assert "--schedule-policy lpm" in acts["sglang"]["prefix_caching"]
+    assert acts["llamacpp"]["prefix_caching"].startswith("llama-server --cache-ram")
+    assert acts["vllm"]["prefix_caching"] == "vllm serve --enable-prefix-caching"
+    assert acts["someone"]["prefix_caching"] == "on the server: turn prefix caching on"
 
 
 def test_client_only_capacity_queueing_beside_a_long_prompt_is_still_queue_bound(tmp_path):

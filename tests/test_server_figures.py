@@ -12,7 +12,7 @@ from aiohttp import web
 
 from servelab.bench.client import Target, send
 from servelab.bench.http import HttpClient
-from servelab.bench.serverfigures import LLAMACPP, VLLM, MalformedFigures, figures_from
+from servelab.bench.serverfigures import LLAMACPP, SGLANG, VLLM, MalformedFigures, figures_from
 from servelab.bench.testserver import Schedule, TestServer
 
 
@@ -92,6 +92,15 @@ def test_bad_fields_raise_one_error_type(objects):
         figures_from(objects)
 
 
+def test_sglang_prefill_is_the_span_between_its_two_stamps():
+    sg = figures_from(
+        {"meta_info": {"forward_entry_time": 1754.25, "prefill_finished_time": 1754.5}}
+    )
+    assert sg == {"prefill_time": 0.25, "reported_by": "sglang meta_info"}
+    with pytest.raises(MalformedFigures, match="before"):
+        figures_from({"meta_info": {"forward_entry_time": 2.0, "prefill_finished_time": 1.0}})
+
+
 def test_unknown_fields_only_are_no_figures():
     assert figures_from({"metrics": {"speculative_decoding": None}, "meta_info": {}}) is None
     sg = figures_from({"meta_info": {"queue_time": 0.25, "cached_tokens": 64}})
@@ -105,8 +114,10 @@ FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 
 
 def _replay(name: str, endpoint: str, stream: bool):
-    body = (FIXTURES / name).read_bytes()
+    return _replay_body((FIXTURES / name).read_bytes(), endpoint, stream)
 
+
+def _replay_body(body: bytes, endpoint: str, stream: bool):
     async def handler(request: web.Request) -> web.StreamResponse:
         if not stream:
             return web.Response(body=body, content_type="application/json")
@@ -181,3 +192,103 @@ def test_recorded_vllm_whole_response_gives_its_metrics():
     assert s["reported_by"] == VLLM and "speculative_decoding" not in s
     assert s["queue_time"] == pytest.approx(m["queue_time_ms"] / 1e3)
     assert s["prefill_time"] == pytest.approx(m["time_to_first_token_ms"] / 1e3)
+
+
+# ------------------------------------------------ SGLang and llama.cpp, in their sources' shapes
+# Built field for field from the source the field names were checked against
+# (docs/metrics.md): SGLang's ChatCompletionResponse with return_meta_info (meta_info on
+# the choice, --enable-metrics stamps), llama.cpp's streamed chat with include_usage
+# (result_timings::to_json on the last chunk, the usage chunk).
+SGLANG_CHAT = {
+    "id": "5c1f",
+    "object": "chat.completion",
+    "created": 1754000000,
+    "model": "smollm2-135m",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "one two three four"},
+            "finish_reason": "length",
+            "matched_stop": None,
+            "meta_info": {
+                "id": "5c1f",
+                "finish_reason": {"type": "length", "length": 4},
+                "prompt_tokens": 9,
+                "weight_version": "default",
+                "num_retractions": 0,
+                "forward_entry_time": 1754000000.25,
+                "prefill_finished_time": 1754000000.375,
+                "queue_time": 0.0125,
+                "prefill_waiting_latency": None,
+                "prefill_launch_latency": None,
+                "reasoning_tokens": 0,
+                "completion_tokens": 4,
+                "cached_tokens": 8,
+                "e2e_latency": 0.5,
+            },
+        }
+    ],
+    "usage": {"prompt_tokens": 9, "total_tokens": 13, "completion_tokens": 4},
+    "metadata": {"weight_version": "default"},
+}
+
+
+def test_sglang_meta_info_on_the_choice_of_a_whole_chat_response():
+    rec = _replay_body(json.dumps(SGLANG_CHAT).encode(), "chat", stream=False)
+    assert rec.ok and rec.output_tokens == 4
+    assert rec.server_timeline == {
+        "queue_time": 0.0125,
+        "cached_prompt_tokens": 8,
+        "e2e_time": 0.5,
+        "prefill_time": pytest.approx(0.125),
+        "reported_by": SGLANG,
+    }
+
+
+def _llamacpp_stream() -> bytes:
+    base = {
+        "id": "chatcmpl-x",
+        "created": 1,
+        "model": "m",
+        "system_fingerprint": "b1-0",
+        "object": "chat.completion.chunk",
+    }
+    events = [
+        {
+            "choices": [
+                {"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}
+            ]
+        }
+    ]
+    events += [
+        {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": w}}]}
+        for w in ("one", " two", " three")
+    ]
+    events.append({"choices": [{"finish_reason": "length", "index": 0, "delta": {}}]})
+    timings = {
+        "cache_n": 5,
+        "prompt_n": 4,
+        "prompt_ms": 32.5,
+        "prompt_per_token_ms": 8.125,
+        "prompt_per_second": 123.1,
+        "predicted_n": 3,
+        "predicted_ms": 20.0,
+        "predicted_per_token_ms": 6.667,
+        "predicted_per_second": 150.0,
+    }
+    usage = {"completion_tokens": 3, "prompt_tokens": 9, "total_tokens": 12}
+    events.append({"choices": [], "usage": usage, "timings": timings})
+    lines = [b"data: " + json.dumps(base | e).encode() for e in events] + [b"data: [DONE]"]
+    return b"\n\n".join(lines) + b"\n\n"
+
+
+def test_llamacpp_timings_on_the_usage_chunk_of_a_stream():
+    rec = _replay_body(_llamacpp_stream(), "chat", stream=True)
+    assert rec.ok and rec.output_tokens == 3 and len(rec.chunk_times) == 3
+    assert rec.server_timeline == {
+        "prefill_time": pytest.approx(0.0325),
+        "decode_time": pytest.approx(0.02),
+        "prompt_tokens_computed": 4,
+        "cached_prompt_tokens": 5,
+        "reported_by": LLAMACPP,
+    }

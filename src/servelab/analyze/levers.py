@@ -40,21 +40,34 @@ class Recommendation:
         return asdict(self)
 
 
+# How a server says who it is, as the client sees it: the ``owned_by`` every model in its
+# ``/v1/models`` carries, and the start of ``reported_by`` for the per-request figures its
+# responses carried (bench/serverfigures.py). Checked against each server's source; the
+# versions are in docs/design/analyze.md.
+_RECOGNISED = {
+    "vllm": ("vllm", "vllm"),
+    "sglang": ("sglang", "sglang"),
+    "llamacpp": ("llamacpp", "llama.cpp"),
+}
+
+
 def server_kind(c: Context) -> str:
-    """Whose flags a recommendation names: ``servelab``, ``vllm`` (its ``/v1/models`` says
-    ``owned_by: vllm`` or its responses carried vLLM's per-request ``metrics``), or
+    """Whose flags a recommendation names: ``servelab``, ``vllm``, ``sglang``, ``llamacpp``
+    (the server's own ``owned_by`` in ``/v1/models``, or the per-request figures its
+    responses carried: vLLM ``metrics``, SGLang ``meta_info``, llama.cpp ``timings``), or
     ``other`` (neutral wording)."""
     if c.run.target_kind == "servelab":
         return "servelab"
     models = c.run.server.get("models") or []
     owners = {str(m.get("owned_by", "")).lower() for m in models if isinstance(m, dict)}
-    reported = {(r.server_timeline or {}).get("reported_by", "") for r in c.run.records}
-    if "vllm" in owners or any(str(x).startswith("vllm") for x in reported):
-        return "vllm"
+    reported = {str((r.server_timeline or {}).get("reported_by", "")) for r in c.run.records}
+    for kind, (owner, figures) in _RECOGNISED.items():
+        if owner in owners or any(x.startswith(figures) for x in reported):
+            return kind
     return "other"
 
 
-# What each engine setting is called where servelab has no flag to name.
+# What each engine setting is called where the target has no flag to name.
 _NEUTRAL: dict[str, str | tuple[str, str]] = {
     "enable_chunked_prefill": ("turn chunked prefill on", "turn chunked prefill off"),
     "enable_prefix_caching": ("turn prefix caching on", "turn prefix caching off"),
@@ -64,11 +77,62 @@ _NEUTRAL: dict[str, str | tuple[str, str]] = {
 }
 
 
-def _vllm_flag(name: str, v: Any) -> str:
+def _neutral(name: str, v: Any) -> str:
+    text = _NEUTRAL[name]
+    return text[0 if v else 1] if isinstance(text, tuple) else text.format(v=v)
+
+
+def _vllm_flag(name: str, v: Any) -> str | None:
     if name == "kv_cache_memory":
         # vLLM sizes KV by a GPU memory fraction; its CPU build reads an env variable (GiB)
         return f"--gpu-memory-utilization (raise it; CPU build: VLLM_CPU_KVCACHE_SPACE={v})"
     return _cli_flag(name, v)
+
+
+def _sglang_flag(name: str, v: Any) -> str | None:
+    """``python -m sglang.launch_server`` (sglang/srt/server_args.py). Chunked prefill is on
+    by default and its chunk size is prefill-only: decodes run in their own batches unless
+    --enable-mixed-chunk."""
+    if name == "enable_chunked_prefill":
+        return "" if v else "--chunked-prefill-size -1"
+    if name == "max_num_batched_tokens":
+        return f"--chunked-prefill-size {v}"
+    if name == "max_num_seqs":
+        return f"--max-running-requests {v}"
+    if name == "enable_prefix_caching":
+        if not v:
+            return "--disable-radix-cache"
+        return (
+            "without --disable-radix-cache (the radix cache is on by default) and with "
+            "--schedule-policy lpm (queued requests with the longest cached prefix run first)"
+        )
+    # kv_cache_memory: one fraction of GPU memory holds the weights and the KV pool
+    return "--mem-fraction-static (raise it: the KV pool gets what the weights leave)"
+
+
+def _llamacpp_flag(name: str, v: Any) -> str | None:
+    """``llama-server`` (llama.cpp common/arg.cpp). A prompt is always cut into batches of
+    --batch-size tokens, shared with the other slots' decode tokens: chunking has no switch,
+    and a slot reuses the cached prefix of its last prompt unless a request sends
+    ``cache_prompt: false``."""
+    if name == "enable_chunked_prefill":
+        return "" if v else None
+    if name == "max_num_batched_tokens":
+        return f"--batch-size {v}"
+    if name == "max_num_seqs":
+        return f"--parallel {v} (the slots share one KV cache of --ctx-size tokens)"
+    if name == "enable_prefix_caching":
+        return "--cache-ram <MiB> (not 0: prompt caches outlive their slot)" if v else None
+    return f"--ctx-size {v} (the KV cache of all slots, in tokens)"
+
+
+# The command a target is launched with, and each setting as that command takes it
+# ("": implied by another flag of the same action; None: the server has no such flag).
+_LAUNCH: dict[str, tuple[str, Callable[[str, Any], str | None]]] = {
+    "vllm": ("vllm serve", _vllm_flag),
+    "sglang": ("python -m sglang.launch_server", _sglang_flag),
+    "llamacpp": ("llama-server", _llamacpp_flag),
+}
 
 
 def _cli_flag(name: str, v: Any) -> str:
@@ -83,18 +147,24 @@ def _cli_flag(name: str, v: Any) -> str:
 
 def engine_flags(c: Context, **flags: Any) -> str:
     """The settings as the target takes them: servelab's ``serve`` flags (True -> --x,
-    False -> --no-x), vLLM's ``vllm serve`` flags, or neutral wording for another server."""
+    False -> --no-x), the flags of ``vllm serve``, SGLang's ``launch_server`` or
+    ``llama-server``, and neutral wording for what the server has no flag for."""
     kind = server_kind(c)
-    if kind == "vllm":
-        return "vllm serve " + " ".join(_vllm_flag(k, v) for k, v in flags.items())
-    if kind == "other":
-        parts = []
-        for k, v in flags.items():
-            text = _NEUTRAL[k]
-            parts.append(text[0 if v else 1] if isinstance(text, tuple) else text.format(v=v))
-        return "on the server: " + "; ".join(parts)
-    parts = [_cli_flag(k, v) for k, v in flags.items()]
-    return f'servelab serve {" ".join(parts)} (bench: --engine-args "{" ".join(parts)}")'
+    if kind == "servelab":
+        parts = [_cli_flag(k, v) for k, v in flags.items()]
+        return f'servelab serve {" ".join(parts)} (bench: --engine-args "{" ".join(parts)}")'
+    launch, flag = _LAUNCH.get(kind, ("", lambda *_: None))
+    named, neutral = [], []
+    for k, v in flags.items():
+        f = flag(k, v)
+        if f is None:
+            neutral.append(_neutral(k, v))
+        elif f:
+            named.append(f)
+    text = f"{launch} {' '.join(named)}" if named else ""
+    if neutral:
+        text += ("; " if text else "") + "on the server: " + "; ".join(neutral)
+    return text
 
 
 def _cfg(c: Context, key: str, default: Any) -> Any:
@@ -288,6 +358,16 @@ def kv_memory(c: Context, f: Finding) -> Recommendation:
     )
 
 
+# What makes a server honour the request's `priority` the way servelab's workloads set it
+# (lower first): vLLM schedules by it only under --scheduling-policy priority; SGLang serves
+# the higher value first unless told otherwise.
+_PRIORITY_FLAGS = {
+    "vllm": "vllm serve --scheduling-policy priority, then ",
+    "sglang": "python -m sglang.launch_server --enable-priority-scheduling "
+    "--schedule-low-priority-values-first, then ",
+}
+
+
 def priorities(c: Context, f: Finding) -> Recommendation:
     by_class: dict[str, list[float]] = {}
     for x in c.ok:
@@ -297,8 +377,9 @@ def priorities(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "priorities",
         "Serve the latency-sensitive class first",
-        "send the interactive class with a lower `priority` value (vLLM's convention: lower is "
-        "served first) and batch work with a higher one",
+        _PRIORITY_FLAGS.get(server_kind(c), "")
+        + "send the interactive class with a lower `priority` value (vLLM's convention: lower "
+        "is served first) and batch work with a higher one",
         f"that class skips the queue: its queueing ({means.get(worst, 0.0) * 1e3:.0f} ms mean for "
         f"'{worst}' here) drops toward zero",
         "the other classes wait longer by about the same total; under preemption, low-priority "
@@ -358,16 +439,23 @@ def disaggregation(c: Context, f: Finding) -> Recommendation:
     return rec
 
 
+# A server's own bound on its waiting queue, where it has one.
+_ADMISSION = {
+    "servelab": "servelab serve --max-queue N answers 429 instead of queueing without bound)",
+    "sglang": "python -m sglang.launch_server --max-queued-requests N rejects requests beyond "
+    "N waiting instead of queueing without bound)",
+}
+
+
 def capacity(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
         "capacity",
         "Add capacity or shape the load",
         "more replicas behind a load balancer, or admission control ("
-        + (
-            "servelab serve --max-queue N answers 429 instead of queueing without bound)"
-            if server_kind(c) == "servelab"
-            else "a bounded queue at the server or its load balancer that answers 429 "
-            "instead of queueing without bound)"
+        + _ADMISSION.get(
+            server_kind(c),
+            "a bounded queue at the server or its load balancer that answers 429 "
+            "instead of queueing without bound)",
         ),
         "queueing falls in proportion to the capacity added; bursts are absorbed",
         "hardware, or rejected requests with admission control",
