@@ -50,7 +50,6 @@ from itertools import repeat
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent chain hash, the block's token ids)
 _ROOT_HASH = 0x5E12_7E1A  # parent hash of a sequence's first block
-_GONE = -1  # an LRU entry whose block left the queue from the middle (a prefix hit)
 
 
 @dataclass
@@ -98,15 +97,14 @@ class KVCacheManager:
         self._root_of = [0] * num_blocks  # root hash of a keyed block's chain
         # The eviction queue in two parts. Free blocks: a stack, its end handed out first.
         self._free = list(range(num_blocks - 1, -1, -1))
-        # Cached blocks in LRU order: a list read from ``_lru_head``, in which a block taken
-        # from the middle leaves a _GONE; ``_lru_pos[b]`` is b's entry counted from the
-        # list's first entry ever (``_lru_base`` entries were cut from its front).
+        # Cached blocks in LRU order: a list read from ``_lru_head``. A block that leaves it
+        # from the middle (a prefix hit) leaves its entry behind, stale: ``_stale[b]`` counts
+        # b's stale entries, which come before any live one of b, and are skipped when read.
         self._lru: list[int] = []
         self._lru_head = 0
-        self._lru_base = 0
-        self._lru_len = 0
-        self._lru_gone = 0  # _GONE entries at or after the head
-        self._lru_pos = [0] * num_blocks
+        self._lru_len = 0  # live entries
+        self._lru_stale = 0  # stale entries
+        self._stale = [0] * num_blocks
         self._cached: dict[int, int] = {}  # chain hash -> block id
         self._root_count: dict[int, int] = {}  # root hash -> keyed blocks of chains from it
         self._deferred: dict[int, _Deferred] = {}  # root hash -> its group
@@ -289,10 +287,14 @@ class KVCacheManager:
     def _requeue_unregistered(self, b: int) -> None:
         """A block that lost its registration while queued as cached is queued as free."""
         if self._refs[b] == 0:
-            self._lru[self._lru_pos[b] - self._lru_base] = _GONE
-            self._lru_gone += 1
-            self._lru_len -= 1
+            self._leave_lru(b)
             self._free.append(b)
+
+    def _leave_lru(self, b: int) -> None:
+        """Take ``b`` out of the middle of the cached queue: its entry goes stale."""
+        self._stale[b] += 1
+        self._lru_stale += 1
+        self._lru_len -= 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (blocks in use stay allocated). Always succeeds."""
@@ -304,10 +306,7 @@ class KVCacheManager:
         self._num_deferred = 0
         # The cached blocks nobody holds become free ones, handed out after the free ones
         # in the order they were queued in.
-        queued = [b for b in self._lru[self._lru_head :] if b != _GONE]
-        self._free[:0] = reversed(queued)
-        self._lru, self._lru_head, self._lru_len, self._lru_gone = [], 0, 0, 0
-        self._lru_base = 0
+        self._free[:0] = reversed(self._read_lru(self._lru_len))
         # Live requests' blocks are not re-registered later: a caller resets because cached K/V
         # may be stale (e.g. new weights), and theirs predates the reset.
         for request_id, table in self._tables.items():
@@ -341,14 +340,9 @@ class KVCacheManager:
             self.prefix_cache_queries += hit.num_queried_tokens
             self.prefix_cache_hits += hit.num_tokens
         # Reference the hit blocks before handing out new ones, so none of them gets evicted.
-        if revived:
-            lru, pos, base = self._lru, self._lru_pos, self._lru_base
-            for b in prefix:
-                if not refs[b]:
-                    lru[pos[b] - base] = _GONE
-            self._lru_gone += revived
-            self._lru_len -= revived
         for b in prefix:
+            if not refs[b]:
+                self._leave_lru(b)
             refs[b] += 1
         table += prefix
         if need_new:
@@ -371,27 +365,33 @@ class KVCacheManager:
             refs[b] = 1
         return taken
 
-    def _evict(self, n: int) -> list[int]:
-        """Take the ``n`` least recently freed cached blocks out of the queue and the cache."""
+    def _read_lru(self, n: int) -> list[int]:
+        """Take the first ``n`` live entries off the cached queue."""
         lru, head = self._lru, self._lru_head
-        out = lru[head : head + n]
-        head += n
-        if self._lru_gone:
-            while True:
-                gone = out.count(_GONE)
-                if not gone:
-                    break
-                self._lru_gone -= gone
-                out = [b for b in out if b != _GONE]
-                more = lru[head : head + n - len(out)]
-                head += len(more)
-                out += more
+        if not self._lru_stale:  # the usual case: one slice
+            out = lru[head : head + n]
+            head += n
+        else:
+            stale = self._stale
+            out = []
+            while len(out) < n:
+                b = lru[head]
+                head += 1
+                if stale[b]:
+                    stale[b] -= 1
+                    self._lru_stale -= 1
+                else:
+                    out.append(b)
         self._lru_len -= n
         if head > 4096 and 2 * head > len(lru):  # drop the consumed front now and then
             del lru[:head]
-            self._lru_base += head
             head = 0
         self._lru_head = head
+        return out
+
+    def _evict(self, n: int) -> list[int]:
+        """Take the ``n`` least recently freed cached blocks out of the queue and the cache."""
+        out = self._read_lru(n)
         keys, cached, block_hash, roots_of, roots = (
             self._key,
             self._cached,
@@ -399,12 +399,13 @@ class KVCacheManager:
             self._root_of,
             self._root_count,
         )
+        deferred = 0
         for b in out:
             key = keys[b]
             keys[b] = None
             if type(key) is _Deferred:
+                deferred += 1
                 key.alive -= 1
-                self._num_deferred -= 1
                 if not key.alive and self._deferred.get(key.root) is key:
                     del self._deferred[key.root]
             else:
@@ -415,6 +416,7 @@ class KVCacheManager:
                     roots[root] = left
                 else:
                     del roots[root]
+        self._num_deferred -= deferred
         self.evictions += n
         return out
 
@@ -426,8 +428,8 @@ class KVCacheManager:
         self._num_registered.pop(request_id, None)
         if not table:
             return
-        refs, keys, free, lru, pos = self._refs, self._key, self._free, self._lru, self._lru_pos
-        at = first = self._lru_base + len(lru)
+        refs, keys, free, lru = self._refs, self._key, self._free, self._lru
+        queued = len(lru)
         # Tail blocks are the least likely to be shared, so they are freed (and evicted) first.
         for b in reversed(table):
             left = refs[b] - 1
@@ -437,9 +439,7 @@ class KVCacheManager:
                     free.append(b)  # holds nothing reusable: handed out before any cached block
                 else:
                     lru.append(b)
-                    pos[b] = at
-                    at += 1
-        self._lru_len += at - first
+        self._lru_len += len(lru) - queued
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
@@ -448,11 +448,16 @@ class KVCacheManager:
             for b in table:
                 refs[b] += 1
         assert refs == self._refs, "refcounts"
-        lru = [b for b in self._lru[self._lru_head :] if b != _GONE]
-        assert len(self._lru) - self._lru_head - len(lru) == self._lru_gone, "gone entries"
+        stale = list(self._stale)
+        lru = []
+        for b in self._lru[self._lru_head :]:
+            if stale[b]:
+                stale[b] -= 1
+            else:
+                lru.append(b)
+        assert not any(stale), "a stale count without its entry"
+        assert len(self._lru) - self._lru_head - len(lru) == self._lru_stale, "stale entries"
         assert len(lru) == self._lru_len, "LRU length"
-        for b in lru:
-            assert self._lru[self._lru_pos[b] - self._lru_base] == b, f"block {b} LRU position"
         queued = [*self._free, *lru]
         assert len(queued) == len(set(queued)), "a block queued twice"
         idle = {b for b in range(self.num_blocks) if not self._refs[b]}
