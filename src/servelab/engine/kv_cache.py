@@ -18,9 +18,9 @@ token tuple again at every registration, lookup and eviction. Only full blocks w
 has been computed are registered.
 
 Deferred hashing: a lookup can only reach a block through the block 0 of its chain (the
-*root*), so a request whose root no registered block has is registered without hashing:
-its blocks are marked as registered by a *deferred group* kept under its root hash, with a
-copy of their tokens. Everything that depends on registration (hand-out order, evictions,
+*root*), so a request whose root starts no registered block's chain (keyed blocks are
+counted per root) is registered without hashing: its blocks are marked as registered by a
+*deferred group* kept under its root hash, with a copy of their tokens. Everything that depends on registration (hand-out order, evictions,
 ``num_cached_blocks``) is as if they were in the map. The first lookup or registration
 that comes with the same root puts the group's surviving blocks into the map, in the order
 they were registered, before it goes on, so hits and which copy of shared content is kept
@@ -223,7 +223,7 @@ class KVCacheManager:
             if other is not None:
                 self._undefer(other)
             elif not start and root not in self._root_count:
-                # No registered block has this root: defer the hashing.
+                # No registered block's chain starts at this root: defer the hashing.
                 group = self._groups[request_id] = self._deferred[root] = _Deferred(
                     request_id, root, table
                 )
