@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 from engine_fakes import FakeClock, FakeExecutor
@@ -29,7 +31,15 @@ class _Id(int):
 
 @pytest.mark.parametrize(
     ("ids", "named"),
-    [([1, -1], "[-1]"), ([3, 2.0, 4], "[2.0]"), ([VOCAB, 1], f"[{VOCAB}]"), ([1, "7"], "['7']")],
+    [
+        ([1, -1], "[-1]"),
+        ([3, 2.0, 4], "[2.0]"),
+        ([VOCAB, 1], f"[{VOCAB}]"),
+        ([1, "7"], "['7']"),
+        ([1, None], "[None]"),
+        ([1, Decimal(2)], "[Decimal('2')]"),
+        ([Fraction(3, 1), 1], "[Fraction(3, 1)]"),
+    ],
 )
 def test_a_prompt_the_fast_check_refuses_is_judged_token_by_token(ids, named) -> None:
     with pytest.raises(ValueError, match="invalid ids") as err:
@@ -103,3 +113,25 @@ def test_the_simulation_pauses_cyclic_gc_only_while_it_runs(enabled: bool) -> No
     finally:
         (gc.enable if was else gc.disable)()
     assert during and not any(during)
+
+
+def test_what_the_run_keeps_waits_for_a_full_collection() -> None:
+    """Resuming the collector must not walk everything the run kept at the next allocation:
+    the survivors move to the oldest generation. A caller's frozen objects stay frozen."""
+    target = roofline_target("h200", "llama-3.1-8b")
+    reqs = [SimRequest(f"r{i}", 0.01 * i, [i + 1] * 40, 5) for i in range(5)]
+    was = gc.isenabled()
+    gc.enable()
+    gc.collect()  # generation counts at 0: no collection of its own moves the survivors
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        res = Simulation(target.factory, reqs).run()
+        assert gc.get_freeze_count() == frozen
+        gc.unfreeze()
+        res = Simulation(target.factory, reqs).run()
+        kept = res.timelines[0]
+        assert any(o is kept for o in gc.get_objects(generation=2))
+    finally:
+        gc.unfreeze()
+        (gc.enable if was else gc.disable)()

@@ -12,7 +12,7 @@ from servelab.sim.hardware import HARDWARE, get_hardware
 from servelab.sim.modelspec import PRESETS, load_model_spec
 from servelab.sim.profiled import ProfiledCostModel, ProfileSample, ProfileTable
 from servelab.sim.roofline import Efficiency, RooflineCostModel
-from servelab.sim.work import StepWork
+from servelab.sim.work import StepWork, decode_work
 
 GGUF = "smollm2-135m"
 
@@ -258,3 +258,37 @@ def test_profiled_model_is_unbiased_under_noise_and_extrapolates_upwards():
     bigger = StepWork()
     bigger.add(4096, 0, 1)
     assert pm.predict(bigger) > pm.predict(big) > 0
+
+
+@pytest.mark.parametrize(
+    ("hw", "model", "tp", "dtype"),
+    [("h200", "llama-3.1-8b", 1, None), ("h100", "llama-3.1-70b", 4, "fp8"), ("l4", GGUF, 2, None)],
+)
+def test_roofline_prices_a_decode_step_as_its_work_and_explains_it_the_same(hw, model, tp, dtype):
+    """``decode_time`` (every step of a decode burst) and ``predict`` are ``cost().time``
+    to the last bit, on decode and mixed steps alike."""
+    rm = RooflineCostModel(
+        load_model_spec(model),
+        get_hardware(hw),
+        tp=tp,
+        precision=Precision.parse(dtype, None, "bf16"),
+    )
+    rng = random.Random(0)
+    for _ in range(300):
+        n, ctx = rng.randint(1, 1024), rng.randint(0, 2_000_000)
+        assert (
+            rm.decode_time(n, ctx)
+            == rm.predict(decode_work(n, ctx))
+            == rm.cost(decode_work(n, ctx)).time
+        )
+        w = StepWork()
+        for _ in range(rng.randint(1, 30)):
+            w.add(rng.choice([1, rng.randint(2, 3000)]), rng.randint(0, 30_000), 1)
+        assert rm.predict(w) == rm.cost(w).time
+
+
+def test_profiled_model_prices_a_decode_step_as_its_work():
+    table = ProfileTable("toy", "cpu", [ProfileSample(w, _synthetic_truth(w)) for w in _grid()])
+    pm = ProfiledCostModel(table)
+    for n, ctx in [(1, 0), (3, 700), (64, 90_000), (200, 10**6)]:
+        assert pm.decode_time(n, ctx) == pm.predict(decode_work(n, ctx))

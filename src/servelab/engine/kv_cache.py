@@ -5,8 +5,9 @@ The executor owns the memory; this module only decides which block ids hold what
 Block states: a block is *in use* (ref_count > 0: in at least one request's block table),
 *cached* (ref_count 0, registered in the prefix cache, evictable), or *free* (ref_count 0,
 holds nothing reusable). Cached and free blocks together form the eviction queue: plain free
-blocks are handed out first, then cached ones, least recently freed first (LRU); handing out
-a cached block evicts it from the prefix cache.
+blocks are handed out first (the most recently freed first; of one request's, the earliest
+in its table first), then cached ones, least recently freed first (LRU); handing out a
+cached block evicts it from the prefix cache.
 
 Prefix caching: block i of a token sequence is identified by the chained key
 ``(hash of block i-1's key, tuple of block i's token ids)``. The cache maps each registered
@@ -16,10 +17,22 @@ collision costs a miss, never a wrong hit). Keying by the hash, an int, spares h
 token tuple again at every registration, lookup and eviction. Only full blocks whose K/V
 has been computed are registered.
 
+Deferred hashing: a lookup can only reach a block through the block 0 of its chain (the
+*root*), so a request whose root starts no registered block's chain (keyed blocks are
+counted per root) is registered without hashing: its blocks are marked as registered by a
+*deferred group* kept under its root hash, with a copy of their tokens. Everything that depends on registration (hand-out order, evictions,
+``num_cached_blocks``) is as if they were in the map. The first lookup or registration
+that comes with the same root puts the group's surviving blocks into the map, in the order
+they were registered, before it goes on, so hits and which copy of shared content is kept
+are those of registering at once. In a replay of unique prompts almost no block is hashed.
+(Two different prefixes whose chain hashes collide, about 2**-64 per pair, may keep another
+copy than eager registration would; either way a hit is confirmed against the tokens.)
+
 Contract (the interface the scheduler relies on):
 - ``lookup(request_id, token_ids) -> PrefixHit``: the longest run of cached full blocks at
   the start of ``token_ids``, capped so that at least the last token is computed (at most
-  ``(len(token_ids) - 1) // block_size`` blocks). Takes no references, changes nothing.
+  ``(len(token_ids) - 1) // block_size`` blocks). Takes no references; changes nothing
+  but where registered blocks are kept (deferred groups move into the map).
 - ``allocate(request_id, num_tokens, hit=None) -> bool``: make the request's block table
   cover ``num_tokens`` tokens; on the request's first allocation ``hit``'s blocks come
   first. All or nothing: False (and no change) when too few blocks are available.
@@ -32,8 +45,8 @@ Contract (the interface the scheduler relies on):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import repeat
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent chain hash, the block's token ids)
 _ROOT_HASH = 0x5E12_7E1A  # parent hash of a sequence's first block
@@ -48,14 +61,19 @@ class PrefixHit:
     num_queried_tokens: int = 0  # tokens looked up (the prefix-cache query, vLLM's meaning)
 
 
-class _Block:
-    __slots__ = ("block_id", "hash", "key", "ref_count")
+class _Deferred:
+    """Blocks registered without hashing: the first ``num_blocks`` of ``table``, holding
+    ``tokens``; ``alive`` of them are still registered (not evicted since)."""
 
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_count = 0
-        self.key: BlockKey | None = None  # set while registered in the prefix cache
-        self.hash = 0  # hash(key) while registered: its entry in the cache
+    __slots__ = ("alive", "num_blocks", "request_id", "root", "table", "tokens")
+
+    def __init__(self, request_id: str, root: int, table: list[int]) -> None:
+        self.request_id = request_id
+        self.root = root
+        self.table = table  # the request's table; its registered positions never change
+        self.tokens: list[int] = []
+        self.num_blocks = 0
+        self.alive = 0
 
 
 class KVCacheManager:
@@ -70,13 +88,32 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        # ref_count == 0 blocks in hand-out order (front first); values unused.
-        self._evictable: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Per block, indexed by id (lists: a replay hands out, registers and frees millions
+        # of blocks, and a list slot is cheaper than an object's attribute or a dict entry).
+        self._refs = [0] * num_blocks
+        # The registration: None, the key (in ``_cached`` under ``_hash``) or a _Deferred.
+        self._key: list[BlockKey | _Deferred | None] = [None] * num_blocks
+        self._hash = [0] * num_blocks
+        self._root_of = [0] * num_blocks  # root hash of a keyed block's chain
+        # The eviction queue in two parts. Free blocks: a stack, its end handed out first.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        # Cached blocks in LRU order: a list read from ``_lru_head``. A block that leaves it
+        # from the middle (a prefix hit) leaves its entry behind, stale: ``_stale[b]`` counts
+        # b's stale entries, which come before any live one of b, and are skipped when read.
+        self._lru: list[int] = []
+        self._lru_head = 0
+        self._lru_len = 0  # live entries
+        self._lru_stale = 0  # stale entries
+        self._stale = [0] * num_blocks
         self._cached: dict[int, int] = {}  # chain hash -> block id
+        self._root_count: dict[int, int] = {}  # root hash -> keyed blocks of chains from it
+        self._deferred: dict[int, _Deferred] = {}  # root hash -> its group
+        self._num_deferred = 0  # blocks registered in deferred groups
         self._tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[int]] = {}  # chain hashes of a request's full blocks
-        self._keys: dict[str, list[BlockKey]] = {}  # and their keys (hashes[i] == hash(keys[i]))
+        # Per request, the chain hashes of its full blocks so far and their token tuples
+        # (keys[i] == (hashes[i - 1] or the root's parent, tokens[i])).
+        self._chains: dict[str, tuple[list[int], list[tuple[int, ...]]]] = {}
+        self._groups: dict[str, _Deferred] = {}  # live requests registering deferred
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already cached
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -87,17 +124,17 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free or cached-and-evictable)."""
-        return len(self._evictable)
+        return len(self._free) + self._lru_len
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks referenced by at least one request."""
-        return self.num_blocks - len(self._evictable)
+        return self.num_blocks - len(self._free) - self._lru_len
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks registered in the prefix cache (in use or evictable)."""
-        return len(self._cached)
+        return len(self._cached) + self._num_deferred
 
     @property
     def usage(self) -> float:
@@ -109,7 +146,7 @@ class KVCacheManager:
         return self._tables.get(request_id, [])
 
     def ref_count(self, block_id: int) -> int:
-        return self._blocks[block_id].ref_count
+        return self._refs[block_id]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -118,42 +155,47 @@ class KVCacheManager:
 
     def _chain(
         self, request_id: str, token_ids: list[int], num_blocks: int
-    ) -> tuple[list[BlockKey], list[int]]:
-        """Keys and chain hashes of (at least) the first ``num_blocks`` full blocks, memoised
-        per request: each block's token tuple is built once, not at every lookup."""
-        keys = self._keys.setdefault(request_id, [])
-        hashes = self._hashes.setdefault(request_id, [])
-        bs = self.block_size
-        parent = hashes[-1] if hashes else _ROOT_HASH
-        first = len(hashes)
-        # One tuple of the new blocks' tokens, sliced per block: a slice of a tuple is a
-        # tuple, so each block's is built once rather than as a list and then a tuple.
-        tokens = tuple(token_ids[first * bs : num_blocks * bs])
-        for off in range(0, (num_blocks - first) * bs, bs):
-            key = (parent, tokens[off : off + bs])
-            parent = hash(key)
-            keys.append(key)
-            hashes.append(parent)
-        return keys, hashes
+    ) -> tuple[list[int], list[tuple[int, ...]]]:
+        """Chain hashes and token tuples of (at least) the first ``num_blocks`` full blocks,
+        memoised per request: each block's tuple is built and hashed once."""
+        chain = self._chains.get(request_id)
+        if chain is None:
+            chain = self._chains[request_id] = ([], [])
+        if num_blocks > len(chain[0]):
+            _extend_chain(chain, token_ids, num_blocks, self.block_size)
+        return chain
 
     def chain_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[int]:
         """Chain hashes of the first ``num_blocks`` full blocks, memoised per request: what the
         cache registers them under, so two engines that agree on them hold the same tokens."""
-        return self._chain(request_id, token_ids, num_blocks)[1]
+        return self._chain(request_id, token_ids, num_blocks)[0]
 
     def lookup(self, request_id: str, token_ids: list[int]) -> PrefixHit:
         """Cached blocks for the start of ``token_ids`` (see the module contract)."""
         if not self.enable_prefix_caching or not token_ids:
             return PrefixHit()
         max_blocks = (len(token_ids) - 1) // self.block_size
-        keys, hashes = self._chain(request_id, token_ids, max_blocks)
-        cached, all_blocks = self._cached, self._blocks
+        if not max_blocks:
+            return PrefixHit(num_queried_tokens=len(token_ids))
+        root = self._chain(request_id, token_ids, 1)[0][0]
+        group = self._deferred.get(root)
+        if group is not None:
+            self._undefer(group)
+        cached = self._cached
+        # Nothing shares the first block (a unique prompt): no need to hash the rest.
+        if root not in cached:
+            return PrefixHit(num_queried_tokens=len(token_ids))
+        hashes, tokens = self._chain(request_id, token_ids, max_blocks)
+        keys = self._key
         blocks: list[int] = []
+        parent = _ROOT_HASH
         for i in range(max_blocks):
-            block_id = cached.get(hashes[i])
-            if block_id is None or all_blocks[block_id].key != keys[i]:
+            h = hashes[i]
+            block_id = cached.get(h)
+            if block_id is None or keys[block_id] != (parent, tokens[i]):
                 break
             blocks.append(block_id)
+            parent = h
         return PrefixHit(blocks, len(blocks) * self.block_size, len(token_ids))
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
@@ -171,23 +213,100 @@ class KVCacheManager:
         num_full = min(num_full, len(table))
         if num_full <= start:
             return
-        keys, hashes = self._chain(request_id, token_ids, num_full)
-        blocks, cached = self._blocks, self._cached
-        for i in range(start, num_full):
-            block = blocks[table[i]]
-            # Another request may have computed the same content first: keep that copy.
-            # (no hash maps to a block whose key is None.)
-            if block.key is None:
-                h = hashes[i]
-                if cached.setdefault(h, block.block_id) == block.block_id:
-                    block.key, block.hash = keys[i], h
+        # The table's blocks from ``start`` on were handed out to this request alone and are
+        # registered nowhere yet.
         self._num_registered[request_id] = num_full
+        group = self._groups.get(request_id)
+        if group is None:
+            root = self._chain(request_id, token_ids, 1)[0][0]
+            other = self._deferred.get(root)
+            if other is not None:
+                self._undefer(other)
+            elif not start and root not in self._root_count:
+                # No registered block's chain starts at this root: defer the hashing.
+                group = self._groups[request_id] = self._deferred[root] = _Deferred(
+                    request_id, root, table
+                )
+        if group is None:
+            self._register(table, start, num_full, self._chain(request_id, token_ids, num_full))
+            return
+        bs = self.block_size
+        group.tokens += token_ids[start * bs : num_full * bs]
+        group.num_blocks = num_full
+        group.alive += num_full - start
+        self._num_deferred += num_full - start
+        keys = self._key
+        for i in range(start, num_full):
+            keys[table[i]] = group
+
+    def _register(
+        self,
+        table: list[int],
+        start: int,
+        end: int,
+        chain: tuple[list[int], list[tuple[int, ...]]],
+        deferred: _Deferred | None = None,
+    ) -> None:
+        """Key ``table[start:end]`` in the map: each block unless another holds its hash (the
+        same content, registered first, is kept). With ``deferred``, only the blocks still
+        registered by that group."""
+        hashes, tokens = chain
+        root = hashes[0]
+        cached, keys, block_hash, roots_of = self._cached, self._key, self._hash, self._root_of
+        parent = hashes[start - 1] if start else _ROOT_HASH
+        added = 0
+        for i in range(start, end):
+            b = table[i]
+            h = hashes[i]
+            if (deferred is None or keys[b] is deferred) and cached.setdefault(h, b) == b:
+                keys[b] = (parent, tokens[i])
+                block_hash[b] = h
+                roots_of[b] = root
+                added += 1
+            elif deferred is not None and keys[b] is deferred:
+                keys[b] = None  # only on a chain-hash collision; see the module docstring
+                self._requeue_unregistered(b)
+            parent = h
+        if added:
+            self._root_count[root] = self._root_count.get(root, 0) + added
+
+    def _undefer(self, group: _Deferred) -> None:
+        """Move a deferred group's surviving blocks into the map (hashing them now)."""
+        del self._deferred[group.root]
+        chain: tuple[list[int], list[tuple[int, ...]]] = ([], [])
+        _extend_chain(chain, group.tokens, group.num_blocks, self.block_size)
+        self._num_deferred -= group.alive
+        group.alive = 0
+        self._register(group.table, 0, group.num_blocks, chain, group)
+        rid = group.request_id
+        if self._groups.get(rid) is group:
+            # The request registers its next blocks at once, from this chain on.
+            del self._groups[rid]
+            self._chains[rid] = chain
+
+    def _requeue_unregistered(self, b: int) -> None:
+        """A block that lost its registration while queued as cached is queued as free."""
+        if self._refs[b] == 0:
+            self._leave_lru(b)
+            self._free.append(b)
+
+    def _leave_lru(self, b: int) -> None:
+        """Take ``b`` out of the middle of the cached queue: its entry goes stale."""
+        self._stale[b] += 1
+        self._lru_stale += 1
+        self._lru_len -= 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (blocks in use stay allocated). Always succeeds."""
-        for block in self._blocks:
-            block.key = None
+        self._key = [None] * self.num_blocks
         self._cached.clear()
+        self._root_count.clear()
+        self._deferred.clear()
+        self._groups.clear()
+        self._num_deferred = 0
+        # The cached blocks nobody holds become free ones, handed out after the free ones
+        # in the order they were queued in.
+        self._free[:0] = reversed(self._read_lru(self._lru_len))
         # Live requests' blocks are not re-registered later: a caller resets because cached K/V
         # may be stale (e.g. new weights), and theirs predates the reset.
         for request_id, table in self._tables.items():
@@ -199,68 +318,128 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Grow the request's block table to cover ``num_tokens`` (all or nothing)."""
         table = self._tables.get(request_id)
-        # Fast path: the table already covers the tokens (most decode steps), so nothing changes.
-        if table is not None and num_tokens <= len(table) * self.block_size:
+        if table is not None:  # growing: a decode or a later chunk
+            need_new = -(-num_tokens // self.block_size) - len(table)
+            # Most decode steps stay inside the last block: nothing changes.
+            if need_new <= 0:
+                return True
+            if need_new > len(self._free) + self._lru_len:
+                return False
+            table += self._take_blocks(need_new)
             return True
-        prefix = hit.blocks if (hit is not None and table is None) else []
-        have = len(prefix) if table is None else len(table)
-        need_new = max(0, self.blocks_needed(num_tokens) - have)
+        prefix = hit.blocks if hit is not None else []
+        need_new = max(0, self.blocks_needed(num_tokens) - len(prefix))
+        refs = self._refs
         # Hit blocks nobody references are still in the evictable queue; taking them shrinks it.
-        revived = sum(1 for b in prefix if self._blocks[b].ref_count == 0)
-        if need_new + revived > len(self._evictable):
+        revived = sum(1 for b in prefix if not refs[b]) if prefix else 0
+        if need_new + revived > len(self._free) + self._lru_len:
             return False
-        if table is None:
-            table = self._tables[request_id] = []
-            self._num_registered[request_id] = len(prefix)
-            if hit is not None and hit.num_queried_tokens:
-                self.prefix_cache_queries += hit.num_queried_tokens
-                self.prefix_cache_hits += hit.num_tokens
+        table = self._tables[request_id] = []
+        self._num_registered[request_id] = len(prefix)
+        if hit is not None and hit.num_queried_tokens:
+            self.prefix_cache_queries += hit.num_queried_tokens
+            self.prefix_cache_hits += hit.num_tokens
         # Reference the hit blocks before handing out new ones, so none of them gets evicted.
         for b in prefix:
-            self._ref(b)
-            table.append(b)
-        table += self._take_blocks(need_new)
+            if not refs[b]:
+                self._leave_lru(b)
+            refs[b] += 1
+        table += prefix
+        if need_new:
+            table += self._take_blocks(need_new)
         return True
-
-    def _ref(self, block_id: int) -> None:
-        block = self._blocks[block_id]
-        if block.ref_count == 0:
-            del self._evictable[block_id]
-        block.ref_count += 1
 
     def _take_blocks(self, n: int) -> list[int]:
         """Hand out ``n`` blocks from the front of the queue, evicting cached ones."""
-        evictable, blocks, cached = self._evictable, self._blocks, self._cached
-        taken = []
-        evicted = 0
-        for _ in range(n):
-            block_id, _ = evictable.popitem(last=False)
-            block = blocks[block_id]
-            if block.key is not None:
-                del cached[block.hash]
-                block.key = None
-                evicted += 1
-            block.ref_count = 1
-            taken.append(block_id)
-        self.evictions += evicted
+        free = self._free
+        k = min(n, len(free))
+        taken: list[int] = []
+        if k:
+            taken = free[-k:]
+            taken.reverse()  # the stack's top first
+            del free[-k:]
+        if n > k:
+            taken += self._evict(n - k)
+        refs = self._refs
+        for b in taken:
+            refs[b] = 1
         return taken
+
+    def _read_lru(self, n: int) -> list[int]:
+        """Take the first ``n`` live entries off the cached queue."""
+        lru, head = self._lru, self._lru_head
+        if not self._lru_stale:  # the usual case: one slice
+            out = lru[head : head + n]
+            head += n
+        else:
+            stale = self._stale
+            out = []
+            while len(out) < n:
+                b = lru[head]
+                head += 1
+                if stale[b]:
+                    stale[b] -= 1
+                    self._lru_stale -= 1
+                else:
+                    out.append(b)
+        self._lru_len -= n
+        if head > 4096 and 2 * head > len(lru):  # drop the consumed front now and then
+            del lru[:head]
+            head = 0
+        self._lru_head = head
+        return out
+
+    def _evict(self, n: int) -> list[int]:
+        """Take the ``n`` least recently freed cached blocks out of the queue and the cache."""
+        out = self._read_lru(n)
+        keys, cached, block_hash, roots_of, roots = (
+            self._key,
+            self._cached,
+            self._hash,
+            self._root_of,
+            self._root_count,
+        )
+        deferred = 0
+        for b in out:
+            key = keys[b]
+            keys[b] = None
+            if type(key) is _Deferred:
+                deferred += 1
+                key.alive -= 1
+                if not key.alive and self._deferred.get(key.root) is key:
+                    del self._deferred[key.root]
+            else:
+                del cached[block_hash[b]]
+                root = roots_of[b]
+                left = roots[root] - 1
+                if left:
+                    roots[root] = left
+                else:
+                    del roots[root]
+        self._num_deferred -= deferred
+        self.evictions += n
+        return out
 
     def free(self, request_id: str) -> None:
         """Drop the request's references and forget it (see the module contract)."""
-        table = self._tables.pop(request_id, [])
-        self._hashes.pop(request_id, None)
-        self._keys.pop(request_id, None)
+        table = self._tables.pop(request_id, None)
+        self._chains.pop(request_id, None)
+        self._groups.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-        evictable, blocks = self._evictable, self._blocks
+        if not table:
+            return
+        refs, keys, free, lru = self._refs, self._key, self._free, self._lru
+        queued = len(lru)
         # Tail blocks are the least likely to be shared, so they are freed (and evicted) first.
-        for block_id in reversed(table):
-            block = blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                evictable[block_id] = None
-                if block.key is None:
-                    # Holds nothing reusable: hand it out before any cached block.
-                    evictable.move_to_end(block_id, last=False)
+        for b in reversed(table):
+            left = refs[b] - 1
+            refs[b] = left
+            if not left:
+                if keys[b] is None:
+                    free.append(b)  # holds nothing reusable: handed out before any cached block
+                else:
+                    lru.append(b)
+        self._lru_len += len(lru) - queued
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
@@ -268,12 +447,49 @@ class KVCacheManager:
         for table in self._tables.values():
             for b in table:
                 refs[b] += 1
-        for block in self._blocks:
-            assert block.ref_count == refs[block.block_id], f"block {block.block_id} refcount"
-            assert (block.ref_count == 0) == (block.block_id in self._evictable), (
-                f"block {block.block_id} evictable state"
-            )
-            if block.key is not None:
-                assert block.hash == hash(block.key), f"block {block.block_id} hash"
-                assert self._cached.get(block.hash) == block.block_id, "cache map mismatch"
-        assert len(self._cached) == sum(b.key is not None for b in self._blocks)
+        assert refs == self._refs, "refcounts"
+        stale = list(self._stale)
+        lru = []
+        for b in self._lru[self._lru_head :]:
+            if stale[b]:
+                stale[b] -= 1
+            else:
+                lru.append(b)
+        assert not any(stale), "a stale count without its entry"
+        assert len(self._lru) - self._lru_head - len(lru) == self._lru_stale, "stale entries"
+        assert len(lru) == self._lru_len, "LRU length"
+        queued = [*self._free, *lru]
+        assert len(queued) == len(set(queued)), "a block queued twice"
+        idle = {b for b in range(self.num_blocks) if not self._refs[b]}
+        assert set(queued) == idle, "evictable state"
+        assert all(self._key[b] is None for b in self._free), "a free block is registered"
+        assert all(self._key[b] is not None for b in lru), "an unregistered block in the LRU"
+        keyed = [b for b in range(self.num_blocks) if isinstance(self._key[b], tuple)]
+        for b in keyed:
+            assert self._hash[b] == hash(self._key[b]), f"block {b} hash"
+            assert self._cached.get(self._hash[b]) == b, "cache map mismatch"
+        assert len(self._cached) == len(keyed)
+        roots: dict[int, int] = {}
+        for b in keyed:
+            roots[self._root_of[b]] = roots.get(self._root_of[b], 0) + 1
+        assert roots == self._root_count, "root counts"
+        deferred = [k for k in self._key if isinstance(k, _Deferred)]
+        assert len(deferred) == self._num_deferred, "deferred count"
+        for group in set(deferred):
+            assert deferred.count(group) == group.alive, "deferred group size"
+            assert self._deferred.get(group.root) is group, "deferred group not indexed"
+            assert group.root not in self._root_count, "deferred root also keyed"
+
+
+def _extend_chain(
+    chain: tuple[list[int], list[tuple[int, ...]]], token_ids: list[int], num_blocks: int, bs: int
+) -> None:
+    """Extend a chain (hashes, token tuples) to ``num_blocks`` full blocks of ``token_ids``."""
+    hashes, tokens = chain
+    first = len(hashes)
+    # zip over one iterator repeated ``bs`` times cuts the tokens into block tuples in C.
+    it = iter(token_ids[first * bs : num_blocks * bs])
+    new = list(zip(*repeat(it, bs), strict=False))
+    h = hashes[-1] if hashes else _ROOT_HASH
+    hashes += [h := hash((h, t)) for t in new]
+    tokens += new

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from servelab.engine.plan import BatchPlan, StepOutput
-from servelab.sim.work import StepWork, decode_work, work_of_plan
+from servelab.sim.work import StepWork, work_of_plan
 
 
 class CostModel(Protocol):
@@ -24,6 +24,10 @@ class CostModel(Protocol):
     def name(self) -> str: ...
 
     def predict(self, w: StepWork) -> float: ...
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        """``predict(decode_work(num_seqs, context_tokens))``, as fast as the model can."""
+        ...
 
     def describe(self) -> dict: ...
 
@@ -99,7 +103,9 @@ class SimExecutor:
         return self._time(work_of_plan(plan, self.imported))
 
     def _time(self, w: StepWork) -> float:
-        dt = self.cost_model.predict(w)
+        return self._noisy(self.cost_model.predict(w))
+
+    def _noisy(self, dt: float) -> float:
         return dt if self.step_noise is None else dt * self.step_noise()
 
     def _run(self, dt: float) -> None:
@@ -137,7 +143,7 @@ class SimExecutor:
         """Run one step of ``num_seqs`` one-token decodes after ``context_tokens`` cached tokens
         in all, exactly as :meth:`execute` runs that plan (time, clock, counters, noise draw);
         the tokens are :meth:`decode_tokens`'. Imported prompts change nothing for a decode."""
-        dt = self._time(decode_work(num_seqs, context_tokens))
+        dt = self._noisy(self.cost_model.decode_time(num_seqs, context_tokens))
         self._run(dt)
         return dt
 

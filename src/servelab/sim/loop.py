@@ -491,6 +491,12 @@ def _cyclic_gc_paused() -> Iterator[None]:
     beside a heap that grows with every request; the collector kept walking that heap
     (about 6% of a whole-trace replay) and found no cycles: reference counting frees
     everything the loop makes. Any cycle made meanwhile is collected once it resumes.
+
+    Everything the run kept is then in the youngest generation, which the first allocation
+    after resuming would walk whole (0.2 s after a whole-trace replay) to find nothing. It
+    moves to the oldest generation instead (``freeze`` then ``unfreeze`` splice the
+    generation lists, O(1)), where the next full collection sees it; skipped when the
+    caller has frozen objects of its own, which ``unfreeze`` would release.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -498,6 +504,9 @@ def _cyclic_gc_paused() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 

@@ -26,7 +26,7 @@ from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from servelab.sim.work import StepWork
+from servelab.sim.work import StepWork, decode_work
 
 LINEAR_TERMS = ("attn_pairs", "kv_read", "seqs", "logits")
 
@@ -172,6 +172,10 @@ class ProfiledCostModel:
     def predict(self, w: StepWork) -> float:
         """The step's time: the engine's overhead around it plus :meth:`interpolate`."""
         return self._overhead_step + self._overhead_seq * w.seqs + self.interpolate(w)
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        """``predict`` of a step of ``num_seqs`` one-token decodes after ``context_tokens``."""
+        return self.predict(decode_work(num_seqs, context_tokens))
 
     def interpolate(self, w: StepWork) -> float:
         """The fitted executor time alone (what the table's samples measured)."""

@@ -83,11 +83,13 @@ class StepCost:
 
     @property
     def time(self) -> float:
-        return (
-            max(self.gemm_compute, self.gemm_memory)
-            + max(self.attn_compute, self.attn_memory)
-            + self.comm_time
-            + self.fixed_time
+        return _step_time(
+            self.gemm_compute,
+            self.gemm_memory,
+            self.attn_compute,
+            self.attn_memory,
+            self.comm_time,
+            self.fixed_time,
         )
 
     @property
@@ -165,29 +167,46 @@ class RooflineCostModel:
         return 2 * (self.tp - 1) / self.tp * nbytes / hw.link_bw + hw.link_latency
 
     def cost(self, w: StepWork) -> StepCost:
+        return StepCost(*self._terms(w.tokens, w.logits, w.attn_pairs, w.kv_read, w.seqs))
+
+    def _terms(
+        self, tokens: int, logits: int, attn_pairs: float, kv_read: int, seqs: int
+    ) -> tuple[float, float, float, float, float, float, float, float]:
+        """:class:`StepCost`'s fields, in order, as a tuple, from the sums of
+        :class:`StepWork` that the roofline reads: ``predict`` runs every simulated step
+        and needs no object."""
         e, hw = self.efficiency, self.hardware
-        layers = self._lin_flops_per_token * w.tokens
-        head = self._head_flops_per_logit * w.logits
-        attn = self._attn_flops_per_pair * w.attn_pairs
-        kv = self._kv_per_token * (w.kv_read + w.tokens)
-        comm = 2 * self.model.layers * self.allreduce_time(w.tokens * self._act_bytes_per_token)
+        layers = self._lin_flops_per_token * tokens
+        head = self._head_flops_per_logit * logits
+        attn = self._attn_flops_per_pair * attn_pairs
+        kv = self._kv_per_token * (kv_read + tokens)
+        comm = (
+            0.0
+            if self.tp == 1
+            else 2 * self.model.layers * self.allreduce_time(tokens * self._act_bytes_per_token)
+        )
         peak, bw = hw.peak_flops * e.mfu, hw.mem_bw * e.mbu
-        return StepCost(
-            flops=layers + head + attn,
-            bytes=self._streamed_weight_bytes + kv,
-            gemm_compute=(layers * self._gemm_scale + head) / peak,
-            gemm_memory=self._streamed_weight_bytes / bw,
-            attn_compute=attn / peak,
-            attn_memory=kv / bw,
-            comm_time=comm,
-            fixed_time=e.step_overhead
-            + self.model.layers * e.layer_overhead
-            + w.seqs * e.seq_overhead,
+        return (
+            layers + head + attn,
+            self._streamed_weight_bytes + kv,
+            (layers * self._gemm_scale + head) / peak,
+            self._streamed_weight_bytes / bw,
+            attn / peak,
+            kv / bw,
+            comm,
+            e.step_overhead + self.model.layers * e.layer_overhead + seqs * e.seq_overhead,
         )
 
     def predict(self, w: StepWork) -> float:
-        """Step time in seconds."""
-        return self.cost(w).time
+        """Step time in seconds (``cost(w).time``)."""
+        terms = self._terms(w.tokens, w.logits, w.attn_pairs, w.kv_read, w.seqs)
+        return _step_time(*terms[2:])
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        """``predict(decode_work(num_seqs, context_tokens))`` without building the work: the
+        simulator's decode bursts price every step with this."""
+        kv = context_tokens + num_seqs
+        return _step_time(*self._terms(num_seqs, num_seqs, float(kv), kv, num_seqs)[2:])
 
     def kv_capacity_tokens(
         self, gpu_memory_utilization: float = 0.9, activation_reserve_bytes: float = 1e9
@@ -237,3 +256,16 @@ class RooflineCostModel:
             "kv_dtype_bytes": self.kv_dtype_bytes,
             "efficiency": self.efficiency.to_dict(),
         }
+
+
+def _step_time(
+    gemm_compute: float,
+    gemm_memory: float,
+    attn_compute: float,
+    attn_memory: float,
+    comm_time: float,
+    fixed_time: float,
+) -> float:
+    """Each kernel class on its own roofline, one after the other, then communication and
+    fixed costs."""
+    return max(gemm_compute, gemm_memory) + max(attn_compute, attn_memory) + comm_time + fixed_time
