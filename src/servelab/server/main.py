@@ -33,6 +33,7 @@ from servelab.server.timelines import TimelineStore
 log = logging.getLogger("servelab.server")
 
 _DRAIN_POLL_S = 0.05
+LINGER_S = 2.0  # aiohttp's lingering read of an unread body (see the runner below)
 
 
 def _bound_port(runner: web.AppRunner, fallback: int) -> int:
@@ -149,6 +150,11 @@ async def serve(
         # response, and closes the connection if no complete request head came by then:
         # one timer bounds both slow headers (slowloris) and idle keep-alive connections.
         keepalive_timeout=args.header_timeout,
+        # After answering without reading the whole body (408, 413, 401), aiohttp reads and
+        # drops the rest for up to this long, so that the client gets the answer instead of
+        # a reset. Its default, 10 s, let a body trickling past --body-timeout hold the
+        # connection 10 s more; a client sending at any real speed is done well within 2 s.
+        lingering_time=LINGER_S,
     )
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_address=True)

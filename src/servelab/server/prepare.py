@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing
+import os
 import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -32,6 +33,7 @@ log = logging.getLogger("servelab.server")
 OFF_LOOP_BYTES = 32_768  # bigger bodies are prepared in a worker process
 TRIM_BYTES = 1 << 20  # after a body this big, hand freed heap memory back to the OS
 _WORKERS = 2
+_WORKER_NICENESS = 10
 
 
 def prepare(tokenizer: Any, limits: ModelLimits, body: bytes, chat: bool) -> ParsedRequest:
@@ -79,6 +81,10 @@ def load_tokenizer(model: str) -> Any:
 
 def _init_worker(model: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
+    # A worker chewing a 10 MB body for half a second shares the CPU with the API process
+    # (and, on a small machine, its one core): at equal priority the scheduler let /health
+    # wait up to 130 ms behind it. At a lower priority the API's loop preempts it on waking.
+    os.nice(_WORKER_NICENESS)
     if _MALLOPT is not None:
         # glibc raises its mmap threshold after the first big free, and then keeps the heap
         # that later big bodies grow (+30 MB after five 15 MB prompts). A fixed threshold
