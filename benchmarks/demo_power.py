@@ -6,8 +6,9 @@ this machine's measured step times (a `servelab profile` table, e.g. built with
 plan seeds with matching step-noise seeds, and the demo's own verdict logic
 (``analyze.answers.answer``) judges each pair. It prints, per question and size, how
 often the verdict is "significant" (the power, where the effect is real), the median
-effect, and the simulated wall time of both sides: the demo takes the smallest size
-whose power is high and whose time fits.
+effect, the simulated wall time of both sides, and how many requests the key metric
+measured (a question with a population filter, ``Question.during``, keeps some only):
+the demo takes the smallest size whose power is high and whose time fits.
 
     python benchmarks/demo_power.py --profile demo-profile.json --seeds 20
 """
@@ -86,9 +87,10 @@ def _question(
     seeds: int,
     tmp: Path,
 ) -> None:
-    scope, metric, _ = demo.QUESTIONS[qid].metric
+    q = demo.QUESTIONS[qid]
+    scope, metric, _ = q.metric
     found: dict[str, list[tuple[bool, float, float]]] = {s: [] for s in STATS}
-    walls = []
+    walls, counts = [], []
     for seed in range(1, seeds + 1):
         runs, wall = [], 0.0
         for i, (flags, spec) in enumerate(sides):
@@ -97,10 +99,18 @@ def _question(
             wall += w
         walls.append(wall)
         for stat in STATS:
-            m = measure([runs[0]], [runs[1]], (scope, metric, stat), seed)
+            m = measure([runs[0]], [runs[1]], (scope, metric, stat), seed, q.during)
             p = 1.0 if m.p_value is None else m.p_value
             found[stat].append((p <= DEFAULT_ALPHA and (m.delta or 0) < 0, m.delta or 0.0, p))
-    print(f"{qid} {metric} ({scope}) n={n} c={conc}: sim wall {statistics.median(walls):.0f} s")
+        counts.append(min(m.counts))
+    # A population filter (Question.during) keeps some of the requests, and few cannot give
+    # a verdict whatever the effect: the most extreme split of 3 vs 3 has p = 2/20, of 4 vs 4
+    # 2/70.
+    print(
+        f"{qid} {metric} ({scope}) n={n} c={conc}: sim wall {statistics.median(walls):.0f} s; "
+        f"requests measured, smaller side: median {statistics.median(counts):.0f}, "
+        f"min {min(counts)}"
+    )
     for stat, rows in found.items():
         ds = [d for _, d, _ in rows]
         print(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from rich.console import Console
 from rundirs import calm
 
-from servelab.analyze.answers import Question, answer
+from servelab.analyze.answers import MAX_ITL, Question, answer, during_prefill, measure
 from servelab.report.terminal import render_answers
 from servelab.rundir import load_run
+from servelab.vocab import ClientRecord
 
 Q = Question(
     "chunked_prefill",
@@ -79,17 +82,62 @@ def test_tables_fit_80_and_100_columns(tmp_path):
         assert "server queueing" in table and "prefill compute" in table
 
 
+def _rec(rid: str, cls: str, send: float, tokens: list[float]) -> ClientRecord:
+    return ClientRecord(rid, cls, send, send, chunk_times=tokens)
+
+
+def test_during_prefill_keeps_the_streams_a_long_prompt_could_stall():
+    rag = _rec("r", "rag", 10.0, [12.0, 12.1])  # prefill window [10, 12]
+    recs = [
+        rag,
+        _rec("mid", "chat", 8.0, [9.0, 9.1, 12.3, 13.0]),  # decoding across the window
+        _rec("ends", "chat", 8.0, [8.5, 9.0, 10.5]),  # its last token inside the window
+        _rec("before", "chat", 5.0, [5.5, 6.0, 9.5]),  # finished before the prompt was sent
+        _rec("after", "chat", 12.5, [12.8, 13.0, 14.0]),  # started after the first token
+        # Prefilled in the prompt's own step: its TTFT paid, its decode came after.
+        _rec("shared", "chat", 10.0, [12.0, 12.1, 12.2]),
+        _rec("one", "chat", 9.0, [11.0]),  # one token: no gap to stall
+        _rec("lost", "rag", 9.0, []),  # a prompt that never got a token has no window
+        _rec("code", "codegen", 8.0, [9.0, 13.0]),  # another class
+    ]
+    assert [r.request_id for r in during_prefill(recs, "chat", "rag")] == ["mid", "ends"]
+    assert during_prefill(recs, "chat", "batch") == []
+
+
+def test_during_prefill_is_one_rule_applied_per_run(tmp_path):
+    # A stream of run A and a prompt of run B never overlap, even where their times do:
+    # each run has its own clock.
+    from servelab.rundir import Run
+
+    def run(name: str, records: list[ClientRecord]) -> Run:
+        return Run(tmp_path / name, {}, records, {}, [])
+
+    a = run("a", [_rec("c", "chat", 0.0, [1.0, 2.0, 5.0])])
+    b = run("b", [_rec("c", "chat", 0.0, [1.0, 2.0, 5.0]), _rec("r", "rag", 3.0, [4.0, 4.1])])
+    m = measure([a], [b], ("chat", MAX_ITL, "mean"), during="rag")
+    assert m.counts == (0, 1)
+    assert m.label == "longest ITL per request mean (chat decoding during a rag prefill)"
+    # Too few such streams for any test: said in words, and no value where there was none.
+    q = dataclasses.replace(Q, metric=("chat", MAX_ITL, "mean"), during="rag")
+    ans = answer(q, [a], [b])
+    assert ans.verdict == "noise" and ans.key.p_value is None
+    assert ans.answer.startswith("Not shown: 1 and 0 chat streams were decoding during a rag")
+    assert ans.to_dict()["baseline_value"] == {"value": None, "ci": None, "n": 0}
+
+
 def test_longest_itl_per_request_sees_what_chunking_spreads(tmp_path):
-    # One workload, chunked prefill off vs on: each chat stream's longest gap shrinks,
-    # one value per request (a stall is one gap unchunked, several chunked).
+    # One workload, chunked prefill off vs on: the longest gap of each chat stream decoding
+    # while a long prompt was prefilled shrinks (a stall is one gap unchunked, several
+    # chunked); the chats that ran after the last prompt are left out on both sides.
     import random
 
     from rundirs import Engine, Req, chat_requests, write_run
 
-    from servelab.analyze.answers import MAX_ITL, measure
-
     def run(name: str, chunked: bool):
         reqs = chat_requests(60, 8.0, 0, outputs=(40, 60))
+        reqs += chat_requests(10, 8.0, 1, outputs=(40, 60), prefix="late")
+        for r in reqs[60:]:
+            r.intended += 30.0
         rng = random.Random(1)
         reqs += [
             Req(f"d{k}", "rag", 0.4 + 1.6 * k + rng.uniform(0, 0.1), 3000, 4) for k in range(4)
@@ -98,7 +146,17 @@ def test_longest_itl_per_request_sees_what_chunking_spreads(tmp_path):
         return load_run(write_run(tmp_path / name, reqs, eng, seed=0))
 
     off, on = run("off", False), run("on", True)
-    m = measure([off], [on], ("chat", MAX_ITL, "mean"))
-    assert m.label == "longest ITL per request mean (chat)"
-    assert m.treatment_value < 0.7 * m.baseline_value
+    for r in (off, on):
+        kept = {c.request_id for c in during_prefill(r.records, "chat", "rag")}
+        assert kept and not any(k.startswith("late") for k in kept)
+    m = measure([off], [on], ("chat", MAX_ITL, "mean"), during="rag")
+    assert m.treatment_value < 0.5 * m.baseline_value
     assert m.p_value is not None and m.p_value < 0.05
+    # Over every chat, the streams no prompt touched dilute the same contrast.
+    pooled = measure([off], [on], ("chat", MAX_ITL, "mean"))
+    assert pooled.counts[0] > m.counts[0]
+    assert m.delta < pooled.delta
+    q = dataclasses.replace(Q, metric=("chat", MAX_ITL, "mean"), during="rag")
+    a = answer(q, [off], [on])
+    assert a.verdict == "significant" and a.key.counts == m.counts
+    assert f"over {m.counts[1]} and {m.counts[0]} such chat streams" in a.answer

@@ -31,7 +31,10 @@ def check_demo_json(path) -> dict:
         assert _KEYS <= set(q), _KEYS - set(q)
         assert q["verdict"] in ("significant", "noise")
         for side in ("baseline_value", "treatment_value"):
-            assert isinstance(q[side]["value"], float)
+            v = q[side]
+            # No value only where the question's population was empty on that side.
+            assert isinstance(v["value"], float) or (v["value"] is None and v["n"] == 0), v
+            assert isinstance(v["n"], int)
         assert q["p_value"] is None or 0 < q["p_value"] <= 1
         assert isinstance(q["answer"], str) and q["answer"].endswith(".")
         assert q["question"].endswith("?")
@@ -55,6 +58,9 @@ def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):
     prio = res.groups["priorities"][1][0]
     assert {c["name"]: c["priority"] for c in prio.workload["classes"]} == {"chat": 0, "batch": 1}
     assert res.groups["chunked_prefill"][0][0].engine_config["enable_chunked_prefill"] is False
+    # The key metric is over the chats decoding while a RAG prompt was prefilled only.
+    key, unchunked = res.answers[1].key, res.groups["chunked_prefill"][0][0]
+    assert key.during == "rag" and 0 < key.counts[0] < len(unchunked.records)
     check_demo_json(tmp_path / "d" / "demo.json")
     html = res.report.read_text()
     # The answers come first; the comparisons fold away.

@@ -40,6 +40,9 @@ class Question:
     baseline: str  # the configuration without the optimisation
     treatment: str
     treatment_effect: str  # what the treatment does, for the sentence: "with the cache"
+    # The key metric's population, where the question is about some of the scope's requests
+    # only: those decoding while a request of this class was prefilled (``during_prefill``).
+    during: str | None = None
 
 
 @dataclass
@@ -55,10 +58,14 @@ class Measured:
     treatment_ci: tuple[float, float] | None
     delta: float | None
     p_value: float | None
+    counts: tuple[int, int] = (0, 0)  # requests (runs, for a rate) measured on each side
+    during: str | None = None  # the population filter (Question.during)
 
     @property
     def label(self) -> str:
         where = "" if self.scope == "overall" else f" ({self.scope})"
+        if self.during:
+            where = f" ({self.scope} decoding during a {self.during} prefill)"
         return f"{_LABELS.get(self.metric, self.metric)} {self.stat}{where}"
 
 
@@ -79,8 +86,16 @@ class Answer:
             "metric": self.key.label,
             "baseline": q.baseline,
             "treatment": q.treatment,
-            "baseline_value": {"value": self.key.baseline_value, "ci": self.key.baseline_ci},
-            "treatment_value": {"value": self.key.treatment_value, "ci": self.key.treatment_ci},
+            "baseline_value": {
+                "value": self.key.baseline_value,
+                "ci": self.key.baseline_ci,
+                "n": self.key.counts[0],
+            },
+            "treatment_value": {
+                "value": self.key.treatment_value,
+                "ci": self.key.treatment_ci,
+                "n": self.key.counts[1],
+            },
             "delta": self.key.delta,
             "p_value": self.key.p_value,
             "verdict": self.verdict,
@@ -90,9 +105,38 @@ class Answer:
         }
 
 
-def _records(group: list[Run], scope: str) -> list[ClientRecord]:
-    recs = [r for run in group for r in run.records if r.ok]
-    return recs if scope == "overall" else [r for r in recs if r.workload_class == scope]
+def during_prefill(records: list[ClientRecord], scope: str, other: str) -> list[ClientRecord]:
+    """The ``scope`` requests of one run that were decoding while a request of class
+    ``other`` was prefilled: those whose decode span [first token, last token] overlaps
+    some ``other`` request's window [send, first token].
+
+    Client times only, so the rule is the same whatever the engine does: it picks the
+    streams a long prompt could stall, on both sides of a comparison. A stream whose own
+    prefill shared a step with the long prompt is not one (its TTFT paid, not its ITL)."""
+    windows = [
+        (r.actual_send, r.chunk_times[0])
+        for r in records
+        if r.workload_class == other and r.chunk_times
+    ]
+    return [
+        r
+        for r in records
+        if r.workload_class == scope
+        and len(r.chunk_times) > 1
+        and any(s < r.chunk_times[-1] and r.chunk_times[0] < e for s, e in windows)
+    ]
+
+
+def _records(group: list[Run], scope: str, during: str | None = None) -> list[ClientRecord]:
+    out: list[ClientRecord] = []
+    for run in group:
+        recs = [r for r in run.records if r.ok]
+        if during is not None:
+            # Per run: a window and a stream overlap only on one run's clock.
+            out += during_prefill(recs, scope, during)
+        else:
+            out += recs if scope == "overall" else [r for r in recs if r.workload_class == scope]
+    return out
 
 
 def _delta(a: float | None, b: float | None) -> float | None:
@@ -100,19 +144,32 @@ def _delta(a: float | None, b: float | None) -> float | None:
 
 
 def measure(
-    base: list[Run], treat: list[Run], spec: tuple[str, str, str], seed: int = 0
+    base: list[Run],
+    treat: list[Run],
+    spec: tuple[str, str, str],
+    seed: int = 0,
+    during: str | None = None,
 ) -> Measured:
-    """``spec`` on both groups; a rate (``throughput``/``goodput``) is the mean over runs."""
+    """``spec`` on both groups; a rate (``throughput``/``goodput``) is the mean over runs.
+    ``during`` (a class) keeps only the scope's requests decoding during its prefills."""
     scope, metric, stat = spec
     if metric in ("throughput", "goodput"):
         a, b = (_mean_rate(g, metric, stat) for g in (base, treat))
-        return Measured(scope, metric, stat, a, b, None, None, _delta(a, b), None)
-    va = metric_values(_records(base, scope), metric)
-    vb = metric_values(_records(treat, scope), metric)
+        n = (len(base), len(treat))
+        return Measured(scope, metric, stat, a, b, None, None, _delta(a, b), None, n)
+    va = metric_values(_records(base, scope, during), metric)
+    vb = metric_values(_records(treat, scope, during), metric)
     sa, sb = describe(*va, n_boot=400, seed=seed), describe(*vb, n_boot=400, seed=seed)
     a, b = getattr(sa, stat), getattr(sb, stat)
     p = permutation_pvalues(va, vb, seed=seed).get(stat)
-    return Measured(scope, metric, stat, a, b, sa.ci.get(stat), sb.ci.get(stat), _delta(a, b), p)
+    ci_a, ci_b = sa.ci.get(stat), sb.ci.get(stat)
+    n = (_requests(va), _requests(vb))
+    return Measured(scope, metric, stat, a, b, ci_a, ci_b, _delta(a, b), p, n, during)
+
+
+def _requests(values: tuple[list[float], list[int] | None]) -> int:
+    """How many requests gave values (pooled gaps carry their request's index)."""
+    return len(set(values[1])) if values[1] is not None else len(values[0])
 
 
 def _mean_rate(group: list[Run], section: str, key: str) -> float | None:
@@ -157,7 +214,7 @@ def answer(
 
     ``levels`` (the lowest and highest concurrency) make it a batch-size question: the
     sentence then says what each extra sequence costs a step."""
-    key = measure(base, treat, q.metric, seed)
+    key = measure(base, treat, q.metric, seed, q.during)
     cost = measure(base, treat, q.cost, seed)
     significant = key.p_value is not None and key.p_value <= alpha
     verdict = "significant" if significant else "noise"
@@ -165,11 +222,20 @@ def answer(
         f"{key.label} {_with_ci(key, key.treatment_value, key.treatment_ci)} {q.treatment_effect} "
         f"vs {_with_ci(key, key.baseline_value, key.baseline_ci)} without"
     )
+    if q.during:
+        # The population depends on the run: a verdict from two streams is not one from ten.
+        vals += f", over {key.counts[1]} and {key.counts[0]} such {key.scope} streams"
     p_txt = "untested" if key.p_value is None else f"p = {key.p_value:.3g}"
     if significant:
         head = f"Yes: {_change(key)}, significant ({p_txt}); {vals}."
         if (key.delta or 0) > 0 and q.id != "decode_itl":
             head = f"No, it is worse: {_change(key)}, significant ({p_txt}); {vals}."
+    elif q.during and key.p_value is None:
+        # Fewer than two such streams on a side: nothing to relabel, so no test at all.
+        head = (
+            f"Not shown: {key.counts[1]} and {key.counts[0]} {key.scope} streams were decoding "
+            f"during a {q.during} prefill, too few to compare."
+        )
     else:
         head = (
             f"Not shown: the difference ({_change(key)}) is within the noise at this sample "
