@@ -90,17 +90,19 @@ def test_during_prefill_keeps_the_streams_a_long_prompt_could_stall():
     rag = _rec("r", "rag", 10.0, [12.0, 12.1])  # prefill window [10, 12]
     recs = [
         rag,
-        _rec("mid", "chat", 8.0, [9.0, 9.1, 12.3, 13.0]),  # decoding across the window
-        _rec("ends", "chat", 8.0, [8.5, 9.0, 10.5]),  # its last token inside the window
+        _rec("mid", "chat", 8.0, [9.0, 9.1, 12.3, 13.0]),  # decoding across the first token
+        _rec("at", "chat", 8.0, [8.5, 9.0, 11.995]),  # its last token in the prefill's step
+        # Ended while the prompt waited: the step that ended its prefill came after.
+        _rec("ends", "chat", 8.0, [8.5, 9.0, 10.5]),
         _rec("before", "chat", 5.0, [5.5, 6.0, 9.5]),  # finished before the prompt was sent
         _rec("after", "chat", 12.5, [12.8, 13.0, 14.0]),  # started after the first token
         # Prefilled in the prompt's own step: its TTFT paid, its decode came after.
-        _rec("shared", "chat", 10.0, [12.0, 12.1, 12.2]),
+        _rec("shared", "chat", 10.0, [11.998, 12.1, 12.2]),
         _rec("one", "chat", 9.0, [11.0]),  # one token: no gap to stall
         _rec("lost", "rag", 9.0, []),  # a prompt that never got a token has no window
         _rec("code", "codegen", 8.0, [9.0, 13.0]),  # another class
     ]
-    assert [r.request_id for r in during_prefill(recs, "chat", "rag")] == ["mid", "ends"]
+    assert [r.request_id for r in during_prefill(recs, "chat", "rag")] == ["mid", "at"]
     assert during_prefill(recs, "chat", "batch") == []
 
 

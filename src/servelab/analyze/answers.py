@@ -41,7 +41,7 @@ class Question:
     treatment: str
     treatment_effect: str  # what the treatment does, for the sentence: "with the cache"
     # The key metric's population, where the question is about some of the scope's requests
-    # only: those decoding while a request of this class was prefilled (``during_prefill``).
+    # only: those decoding when a request of this class finished its prefill (``during_prefill``).
     during: str | None = None
 
 
@@ -105,16 +105,28 @@ class Answer:
         }
 
 
-def during_prefill(records: list[ClientRecord], scope: str, other: str) -> list[ClientRecord]:
-    """The ``scope`` requests of one run that were decoding while a request of class
-    ``other`` was prefilled: those whose decode span [first token, last token] overlaps
-    some ``other`` request's window [send, first token].
+# Tokens of one engine step reach the client within a few ms of each other; a step of the
+# CPU engine takes 40 ms or more. So a stream is "decoding when the prompt's prefill ended"
+# if it was mid-stream this long before the prompt's first token: a stream prefilled in
+# the prompt's own step, whose first token comes a hair before or after, is not.
+SAME_STEP_S = 0.010
 
-    Client times only, so the rule is the same whatever the engine does: it picks the
-    streams a long prompt could stall, on both sides of a comparison. A stream whose own
-    prefill shared a step with the long prompt is not one (its TTFT paid, not its ITL)."""
-    windows = [
-        (r.actual_send, r.chunk_times[0])
+
+def during_prefill(records: list[ClientRecord], scope: str, other: str) -> list[ClientRecord]:
+    """The ``scope`` requests of one run that were decoding when a request of class
+    ``other`` finished its prefill: mid-stream (a token before and a token after)
+    ``SAME_STEP_S`` before that request's first token.
+
+    Client times only, so the rule is the same whatever the engine does. Every such stream
+    waited through the step that ended the prompt's prefill: unchunked the whole prompt,
+    chunked its last chunk. A stream that merely overlapped the prompt's wait [send, first
+    token] is not kept: in a closed loop a prompt is sent as another stream ends, and
+    streams that end in the step it waits for were never stalled (4 of 9 such streams in
+    one unchunked demo run had a longest gap of 0.15-0.18 s, the others 1.65-3.6 s). A
+    stream whose own prefill shared a step with the prompt is not one either (its TTFT
+    paid, not its ITL)."""
+    ends = [
+        r.chunk_times[0] - SAME_STEP_S
         for r in records
         if r.workload_class == other and r.chunk_times
     ]
@@ -123,7 +135,7 @@ def during_prefill(records: list[ClientRecord], scope: str, other: str) -> list[
         for r in records
         if r.workload_class == scope
         and len(r.chunk_times) > 1
-        and any(s < r.chunk_times[-1] and r.chunk_times[0] < e for s, e in windows)
+        and any(r.chunk_times[0] < t <= r.chunk_times[-1] for t in ends)
     ]
 
 
