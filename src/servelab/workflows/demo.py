@@ -6,7 +6,7 @@
      off vs on; TTFT mean;
    - chunked_prefill: chat streams decoding while long unique RAG prompts arrive,
      unchunked vs a 256-token chunk budget; the longest ITL of each chat stream that was
-     decoding during a RAG prompt's prefill, their mean; TTFT beside it;
+     decoding when a RAG prompt's prefill ended, their mean; TTFT beside it;
    - priorities: interactive chat plus long non-streamed batch jobs on a 2-sequence
      engine, FCFS vs the batch class at a lower priority; chat TTFT p95, batch E2E beside it;
    - decode_itl: codegen at concurrency 1, 2, 4, 8; ITL p50 and throughput vs batch size;
