@@ -180,11 +180,7 @@ class RooflineCostModel:
         head = self._head_flops_per_logit * logits
         attn = self._attn_flops_per_pair * attn_pairs
         kv = self._kv_per_token * (kv_read + tokens)
-        comm = (
-            0.0
-            if self.tp == 1
-            else 2 * self.model.layers * self.allreduce_time(tokens * self._act_bytes_per_token)
-        )
+        comm = 2 * self.model.layers * self.allreduce_time(tokens * self._act_bytes_per_token)
         peak, bw = hw.peak_flops * e.mfu, hw.mem_bw * e.mbu
         return (
             layers + head + attn,
