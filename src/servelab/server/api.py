@@ -34,8 +34,9 @@ from servelab import __version__
 from servelab.server import ipc
 from servelab.server.engine_client import EngineDeadError, RequestStream
 from servelab.server.errors import APIError, error_body
+from servelab.server.heap import MALLOC_TRIM
 from servelab.server.metrics import CONTENT_TYPE
-from servelab.server.prepare import MALLOC_TRIM, OFF_LOOP_BYTES, TRIM_BYTES, PreparePool, prepare
+from servelab.server.prepare import OFF_LOOP_BYTES, TRIM_BYTES, PreparePool, prepare
 from servelab.server.protocol import (
     SSE_DONE,
     ModelLimits,

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
 import signal
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from servelab.server.errors import APIError
+from servelab.server.heap import M_MMAP_THRESHOLD, MALLOPT
 from servelab.server.protocol import ModelLimits, ParsedRequest, parse_chat, parse_completion
 
 log = logging.getLogger("servelab.server")
@@ -53,17 +52,6 @@ def prepare(tokenizer: Any, limits: ModelLimits, body: bytes, chat: bool) -> Par
     return parsed
 
 
-def _libc(name: str) -> Any:
-    try:
-        return getattr(ctypes.CDLL(None), name)  # glibc; absent elsewhere
-    except (OSError, AttributeError):
-        return None
-
-
-MALLOC_TRIM: Callable[[int], int] | None = _libc("malloc_trim")
-_MALLOPT = _libc("mallopt")
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-
 # ---- the worker process ----
 
 _worker: dict[str, Any] = {}
@@ -85,11 +73,11 @@ def _init_worker(model: str) -> None:
     # (and, on a small machine, its one core): at equal priority the scheduler let /health
     # wait up to 130 ms behind it. At a lower priority the API's loop preempts it on waking.
     os.nice(_WORKER_NICENESS)
-    if _MALLOPT is not None:
+    if MALLOPT is not None:
         # glibc raises its mmap threshold after the first big free, and then keeps the heap
         # that later big bodies grow (+30 MB after five 15 MB prompts). A fixed threshold
         # keeps every buffer of TRIM_BYTES or more in its own mapping, returned on free.
-        _MALLOPT(_M_MMAP_THRESHOLD, TRIM_BYTES)
+        MALLOPT(M_MMAP_THRESHOLD, TRIM_BYTES)
     _worker["tokenizer"] = load_tokenizer(model)
 
 
