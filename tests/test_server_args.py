@@ -66,6 +66,8 @@ def test_flags_map_onto_the_engine_config() -> None:
         (["--max-queue", "-2"], "--max-queue"),
         (["--device", "tpu"], "--device"),
         (["--log-level", "loud"], "--log-level"),
+        (["--header-timeout", "0"], "--header-timeout"),
+        (["--keep-alive-timeout", "-1"], "--keep-alive-timeout"),
         (["--model", "no-such-model"], "known names are"),
     ],
 )

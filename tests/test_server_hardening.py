@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import socket
 import threading
@@ -298,7 +299,9 @@ def test_route_errors_have_codes(http: httpx.Client) -> None:
 
 @pytest.fixture(scope="module")
 def keyed(tiny_llama_dir: Path) -> Iterator[ServerThread]:
-    with serving(tiny_llama_dir, api_key=KEY, header_timeout=0.5, body_timeout=1.0) as srv:
+    with serving(
+        tiny_llama_dir, api_key=KEY, header_timeout=0.5, keep_alive_timeout=3.0, body_timeout=1.0
+    ) as srv:
         yield srv
 
 
@@ -343,24 +346,71 @@ def test_version_shows_no_pid(keyed: ServerThread) -> None:
     assert "pid" not in version["engine"] and version["engine"]["max_model_len"] == 512
 
 
-def slow_client_closed_after(url: str, first: bytes) -> float:
-    """Send ``first`` and nothing more; seconds until the server closes the connection."""
+def slow_client_closed_after(url: str, first: bytes, trickle: bytes = b"") -> float:
+    """Send ``first``, then ``trickle`` every 0.1 s (if given); seconds until the server
+    closes the connection."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
+        done = threading.Event()
+
+        def drip() -> None:
+            with contextlib.suppress(OSError):
+                while trickle and not done.wait(0.1):
+                    s.sendall(trickle)
+
         t0 = time.monotonic()
         s.sendall(first)
-        while s.recv(65536):
-            pass
+        sender = threading.Thread(target=drip)
+        sender.start()
+        try:
+            while s.recv(65536):
+                pass
+        finally:
+            done.set()
+            sender.join()
         return time.monotonic() - t0
 
 
 def test_header_timeout_closes_slow_and_idle_connections(keyed: ServerThread) -> None:
-    # A slowloris sends part of a request head and stalls; an idle client sends nothing.
-    assert slow_client_closed_after(keyed.url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-a:") < 20
-    assert slow_client_closed_after(keyed.url, b"") < 20
+    # A slowloris sends part of a request head and stalls, or trickles it a byte at a time;
+    # a client that connects sends nothing. Each is closed at --header-timeout (0.5 s),
+    # well before --keep-alive-timeout (3 s).
+    assert slow_client_closed_after(keyed.url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-a:") < 2.5
+    assert slow_client_closed_after(keyed.url, b"") < 2.5
+    assert slow_client_closed_after(keyed.url, b"GET /health HTTP/1.1\r\n", trickle=b"X") < 2.5
     # A complete request on time is answered, and the connection stays open for the next.
     with httpx.Client(base_url=keyed.url) as c:
         assert c.get("/health").status_code == 200 and c.get("/health").status_code == 200
+
+
+def _get_health(s: socket.socket) -> bytes:
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+        chunk = s.recv(65536)
+        assert chunk, f"closed after {reply!r}"
+        reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += s.recv(65536)
+    return head
+
+
+def test_an_idle_connection_outlives_the_header_timeout_until_keep_alive(
+    keyed: ServerThread,
+) -> None:
+    # An idle connection is the client pool's to drop: closing it at the header timeout made
+    # a client that reused it just then lose its request (a reset, not retried for a POST).
+    host, port = keyed.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        assert _get_health(s).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)  # 3x --header-timeout, idle
+        assert _get_health(s).startswith(b"HTTP/1.1 200")
+        t0 = time.monotonic()
+        while s.recv(65536):
+            pass
+        assert time.monotonic() - t0 > 1.5  # closed by --keep-alive-timeout (3 s), not 0.5 s
 
 
 def test_body_timeout_answers_408_and_closes_a_trickling_body(keyed: ServerThread) -> None:

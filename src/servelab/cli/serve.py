@@ -70,7 +70,12 @@ def serve(
     header_timeout: float = typer.Option(
         5.0,
         help="Seconds a connection may take to send a request's headers, from its opening or "
-        "its previous response; also closes idle keep-alive connections.",
+        "from their first byte; a slower one is closed.",
+    ),
+    keep_alive_timeout: float = typer.Option(
+        30.0,
+        help="Seconds an idle keep-alive connection stays open (longer than clients' pools "
+        "keep one, so that the client closes it first).",
     ),
     body_timeout: float = typer.Option(
         30.0,
@@ -131,6 +136,7 @@ def serve(
         max_stop_sequences=max_stop_sequences,
         max_body_size=max_body_size,
         header_timeout=header_timeout,
+        keep_alive_timeout=keep_alive_timeout,
         body_timeout=body_timeout,
         log_level=log_level,
         simulate=simulate,

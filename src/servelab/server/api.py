@@ -463,12 +463,57 @@ def build_app(state: ServerState) -> web.Application:
 _CAMEL_RE = re.compile(r"(?<!^)(?=[A-Z])")
 
 
-class _JSONErrorHandler(web.RequestHandler):
-    """aiohttp's own error answers (HTTP its parser refuses: oversized or too many headers,
-    a bad method, Content-Length with Transfer-Encoding, a bad chunk size...) in OpenAI's
-    shape, with the parser's exception as the code (``LineTooLong`` -> ``line_too_long``)."""
+class _Handler(web.RequestHandler):
+    """One connection, with two changes to aiohttp's.
 
-    __slots__ = ()
+    - **Its own error answers** (HTTP its parser refuses: oversized or too many headers, a
+      bad method, Content-Length with Transfer-Encoding, a bad chunk size...) in OpenAI's
+      shape, with the parser's exception as the code (``LineTooLong`` -> ``line_too_long``).
+    - **A head timer apart from the idle one.** aiohttp has one timer, ``keepalive_timeout``,
+      for both a slow request head and an idle connection. A short one bounds slowloris but
+      closes idle connections before clients' pools drop them (aiohttp's keeps them 15 s),
+      and a client that reuses one just as it closes gets a reset: a POST is not retried
+      (aiohttp issues 2682 and 9138; the soak lost two requests in 1,500 that way). So
+      aiohttp's timer closes idle connections (``--keep-alive-timeout``), and a request
+      head must arrive whole within ``head_timeout`` (``--header-timeout``) of the
+      connection's opening or of its first byte after the previous request.
+    """
+
+    __slots__ = ("head_timeout", "_head_handle")
+
+    def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_timeout = head_timeout
+        self._head_handle: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm_head()
+
+    def data_received(self, data: bytes) -> None:
+        heads = self._request_count
+        if self._head_handle is None and not self._request_in_progress and not self._messages:
+            self._arm_head()  # the first byte of a new head
+        super().data_received(data)
+        if self._request_count != heads and self._head_handle is not None:
+            self._head_handle.cancel()  # the head is whole
+            self._head_handle = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_handle is not None:
+            self._head_handle.cancel()
+            self._head_handle = None
+        super().connection_lost(exc)
+
+    def _arm_head(self) -> None:
+        self._head_handle = self._loop.call_later(
+            self.head_timeout, self._head_expired, self._request_count
+        )
+
+    def _head_expired(self, heads: int) -> None:
+        self._head_handle = None
+        if self._request_count == heads:  # no whole head came in time
+            self.force_close()
 
     def handle_error(
         self,
@@ -493,19 +538,29 @@ class _JSONErrorHandler(web.RequestHandler):
         return resp
 
 
-class _JSONErrorServer(web.Server):
+class _Server(web.Server):
+    head_timeout: float
+
     def __call__(self) -> web.RequestHandler:
-        return _JSONErrorHandler(self, loop=self._loop, **self._kwargs)
+        return _Handler(self, loop=self._loop, head_timeout=self.head_timeout, **self._kwargs)
 
 
 class Runner(web.AppRunner):
-    """web.AppRunner whose connections answer aiohttp's own errors as JSON (see above).
+    """web.AppRunner whose connections answer aiohttp's own errors as JSON and bound a
+    request head with ``head_timeout`` seconds (see ``_Handler``); ``keepalive_timeout``
+    closes idle connections.
 
     aiohttp has no public hook for this: the server it builds is given our handler class.
     tests/test_server_hardening.py pins the behaviour, so an aiohttp upgrade that changes
-    these internals fails a test rather than silently going back to plain text."""
+    these internals fails a test rather than silently going back to aiohttp's."""
+
+    def __init__(self, app: web.Application, *, head_timeout: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._head_timeout = head_timeout
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
-        server.__class__ = _JSONErrorServer
+        server.__class__ = _Server
+        assert isinstance(server, _Server)
+        server.head_timeout = self._head_timeout
         return server

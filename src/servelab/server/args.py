@@ -55,8 +55,11 @@ class ServerArgs:
     max_stop_sequences: int = 4
     max_body_size: str = "16MiB"
     # Seconds a connection may take to send a complete request head, counted from its
-    # opening or its previous response: it also closes idle keep-alive connections.
+    # opening or from the head's first byte.
     header_timeout: float = 5.0
+    # Seconds an idle keep-alive connection stays open: longer than clients' own pools keep
+    # one (aiohttp 15 s, httpx and the OpenAI SDK 5 s), so that the client closes it first.
+    keep_alive_timeout: float = 30.0
     # Seconds a request's body may take to arrive once its head has: a client that trickles
     # it is answered 408 and closed.
     body_timeout: float = 30.0
@@ -111,6 +114,11 @@ class ServerArgs:
         if not self.header_timeout > 0:
             raise ValueError(
                 f"--header-timeout must be a positive number of seconds, got {self.header_timeout}"
+            )
+        if not self.keep_alive_timeout > 0:
+            raise ValueError(
+                "--keep-alive-timeout must be a positive number of seconds, "
+                f"got {self.keep_alive_timeout}"
             )
         if not self.body_timeout > 0:
             raise ValueError(

@@ -146,10 +146,8 @@ async def serve(
         access_log=None,
         handle_signals=False,
         shutdown_timeout=max(1.0, args.shutdown_timeout),
-        # aiohttp's keep-alive timer runs from a connection's opening and from each
-        # response, and closes the connection if no complete request head came by then:
-        # one timer bounds both slow headers (slowloris) and idle keep-alive connections.
-        keepalive_timeout=args.header_timeout,
+        head_timeout=args.header_timeout,
+        keepalive_timeout=args.keep_alive_timeout,
         # After answering without reading the whole body (408, 413, 401), aiohttp reads and
         # drops the rest for up to this long, so that the client gets the answer instead of
         # a reset. Its default, 10 s, let a body trickling past --body-timeout hold the
