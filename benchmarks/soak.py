@@ -114,6 +114,8 @@ class Tally:
     cut: int = 0  # streams closed without [DONE] or an error event, outside the kill
     fuzz_not_4xx: list[str] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
+    # client errors outside the kill: (monotonic time, what was sent, what happened)
+    failures: list[tuple[float, str, str]] = field(default_factory=list)
 
 
 def _free_port() -> int:
@@ -177,6 +179,7 @@ async def one_request(s: aiohttp.ClientSession, url: str, t: Tally, killing: lis
     hang = random.random() < t.hangup_fraction
     stop_after = random.randint(0, 3)
     t.sent += 1
+    events = 0
     try:
         async with s.post(f"{url}/v1/completions", json=body) as r:
             t.status[r.status] = t.status.get(r.status, 0) + 1
@@ -185,7 +188,6 @@ async def one_request(s: aiohttp.ClientSession, url: str, t: Tally, killing: lis
             if r.status != 200:
                 t.ended += 1
                 return
-            events = 0
             async for line in r.content:
                 if not line.startswith(b"data:"):
                     continue
@@ -201,9 +203,11 @@ async def one_request(s: aiohttp.ClientSession, url: str, t: Tally, killing: lis
             t.ended += 1  # the server went away with the kill
         else:
             t.cut += 1
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         if killing[0]:
             t.ended += 1
+        else:
+            t.failures.append((time.monotonic(), f"stream after {events} events", repr(e)))
 
 
 async def fuzz(s: aiohttp.ClientSession, url: str, t: Tally, killing: list[bool]) -> None:
@@ -217,6 +221,7 @@ async def fuzz(s: aiohttp.ClientSession, url: str, t: Tally, killing: list[bool]
     except aiohttp.ClientError as e:
         if not killing[0]:  # the server is being killed and restarted
             t.fuzz_not_4xx.append(f"{name}: {type(e).__name__}")
+            t.failures.append((time.monotonic(), f"fuzz {name}", repr(e)))
 
 
 async def sample(s: aiohttp.ClientSession, url: str, server: subprocess.Popen[bytes], t0: float):
@@ -433,6 +438,8 @@ def main() -> None:
     print(f"requests without an end: {t.sent - t.ended} ({t.cut} streams closed without [DONE])")
     print(f"5xx outside the kill window: {t.fivexx_outside_kill}")
     print(f"fuzz requests not answered 4xx: {len(t.fuzz_not_4xx)} {t.fuzz_not_4xx[:5]}")
+    for at, what, err in t.failures:
+        print(f"  client error at {at - args.t_start:.1f} s ({what}): {err}")
     print(f"KV blocks held once idle (leaked): {idle['kv_blocks_used']}")
     slopes = slopes_mb_per_min(t.samples, since)
     print(f"RSS slope over the last {(load_t1 - since) / 60:.0f} min of the load, per process:")
