@@ -204,6 +204,28 @@ def test_invalid_manifest_is_a_finding(tmp_path):
     assert f.id == "client_bottleneck" and "send lag 40 ms" in f.summary
 
 
+@pytest.mark.parametrize("valid", [True, False])
+def test_time_outside_the_server_is_not_blamed_on_it_when_the_client_fell_behind(tmp_path, valid):
+    # vLLM's per-request figures, and 40 ms more of client TTFT than they explain.
+    path = rundirs.as_other_target(
+        rundirs.calm(tmp_path / "c", valid=valid, invalid_reason=None if valid else "loop lag"),
+        figures=True,
+    )
+    rows = [json.loads(x) for x in (path / "requests.jsonl").read_text().splitlines() if x]
+    for r in rows:
+        r["actual_send"] -= 0.04
+        r["intended_send"] -= 0.04
+    (path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = {f.id: f for f in diagnose(load_run(path)).findings}
+    net = found["network_overhead"]
+    assert net.evidence["network_http_ms_p50"] >= 40
+    if valid:
+        assert net.confidence >= 0.45 and "client_bottleneck" not in found
+    else:
+        assert net.confidence < 0.45 and "client's own delay" in net.summary
+        assert max(found.values(), key=lambda f: f.confidence).id == "client_bottleneck"
+
+
 def test_json_is_serialisable(runs):
     d = diagnose(runs["unchunked_stalls"]).to_dict()
     back = json.loads(json.dumps(d))
