@@ -412,8 +412,10 @@ def main() -> None:
         await asyncio.sleep(2.0)
         old = args.server_ref[0]
         old.send_signal(signal.SIGTERM)
-        old.wait(timeout=60)
-        args.server_ref[0] = start_server(server_cpu, port)
+        # In threads, so that the loop sees the old server close its kept-alive connections:
+        # blocked, it reused them after the restart ("Can not write request body").
+        await asyncio.to_thread(old.wait, 60)
+        args.server_ref[0] = await asyncio.to_thread(start_server, server_cpu, port)
 
     load_t0 = time.monotonic() - args.t_start
     asyncio.run(load(url, rate, args.minutes * 60, t, args, on_half=kill_and_restart))
