@@ -473,7 +473,7 @@ class _Handler(web.RequestHandler):
       for both a slow request head and an idle connection. A short one bounds slowloris but
       closes idle connections before clients' pools drop them (aiohttp's keeps them 15 s),
       and a client that reuses one just as it closes gets a reset: a POST is not retried
-      (aiohttp issues 2682 and 9138; the soak lost two requests in 1,500 that way). So
+      (aiohttp issues 2682 and 9138). So
       aiohttp's timer closes idle connections (``--keep-alive-timeout``), and a request
       head must arrive whole within ``head_timeout`` (``--header-timeout``) of the
       connection's opening or of its first byte after the previous request.
