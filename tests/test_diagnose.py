@@ -180,6 +180,22 @@ def test_other_target_stalls_are_blamed_on_the_long_prefills_seen_from_the_clien
     assert d.findings[0].id == "itl_prefill_interference"  # the top finding
 
 
+@pytest.mark.parametrize("name", ["calm", "burst", "unchunked_stalls", "lagging_client"])
+def test_other_target_stall_causes_agree_with_the_exact_ones(tmp_path, name):
+    # Short chat prompts arriving during decodes stall them as surely as long ones: the
+    # step that ends the gap is the one that ran the waiting prompt's prefill. A client
+    # that hands chunks over late must not be mistaken for that.
+    path = getattr(rundirs, name)(tmp_path / name)
+    exact = {(s.request_id, round(s.at, 6)): s for s in attribute(load_run(path)).stalls}
+    inferred = attribute(load_run(rundirs.as_other_target(path))).stalls
+    assert exact and len(inferred) == len(exact)
+    for s in inferred:
+        truth = exact[(s.request_id, round(s.at, 6))].cause
+        assert s.cause == truth or (truth == "client" and s.cause == "unknown")
+        if s.cause == "prefill":
+            assert 0 < s.confidence < 1 and s.evidence["request"] != s.request_id
+
+
 def test_other_target_calm_run_has_no_findings(tmp_path):
     run = load_run(rundirs.as_other_target(rundirs.calm(tmp_path / "c"), figures=True))
     assert diagnose(run).findings == []

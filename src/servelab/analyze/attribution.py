@@ -491,6 +491,7 @@ LONG_PROMPT = 4
 CONF_PREFILL_ENDS = 0.75
 CONF_PREFILL_REPORTED = 0.85  # the other request's prefill window is the server's figure
 CONF_PREFILL_OVERLAP = 0.4
+CONF_PREFILL_WAITED = 0.5  # a short prompt that waited through the whole gap
 CONF_PREEMPTION = 0.6
 CONF_KV = 0.35
 CONF_CLIENT = 0.5
@@ -508,11 +509,14 @@ def _estimate_cause(
 
     In order: another request's prefill whose first token ends the stall (and whose prefill
     window covers it); a long prompt in prefill during the gap; a preemption counted in the
-    gap's scrape interval; a KV cache near full; tokens that piled up and arrived together
-    (the network or the client held them). Each sets a confidence and its evidence.
+    gap's scrape interval; a KV cache near full; a short prompt that waited through the gap
+    and whose first token ends it, unless the next token follows at once; tokens
+    that piled up and arrived together (the network or the client held them). Each sets a
+    confidence and its evidence.
     """
     a, b = stall.at, stall.at + stall.gap
     slack = max(2 * stall.median_gap, 0.005)
+    after = gaps[i + 1 : i + 4]
     # A short prompt's first token often lands at the end of a gap by chance: only a
     # prefill long enough to explain the excess (by the server's figure), or a prompt well
     # above the typical one, counts.
@@ -554,7 +558,21 @@ def _estimate_cause(
             stall.detail = f"the KV cache was {kv:.0%} full during the gap (/metrics)"
             stall.evidence = {"kv_usage": kv, "waiting": series.peak("waiting", a, b)}
             return
-    after = gaps[i + 1 : i + 4]
+    # A short prompt sent before the gap began waited through all of it; if its first token
+    # came with the one that ended the gap, that step ran (the last of) its prefill; unless the next
+    # token follows at once, which says the tokens were held on the way. Weaker than the
+    # series: with the KV cache full, a queued request is admitted as another is preempted,
+    # and its first token then ends that request's gap without its prefill being the cause.
+    waited = [
+        x
+        for x in windows.first_tokens_in(b - slack, b + slack)
+        if x[2] is not rec and x[2].actual_send <= a
+    ]
+    if waited and not (after and after[0] < 0.25 * stall.median_gap):
+        start, first, o, _ = max(waited, key=lambda x: x[2].input_tokens)
+        _blame_prefill(stall, o, start, first, CONF_PREFILL_WAITED)
+        stall.evidence["ended_by_first_token_of"] = o.request_id
+        return
     if len(after) >= 2 and max(after) < 0.25 * stall.median_gap:
         stall.cause, stall.confidence = "client", CONF_CLIENT
         stall.detail = (
