@@ -353,3 +353,72 @@ def test_find_max_rate_counts_an_over_saturated_stage_as_failing(server, tmp_pat
     steady = _planted_stages(monkeypatch, saturated_from=float("inf"))
     _, man = _run_planted(server, tmp_path / "s", find_max_rate=True)
     assert man["max_rate"]["failed"] == [] and max(steady) == man["max_rate"]["max_rate"]
+
+
+def _uuid_only_server():
+    """A server that answers like llama-cpp-python's: no timelines, and a 400 with an empty
+    body for an X-Request-Id that is not a UUID (its request-id middleware)."""
+    import asyncio
+    import threading
+    import uuid
+
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id")
+        seen.append(rid)
+        if rid is not None:
+            try:
+                uuid.UUID(rid)
+            except ValueError:
+                return web.Response(status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for word in ("a", " b"):
+            chunk = {"choices": [{"index": 0, "text": word, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+    return f"http://127.0.0.1:{port}", seen, stop
+
+
+def test_servers_without_timelines_get_no_request_id_header(tmp_path):
+    # llama-cpp-python's server refuses servelab's ids; only a server that keys timelines by
+    # them (servelab's, and the test server, see test_bench_client) is sent one.
+    import io
+
+    from rich.console import Console
+
+    from servelab.bench.run import BenchOptions, run_bench
+
+    url, seen, stop = _uuid_only_server()
+    try:
+        opts = BenchOptions(url=url, model="m", load=LoadSpec(concurrency=2, requests=4),
+                            out=tmp_path / "run", quiet=True)  # fmt: skip
+        code = run_bench(opts, Console(file=io.StringIO(), width=160))
+    finally:
+        stop()
+    records = read_records(tmp_path / "run" / "requests.jsonl")
+    assert code == 0 and len(records) >= 4 and all(r.ok for r in records)
+    assert len(seen) == len(records) and set(seen) == {None}

@@ -93,13 +93,18 @@ class Target:
     tokenizer: TokenizerLike | None = None  # for the client re-count
     extra_body: dict[str, Any] = field(default_factory=dict)
     extra_headers: dict[str, str] = field(default_factory=dict)
+    # X-Request-Id: a servelab server keys its timelines by it, so the records join them.
+    # Other servers get none: llama-cpp-python's refuses any id that is not a UUID (400).
+    request_id_header: bool = True
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 
     def headers(self, request_id: str) -> dict[str, str]:
-        h = {**self.extra_headers, "Content-Type": "application/json", "X-Request-Id": request_id}
+        h = {**self.extra_headers, "Content-Type": "application/json"}
+        if self.request_id_header:
+            h["X-Request-Id"] = request_id
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h

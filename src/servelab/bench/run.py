@@ -628,6 +628,7 @@ class Bench:
                 timeout=o.timeout,
                 tokenizer=self.tokenizer,
                 extra_body=o.sampling,
+                request_id_header=self.info.timelines,
             )
             http = HttpClient(self.info.url)
             try:
