@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import yaml
+from peers import servers
 
 from servelab.analyze.attribution import attribute
 from servelab.analyze.diagnose import diagnose
@@ -158,48 +157,6 @@ CASES = [
 
 def _servelab() -> list[str]:
     return [sys.executable, "-m", "servelab.cli"]  # child processes inherit PYTHONPATH
-
-
-def _get(url: str, timeout: float = 2.0) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.read()
-    except OSError:
-        return None
-
-
-class Vllm:
-    """vLLM's OpenAI server from the peers' venv, pinned to one core with one thread."""
-
-    def __init__(self, python: str, model_dir: Path, flags: list[str], log: Path, port: int):
-        self.url = f"http://127.0.0.1:{port}"
-        env = os.environ | {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        env.pop("PYTHONPATH", None)
-        cmd = [
-            "taskset", "-c", SERVER_CPU, python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--served-model-name", "smollm2-135m",
-            "--port", str(port), "--enable-per-request-metrics", "--enforce-eager", *flags,
-        ]  # fmt: skip
-        self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-    def wait(self, timeout: float = 600.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited: see {self.log}")
-            if _get(f"{self.url}/v1/models"):
-                return
-            time.sleep(2.0)
-        raise RuntimeError(f"vLLM did not come up in {timeout:.0f} s: see {self.log}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 REUSE = False  # --reuse: diagnose the runs already in --out instead of running them again
@@ -393,7 +350,7 @@ def main() -> None:
     print("\n(b) planted causes on vLLM 0.32 CPU (1 thread, core 0; client on core 1)", flush=True)
     rows = []
     cases = [c for c in CASES if not only or c.name in only]
-    server: Vllm | None = None
+    server: servers.PinnedServer | None = None
     flags: list[str] | None = None
     try:
         for case in cases:
@@ -402,8 +359,8 @@ def main() -> None:
             ):
                 if server:
                     server.stop()
-                server = Vllm(a.vllm_python, model_dir, case.flags, work / f"vllm-{case.name}.log",
-                              a.port)  # fmt: skip
+                server = servers.vllm(a.vllm_python, model_dir, case.flags,
+                                      work / f"vllm-{case.name}.log", a.port, SERVER_CPU)  # fmt: skip
                 flags = case.flags
                 try:
                     server.wait()

@@ -162,6 +162,8 @@ def servelab_figures(engine: LLMEngine, sz: Sizes, vocab: int) -> dict[str, floa
             r.duration for r in _run(engine) if r.prefill_tokens == 0 and r.decode_seqs == batch
         ]
         out[f"decode_{batch}"] = statistics.median(steps)
+    if not sz.tput_requests:
+        return out
     sp = SamplingParams(max_tokens=sz.tput_out, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     for _ in range(sz.tput_requests):

