@@ -38,7 +38,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from quant_speed import step_bytes
 from rich.console import Console
 from rich.table import Table
 
+from servelab.bench.target import free_port
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
 from servelab.model.loader import load_model
@@ -67,12 +67,6 @@ QUALITY_PASSING = ("none", "q4_1")  # docs/design/model.md: q8_0 misses its qual
 # or AMX) and with --dtype float32, the same precision as servelab's none: like with like.
 VLLM_COLUMNS = {"vLLM": [], "vLLM fp32": ["--dtype", "float32"]}
 FIXED = "name: fixed\nclasses:\n  - name: fixed\n    input: {i}\n    output: {o}\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gguf_bytes(path: Path) -> int:
@@ -444,7 +438,7 @@ def main() -> None:
 
         for name in names:
             console.print(f"over HTTP: {name}...")
-            server = start(name, _free_port())
+            server = start(name, free_port())
             try:
                 server.wait()
                 http[name] = http_figures(server, out / name.replace(" ", "-"), client_cpu,
