@@ -35,7 +35,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import aiohttp
 import httpx
 import msgspec
 
+from servelab.bench.target import free_port
 from servelab.model.tokenizer import Tokenizer
 from servelab.vocab import ClientRecord
 
@@ -70,16 +70,10 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q / 100 * len(s)))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(
     args: argparse.Namespace, server_cpu: int | None
 ) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
