@@ -9,6 +9,7 @@ transferred blocks, and that every failure path frees the blocks on both sides.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,13 @@ from servelab.model.loader import LoadedModel, load_model
 from servelab.model.runner import TorchModelRunner
 from servelab.server.disagg import shm
 from servelab.server.disagg.engine import DisaggEngine, TransferError
-from servelab.server.disagg.protocol import ImportKV, Parked, Refused, Reserved
+from servelab.server.disagg.protocol import (
+    ImportKV,
+    Parked,
+    Refused,
+    Reserved,
+    decode_header,
+)
 from servelab.server.disagg.transport import Received, make_receiver, make_sender
 from servelab.vocab import FinishReason
 
@@ -369,3 +376,52 @@ def test_shm_sender_removes_segments_nobody_read(tmp_path: Path) -> None:
         ctx.destroy(linger=0)
     assert shm.remove_session(session) == 0
     assert os.path.isdir(shm.SHM_DIR)
+
+
+@pytest.mark.parametrize("transport", ["socket", "shm"])
+def test_a_busy_link_backlogs_transfers_instead_of_failing_them(
+    transport: str, tmp_path: Path
+) -> None:
+    """More transfers than ZeroMQ queues (one step can park that many) all arrive, in order,
+    once the receiver is there; a backlog older than the transfer timeout is dropped."""
+    from servelab.server.disagg.protocol import KVHeader
+    from servelab.server.disagg.transport import _SEND_HWM
+
+    ctx = zmq.Context()
+    session = uuid.uuid4().hex[:8]
+    n = _SEND_HWM + 36
+    blocks = [torch.arange(12, dtype=torch.float32).view(3, 4)] * 2
+    # The receiver is not there yet, so nothing leaves ZeroMQ's queue: a socket bound later
+    # stands in for a receiver that is slow to read (ZeroMQ carries both transports' frames
+    # the same way over ipc:// and tcp://).
+    address = f"ipc://{tmp_path}/kv-late"
+
+    def header(rid: str, seq: int) -> KVHeader:
+        return KVHeader(rid, seq, {}, 3, 0, 2, [], "float32", [3, 4], 96, 0.0)
+
+    sender = make_sender(transport, ctx, session=session, worker=0, timeout=60.0)
+    try:
+        for i in range(n):
+            sender.send(address, header(f"r{i}", i), blocks)
+        assert sender.backlog == n - _SEND_HWM
+        receiver = ctx.socket(zmq.PULL)
+        receiver.bind(address)
+        got: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(got) < n and time.monotonic() < deadline:
+            sender.housekeeping(time.monotonic())
+            if receiver.poll(10):
+                got.append(decode_header(receiver.recv_multipart()[0]).request_id)
+        assert got == [f"r{i}" for i in range(n)] and sender.backlog == 0
+        receiver.close(linger=0)
+        # A receiver that never reads: past the timeout, the backlog is let go.
+        late = f"ipc://{tmp_path}/kv-never"
+        for i in range(n):
+            sender.send(late, header(f"x{i}", i), blocks)
+        assert sender.backlog == n - _SEND_HWM
+        sender.housekeeping(now=float("inf"))
+        assert sender.backlog == 0
+    finally:
+        sender.close()
+        ctx.destroy(linger=0)
+    shm.remove_session(session)

@@ -182,8 +182,10 @@ def test_greedy_output_equals_colocated(http: httpx.Client, tok: Tokenizer, refe
     lines = stream_lines(
         http, {"prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     )
+    # The first token comes from the prefill worker and the rest from the decode worker, but a
+    # handler that falls behind sends what is pending as one event: the count is not fixed.
     events = [json.loads(line[6:]) for line in lines[:-1]]
-    assert lines[-1] == "data: [DONE]" and len(events) >= 2  # first token, then the decode side's
+    assert lines[-1] == "data: [DONE]"
     assert "".join(e["choices"][0]["text"] for e in events) == expected[2].text
     # Seeded sampling continues at the right output index on the decode side.
     sp = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)

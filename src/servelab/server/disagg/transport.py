@@ -6,8 +6,10 @@ Interface (what a new transport, e.g. RDMA through NIXL or Mooncake, implements)
   socket whose readability means "payloads may be ready": the worker's loop polls it),
   ``receive()`` (every payload that arrived, without blocking) and ``close()``.
 - ``KVSender`` (prefill worker): ``send(address, header, blocks) -> bytes`` (raises
-  TransferError; may return before the receiver has the data), ``housekeeping(now)`` and
-  ``close()``.
+  TransferError; may return before the receiver has the data, and does not fail because the
+  link is busy: such a transfer waits in ``backlog``), ``housekeeping(now)`` (moves the
+  backlog on and removes what is past the transfer timeout; called every loop iteration)
+  and ``close()``.
 - A payload is ``Received(header, blocks, error, received_at)``: ``blocks`` are views of
   ``[block_shape]`` tensors on the received memory, valid until ``release()``.
 
@@ -20,6 +22,7 @@ remote key in the header and write with one-sided RDMA; the worker loop does not
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import mmap
@@ -37,7 +40,7 @@ from servelab.server.disagg import shm
 from servelab.server.disagg.engine import TransferError
 from servelab.server.disagg.protocol import KVHeader, decode_header, encode
 
-_SEND_HWM = 64  # queued transfers per destination before send fails instead of piling up
+_SEND_HWM = 64  # transfers queued in ZeroMQ per destination; more wait in the sender's backlog
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -69,6 +72,9 @@ class KVReceiver(Protocol):
 class KVSender(Protocol):
     def send(self, address: str, header: KVHeader, blocks: list[torch.Tensor]) -> int: ...
 
+    @property
+    def backlog(self) -> int: ...
+
     def housekeeping(self, now: float) -> None: ...
 
     def close(self) -> None: ...
@@ -92,11 +98,21 @@ def _pack_into(dst: torch.Tensor, blocks: list[torch.Tensor]) -> None:
 
 
 class _PushPool:
-    """One PUSH socket per destination address, created on first use."""
+    """One PUSH socket per destination address, created on first use.
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    A transfer the socket cannot take now (its ``_SEND_HWM`` queue is full: ZeroMQ's I/O
+    thread has not caught up with a step that parked many requests, or the receiver is slow
+    or gone) waits in the destination's backlog, in order, instead of failing; ``flush``
+    moves backlogged transfers on as the socket takes them and drops those older than
+    ``timeout`` (by then the router has timed their transfers out). Every transfer was
+    reserved by its decode worker first, so the backlog is bounded by the decode pools.
+    """
+
+    def __init__(self, ctx: zmq.Context, timeout: float) -> None:
         self._ctx = ctx
+        self._timeout = timeout
         self._socks: dict[str, zmq.Socket] = {}
+        self._backlog: dict[str, collections.deque[tuple[float, list[bytes | memoryview]]]] = {}
 
     def get(self, address: str) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -109,15 +125,36 @@ class _PushPool:
         return sock
 
     def send(self, address: str, frames: list[bytes | memoryview]) -> None:
+        waiting = self._backlog.get(address)
+        if not waiting and self._try(address, frames):
+            return
+        self._backlog.setdefault(address, collections.deque()).append(
+            (time.monotonic() + self._timeout, frames)
+        )
+
+    def _try(self, address: str, frames: list[bytes | memoryview]) -> bool:
         try:
             self.get(address).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again as e:
-            raise TransferError(
-                f"the decode worker at {address} is not taking transfers "
-                f"({_SEND_HWM} already queued); it may be gone"
-            ) from e
+        except zmq.Again:
+            return False
+        return True
+
+    @property
+    def backlog(self) -> int:
+        """Transfers waiting for their socket."""
+        return sum(len(q) for q in self._backlog.values())
+
+    def flush(self, now: float) -> None:
+        for address, waiting in list(self._backlog.items()):
+            while waiting and waiting[0][0] <= now:
+                waiting.popleft()
+            while waiting and self._try(address, waiting[0][1]):
+                waiting.popleft()
+            if not waiting:
+                del self._backlog[address]
 
     def close(self) -> None:
+        self._backlog.clear()
         for sock in self._socks.values():
             sock.close()
         self._socks.clear()
@@ -156,8 +193,10 @@ class SocketReceiver:
 
 
 class SocketSender:
-    def __init__(self, ctx: zmq.Context) -> None:
-        self._push = _PushPool(ctx)
+    """Packs each transfer into one buffer; a backlogged one is dropped after ``timeout``."""
+
+    def __init__(self, ctx: zmq.Context, timeout: float) -> None:
+        self._push = _PushPool(ctx, timeout)
 
     def send(self, address: str, header: KVHeader, blocks: list[torch.Tensor]) -> int:
         payload = torch.empty(header.nbytes, dtype=torch.uint8)
@@ -165,8 +204,12 @@ class SocketSender:
         self._push.send(address, [encode(header), memoryview(payload.numpy())])
         return header.nbytes
 
+    @property
+    def backlog(self) -> int:
+        return self._push.backlog
+
     def housekeeping(self, now: float) -> None:
-        return None
+        self._push.flush(now)
 
     def close(self) -> None:
         self._push.close()
@@ -232,7 +275,7 @@ class ShmSender:
 
     def __init__(self, ctx: zmq.Context, session: str, worker: int, timeout: float) -> None:
         shm.check_available()
-        self._push = _PushPool(ctx)
+        self._push = _PushPool(ctx, timeout)
         self._session = session
         self._worker = worker
         self._timeout = timeout
@@ -244,11 +287,7 @@ class ShmSender:
         header.segment = path.name
         self._write(str(path), header.nbytes, blocks)
         self._segments.append((time.monotonic() + self._timeout, str(path)))
-        try:
-            self._push.send(address, [encode(header)])
-        except TransferError:
-            self._unlink(str(path))
-            raise
+        self._push.send(address, [encode(header)])
         return header.nbytes
 
     @staticmethod
@@ -278,7 +317,12 @@ class ShmSender:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
+    @property
+    def backlog(self) -> int:
+        return self._push.backlog
+
     def housekeeping(self, now: float) -> None:
+        self._push.flush(now)
         while self._segments and self._segments[0][0] <= now:
             self._unlink(self._segments.pop(0)[1])
 
@@ -301,7 +345,7 @@ def make_sender(
     kind: str, ctx: zmq.Context, *, session: str, worker: int, timeout: float
 ) -> KVSender:
     if kind == "socket":
-        return SocketSender(ctx)
+        return SocketSender(ctx, timeout)
     if kind == "shm":
         return ShmSender(ctx, session, worker, timeout)
     raise ValueError(f"unknown KV transport {kind!r}: use shm or socket")

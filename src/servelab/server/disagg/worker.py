@@ -45,6 +45,7 @@ from servelab.server.disagg.protocol import (
 log = logging.getLogger("servelab.server.disagg.worker")
 
 _DEADLINE_POLL_MS = 100  # idle wake-up period while a transfer deadline is pending
+_BACKLOG_POLL_MS = 2  # idle wake-up period while transfers wait for their socket
 
 
 def build_engine(cfg: ipc.CoreConfig) -> DisaggEngine:
@@ -106,6 +107,8 @@ class WorkerCore(core.EngineCore):
         return [self.receiver.socket] if self.receiver is not None else []
 
     def idle_poll_ms(self) -> int:
+        if self.sender is not None and self.sender.backlog:
+            return _BACKLOG_POLL_MS
         if self.engine.num_reserved or self.engine.num_parked:
             return _DEADLINE_POLL_MS
         return super().idle_poll_ms()
