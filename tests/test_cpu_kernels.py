@@ -14,13 +14,19 @@ from servelab.model import cpu_kernels, kernel_build
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built here")
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 32])
+# 8-32 rows take the broadcast tiles on AVX-512 (16 or 32 lanes of rows: 16, 17 and 32 are
+# their edges), fewer the dot-product tiles.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 32])
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (53, 37), (192, 576)])
 def test_linear_matches_torch(m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w, b = (torch.randn(s, generator=g) for s in ((m, k), (n, k), (n,)))
     torch.testing.assert_close(cpu_kernels.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(cpu_kernels.linear(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-4)
+    res = torch.randn(m, n, generator=g)
+    want = res + x @ w.T
+    got = cpu_kernels.linear(x, w, residual=res.clone())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -38,7 +38,7 @@ def test_qlinear_matches_dequantised_matmul(kind: str, n: int, k: int, threads: 
     w, ref = _weight(kind, n, k, seed=n + k)
     g = torch.Generator().manual_seed(n * k)
     b = torch.randn(n, generator=g)
-    for m in (1, 2, 3, 4, 5, 7, 8, 13, 31, 32):
+    for m in (1, 2, 3, 4, 5, 7, 8, 11, 12, 13, 16, 17, 31, 32):
         x = torch.randn(m, k, generator=g)
         _close(cpu_kernels.qlinear(x, w), x.numpy() @ ref.T, k)
         _close(cpu_kernels.qlinear(x, w, b), x.numpy() @ ref.T + b.numpy(), k)

@@ -11,7 +11,7 @@ Contract:
   rows of decode (``MAX_ROWS``).
 - ``qlinear(x, w, b, residual)``: the same product with ``w`` a ``quant.QuantWeight``
   (GGUF Q8_0 or Q4_1 blocks, dequantised in registers for a few rows, a 24-row panel at a
-  time into an L2 tile from 8 rows on); ``dequantize(w)`` its fp32 matrix.
+  time into an L2 tile from 12 rows on); ``dequantize(w)`` its fp32 matrix.
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
 - ``rms_norm``, ``silu_mul``, ``rope_store``: the per-token glue of a decoder layer, one

@@ -66,6 +66,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
         for (int c = 0; c < C; c++) acc16[r][c] = _mm512_setzero_ps();
     for (; i + 16 <= k; i += 16) {
         __m512 wv[4];
+        // The next tile's weight rows into L2, as in bcast_tile (a 4-row product over 393 MB
+        // of weights: 25 ms without, 18 ms with).
+        for (int c = 0; c < C; c++)
+            _mm_prefetch((const char *)(w + (C + c) * k + i), _MM_HINT_T1);
         for (int c = 0; c < C; c++) wv[c] = _mm512_loadu_ps(w + c * k + i);
         for (int r = 0; r < R; r++) {
             __m512 u = _mm512_loadu_ps(x + r * k + i);
@@ -154,20 +158,115 @@ static void linear_block(const float *x, const float *w, float *y, int64_t m, in
     }
 }
 
+#ifdef SL_AVX512
+// ---- 8 to 32 rows: the inputs transposed, each weight broadcast -------------------------
+// The tiles above reduce along k inside each vector, so every FMA needs a vector of x and
+// one of w: from 8 rows on, twelve accumulators' operand loads (x from L2: 32 rows of k =
+// 1536 are 196 KB) bounded a 32-row product to ~110 GFLOP/s. Here the m input rows are
+// transposed once per product (xt[i][r], padded to 16 or 32 lanes) and each weight is
+// broadcast against them: an FMA then needs one vector load per 16 rows, shared by C weight
+// rows, and one 4-byte broadcast, so the FMA units and not the loads set the pace.
+enum { XT_MIN_ROWS = 8, XT_MAX_ROWS = 32 };
+
+// x[m, k] as xt[k, mp] (mp = m rounded up to 16, the extra rows zero), or NULL where m is
+// outside [XT_MIN_ROWS, XT_MAX_ROWS]. Each team member makes its own copy (m * k floats,
+// small beside the product) so that no barrier is needed; the caller frees it.
+static float *transposed(const float *x, int64_t m, int64_t k, int64_t *mp) {
+    if (m < XT_MIN_ROWS || m > XT_MAX_ROWS) return NULL;
+    *mp = (m + 15) / 16 * 16;
+    float *xt = malloc(sizeof(float) * *mp * k);
+    for (int64_t i = 0; i < k; i++) {
+        float *o = xt + i * *mp;
+        for (int64_t r = 0; r < m; r++) o[r] = x[r * k + i];
+        for (int64_t r = m; r < *mp; r++) o[r] = 0.0f;
+    }
+    return xt;
+}
+
+// C weight rows against V groups of 16 input rows: C * V accumulators of 16 rows each.
+static inline __attribute__((always_inline)) void bcast_tile(const float *xt, int64_t mp,
+                                                              int64_t m, int64_t k,
+                                                              const float *w, float *y,
+                                                              int64_t ldy, const int V,
+                                                              const int C, int add) {
+    __m512 acc[12][2];
+    for (int c = 0; c < C; c++)
+        for (int v = 0; v < V; v++) acc[c][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        __m512 xv[2];
+        // The next tile's weight rows, one line each per 16 steps, into L2: C rows read four
+        // bytes at a time are C slow streams that the hardware prefetcher does not keep up
+        // with (a 16-row product over 393 MB of weights: 31 ms without, 21 ms with).
+        if ((i & 15) == 0)
+            for (int c = 0; c < C; c++)
+                _mm_prefetch((const char *)(w + (C + c) * k + i), _MM_HINT_T1);
+        for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_ps(xt + i * mp + 16 * v);
+        for (int c = 0; c < C; c++) {
+            const __m512 wb = _mm512_set1_ps(w[c * k + i]);
+            for (int v = 0; v < V; v++) acc[c][v] = _mm512_fmadd_ps(wb, xv[v], acc[c][v]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int v = 0; v < V; v++) {
+            float s[16];
+            _mm512_storeu_ps(s, acc[c][v]);
+            for (int l = 0; l < 16 && 16 * v + l < m; l++) {
+                float *o = y + (16 * v + l) * ldy + c;
+                *o = add ? *o + s[l] : s[l];
+            }
+        }
+}
+
+// Weight rows [j0, j1) against xt: 12 weight rows a tile for 16 lanes of rows, 8 for 32
+// (12 and 16 accumulators: enough to cover the FMA latency on two units, few enough to
+// leave registers for the operands).
+static void bcast_block(const float *xt, int64_t mp, int64_t m, const float *w, float *y,
+                        int64_t n, int64_t k, int64_t j0, int64_t j1, int add) {
+    int64_t j = j0;
+#define BCAST(V, C) bcast_tile(xt, mp, m, k, w + j * k, y + j, n, V, C, add)
+    if (mp == 16) {
+        for (; j + 12 <= j1; j += 12) BCAST(1, 12);
+        for (; j + 4 <= j1; j += 4) BCAST(1, 4);
+        for (; j < j1; j++) BCAST(1, 1);
+    } else {
+        for (; j + 8 <= j1; j += 8) BCAST(2, 8);
+        for (; j + 4 <= j1; j += 4) BCAST(2, 4);
+        for (; j < j1; j++) BCAST(2, 1);
+    }
+#undef BCAST
+}
+#else
+static float *transposed(const float *x, int64_t m, int64_t k, int64_t *mp) {
+    (void)x, (void)m, (void)k, (void)mp;
+    return NULL;
+}
+
+static void bcast_block(const float *xt, int64_t mp, int64_t m, const float *w, float *y,
+                        int64_t n, int64_t k, int64_t j0, int64_t j1, int add) {
+    (void)xt, (void)mp, (void)m, (void)w, (void)y, (void)n, (void)k, (void)j0, (void)j1,
+        (void)add;
+}
+#endif
+
 // y[m, n] (+)= x[m, k] . w[n, k]^T + b: the weight rows split among the team in blocks of
-// 48 (a multiple of both tiles, small enough to balance); add keeps y's values (a residual).
+// 48 (a multiple of every tile, small enough to balance); add keeps y's values (a residual).
 static void linear_for(const float *x, const float *w, const float *b, float *y, int64_t m,
                        int64_t n, int64_t k, int add) {
     const int64_t block = 48;
-    int64_t nblocks = (n + block - 1) / block;
+    int64_t nblocks = (n + block - 1) / block, mp = 0;
+    float *xt = transposed(x, m, k, &mp);
 #pragma omp for schedule(static)
     for (int64_t bi = 0; bi < nblocks; bi++) {
         int64_t j0 = bi * block, j1 = j0 + block < n ? j0 + block : n;
-        linear_block(x, w, y, m, n, k, j0, j1, add);
+        if (xt)
+            bcast_block(xt, mp, m, w, y, n, k, j0, j1, add);
+        else
+            linear_block(x, w, y, m, n, k, j0, j1, add);
         if (b)
             for (int64_t r = 0; r < m; r++)
                 for (int64_t j = j0; j < j1; j++) y[r * n + j] += b[j];
     }
+    free(xt);
 }
 
 void sl_linear(const float *x, const float *w, const float *b, float *y, int64_t m, int64_t n,
@@ -182,7 +281,7 @@ void sl_linear(const float *x, const float *w, const float *b, float *y, int64_t
 //   kind 2, Q4_1: fp16 d, fp16 m, 16 bytes of nibbles (20 bytes): w = d * q + m, where
 //                 byte i holds element i in its low nibble and element i + 16 in its high.
 // A block becomes four vectors of 8 fp32 lanes in registers and is FMA'd against a few input
-// rows before the next block is read, or (8 rows and more) a panel of weight rows becomes an
+// rows before the next block is read, or (12 rows and more) a panel of weight rows becomes an
 // fp32 tile in L2 for the fp32 kernel; either way the weights are read from memory once per
 // product at 34/128 or 20/128 of the fp32 bytes.
 enum { KIND_F32 = 0, KIND_Q8_0 = 1, KIND_Q4_1 = 2 };
@@ -351,15 +450,16 @@ static void dequantize_rows(const uint8_t *w, float *out, int64_t j0, int64_t j1
 }
 
 // linear_for over weights of any kind (k a multiple of 32 for the quantised ones).
-// Up to 7 rows, each block is dequantised in registers and FMA'd into the rows (qrow): the
-// product streams the blocks and dequantises each at most twice. From 8 rows on, repeating
-// that costs more than the bytes it saves (8 times per block at 32 rows: a batch-32 q4_1
-// decode step took 1.14x fp32's), so each team member dequantises a panel of 24 weight rows
-// once into an fp32 tile (24 * k floats: 55 KB at k = 576, 147 KB at 1536, L2-resident) and
-// runs the fp32 4 x 3 tiles over it: the weights cross memory once, as blocks, and the FMAs
-// read from L2 as in the fp32 product (24: a multiple of the 3-row tile; 12 and 48 measured
-// no better, 4 rows on a panel slower than in registers).
-enum { QPANEL_MIN_ROWS = 8, QPANEL_ROWS = 24 };
+// Up to 11 rows, each block is dequantised in registers and FMA'd into the rows (qrow): the
+// product streams the blocks and dequantises each once per four rows. From 12 rows on,
+// repeating that costs more than the bytes it saves (8 times per block at 32 rows: a
+// batch-32 q4_1 decode step took 1.14x fp32's), so each team member dequantises a panel of
+// 24 weight rows once into an fp32 tile (24 * k floats: 55 KB at k = 576, 147 KB at 1536,
+// L2-resident) and runs the fp32 broadcast tiles over it: the weights cross memory once, as
+// blocks, and the FMAs read from L2 as in the fp32 product (24: a multiple of the tiles;
+// 12 and 48 measured no better). Over 30 layers of SmolLM2's four products as q8_0 blocks,
+// one thread: 8 rows took 32 ms on panels against qrow's 20; at 12 the two were level.
+enum { QPANEL_MIN_ROWS = 12, QPANEL_ROWS = 24 };
 
 static void any_linear_for(const float *x, const void *w, const float *b, float *y, int64_t m,
                            int64_t n, int64_t k, int add, int kind) {
@@ -369,14 +469,18 @@ static void any_linear_for(const float *x, const void *w, const float *b, float 
     }
     const int panel = m >= QPANEL_MIN_ROWS;
     const int64_t block = panel ? QPANEL_ROWS : 16;
-    int64_t nblocks = (n + block - 1) / block;
+    int64_t nblocks = (n + block - 1) / block, mp = 0;
     float *tile_w = panel ? malloc(sizeof(float) * block * k) : NULL;
+    float *xt = panel ? transposed(x, m, k, &mp) : NULL;
 #pragma omp for schedule(static)
     for (int64_t bi = 0; bi < nblocks; bi++) {
         int64_t j0 = bi * block, j1 = j0 + block < n ? j0 + block : n;
         if (panel) {
             dequantize_rows((const uint8_t *)w, tile_w, j0, j1, k, kind);
-            linear_block(x, tile_w, y + j0, m, n, k, 0, j1 - j0, add);
+            if (xt)
+                bcast_block(xt, mp, m, tile_w, y + j0, n, k, 0, j1 - j0, add);
+            else
+                linear_block(x, tile_w, y + j0, m, n, k, 0, j1 - j0, add);
         } else {
             qlinear_block(x, (const uint8_t *)w, y, m, n, k, j0, j1, kind, add);
         }
@@ -385,6 +489,7 @@ static void any_linear_for(const float *x, const void *w, const float *b, float 
                 for (int64_t j = j0; j < j1; j++) y[r * n + j] += b[j];
     }
     free(tile_w);
+    free(xt);
 }
 
 void sl_qlinear(const float *x, const uint8_t *w, const float *b, float *y, int64_t m,
