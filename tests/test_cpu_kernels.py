@@ -29,18 +29,26 @@ def test_linear_matches_torch(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["paged_attention", "prefill_attention"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("n_q", "n_kv", "d"), [(9, 3, 64), (4, 4, 16), (8, 1, 32), (12, 2, 64)])
-def test_paged_attention_matches_sdpa(threads: int, n_q: int, n_kv: int, d: int) -> None:
+def test_paged_attention_matches_sdpa(
+    kernel: str, threads: int, n_q: int, n_kv: int, d: int
+) -> None:
     """Sequences of different lengths, blocks scattered through the pool, several query
-    tokens for one sequence (drafts): each query sees exactly its causal prefix."""
+    tokens for one sequence (drafts), a whole prompt and a chunk over cached context (runs
+    that span several 16-token tiles and key blocks): each query sees exactly its causal
+    prefix, in both kernels."""
+    if kernel == "prefill_attention" and not cpu_kernels.prefill_attention_available():
+        pytest.skip("the tiled prefill kernel is built for AVX-512 only")
     cpu_kernels.set_num_threads(threads)
     g = torch.Generator().manual_seed(n_q * 100 + d)
     bs, num_blocks = 4, 64
     k_cache = torch.randn(num_blocks, bs, n_kv, d, generator=g)
     v_cache = torch.randn(num_blocks, bs, n_kv, d, generator=g)
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    seqs = [(1, 1), (13, 1), (22, 5), (40, 1)]  # (context length incl. new tokens, queries)
+    # (context length incl. new tokens, queries)
+    seqs = [(1, 1), (13, 1), (22, 5), (40, 1), (37, 37), (90, 53)]
     tables, rows, seq, pos, refs = [], [], [], [], []
     width = max(-(-c // bs) for c, _ in seqs)
     q = torch.randn(sum(n for _, n in seqs), n_q + n_kv, d, generator=g)[:, :n_q]  # strided
@@ -63,7 +71,7 @@ def test_paged_attention_matches_sdpa(threads: int, n_q: int, n_kv: int, d: int)
             t += 1
     out = torch.full((t, n_q, d), float("nan"))
     as_int = {"dtype": torch.int32}
-    cpu_kernels.paged_attention(
+    getattr(cpu_kernels, kernel)(
         q, k_cache, v_cache, out, torch.tensor(rows, **as_int), torch.tensor(seq, **as_int),
         torch.tensor(pos, **as_int), torch.tensor(tables, **as_int),
     )  # fmt: skip

@@ -14,6 +14,8 @@ Contract:
   time into an L2 tile from 12 rows on); ``dequantize(w)`` its fp32 matrix.
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
+  ``prefill_attention(...)``: the same for prefill chunks, 16 tokens a tile (AVX-512 builds
+  only: ``prefill_attention_available()``).
 - ``rms_norm``, ``silu_mul``, ``rope_store``: the per-token glue of a decoder layer, one
   call each (see ``servelab.model.ops``, which picks them or the torch equivalents).
 - ``decoder_stack(...)``: every decoder layer of a few-token batch whose attention is all
@@ -29,6 +31,7 @@ BLAS, so results agree with the torch path to float rounding, not bit for bit.
 from __future__ import annotations
 
 import ctypes
+import functools
 import warnings
 
 import torch
@@ -67,6 +70,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sl_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p]
     lib.sl_paged_attention.argtypes += [i64, i64, i64, i64, ctypes.c_float, i32]
     lib.sl_paged_attention.restype = None
+    lib.sl_prefill_attention.argtypes = lib.sl_paged_attention.argtypes
+    lib.sl_prefill_attention.restype = i32
     lib.sl_rms_norm.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float, i32]
     lib.sl_silu_mul.argtypes = [p, p, i64, i64, i32]
     lib.sl_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, i32]
@@ -152,15 +157,56 @@ def paged_attention(
     """
     lib = _load()
     assert lib is not None, "check cpu_kernels.available() first"
-    _, n_q, d = q.shape
-    _, bs, n_kv, _ = k_cache.shape
-    if q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous():
-        raise ValueError("paged_attention needs heads contiguous in q and a contiguous out")
+    n_q, n_kv, d, bs = _attention_args(q, k_cache, out)
     lib.sl_paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
         out.data_ptr(), n_q, n_kv, d, bs, d**-0.5, _threads,
     )  # fmt: skip
+
+
+def _attention_args(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> tuple:
+    _, n_q, d = q.shape
+    _, bs, n_kv, _ = k_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous():
+        raise ValueError("paged attention needs heads contiguous in q and a contiguous out")
+    return n_q, n_kv, d, bs
+
+
+@functools.cache
+def prefill_attention_available() -> bool:
+    """Whether ``prefill_attention`` is built (the AVX-512 library): asked once, with no
+    tokens."""
+    lib = _load()
+    if lib is None:
+        return False
+    nil = None
+    return bool(lib.sl_prefill_attention(nil, 0, nil, nil, nil, 0, nil, nil, nil, 0, nil,
+                                         1, 1, 16, 1, 1.0, 1))  # fmt: skip
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    seq: torch.Tensor,
+    pos: torch.Tensor,
+    tables: torch.Tensor,
+) -> None:
+    """``paged_attention``'s contract, for query tokens that come in runs (prefill chunks:
+    consecutive rows and positions of one sequence): 16 tokens of a run share each read of
+    their context (flash attention, online softmax). Check ``prefill_attention_available``."""
+    lib = _load()
+    assert lib is not None, "check prefill_attention_available() first"
+    n_q, n_kv, d, bs = _attention_args(q, k_cache, out)
+    done = lib.sl_prefill_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
+        out.data_ptr(), n_q, n_kv, d, bs, d**-0.5, _threads,
+    )  # fmt: skip
+    assert done, "check prefill_attention_available() first"
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

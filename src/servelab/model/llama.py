@@ -47,7 +47,9 @@ class AttentionGroup:
 
     Or (``tables`` set) the sequences go to servelab's CPU kernel, which reads K/V in place:
     query token ``rows[i]`` (int32 batch index) of sequence ``seq[i]`` at position ``pos[i]``,
-    with block tables ``tables`` [B, max_blocks] int32 (see ``cpu_kernels.paged_attention``).
+    with block tables ``tables`` [B, max_blocks] int32 (see ``cpu_kernels.paged_attention``);
+    ``max_q`` above ``BATCHED_MAX_QUERY`` makes it a prefill chunk, for
+    ``cpu_kernels.prefill_attention``.
     """
 
     fresh: bool
@@ -63,6 +65,12 @@ class AttentionGroup:
     seq: torch.Tensor | None = None
     pos: torch.Tensor | None = None
     tables: torch.Tensor | None = None
+
+
+# Sequences with at most this many query tokens share one padded attention call (or the
+# per-token CPU kernel); longer ones (prefill chunks) get their own, so padding never
+# multiplies prefill work, and on CPU the tiled prefill kernel.
+BATCHED_MAX_QUERY = 16
 
 
 @dataclass
@@ -176,7 +184,12 @@ def _attention(
         if not g.fresh and kv is None:
             raise ValueError("a paged attention group needs the KV cache")
         if g.tables is not None:
-            cpu_kernels.paged_attention(q, kv[0], kv[1], out, g.rows, g.seq, g.pos, g.tables)
+            kernel = (
+                cpu_kernels.prefill_attention
+                if g.max_q > BATCHED_MAX_QUERY
+                else cpu_kernels.paged_attention
+            )
+            kernel(q, kv[0], kv[1], out, g.rows, g.seq, g.pos, g.tables)
             continue
         if g.fresh:
             s = g.tokens
