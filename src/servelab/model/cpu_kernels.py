@@ -14,7 +14,7 @@ Contract:
   time into an L2 tile from 12 rows on); ``dequantize(w)`` its fp32 matrix.
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
-  ``prefill_attention(...)``: the same for prefill chunks, 16 tokens a tile (AVX-512 builds
+  ``prefill_attention(...)``: the same for prefill chunks, 32 tokens a tile (AVX-512 builds
   only: ``prefill_attention_available()``).
 - ``rms_norm``, ``silu_mul``, ``rope_store``: the per-token glue of a decoder layer, one
   call each (see ``servelab.model.ops``, which picks them or the torch equivalents).
@@ -196,7 +196,7 @@ def prefill_attention(
     tables: torch.Tensor,
 ) -> None:
     """``paged_attention``'s contract, for query tokens that come in runs (prefill chunks:
-    consecutive rows and positions of one sequence): 16 tokens of a run share each read of
+    consecutive rows and positions of one sequence): 32 tokens of a run share each read of
     their context (flash attention, online softmax). Check ``prefill_attention_available``."""
     lib = _load()
     assert lib is not None, "check prefill_attention_available() first"
