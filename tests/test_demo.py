@@ -55,6 +55,9 @@ def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):
     assert res.comparisons["chunked_prefill"].labels == ["unchunked", "chunked"]
     assert res.comparisons["priorities"].labels == ["fcfs", "priority"]
     assert res.comparisons["decode_itl"].labels == ["c1", "c2", "c3"]
+    # The answer and its chart name the levels that ran, not the full demo's.
+    itl = res.answers[3].question
+    assert (itl.baseline, itl.treatment) == ("concurrency 1", "concurrency 3")
     prio = res.groups["priorities"][1][0]
     assert {c["name"]: c["priority"] for c in prio.workload["classes"]} == {"chat": 0, "batch": 1}
     assert res.groups["chunked_prefill"][0][0].engine_config["enable_chunked_prefill"] is False
@@ -66,6 +69,8 @@ def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):
     # The answers come first; the comparisons fold away.
     assert html.index('data-section="answers"') < html.index("<details")
     assert html.count('data-question="') == 4
+    # The answers' small charts have no plotly toolbar over their titles.
+    assert html.count('"displayModeBar": false') == 4
 
 
 def _has_model() -> bool:

@@ -53,7 +53,7 @@ def answers_html(answers: list[Answer], wall_s: float) -> str:
         cards.append(
             f'<div class="card" data-question="{esc(a.question.id)}"><h3>{esc(a.question.question)}</h3>'
             f'<p><span class="{cls}">{esc(a.verdict)}</span> {esc(a.answer)}</p>'
-            + figure_div(answer_chart(a))
+            + figure_div(answer_chart(a), modebar=False)  # two bars: nothing to zoom
             + "</div>"
         )
     return (

@@ -65,15 +65,15 @@ def esc(x: Any) -> str:
     return html.escape(str(x))
 
 
-def figure_div(fig: go.Figure) -> str:
-    """A plotly figure as a chart div (plotly.js is loaded once per page)."""
+def figure_div(fig: go.Figure, modebar: bool = True) -> str:
+    """A plotly figure as a chart div (plotly.js is loaded once per page). ``modebar=False``
+    hides plotly's toolbar, for small charts where it would cover the title."""
+    config = {"displaylogo": False, "responsive": True}
+    if not modebar:
+        config["displayModeBar"] = False
     return (
         '<div class="chart">'
-        + fig.to_html(
-            full_html=False,
-            include_plotlyjs=False,
-            config={"displaylogo": False, "responsive": True},
-        )
+        + fig.to_html(full_html=False, include_plotlyjs=False, config=config)
         + "</div>"
     )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -378,7 +378,15 @@ def _conclude(
             q = QUESTIONS[qid]
             labels = [g[0].name.rsplit("-r", 1)[0] for g in gs]
             comparisons[qid] = compare(gs, labels, seed=seed)
-            levels = (size.levels[0], size.levels[len(gs) - 1]) if qid == "decode_itl" else None
+            levels = None
+            if qid == "decode_itl":  # the levels run (--quick stops at 4, an interrupt earlier)
+                levels = (size.levels[0], size.levels[len(gs) - 1])
+                q = replace(
+                    q,
+                    baseline=f"concurrency {levels[0]}",
+                    treatment=f"concurrency {levels[1]}",
+                    treatment_effect=f"at concurrency {levels[1]}",
+                )
             answers.append(answer(q, gs[0], gs[-1], seed=seed, levels=levels))
             # The treatment's first run is the one a reader opens to see why.
             diagnoses[qid] = diagnose(gs[-1][0])
