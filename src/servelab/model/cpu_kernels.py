@@ -155,22 +155,24 @@ def paged_attention(
     ``k_cache``/``v_cache`` [num_blocks, block_size, n_kv, d] contiguous, ``rows``/``seq``/
     ``pos`` int32 [N], ``tables`` int32 [B, max_blocks] contiguous.
     """
+    _attend("sl_paged_attention", q, k_cache, v_cache, out, rows, seq, pos, tables)
+
+
+def _attend(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor, *index: torch.Tensor) -> int:  # fmt: skip
+    """Call the attention kernel ``fn`` (both share one signature) on checked arguments."""
     lib = _load()
     assert lib is not None, "check cpu_kernels.available() first"
-    n_q, n_kv, d, bs = _attention_args(q, k_cache, out)
-    lib.sl_paged_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
-        out.data_ptr(), n_q, n_kv, d, bs, d**-0.5, _threads,
-    )  # fmt: skip
-
-
-def _attention_args(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> tuple:
+    rows, seq, pos, tables = index
     _, n_q, d = q.shape
     _, bs, n_kv, _ = k_cache.shape
     if q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous():
         raise ValueError("paged attention needs heads contiguous in q and a contiguous out")
-    return n_q, n_kv, d, bs
+    return getattr(lib, fn)(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
+        out.data_ptr(), n_q, n_kv, d, bs, d**-0.5, _threads,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -198,14 +200,7 @@ def prefill_attention(
     """``paged_attention``'s contract, for query tokens that come in runs (prefill chunks:
     consecutive rows and positions of one sequence): 32 tokens of a run share each read of
     their context (flash attention, online softmax). Check ``prefill_attention_available``."""
-    lib = _load()
-    assert lib is not None, "check prefill_attention_available() first"
-    n_q, n_kv, d, bs = _attention_args(q, k_cache, out)
-    done = lib.sl_prefill_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
-        out.data_ptr(), n_q, n_kv, d, bs, d**-0.5, _threads,
-    )  # fmt: skip
+    done = _attend("sl_prefill_attention", q, k_cache, v_cache, out, rows, seq, pos, tables)
     assert done, "check prefill_attention_available() first"
 
 
