@@ -415,3 +415,18 @@ def test_client_only_capacity_queueing_beside_a_long_prompt_is_still_queue_bound
     f = {f.id: f for f in d.findings}["queue_bound"]
     assert f.evidence["requests_waiting_behind_long_prefills"] == 1
     assert f.evidence["spearman_depth_vs_ttft_without_them"] >= 0.5
+
+
+def test_a_short_run_queued_behind_unchunked_prefills_is_not_called_capacity_bound(tmp_path):
+    # vLLM's own queue times (figures) are real, but most requests here waited behind one of
+    # four unchunked 3000-token prompts, and too few are left without them to show a
+    # capacity effect: the cause is the long prefills, as in diagnose_peers' unchunked case.
+    rng = random.Random(3)
+    reqs = [rundirs.Req(f"c{k}", "chat", 0.3 * k + rng.uniform(0, 0.1), 100, 30) for k in range(12)]
+    reqs += [rundirs.Req(f"d{k}", "rag", 0.2 + 0.9 * k, 3000, 4) for k in range(4)]
+    eng = rundirs.Engine(enable_chunked_prefill=False, prefill_cost=0.0005)
+    path = rundirs.write_run(tmp_path / "u", reqs, eng)
+    run = load_run(rundirs.as_other_target(path, figures=True))
+    assert attribute(run).source == "reported"
+    d = diagnose(run)
+    assert "queue_bound" not in {f.id for f in d.findings}

@@ -195,17 +195,22 @@ def queue_bound(c: Context) -> Finding | None:
         ev["queue_ms_mean_estimate"] = _ms(q_est)
         if q_est < QUEUE_SHARE * statistics.fmean(ttft):
             return None
-    if c.attr.source == "client" and (behind := _behind_long_prefills(c)):
+    if c.attr.source != "exact" and (behind := _behind_long_prefills(c)):
         # The client's depth (requests awaiting a first token) also counts requests held by
-        # one long unchunked prefill; keep the finding only if the depth still predicts TTFT
-        # without them, otherwise that wait is prefill interference, not capacity.
+        # one long unchunked prefill, and a foreign server's reported queue time does not say
+        # what a request waited for (vLLM without chunked prefill queues arrivals behind a
+        # 1,400-token prefill step); keep the finding only if the depth still predicts TTFT
+        # without them, otherwise that wait is prefill interference, not capacity. servelab's
+        # own timelines name each wait's reason, so exact runs skip this.
         rest = [x for x in b if x.request_id not in behind]
+        ev["requests_waiting_behind_long_prefills"] = len(behind)
         if len(rest) >= MIN_REQUESTS:
             rho_rest = spearman([x.queue_depth for x in rest], [x.ttft for x in rest])
-            ev["requests_waiting_behind_long_prefills"] = len(behind)
             ev["spearman_depth_vs_ttft_without_them"] = round(rho_rest, 3)
             if rho_rest < QUEUE_RHO:
                 return None
+        elif 2 * len(behind) >= len(b):
+            return None  # most requests waited behind long prefills: too few left to say more
     kind, kind_ev = _burst_or_capacity(c)
     ev |= kind_ev
     levers = []
