@@ -159,11 +159,11 @@ def paged_attention(
 
 
 def _attend(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor, *index: torch.Tensor) -> int:  # fmt: skip
+            out: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+            tables: torch.Tensor) -> int:  # fmt: skip
     """Call the attention kernel ``fn`` (both share one signature) on checked arguments."""
     lib = _load()
     assert lib is not None, "check cpu_kernels.available() first"
-    rows, seq, pos, tables = index
     _, n_q, d = q.shape
     _, bs, n_kv, _ = k_cache.shape
     if q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous():
@@ -182,9 +182,8 @@ def prefill_attention_available() -> bool:
     lib = _load()
     if lib is None:
         return False
-    nil = None
-    return bool(lib.sl_prefill_attention(nil, 0, nil, nil, nil, 0, nil, nil, nil, 0, nil,
-                                         1, 1, 16, 1, 1.0, 1))  # fmt: skip
+    return bool(lib.sl_prefill_attention(None, 0, None, None, None, 0, None, None, None, 0,
+                                         None, 1, 1, 16, 1, 1.0, 1))  # fmt: skip
 
 
 def prefill_attention(
