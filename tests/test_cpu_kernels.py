@@ -113,6 +113,12 @@ def test_glue_kernels_match_torch(rows: int, monkeypatch: pytest.MonkeyPatch) ->
 def test_isa_can_be_forced_to_avx2_and_refuses_unknown_names(monkeypatch) -> None:
     monkeypatch.setenv("SERVELAB_CPU_ISA", "avx2")
     assert kernel_build.isa() == "avx2"
+    # Narrower than the CPU has is taken; wider is not (it would fault on its first use).
+    monkeypatch.setattr(kernel_build, "_cpu_flags", lambda: "flags : avx2 fma f16c avx512f")
+    monkeypatch.setenv("SERVELAB_CPU_ISA", "avx512vnni")
+    assert kernel_build.isa() == "avx512"
+    monkeypatch.setenv("SERVELAB_CPU_ISA", "avx512")
+    assert kernel_build.isa() == "avx512"
     monkeypatch.setenv("SERVELAB_CPU_ISA", "sse9")
     with pytest.raises(RuntimeError, match="SERVELAB_CPU_ISA='sse9'"):
         kernel_build.isa()

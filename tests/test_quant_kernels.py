@@ -9,7 +9,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from servelab.model import cpu_kernels
 from servelab.model.linear import linear
-from servelab.model.quant import QuantWeight
+from servelab.model.quant import QuantWeight, deinterleave, interleave
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built here")
 
@@ -69,3 +69,57 @@ def test_scattered_rows_of_blocks() -> None:
     fused = QuantWeight("q4_1", torch.cat([wa.blocks, wb.blocks])[perm].contiguous(), 576)
     x = torch.randn(3, 576)
     _close(cpu_kernels.qlinear(x, fused), x.numpy() @ np.concatenate([ra, rb])[perm.numpy()].T, 576)
+
+
+def _quantised_inputs(x: np.ndarray) -> np.ndarray:
+    """The inputs as the integer-dot kernel sees them: per row and block of 32, rounded to
+    127 steps of the block's largest magnitude (llama.cpp's Q8_1)."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float64)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    step = np.where(amax > 0, amax / 127, 0)
+    q = np.rint(blocks * np.where(amax > 0, 127 / np.where(amax > 0, amax, 1), 0))
+    return (q * step).reshape(x.shape)
+
+
+int8_dot = pytest.mark.skipif(
+    not cpu_kernels.int8_dot_available(), reason="integer dots need AVX512-VNNI"
+)
+
+
+@int8_dot
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize(("n", "k"), [s for s in SHAPES if s[0] % 16 == 0] + [(48, 64)])
+def test_interleaved_blocks_match_the_product_of_their_quantised_inputs(
+    kind: str, n: int, k: int, threads: int
+) -> None:
+    """q4_1x16 / q8_0x16: the same bytes reordered (the round trip is exact, dequantising
+    gives gguf's values), and the product is that of the dequantised weights with the
+    inputs rounded per block of 32, at every row count, tile and token block (to 300 rows)."""
+    cpu_kernels.set_num_threads(threads)
+    w, ref = _weight(kind, n, k, seed=n + k)
+    wx = interleave(w)
+    assert wx.kind == kind + "x16" and wx.blocks.numel() == w.blocks.numel()
+    assert torch.equal(deinterleave(wx).blocks, w.blocks)
+    assert torch.equal(cpu_kernels.dequantize(wx), torch.from_numpy(ref))
+    g = torch.Generator().manual_seed(n * k)
+    b = torch.randn(n, generator=g)
+    for m in (1, 2, 3, 5, 8, 13, 32, 33, 300):
+        x = torch.randn(m, k, generator=g)
+        x[0, :32] = 0.0  # an all-zero block quantises to zeros, not NaN
+        want = _quantised_inputs(x.numpy()) @ ref.T.astype(np.float64)
+        _close(linear(x, wx), want.astype(np.float32), k)
+        _close(linear(x, wx, b), (want + b.numpy()).astype(np.float32), k)
+        res = torch.randn(m, n, generator=g)
+        _close(linear(x, wx, residual=res.clone()), (res.numpy() + want).astype(np.float32), k)
+        if m in (13, 33):
+            # A row's result does not depend on the rows beside it: batching invariance.
+            alone = torch.cat([linear(x[i : i + 1], wx) for i in range(m)])
+            assert torch.equal(linear(x, wx), alone)
+
+
+def test_interleaving_refuses_what_it_cannot_reorder() -> None:
+    with pytest.raises(ValueError, match="16k rows, not q4_1 x 53"):
+        interleave(_weight("q4_1", 53, 96, seed=0)[0])
+    with pytest.raises(ValueError, match="not q4_1x16 x 64"):
+        interleave(interleave(_weight("q4_1", 64, 96, seed=0)[0]))

@@ -67,6 +67,7 @@ def _load() -> ctypes.CDLL | None:
     lib.sl_linear.restype = None
     lib.sl_qlinear.argtypes = [p, p, p, p, i64, i64, i64, i32, i32, i32]
     lib.sl_dequantize.argtypes = [p, p, i64, i64, i32, i32]
+    lib.sl_int8_dot.argtypes = []
     lib.sl_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p]
     lib.sl_paged_attention.argtypes += [i64, i64, i64, i64, ctypes.c_float, i32]
     lib.sl_paged_attention.restype = None
@@ -86,6 +87,11 @@ def _load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return enabled and _load() is not None
+
+
+def int8_dot_available() -> bool:
+    """Whether the built kernels take ``q4_1x16`` weights (AVX512-VNNI integer dots)."""
+    return available() and bool(_lib.sl_int8_dot())
 
 
 def set_num_threads(n: int) -> None:

@@ -4,10 +4,12 @@ Contract:
 - ``expected()``: whether the kernels should be usable here (x86-64 with AVX2, FMA and F16C, a C
   compiler, ``SERVELAB_CPU_KERNELS`` not ``0``). Cheap: no compilation. ``servelab``'s
   ``__init__`` uses it to pick the OpenMP wait policy before torch loads.
-- ``isa()``: the instruction set the library is built for: ``"avx512"`` where the CPU has
-  AVX-512F, else ``"avx2"``; ``SERVELAB_CPU_ISA=avx2`` forces the AVX2 build (the tests run
-  both). The AVX-512 build (``-DSL_AVX512``) widens the fp32 tiles and the dequantisation of
-  quantised blocks to 16 lanes; everything else is the same AVX2 code.
+- ``isa()``: the instruction set the library is built for: ``"avx512vnni"`` where the CPU
+  has AVX-512F and AVX512-VNNI, ``"avx512"`` with AVX-512F alone, else ``"avx2"``;
+  ``SERVELAB_CPU_ISA`` forces a narrower one (the tests run them all). The AVX-512 build
+  (``-DSL_AVX512``) widens the fp32 tiles and the dequantisation of quantised blocks to 16
+  lanes; the VNNI build (``-DSL_VNNI``) adds integer-dot products for Q4_1 weights
+  interleaved by 16 rows (kind 3); everything else is the same AVX2 code.
 - ``build()``: the path of the compiled library, compiling it once per source version and
   instruction set into ``$SERVELAB_CACHE_DIR/kernels`` (default ``~/.cache/servelab/kernels``).
   Raises RuntimeError with the compiler's message when that fails, or for an unknown
@@ -25,7 +27,11 @@ from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
-_ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-DSL_AVX512"]}
+_ISA_FLAGS = {
+    "avx2": [],
+    "avx512": ["-mavx512f", "-DSL_AVX512"],
+    "avx512vnni": ["-mavx512f", "-DSL_AVX512", "-mavx512vnni", "-DSL_VNNI"],
+}
 
 
 def _compiler() -> str | None:
@@ -44,14 +50,25 @@ def cpu_supported() -> bool:
     return " avx2" in flags and " fma" in flags and " f16c" in flags
 
 
+def _best_isa() -> str:
+    flags = _cpu_flags()
+    if " avx512f" not in flags:
+        return "avx2"
+    return "avx512vnni" if " avx512_vnni" in flags else "avx512"
+
+
 def isa() -> str:
+    best = _best_isa()
     forced = os.environ.get("SERVELAB_CPU_ISA", "").strip().lower()
-    if forced:
-        if forced not in _ISA_FLAGS:
-            raise RuntimeError(f"SERVELAB_CPU_ISA={forced!r}: use avx2, or unset it")
-        if forced == "avx2":
-            return forced
-    return "avx512" if " avx512f" in _cpu_flags() else "avx2"
+    if not forced:
+        return best
+    names = list(_ISA_FLAGS)
+    if forced not in names:
+        raise RuntimeError(
+            f"SERVELAB_CPU_ISA={forced!r}: use one of {', '.join(names)}, or unset it"
+        )
+    # Only narrower than the CPU has: a wider build would fault on its first instruction.
+    return forced if names.index(forced) <= names.index(best) else best
 
 
 def wanted() -> bool:

@@ -18,7 +18,9 @@ devices use ``F.linear``.
 Quantised weights (``quant.QuantWeight``, CPU only) take servelab's quantised kernel for
 up to ``MAX_ROWS`` rows; above that the matrix is dequantised once into fp32 and goes to
 the same GEMM as any prefill product (dequantising costs one pass over the weights, small
-beside a GEMM of more than 32 rows).
+beside a GEMM of more than 32 rows). Blocks interleaved for integer dots (``q4_1x16``,
+``q8_0x16``) take their own kernel at every row count: it does the GEMM's work in int8 at
+about three times oneDNN's fp32 rate.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def linear(
     if residual is not None:
         assert b is None, "a residual product takes no bias"
     if isinstance(w, QuantWeight):
-        if x.shape[0] <= cpu_kernels.MAX_ROWS:
+        if x.shape[0] <= cpu_kernels.MAX_ROWS or w.kind.endswith("x16"):
             return cpu_kernels.qlinear(x, w, b, residual)
         w = cpu_kernels.dequantize(w)
     routed = use_numpy_on_cpu and x.device.type == "cpu" and x.dtype == torch.float32

@@ -23,7 +23,7 @@ from torch import nn
 from servelab.model import cpu_kernels, ops
 from servelab.model.config import ModelConfig
 from servelab.model.linear import linear
-from servelab.model.quant import QuantWeight
+from servelab.model.quant import QuantWeight, interleave
 from servelab.model.rope import rope_table
 
 
@@ -99,7 +99,11 @@ Weight = torch.Tensor | QuantWeight
 
 
 def _weight(t: Weight) -> nn.Parameter | QuantWeight:
+    """A fused weight as the model holds it: blocks interleaved for integer dots where the
+    kernels have them (``quant.interleave``)."""
     if isinstance(t, QuantWeight):
+        if t.n % 16 == 0 and cpu_kernels.int8_dot_available():
+            return interleave(t)
         return QuantWeight(t.kind, t.blocks.contiguous(), t.k)
     return _param(t)
 
@@ -253,11 +257,16 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _param(weights["lm_head.weight"])
         self.to(device)
-        qkv = self.layers[0].qkv_w if cfg.num_layers else None
-        self.weight_kind_id = qkv.kind_id if isinstance(qkv, QuantWeight) else 0
+        kinds = {
+            w.kind_id if isinstance(w, QuantWeight) else 0
+            for L in self.layers
+            for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)
+        }
+        self.weight_kind_id = min(kinds, default=0)
         self.register_buffer("rope", rope_table(cfg, cfg.max_model_len, device), persistent=False)
-        # Few-token steps run all layers in one CPU kernel call (benchmarks flip this).
-        self.fuse_decode = True
+        # Few-token steps run all layers in one CPU kernel call (benchmarks flip this); the
+        # call takes one weight kind for every layer.
+        self.fuse_decode = len(kinds) <= 1
         self._stack: tuple[tuple, torch.Tensor] | None = None
 
     @torch.inference_mode()

@@ -11,6 +11,10 @@ Contract:
   ``q8_0`` quantises the fp32 weights (cached beside the fp32 weight cache for a GGUF);
   ``q4_1`` takes the GGUF's own Q4_1 blocks, and its LM head's own blocks when they are
   Q8_0 or Q4_1. Norms and the embedding table stay fp32.
+- ``interleave(w)``: a Q4_1 or Q8_0 weight of a multiple of 16 rows as kind ``q4_1x16`` or
+  ``q8_0x16``: the same bytes reordered for the integer-dot kernels (16 rows' blocks side by
+  side, see ``csrc/cpu_kernels.c``, kinds 3 and 4); ``deinterleave`` undoes it. Rows of an
+  interleaved weight no longer move one by one, so this is done last, on fused matrices.
 
 Why: a decode step streams every weight once, so its floor is the weight bytes over the
 memory bandwidth; Q8_0 is 34/128 of fp32's bytes and Q4_1 20/128.
@@ -27,7 +31,7 @@ import torch
 # q8_0 is the model layer's and the benchmarks'; the CLI offers vocab.QUANTIZATION_MODES.
 MODES = ("none", "q8_0", "q4_1")
 
-_KIND_IDS = {"q8_0": 1, "q4_1": 2}  # the C kernels' kind numbers
+_KIND_IDS = {"q8_0": 1, "q4_1": 2, "q4_1x16": 3, "q8_0x16": 4}  # the C kernels' kind numbers
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -44,6 +48,35 @@ class QuantWeight:
     @property
     def kind_id(self) -> int:
         return _KIND_IDS[self.kind]
+
+
+# Interleaved kinds: (GGUF kind, scale bytes, quant bytes) of a block.
+_INTERLEAVED = {"q4_1x16": ("q4_1", 4, 16), "q8_0x16": ("q8_0", 2, 32)}
+
+
+def interleave(w: QuantWeight) -> QuantWeight:
+    """See the module docstring; ValueError for another kind or rows not a multiple of 16."""
+    kind = {base: name for name, (base, _, _) in _INTERLEAVED.items()}.get(w.kind)
+    if kind is None or w.n % 16:
+        raise ValueError(f"interleave takes q4_1 or q8_0 weights of 16k rows, not {w.kind} x {w.n}")
+    _, sb, qb = _INTERLEAVED[kind]
+    nb = w.k // 32
+    b = w.blocks.view(-1, 16, nb, sb + qb)  # [groups, 16 rows, blocks, block bytes]
+    # -> [groups, blocks, scale / word, 16 lanes, 2 / 4 bytes]
+    scales = b[..., :sb].reshape(-1, 16, nb, sb // 2, 2).permute(0, 2, 3, 1, 4)
+    words = b[..., sb:].reshape(-1, 16, nb, qb // 4, 4).permute(0, 2, 3, 1, 4)
+    out = torch.cat([scales.reshape(-1, nb, 16 * sb), words.reshape(-1, nb, 16 * qb)], dim=2)
+    return QuantWeight(kind, out.reshape(w.n, -1).contiguous(), w.k)
+
+
+def deinterleave(w: QuantWeight) -> QuantWeight:
+    base, sb, qb = _INTERLEAVED[w.kind]
+    nb = w.k // 32
+    g = w.blocks.view(-1, nb, 16 * (sb + qb))
+    scales = g[..., : 16 * sb].reshape(-1, nb, sb // 2, 16, 2).permute(0, 3, 1, 2, 4)
+    words = g[..., 16 * sb :].reshape(-1, nb, qb // 4, 16, 4).permute(0, 3, 1, 2, 4)
+    out = torch.cat([scales.reshape(-1, 16, nb, sb), words.reshape(-1, 16, nb, qb)], dim=3)
+    return QuantWeight(base, out.reshape(w.n, -1).contiguous(), w.k)
 
 
 def check_mode(mode: str) -> None:

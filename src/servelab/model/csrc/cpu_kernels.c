@@ -449,6 +449,229 @@ static void dequantize_rows(const uint8_t *w, float *out, int64_t j0, int64_t j1
     }
 }
 
+#ifdef SL_VNNI
+// ---- integer dots (AVX-512 VNNI) on blocks interleaved by 16 rows -----------------------
+// Kinds 3 and 4 are Q4_1 and Q8_0 with the blocks of 16 consecutive weight rows side by
+// side, one block column at a time: the 16 rows' fp16 scales (Q4_1: 16 d then 16 m; Q8_0:
+// 16 d), then their quant bytes as vectors of 16 lanes, lane j of vector t holding bytes
+// 4t..4t+3 of row j's block (Q4_1: 4 vectors, Q8_0: 8). A group of 16 rows is k / 32 such
+// block columns, 320 (Q4_1) or 544 (Q8_0) bytes each: the same bytes as GGUF's, reordered
+// (quant.interleave makes this layout; n must be a multiple of 16). In GGUF's Q4_1 the low
+// nibbles of bytes 4t..4t+3 are elements 4t..4t+3 and their high nibbles 16+4t..16+4t+3,
+// so one load and two masks give vpdpbusd four consecutive inputs for each of 16 rows.
+//
+// The input rows are quantised per row and block of 32, as llama.cpp's Q8_1: dx = amax /
+// 127, qx = round(x / dx), sx = dx * sum(qx). Then for a weight block w = d qw (+ m),
+//   sum(w x) ~= d dx sum(qw qx) (+ m sx),
+// with sum(qw qx) exact in int32. vpdpbusd multiplies unsigned by signed bytes: Q4_1's
+// nibbles are the unsigned side; for Q8_0 the inputs are, stored as qx + 128, and the
+// 128 sum(qw) this adds is taken off again (sum(qw) by vpdpbusd against ones). Every output
+// takes the same operations in the same block order whatever the tile and the row count,
+// so the result of a row never depends on which other rows share its step.
+// Why: the fp32 paths dequantise every weight before an FMA that does one multiply-add per
+// lane; vpdpbusd does four per lane on the blocks as they are. One thread of a Zen 5 core
+// (see docs/design/model.md) ran a 256-token prefill's Q4_1 products at 2.9x oneDNN's fp32
+// GEMM rate, and a single row at the memory's rate.
+enum { KIND_Q4_1X = 3, KIND_Q8_0X = 4, QX_TOKEN_BLOCK = 256 };
+
+static inline int64_t qx_column_bytes(int kind) { return kind == KIND_Q8_0X ? 544 : 320; }
+
+// Rows [r0, r1) of x [m, k] as int8 q [m, k] (XOR offset: 0x80 stores qx + 128 as unsigned)
+// with d, s [m, k / 32].
+static void quantize_inputs(const float *x, int64_t r0, int64_t r1, int64_t k, int8_t *q,
+                            float *d, float *s, int offset) {
+    const int64_t nb = k / 32;
+    const __m128i flip = _mm_set1_epi8((char)offset);
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * k + 32 * b;
+            const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a),
+                                                                  _mm512_abs_ps(c)));
+            const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const __m512 iv = _mm512_set1_ps(inv);
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv));
+            const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, iv));
+            int8_t *qb = q + r * k + 32 * b;
+            _mm_storeu_si128((__m128i *)qb, _mm_xor_si128(_mm512_cvtepi32_epi8(qa), flip));
+            _mm_storeu_si128((__m128i *)(qb + 16),
+                             _mm_xor_si128(_mm512_cvtepi32_epi8(qc), flip));
+            d[r * nb + b] = dx;
+            s[r * nb + b] = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+        }
+}
+
+static inline int32_t load4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+// G groups of 16 weight rows (w: the first group, gs bytes apart) against R quantised input
+// rows: y[r * ldy + 16 g + lane]. Always inlined with constant G, R and kind.
+static inline __attribute__((always_inline)) void qx_tile(const uint8_t *w, int64_t gs,
+                                                          const int8_t *q, const float *d,
+                                                          const float *s, int64_t k, float *y,
+                                                          int64_t ldy, const int G,
+                                                          const int R, const int kind,
+                                                          int add) {
+    const int64_t nb = k / 32, cb = qx_column_bytes(kind);
+    const __m512i mask = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+    __m512 acc[2][4];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < R; r++) acc[g][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *col = w + b * cb;
+        __m512i dot[2][4], wsum[2];
+        for (int g = 0; g < G; g++) {
+            wsum[g] = _mm512_setzero_si512();
+            for (int r = 0; r < R; r++) dot[g][r] = _mm512_setzero_si512();
+        }
+        if (kind == KIND_Q4_1X) {
+            for (int t = 0; t < 4; t++) {
+                __m512i lo[2], hi[2];
+                for (int g = 0; g < G; g++) {
+                    const __m512i raw = _mm512_loadu_si512(col + g * gs + 64 + 64 * t);
+                    lo[g] = _mm512_and_si512(raw, mask);
+                    hi[g] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), mask);
+                }
+                for (int r = 0; r < R; r++) {
+                    const int8_t *qb = q + r * k + 32 * b + 4 * t;
+                    const __m512i xl = _mm512_set1_epi32(load4(qb));
+                    const __m512i xh = _mm512_set1_epi32(load4(qb + 16));
+                    for (int g = 0; g < G; g++) {
+                        dot[g][r] = _mm512_dpbusd_epi32(dot[g][r], lo[g], xl);
+                        dot[g][r] = _mm512_dpbusd_epi32(dot[g][r], hi[g], xh);
+                    }
+                }
+            }
+        } else {
+            for (int t = 0; t < 8; t++) {
+                __m512i wv[2];
+                for (int g = 0; g < G; g++) {
+                    wv[g] = _mm512_loadu_si512(col + g * gs + 32 + 64 * t);
+                    wsum[g] = _mm512_dpbusd_epi32(wsum[g], ones, wv[g]);
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m512i xu = _mm512_set1_epi32(load4(q + r * k + 32 * b + 4 * t));
+                    for (int g = 0; g < G; g++)
+                        dot[g][r] = _mm512_dpbusd_epi32(dot[g][r], xu, wv[g]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const uint8_t *sc = col + g * gs;
+            const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+            if (kind == KIND_Q4_1X) {
+                const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
+                for (int r = 0; r < R; r++) {
+                    const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(d[r * nb + b]));
+                    acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g][r]), scale, acc[g][r]);
+                    acc[g][r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(s[r * nb + b]), acc[g][r]);
+                }
+            } else {
+                const __m512i bias = _mm512_slli_epi32(wsum[g], 7);
+                for (int r = 0; r < R; r++) {
+                    const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(d[r * nb + b]));
+                    const __m512i exact = _mm512_sub_epi32(dot[g][r], bias);
+                    acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[g][r]);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < R; r++) {
+            float *yr = y + r * ldy + 16 * g;
+            _mm512_storeu_ps(yr, add ? _mm512_add_ps(_mm512_loadu_ps(yr), acc[g][r]) : acc[g][r]);
+        }
+}
+
+// Weight groups [g0, g0 + G) against input rows [r0, r1), four rows a tile.
+#define QX_TILES(G, R, KIND)                                                               \
+    for (; r + R <= r1; r += R)                                                            \
+        qx_tile(wg, gs, q + r * k, d + r * nb, s + r * nb, k, y + r * n + 16 * g0, n, G, R, \
+                KIND, add)
+#define QX_KIND(KIND)                                                                      \
+    do {                                                                                   \
+        if (G == 2) {                                                                      \
+            QX_TILES(2, 4, KIND);                                                          \
+            QX_TILES(2, 2, KIND);                                                          \
+            QX_TILES(2, 1, KIND);                                                          \
+        } else {                                                                           \
+            QX_TILES(1, 4, KIND);                                                          \
+            QX_TILES(1, 1, KIND);                                                          \
+        }                                                                                  \
+    } while (0)
+
+static void qx_block(const uint8_t *w, const int8_t *q, const float *d, const float *s,
+                     float *y, int64_t n, int64_t k, int64_t g0, int G, int64_t r0, int64_t r1,
+                     int kind, int add) {
+    const int64_t nb = k / 32, gs = nb * qx_column_bytes(kind);
+    const uint8_t *wg = w + g0 * gs;
+    int64_t r = r0;
+    if (kind == KIND_Q4_1X)
+        QX_KIND(KIND_Q4_1X);
+    else
+        QX_KIND(KIND_Q8_0X);
+}
+#undef QX_KIND
+#undef QX_TILES
+
+// y[m, n] (+)= x[m, k] . w^T + b for kinds 3 and 4; an orphaned `omp for` like the others.
+// The inputs are quantised once, shared by the team; then pairs of 16-row groups split
+// among it, token block by token block (256 rows: their inputs stay in L2 while the team's
+// weight groups pass over them).
+static void qx_linear_for(const float *x, const uint8_t *w, const float *b, float *y,
+                          int64_t m, int64_t n, int64_t k, int add, int kind) {
+    const int64_t nb = k / 32, groups = n / 16, pairs = (groups + 1) / 2;
+    const int64_t tblocks = (m + QX_TOKEN_BLOCK - 1) / QX_TOKEN_BLOCK;
+    int8_t *q = NULL;
+#pragma omp single copyprivate(q)
+    q = malloc(m * k + 2 * sizeof(float) * m * nb);
+    float *d = (float *)(q + m * k), *s = d + m * nb;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        quantize_inputs(x, r, r + 1, k, q, d, s, kind == KIND_Q8_0X ? 0x80 : 0);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t tb = 0; tb < tblocks; tb++)
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t g0 = 2 * p, r0 = tb * QX_TOKEN_BLOCK;
+            const int64_t r1 = r0 + QX_TOKEN_BLOCK < m ? r0 + QX_TOKEN_BLOCK : m;
+            qx_block(w, q, d, s, y, n, k, g0, g0 + 1 < groups ? 2 : 1, r0, r1, kind, add);
+            if (b)
+                for (int64_t r = r0; r < r1; r++)
+                    for (int64_t j = 16 * g0; j < 16 * (g0 + 2) && j < n; j++) y[r * n + j] += b[j];
+        }
+#pragma omp single nowait
+    free(q);
+}
+
+// Kind-3/4 rows [j0, j1) as fp32 rows (out is (j1 - j0) * k floats), as dequantize_rows.
+static void qx_dequantize_rows(const uint8_t *w, float *out, int64_t j0, int64_t j1,
+                               int64_t k, int kind) {
+    const int64_t nb = k / 32, cb = qx_column_bytes(kind), gs = nb * cb;
+    for (int64_t j = j0; j < j1; j++, out += k) {
+        const int64_t lane = j % 16;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *col = w + (j / 16) * gs + b * cb;
+            const float dj = half_to_float(col + 2 * lane);
+            if (kind == KIND_Q8_0X) {
+                for (int i = 0; i < 32; i++)
+                    out[32 * b + i] = dj * (float)(int8_t)col[32 + 64 * (i / 4) + 4 * lane + i % 4];
+                continue;
+            }
+            const float mj = half_to_float(col + 32 + 2 * lane);
+            for (int t = 0; t < 4; t++)
+                for (int c = 0; c < 4; c++) {
+                    const uint8_t byte = col[64 + 64 * t + 4 * lane + c];
+                    out[32 * b + 4 * t + c] = fmaf(dj, (float)(byte & 0x0F), mj);
+                    out[32 * b + 16 + 4 * t + c] = fmaf(dj, (float)(byte >> 4), mj);
+                }
+        }
+    }
+}
+#endif
+
 // linear_for over weights of any kind (k a multiple of 32 for the quantised ones).
 // Up to 11 rows, each block is dequantised in registers and FMA'd into the rows (qrow): the
 // product streams the blocks and dequantises each once per four rows. From 12 rows on,
@@ -467,6 +690,12 @@ static void any_linear_for(const float *x, const void *w, const float *b, float 
         linear_for(x, (const float *)w, b, y, m, n, k, add);
         return;
     }
+#ifdef SL_VNNI
+    if (kind == KIND_Q4_1X || kind == KIND_Q8_0X) {
+        qx_linear_for(x, (const uint8_t *)w, b, y, m, n, k, add, kind);
+        return;
+    }
+#endif
     const int panel = m >= QPANEL_MIN_ROWS;
     const int64_t block = panel ? QPANEL_ROWS : 16;
     int64_t nblocks = (n + block - 1) / block, mp = 0;
@@ -503,7 +732,24 @@ void sl_qlinear(const float *x, const uint8_t *w, const float *b, float *y, int6
 void sl_dequantize(const uint8_t *w, float *out, int64_t n, int64_t k, int kind,
                    int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) dequantize_rows(w, out + j * k, j, j + 1, k, kind);
+    for (int64_t j = 0; j < n; j++) {
+#ifdef SL_VNNI
+        if (kind == KIND_Q4_1X || kind == KIND_Q8_0X) {
+            qx_dequantize_rows(w, out + j * k, j, j + 1, k, kind);
+            continue;
+        }
+#endif
+        dequantize_rows(w, out + j * k, j, j + 1, k, kind);
+    }
+}
+
+// Whether this build takes kinds 3 and 4 (interleaved by 16 rows, integer dots).
+int sl_int8_dot(void) {
+#ifdef SL_VNNI
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 // e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
