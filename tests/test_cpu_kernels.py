@@ -31,7 +31,9 @@ def test_linear_matches_torch(m: int, n: int, k: int) -> None:
 
 @pytest.mark.parametrize("kernel", ["paged_attention", "prefill_attention"])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(("n_q", "n_kv", "d"), [(9, 3, 64), (4, 4, 16), (8, 1, 32), (12, 2, 64)])
+@pytest.mark.parametrize(
+    ("n_q", "n_kv", "d"), [(9, 3, 64), (4, 4, 16), (8, 1, 32), (12, 2, 64), (8, 2, 64), (4, 2, 128)]
+)
 def test_paged_attention_matches_sdpa(
     kernel: str, threads: int, n_q: int, n_kv: int, d: int
 ) -> None:

@@ -11,7 +11,9 @@ Contract:
   rows of decode (``MAX_ROWS``).
 - ``qlinear(x, w, b, residual)``: the same product with ``w`` a ``quant.QuantWeight``
   (GGUF Q8_0 or Q4_1 blocks, dequantised in registers for a few rows, a 24-row panel at a
-  time into an L2 tile from 12 rows on); ``dequantize(w)`` its fp32 matrix.
+  time into an L2 tile from 12 rows on; kinds ``q4_1x16`` and ``q8_0x16`` by integer dots on
+  inputs rounded to 8 bits per block of 32, any row count, where ``int8_dot_available()``);
+  ``dequantize(w)`` its fp32 matrix.
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
   ``prefill_attention(...)``: the same for prefill chunks, 32 tokens a tile (AVX-512 builds

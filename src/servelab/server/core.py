@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from servelab.model import kernel_build
 from servelab.server import ipc
 from servelab.server.heap import MALLOC_TRIM
 
@@ -69,6 +70,13 @@ def build_engine(cfg: ipc.CoreConfig, engine_cls: type | None = None) -> Any:
 def _load_factory(spec: str) -> Any:
     module, _, func = spec.partition(":")
     return getattr(importlib.import_module(module), func)
+
+
+def _cpu_kernels() -> str:
+    """``kernel_build.isa()`` where the model layer loaded servelab's CPU kernels in this
+    process; "" for a simulated engine or a build that failed."""
+    kernels = sys.modules.get("servelab.model.cpu_kernels")
+    return kernel_build.isa() if kernels is not None and kernels.available() else ""
 
 
 def stats_dict(engine: Any) -> dict[str, Any]:
@@ -149,6 +157,7 @@ class EngineCore:
             torch_threads=cfg.torch_threads,
             pid=os.getpid(),
             quantization=cfg.quantization,
+            cpu_kernels=_cpu_kernels(),
             engine_config=dataclasses.asdict(c),
         )
 

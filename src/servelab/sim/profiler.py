@@ -27,6 +27,7 @@ from typing import Any
 from servelab.engine.config import EngineConfig
 from servelab.engine.plan import BatchPlan, ScheduledSeq
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model import cpu_kernels, kernel_build
 from servelab.model.build import build_engine, default_threads
 from servelab.sim.profiled import ProfileSample, ProfileTable
 from servelab.sim.work import StepWork
@@ -220,6 +221,7 @@ def profile_engine(
         "eos_token_ids": list(runner.eos_token_ids),
         "engine_config": dataclasses.asdict(engine.config),
         "quantization": runner.loaded.quantization,
+        "cpu_kernels": kernel_build.isa() if cpu_kernels.available() else "",
         "overhead": overhead,
         "shapes_left_out": too_big,
     }
