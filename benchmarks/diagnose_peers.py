@@ -11,11 +11,14 @@
     with a large token budget, a tiny KV space, a shared system prompt with prefix caching
     off and on, a client starved on its own core, and a light load with nothing to find.
     Printed: case, expected cause, top finding, confidence, false findings (other findings
-    at medium confidence or more), and vLLM's per-request queue and scheduled->first-token
-    figures against the client's TTFT for the same requests.
+    at medium confidence or more, except the planted cause's own effects where the run holds
+    their evidence, listed apart), and vLLM's per-request queue and scheduled->first-token
+    figures against the client's TTFT for the same requests. --api-on-client-core moves
+    vLLM's API process off the engine's core once it is up, to show how much of that gap is
+    the API process's own work.
 
     python benchmarks/diagnose_peers.py [--vllm-python .venv-peers/vllm/bin/python]
-        [--model-dir DIR] [--out DIR] [--only overload,unchunked,...]
+        [--model-dir DIR] [--out DIR] [--only overload,unchunked,...] [--api-on-client-core]
 
 Not a test: it takes about 20 minutes on a 2-core machine (vLLM CPU decodes ~100 ms/token
 on one thread) and needs the 4 GB vLLM install.
@@ -95,7 +98,9 @@ class Case:
     load: list[str]
     client_cpu: str = CLIENT_CPU
     burners: int = 0  # CPU-bound processes sharing the client's core while it runs
-    extra: dict = field(default_factory=dict)
+    # Findings the planted cause itself produces: true, so not counted false, as long as
+    # the run holds their evidence (ITL stalls of that cause).
+    consequences: dict[str, str] = field(default_factory=dict)
 
 
 BASE = ["--max-num-seqs", "4", "--max-model-len", "2048"]
@@ -122,12 +127,16 @@ CASES = [
         ["--rate", "1.0", "--requests", "24"],
         burners=3,
     ),
+    # Without the cache every arrival prefills the whole shared prompt again, and those
+    # prefills stall the streams in flight: interference is the planted cause's effect
+    # (prefix_on, the same load with the cache, has no such stalls).
     Case(
         "prefix_off",
         "low_prefix_reuse",
         [*BASE, "--no-enable-prefix-caching"],
         "shared_prefix",
         ["--rate", "0.2", "--requests", "12"],
+        consequences={"itl_prefill_interference": "prefill"},
     ),
     Case(
         "unchunked",
@@ -303,14 +312,19 @@ def judge(case: Case, run_dir: Path) -> dict:
     d = diagnose(run)
     found = [(f.id, f.confidence) for f in d.findings]
     top = found[0] if found else ("none", 0.0)
+    true: set[str] = set()
     if case.expected == "healthy" or case.expected.startswith("no "):
         false = [f"{i} {confidence_label(c)}" for i, c in found if c >= MEDIUM]
         unwanted = case.expected[3:]  # "" for healthy: every finding is unwanted
         ok = all(unwanted and i != unwanted or c < MEDIUM for i, c in found)
     else:
         ok = top[0] == case.expected
+        stalls = d.stalls_by_cause
+        true = {i for i, cause in case.consequences.items() if stalls.get(cause, {}).get("count")}
         false = [
-            f"{i} {confidence_label(c)}" for i, c in found if i != case.expected and c >= MEDIUM
+            f"{i} {confidence_label(c)}"
+            for i, c in found
+            if i != case.expected and i not in true and c >= MEDIUM
         ]
     series = d.server_series or {}
     return {
@@ -319,6 +333,7 @@ def judge(case: Case, run_dir: Path) -> dict:
         "top": top[0],
         "confidence": f"{top[1]:.2f} {confidence_label(top[1])}",
         "false": ", ".join(false) or "-",
+        "effects": ", ".join(i for i, c in found if i in true and c >= MEDIUM) or "-",
         "verdict": "PASS" if ok and not false else "FAIL",
         "agreement": agreement(run),
         "valid": run.valid,
@@ -338,6 +353,12 @@ def main() -> None:
     ap.add_argument("--a-rate", type=float, default=0.6, help="(a)'s request rate (default 0.6)")
     ap.add_argument("--port", type=int, default=8731)
     ap.add_argument("--reuse", action="store_true", help="diagnose the runs already in --out")
+    ap.add_argument(
+        "--api-on-client-core",
+        action="store_true",
+        help="move vLLM's API process to the client's core once it is up (its engine core "
+        "stays alone on the server's): what of the client-server TTFT gap is the API's work",
+    )
     a = ap.parse_args()
     global REUSE
     REUSE = a.reuse
@@ -355,7 +376,8 @@ def main() -> None:
     t0 = time.monotonic()
     if not a.skip_a and (not only or "a" in only):
         exact_vs_estimated(work, a.a_rate)
-    print("\n(b) planted causes on vLLM 0.32 CPU (1 thread, core 0; client on core 1)", flush=True)
+    api = "API process on the client's core" if a.api_on_client_core else "client on core 1"
+    print(f"\n(b) planted causes on vLLM 0.32 CPU (1 thread, core 0; {api})", flush=True)
     rows = []
     cases = [c for c in CASES if not only or c.name in only]
     server: servers.PinnedServer | None = None
@@ -372,6 +394,8 @@ def main() -> None:
                 flags = case.flags
                 try:
                     server.wait()
+                    if a.api_on_client_core:
+                        server.move_front(CLIENT_CPU)
                 except RuntimeError as e:
                     rows.append({"case": case.name, "expected": case.expected,
                                  "verdict": f"ERROR {e}"})  # fmt: skip
@@ -390,12 +414,13 @@ def main() -> None:
     finally:
         if server:
             server.stop()
-    print("\n| case | expected cause | top finding | confidence | false findings | verdict |"
-          " vLLM vs client TTFT |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("\n| case | expected cause | top finding | confidence | false findings |"
+          " the cause's effects | verdict | vLLM vs client TTFT |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['expected']} | {r.get('top', '-')} | {r.get('confidence', '-')}"
-              f" | {r.get('false', '-')} | {r['verdict']} | {r.get('agreement', '-')} |")  # fmt: skip
+              f" | {r.get('false', '-')} | {r.get('effects', '-')} | {r['verdict']}"
+              f" | {r.get('agreement', '-')} |")  # fmt: skip
     print(f"\nruns in {work}; {time.monotonic() - t0:.0f} s in all")
 
 

@@ -30,6 +30,7 @@ from test_server_fakes import TESTS_DIR, ServerThread, metrics, storm_leaves_no_
 from servelab.analyze.attribution import attribute
 from servelab.engine.config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model import cpu_kernels, kernel_build
 from servelab.model.build import build_engine
 from servelab.model.llm import LLM
 from servelab.model.tokenizer import Tokenizer
@@ -277,6 +278,9 @@ def test_health_and_version_list_the_workers(http: httpx.Client) -> None:
         ("decode-0", "decode", True),
     ]
     assert all(psutil.Process(w["pid"]).is_running() and w["torch_threads"] == 1 for w in workers)
+    # Each worker's model runs on the kernels' build this CPU takes (q4_1's numerics follow it).
+    built = kernel_build.isa() if cpu_kernels.available() else ""
+    assert [w["cpu_kernels"] for w in workers] == [built, built]
 
 
 def test_client_disconnect_frees_blocks_on_every_worker(http: httpx.Client) -> None:

@@ -47,6 +47,12 @@ class PinnedServer:
             time.sleep(1.0)
         raise RuntimeError(f"{self.name} did not come up in {timeout:.0f} s: see {self.log}")
 
+    def move_front(self, cpu: str) -> None:
+        """Move the server's own process (every thread; for vLLM the API server) to ``cpu``,
+        leaving the processes it started (vLLM's engine core) where they are."""
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            os.sched_setaffinity(int(tid), {int(cpu)})
+
     def stop(self) -> None:
         self.proc.terminate()
         try:

@@ -55,6 +55,7 @@ class Worker:
             "alive": self.alive,
             "error": self.dead_reason,
             "torch_threads": info.torch_threads if info else self.config.core.torch_threads,
+            "cpu_kernels": info.cpu_kernels if info else None,
             "cpus": self.ready.cpus if self.ready else self.config.cpus,
             "kv_address": self.ready.kv_address if self.ready else None,
             "num_kv_blocks": info.num_kv_blocks if info else None,
