@@ -11,8 +11,10 @@
     with a large token budget, a tiny KV space, a shared system prompt with prefix caching
     off and on, a client starved on its own core, and a light load with nothing to find.
     Printed: case, expected cause, top finding, confidence, false findings (other findings
-    at medium confidence or more, except the planted cause's own effects where the run holds
-    their evidence, listed apart), and vLLM's per-request queue and scheduled->first-token
+    at medium confidence or more, except those vLLM's own per-request figures bear out,
+    listed apart: prefill interference whose blamed prefills vLLM places under the stalls,
+    prefill-bound TTFT where vLLM's prefill time is most of the longest prompts' TTFT),
+    and vLLM's per-request queue and scheduled->first-token
     figures against the client's TTFT for the same requests. --api-on-client-core moves
     vLLM's API process off the engine's core once it is up, to show how much of that gap is
     the API process's own work.
@@ -34,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -98,9 +100,6 @@ class Case:
     load: list[str]
     client_cpu: str = CLIENT_CPU
     burners: int = 0  # CPU-bound processes sharing the client's core while it runs
-    # Findings the planted cause itself produces: true, so not counted false, as long as
-    # the run holds their evidence (ITL stalls of that cause).
-    consequences: dict[str, str] = field(default_factory=dict)
 
 
 BASE = ["--max-num-seqs", "4", "--max-model-len", "2048"]
@@ -127,16 +126,12 @@ CASES = [
         ["--rate", "1.0", "--requests", "24"],
         burners=3,
     ),
-    # Without the cache every arrival prefills the whole shared prompt again, and those
-    # prefills stall the streams in flight: interference is the planted cause's effect
-    # (prefix_on, the same load with the cache, has no such stalls).
     Case(
         "prefix_off",
         "low_prefix_reuse",
         [*BASE, "--no-enable-prefix-caching"],
         "shared_prefix",
         ["--rate", "0.2", "--requests", "12"],
-        consequences={"itl_prefill_interference": "prefill"},
     ),
     Case(
         "unchunked",
@@ -307,25 +302,71 @@ def agreement(run) -> str:
     return f"client-server p50: {'; '.join(parts)}; vLLM queue p50 {np.median(queues):.0f} ms"
 
 
+def confirmed_prefill_stalls(run) -> tuple[int, int]:
+    """Of the ITL stalls the client's view blames on another request's prefill, how many
+    vLLM's own figures confirm: that request spent vLLM's scheduled -> first-token time
+    in prefill up to its first token, and that window covers at least half the gap.
+
+    The window ends at the first token's arrival, not at the send + vLLM's queue time:
+    vLLM reports no arrival stamp, and on one shared core its API process can take
+    hundreds of ms to hand a long prompt to the engine (prefix_on: a request's queue + time
+    to first token was 693 ms of a 1,236 ms TTFT)."""
+    by_id = {r.request_id: r for r in run.records}
+    stalls = [st for st in attribute(run).stalls if st.cause == "prefill"]
+    confirmed = 0
+    for st in stalls:
+        r = by_id.get(st.evidence.get("request", ""))
+        s = (r.server_timeline or {}) if r else {}
+        if r is None or r.ttft is None or s.get("reported_by") != "vllm metrics":
+            continue
+        end = r.actual_send + r.ttft
+        start = end - (s.get("prefill_time") or 0.0)
+        confirmed += min(end, st.at + st.gap) - max(start, st.at) >= 0.5 * st.gap
+    return confirmed, len(stalls)
+
+
+def confirmed_prefill_bound(run) -> bool:
+    """Whether vLLM's own figures make TTFT prefill-bound where prompts are longest: in the
+    longest quartile of inputs, vLLM's scheduled -> first-token time is at least half the
+    client's TTFT at the median."""
+    recs = [
+        r
+        for r in run.records
+        if r.ok and r.ttft and (r.server_timeline or {}).get("reported_by") == "vllm metrics"
+    ]
+    if len(recs) < 8:
+        return False
+    recs.sort(key=lambda r: r.input_tokens or 0)
+    top = recs[-max(2, len(recs) // 4) :]
+    shares = [(r.server_timeline.get("prefill_time") or 0.0) / r.ttft for r in top]
+    return statistics.median(shares) >= 0.5
+
+
 def judge(case: Case, run_dir: Path) -> dict:
     run = load_run(run_dir)
     d = diagnose(run)
     found = [(f.id, f.confidence) for f in d.findings]
     top = found[0] if found else ("none", 0.0)
-    true: set[str] = set()
+    # A finding beside the expected one is true, not false, where vLLM's own figures bear
+    # out its evidence: prefill interference when they confirm (nearly) every stall blamed
+    # on a prefill, prefill-bound TTFT when vLLM's prefill time is most of the longest
+    # prompts' TTFT. A healthy case takes no finding at all.
+    confirmed, blamed = confirmed_prefill_stalls(run)
+    true = {"itl_prefill_interference"} if blamed and confirmed >= 0.8 * blamed else set()
+    if confirmed_prefill_bound(run):
+        true.add("prefill_bound")
+    if case.expected == "healthy":
+        true = set()
     if case.expected == "healthy" or case.expected.startswith("no "):
-        false = [f"{i} {confidence_label(c)}" for i, c in found if c >= MEDIUM]
         unwanted = case.expected[3:]  # "" for healthy: every finding is unwanted
         ok = all(unwanted and i != unwanted or c < MEDIUM for i, c in found)
     else:
         ok = top[0] == case.expected
-        stalls = d.stalls_by_cause
-        true = {i for i, cause in case.consequences.items() if stalls.get(cause, {}).get("count")}
-        false = [
-            f"{i} {confidence_label(c)}"
-            for i, c in found
-            if i != case.expected and i not in true and c >= MEDIUM
-        ]
+    false = [
+        f"{i} {confidence_label(c)}"
+        for i, c in found
+        if i != case.expected and i not in true and c >= MEDIUM
+    ]
     series = d.server_series or {}
     return {
         "case": case.name,
@@ -333,7 +374,12 @@ def judge(case: Case, run_dir: Path) -> dict:
         "top": top[0],
         "confidence": f"{top[1]:.2f} {confidence_label(top[1])}",
         "false": ", ".join(false) or "-",
-        "effects": ", ".join(i for i, c in found if i in true and c >= MEDIUM) or "-",
+        "confirmed": ", ".join(
+            i + (f" ({confirmed}/{blamed} stalls)" if i == "itl_prefill_interference" else "")
+            for i, c in found
+            if i in true and c >= MEDIUM and i != case.expected
+        )
+        or "-",
         "verdict": "PASS" if ok and not false else "FAIL",
         "agreement": agreement(run),
         "valid": run.valid,
@@ -415,11 +461,11 @@ def main() -> None:
         if server:
             server.stop()
     print("\n| case | expected cause | top finding | confidence | false findings |"
-          " the cause's effects | verdict | vLLM vs client TTFT |")  # fmt: skip
+          " other findings vLLM confirms | verdict | vLLM vs client TTFT |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['expected']} | {r.get('top', '-')} | {r.get('confidence', '-')}"
-              f" | {r.get('false', '-')} | {r.get('effects', '-')} | {r['verdict']}"
+              f" | {r.get('false', '-')} | {r.get('confirmed', '-')} | {r['verdict']}"
               f" | {r.get('agreement', '-')} |")  # fmt: skip
     print(f"\nruns in {work}; {time.monotonic() - t0:.0f} s in all")
 
