@@ -8,8 +8,8 @@ Contract:
   has AVX-512F and AVX512-VNNI, ``"avx512"`` with AVX-512F alone, else ``"avx2"``;
   ``SERVELAB_CPU_ISA`` forces a narrower one (the tests run them all). The AVX-512 build
   (``-DSL_AVX512``) widens the fp32 tiles and the dequantisation of quantised blocks to 16
-  lanes; the VNNI build (``-DSL_VNNI``) adds integer-dot products for Q4_1 weights
-  interleaved by 16 rows (kind 3); everything else is the same AVX2 code.
+  lanes; the VNNI build (``-DSL_VNNI``) adds integer-dot products for Q4_1 and Q8_0
+  weights interleaved by 16 rows (kinds 3 and 4); everything else is the same AVX2 code.
 - ``build()``: the path of the compiled library, compiling it once per source version and
   instruction set into ``$SERVELAB_CACHE_DIR/kernels`` (default ``~/.cache/servelab/kernels``).
   Raises RuntimeError with the compiler's message when that fails, or for an unknown

@@ -63,7 +63,7 @@ def linear(
     if residual is not None:
         assert b is None, "a residual product takes no bias"
     if isinstance(w, QuantWeight):
-        if x.shape[0] <= cpu_kernels.MAX_ROWS or w.kind.endswith("x16"):
+        if x.shape[0] <= cpu_kernels.MAX_ROWS or w.interleaved:
             return cpu_kernels.qlinear(x, w, b, residual)
         w = cpu_kernels.dequantize(w)
     routed = use_numpy_on_cpu and x.device.type == "cpu" and x.dtype == torch.float32

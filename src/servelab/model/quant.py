@@ -33,6 +33,8 @@ MODES = ("none", "q8_0", "q4_1")
 
 _KIND_IDS = {"q8_0": 1, "q4_1": 2, "q4_1x16": 3, "q8_0x16": 4}  # the C kernels' kind numbers
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Interleaved kinds: (GGUF kind, scale bytes, quant bytes) of a block.
+_INTERLEAVED = {"q4_1x16": ("q4_1", 4, 16), "q8_0x16": ("q8_0", 2, 32)}
 
 
 @dataclass
@@ -49,9 +51,10 @@ class QuantWeight:
     def kind_id(self) -> int:
         return _KIND_IDS[self.kind]
 
-
-# Interleaved kinds: (GGUF kind, scale bytes, quant bytes) of a block.
-_INTERLEAVED = {"q4_1x16": ("q4_1", 4, 16), "q8_0x16": ("q8_0", 2, 32)}
+    @property
+    def interleaved(self) -> bool:
+        """Blocks reordered for the integer-dot kernels (``interleave``)."""
+        return self.kind in _INTERLEAVED
 
 
 def interleave(w: QuantWeight) -> QuantWeight:

@@ -804,6 +804,21 @@ static inline __m512 sum16x16(__m512 v[16]) {
                          _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
+// Walks a sequence's cached rows in position order through its block table: no division
+// per position, and no read of the table past the block that holds position len - 1.
+typedef struct {
+    const float *cache, *base;
+    const int32_t *table;
+    int64_t bs, row, blk, off;
+} row_walk;
+
+static inline const float *next_row(row_walk *w, int64_t p, int64_t len) {
+    const float *r = w->base + w->off * w->row;
+    if (++w->off == w->bs && p + 1 < len)
+        w->off = 0, w->base = w->cache + (int64_t)w->table[++w->blk] * w->bs * w->row;
+    return r;
+}
+
 // One query token's G heads (sharing one KV head) over positions [0, len), d = 16 D: the
 // scores 16 positions at a time (each position's dot in 16 lanes, then one add tree for
 // the 16 sums), a softmax whose 1 / sum is applied to the output, and the values read
@@ -822,25 +837,17 @@ static inline __attribute__((always_inline)) void decode_heads16(
     // Rows of the next 16 positions, one group ahead: the K reads then overlap the FMAs,
     // and V's rows go to L2 for the value pass (a head's row is 4 lines, row floats apart).
     const int64_t vofs = v_cache - k_cache;
-    int64_t blk = 0, off = 0;
-    const float *base = k_cache + (int64_t)table[0] * bs * row;
+    row_walk walk = {k_cache, k_cache + (int64_t)table[0] * bs * row, table, bs, row, 0, 0};
     const float *next[16];
-    for (int j = 0; j < 16; j++) {
-        if (j < len) {
-            next[j] = base + off * row;
-            if (++off == bs && j + 1 < len) off = 0, base = k_cache + (int64_t)table[++blk] * bs * row;
-        } else {
-            next[j] = next[0];  // past the end: any row, masked below
-        }
-    }
+    for (int j = 0; j < 16; j++)  // past the end: any row, masked below
+        next[j] = j < len ? next_row(&walk, j, len) : next[0];
     for (int64_t p0 = 0; p0 < lp; p0 += 16) {
         const float *kp[16];
         for (int j = 0; j < 16; j++) {
             kp[j] = next[j];
             const int64_t p = p0 + 16 + j;
             if (p < len) {
-                next[j] = base + off * row;
-                if (++off == bs && p + 1 < len) off = 0, base = k_cache + (int64_t)table[++blk] * bs * row;
+                next[j] = next_row(&walk, p, len);
                 for (int c = 0; c < D; c++) _mm_prefetch((const char *)(next[j] + 16 * c), _MM_HINT_T0);
             } else {
                 next[j] = next[0];
