@@ -44,9 +44,15 @@ import tempfile
 from pathlib import Path
 
 import torch
-from engine_speed import Sizes, gemm_flops, read_bandwidth, servelab_figures
+from engine_speed import (
+    Sizes,
+    flop_per_token,
+    gemm_flops,
+    read_bandwidth,
+    servelab_figures,
+    step_bytes,
+)
 from peers import servers
-from quant_speed import step_bytes
 from rich.console import Console
 from rich.table import Table
 
@@ -85,9 +91,7 @@ class Floors:
     def __init__(self, bandwidth: float, gemm: float, cfg) -> None:
         self.bandwidth, self.gemm, self.cfg = bandwidth, gemm, cfg
         c = cfg
-        q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        per_layer = c.hidden_size * (q_out + c.num_heads * c.head_dim + 3 * c.intermediate_size)
-        self.layer_flops = 2 * c.num_layers * per_layer  # per token
+        self.layer_flops = flop_per_token(c)
         self.head_flops = 2 * c.vocab_size * c.hidden_size  # per sampled token
         self.attn_width = c.num_layers * c.num_heads * c.head_dim
 

@@ -47,7 +47,10 @@ from rich.table import Table
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
 from servelab.engine.sampling_params import SamplingParams
+from servelab.model.config import ModelConfig
+from servelab.model.llama import LlamaForCausalLM
 from servelab.model.loader import load_model
+from servelab.model.quant import QuantWeight
 from servelab.model.registry import is_gguf, resolve_model
 from servelab.model.runner import TorchModelRunner
 from servelab.model.weight_cache import cached_hf_dir
@@ -86,6 +89,31 @@ def _best(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
         _sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+# ---- the model's costs ----
+
+
+def _bytes(w: torch.Tensor | QuantWeight) -> int:
+    t = w.blocks if isinstance(w, QuantWeight) else w
+    return t.numel() * t.element_size()
+
+
+def step_bytes(model: LlamaForCausalLM) -> int:
+    """What one decode step reads: each layer's weights, the final norm and the LM head."""
+    layers = sum(
+        _bytes(w)
+        for L in model.layers
+        for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w, L.ln1, L.ln2)
+    )
+    return layers + _bytes(model.norm) + _bytes(model.lm_head)
+
+
+def flop_per_token(c: ModelConfig) -> float:
+    """FLOPs of the decoder layers' products for one token: 2 per weight."""
+    q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    per_layer = q_out + c.num_heads * c.head_dim + 3 * c.intermediate_size
+    return 2 * c.num_layers * c.hidden_size * per_layer
 
 
 # ---- machine limits ----
@@ -255,21 +283,19 @@ def main() -> None:
     bandwidth = read_bandwidth(device, 5)
     loaded = load_model(args.model, device=str(device))
     c = loaded.config
-    weights = list(loaded.model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in weights)
-    # Every weight but the embedding table does 2 FLOP per token (a tied LM head only runs
-    # where a token is sampled).
-    flop_per_token = 2 * (sum(p.numel() for p in weights) - c.vocab_size * c.hidden_size)
+    weight_bytes = step_bytes(loaded.model)
+    # The LM head runs only where a token is sampled.
+    per_token = flop_per_token(c)
     q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     flops = gemm_flops(c.hidden_size, c.intermediate_size, q_out, 512, device, 5)
     floor = weight_bytes / (bandwidth * 1e9)
-    ceiling = flops / flop_per_token
+    ceiling = flops / per_token
     attn_width = c.num_layers * c.num_heads * c.head_dim
-    ceilings = {n: flops / (flop_per_token + 4 * attn_width * (n + 1) / 2) for n in sz.prefill_lens}
+    ceilings = {n: flops / (per_token + 4 * attn_width * (n + 1) / 2) for n in sz.prefill_lens}
     console.print(
         f"read {bandwidth:.1f} GB/s -> decode floor {floor * 1e3:.1f} ms "
         f"({weight_bytes / 1e6:.0f} MB of weights); GEMM {flops / 1e9:.1f} GFLOP/s -> prefill "
-        f"ceiling {ceiling:,.0f} tok/s ({flop_per_token / 1e6:.0f} MFLOP/token before attention)"
+        f"ceiling {ceiling:,.0f} tok/s ({per_token / 1e6:.0f} MFLOP/token before attention)"
     )
     console.print("servelab...")
     config = EngineConfig(max_num_batched_tokens=max(2048, *sz.prefill_lens))
@@ -284,7 +310,7 @@ def main() -> None:
         path = resolve_model(args.model)
         if is_gguf(path):
             path = cached_hf_dir(path)
-        del engine, loaded, weights
+        del engine, loaded
         gc.collect()
         console.print("HF transformers...")
         hf = hf_figures(str(path), sz, c.vocab_size, device)

@@ -28,9 +28,11 @@ With ``--gemm 1,2`` it measures prefill instead, at each of those thread counts:
 GEMM rate of one layer's four products (summed) at 64-2048 rows for every backend servelab
 could route prefill to -- ``torch.mm`` (MKL, what ``F.linear`` runs), numpy/OpenBLAS in
 both operand orders writing into torch's memory (``out=`` on ``.numpy()`` views), oneDNN's
-linear on the plain weight (``onednn``, what servelab routes to) and on a weight packed
-ahead of time (``onednn_packed``) -- in alternating rounds, best kept; then the model's
-prefill at 256-2048 tokens with servelab's routing and with stock ``F.linear``, in
+linear on the plain weight (``onednn``, what servelab routes to where its AVX-512 kernels
+are not built) and on a weight packed ahead of time (``onednn_packed``), and servelab's
+kernel on the weight interleaved by 16 rows (``servelab_f32x16``, what it routes to where
+they are) -- in alternating rounds, best kept; then the model's prefill at 256-2048 tokens
+as served and with stock ``F.linear`` on the plain weights, in
 alternating rounds, its GFLOP/s (layers plus causal attention) against the best rate
 measured in the same run (target: >= 85%); with ``--quantization`` the model's products
 dequantise their blocks first, as served. One thread is timed in CPU time of the calling
@@ -58,6 +60,7 @@ import torch.nn.functional as F
 from threadpoolctl import threadpool_limits
 
 from servelab.model import cpu_kernels
+from servelab.model.quant import interleave_f32
 
 # (name, out_features, in_features) of one SmolLM2-135M layer with fused q/k/v and gate/up.
 LAYER_SHAPES = [
@@ -121,18 +124,22 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
     from servelab.engine.plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
     from servelab.model import linear as lin
-    from servelab.model.loader import load_model
     from servelab.model.runner import TorchModelRunner
 
-    loaded = load_model(name, device="cpu")
-    runner = TorchModelRunner(loaded, device="cpu", num_threads=threads, seed=0)
+    # As served, and in the plain layout for the modes with servelab's kernels off.
+    runners = {
+        plain: TorchModelRunner(_load(name, plain), device="cpu", num_threads=threads, seed=0)
+        for plain in (False, True)
+    }
     ctx, batch_max, prompt_len = 128, 8, 512
     blocks = -(-(ctx + 64) // 16)
-    runner.allocate_kv(max(batch_max * blocks, -(-prompt_len // 16)) + 1, 16)
-    params = [p for p in loaded.model.parameters()]
+    for runner in runners.values():
+        runner.allocate_kv(max(batch_max * blocks, -(-prompt_len // 16)) + 1, 16)
+    params = [p for p in runners[True].model.parameters()]
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     floor = _best(lambda: [p.sum() for p in params], repeat)
-    layer_mats = [p for p in params if p.dim() == 2 and p.shape[0] != loaded.config.vocab_size]
+    vocab = runners[True].config.vocab_size
+    layer_mats = [p for p in params if p.dim() == 2 and p.shape[0] != vocab]
     x512 = {m.shape[1]: torch.randn(prompt_len, m.shape[1]).numpy() for m in layer_mats}
     gemm = _best(lambda: [x512[m.shape[1]] @ m.numpy().T for m in layer_mats], max(2, repeat // 2))
     gemm_flops = sum(2 * prompt_len * m.numel() for m in layer_mats)
@@ -153,15 +160,17 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
     for label, (routed, kernels) in modes.items():
         lin.use_numpy_on_cpu = routed
         cpu_kernels.enabled = kernels
+        runner = runners[not kernels]
         runner.paged_kernel = kernels and runner.config.head_dim % 16 == 0
         for batch in (1, batch_max):
             step = iter(range(10**6))
             t = _best(
-                lambda b=batch, s=step: runner.execute(_decode_plan(next(s), b, ctx, 42)), repeat
+                lambda b=batch, s=step, r=runner: r.execute(_decode_plan(next(s), b, ctx, 42)),
+                repeat,
             )
             print(f"{label} decode batch {batch}: {t * 1e3:6.1f} ms/step = {t / floor:.2f}x floor")
         pre = BatchPlan(0, [ScheduledSeq("p", prompt, 0, table, True, greedy)])
-        t = _best(lambda p=pre: runner.execute(p), max(2, repeat // 2))
+        t = _best(lambda p=pre, r=runner: r.execute(p), max(2, repeat // 2))
         achieved = model_flops_per_token * prompt_len / t / 1e9
         print(
             f"{label} prefill {prompt_len}: {t * 1e3:6.0f} ms = {prompt_len / t:.0f} tok/s, "
@@ -197,13 +206,17 @@ def gemm_backends(w: torch.Tensor, rows: int) -> dict[str, Callable[[], object]]
     x = torch.randn(rows, w.shape[1])
     y, yt = torch.empty(rows, w.shape[0]), torch.empty(w.shape[0], rows)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-    return {
+    fns = {
         "torch_mkl": lambda: torch.mm(x, w.t(), out=y),
         "np_xwt": lambda: np.matmul(x.numpy(), w.numpy().T, out=y.numpy()),
         "np_wxt": lambda: np.matmul(w.numpy(), x.numpy().T, out=yt.numpy()),
         "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         "onednn_packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
     }  # fmt: skip
+    if cpu_kernels.fp32_interleave_available():
+        wi = interleave_f32(w)
+        fns["servelab_f32x16"] = lambda: cpu_kernels.qlinear(x, wi, None, y)
+    return fns
 
 
 def gemm_rates(threads: int, rounds: int) -> dict[int, float]:
@@ -224,6 +237,18 @@ def gemm_rates(threads: int, rounds: int) -> dict[int, float]:
     return best_rate
 
 
+def _load(name: str, plain: bool, quantization: str = "none"):
+    """The model as served, or (``plain``) with its fp32 weights left in the [out, in]
+    layout that torch's and the BLAS backends take (the CPU kernels off while it loads)."""
+    from servelab.model.loader import load_model
+
+    cpu_kernels.enabled = not plain
+    try:
+        return load_model(name, device="cpu", quantization=quantization)
+    finally:
+        cpu_kernels.enabled = True
+
+
 def bench_prefill(
     name: str, quantization: str, threads: int, rounds: int, best_rate: dict[int, float]
 ) -> None:
@@ -234,26 +259,27 @@ def bench_prefill(
     from servelab.model.loader import load_model
     from servelab.model.runner import TorchModelRunner
 
-    loaded = load_model(name, device="cpu", quantization=quantization)
-    c = loaded.config
+    c = load_model(name, device="cpu", quantization=quantization).config
     q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     inter, hidden = c.intermediate_size, c.hidden_size
     layer_params = c.num_layers * hidden * (q_out + hidden + 3 * inter)
-    runner = TorchModelRunner(loaded, device="cpu", num_threads=threads, seed=0)
-    runner.allocate_kv(-(-max(PREFILL_LENS) // 16) + 1, 16)
+    runners = {}
+    for key, plain in (("servelab", False), ("stock F.linear", True)):
+        runners[key] = TorchModelRunner(
+            _load(name, plain, quantization), device="cpu", num_threads=threads, seed=0
+        )
+        runners[key].allocate_kv(-(-max(PREFILL_LENS) // 16) + 1, 16)
     greedy = SamplingParams(temperature=0.0)
     clock = _clock(threads)
     for n in PREFILL_LENS:
         plan = BatchPlan(0, [ScheduledSeq("p", list(range(100, 100 + n)), 0,
                                           list(range(-(-n // 16))), True, greedy)])  # fmt: skip
 
-        def run(routed: bool, plan: BatchPlan = plan) -> None:
-            lin.use_numpy_on_cpu = routed
-            runner.execute(plan)
+        def run(key: str, plan: BatchPlan = plan) -> None:
+            lin.use_numpy_on_cpu = key == "servelab"
+            runners[key].execute(plan)
 
-        times = _interleaved(
-            {"servelab": lambda: run(True), "stock F.linear": lambda: run(False)}, rounds, clock
-        )
+        times = _interleaved({k: lambda k=k: run(k) for k in runners}, rounds, clock)
         # Layers: 2 FLOP per weight per token; causal attention: 4 * width per visible key.
         attn = 4 * c.num_layers * c.num_heads * c.head_dim * n * (n + 1) / 2
         flops = 2 * layer_params * n + attn

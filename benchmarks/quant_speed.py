@@ -6,8 +6,8 @@ Same model, same thread count, machine limits measured in the same run:
   its floor: the bytes a decode step reads (every layer's weights in the mode's format, the
   norms and the LM head) over the streaming read bandwidth measured at the start;
 - prefill tok/s at 256 and 1024 tokens (one chunk), beside its ceiling: 2 FLOP per
-  non-embedding weight per token at the fp32 GEMM rate measured here (quantised prefill
-  dequantises each matrix once, then runs the same fp32 GEMM).
+  decoder-layer weight per token at the fp32 GEMM rate measured here (attention not
+  counted; the integer-dot kinds can pass it).
 
 The modes' own figures move with other load on a shared machine, so all three engines are
 built first and measured in ``--rounds`` alternating rounds (the order rotating), each figure
@@ -25,35 +25,26 @@ import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch load
 import argparse
 
 import torch
-from engine_speed import Sizes, gemm_flops, read_bandwidth, servelab_figures
+from engine_speed import (
+    Sizes,
+    flop_per_token,
+    gemm_flops,
+    read_bandwidth,
+    servelab_figures,
+    step_bytes,
+)
 from rich.console import Console
 from rich.table import Table
 
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
-from servelab.model.llama import LlamaForCausalLM
 from servelab.model.loader import load_model
-from servelab.model.quant import MODES, QuantWeight
+from servelab.model.quant import MODES
 from servelab.model.runner import TorchModelRunner
 
 console = Console(width=150)
 SIZES = Sizes((256, 1024), (1, 8, 16, 32), 128, 8, 4, 32, 8, 0, 2)
 QUICK = Sizes((64, 128), (1, 4), 32, 4, 2, 16, 4, 0, 1)
-
-
-def _bytes(w: torch.Tensor | QuantWeight) -> int:
-    t = w.blocks if isinstance(w, QuantWeight) else w
-    return t.numel() * t.element_size()
-
-
-def step_bytes(model: LlamaForCausalLM) -> int:
-    """What one decode step reads: each layer's weights, the final norm and the LM head."""
-    layers = sum(
-        _bytes(w)
-        for L in model.layers
-        for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w, L.ln1, L.ln2)
-    )
-    return layers + _bytes(model.norm) + _bytes(model.lm_head)
 
 
 def main() -> None:
@@ -68,7 +59,7 @@ def main() -> None:
     cpu = torch.device("cpu")
     bandwidth = read_bandwidth(cpu, 5)
     engines: dict[str, tuple[int, LLMEngine]] = {}
-    flops = flop_per_token = 0.0
+    flops = per_token = 0.0
     vocab = 0
     for mode in MODES:
         loaded = load_model(args.model, device="cpu", quantization=mode)
@@ -76,8 +67,7 @@ def main() -> None:
         if not flops:
             q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
             flops = gemm_flops(c.hidden_size, c.intermediate_size, q_out, 512, cpu, 5)
-            weights = sum(p.numel() for p in loaded.model.parameters())
-            flop_per_token = 2 * (weights - c.vocab_size * c.hidden_size)
+            per_token = flop_per_token(c)
             vocab = c.vocab_size
         runner = TorchModelRunner(loaded, device="cpu", num_threads=args.threads)
         # No prefix caching: later rounds send the same prompts, and must compute them again.
@@ -99,7 +89,7 @@ def main() -> None:
     console.print(
         f"read {bandwidth:.1f} GB/s at the start, {after:.1f} at the end; fp32 GEMM "
         f"{flops / 1e9:.1f} GFLOP/s (512 rows) -> prefill ceiling "
-        f"{flops / flop_per_token:,.0f} tok/s before attention; {args.threads} threads, "
+        f"{flops / per_token:,.0f} tok/s before attention; {args.threads} threads, "
         f"best of {args.rounds} alternating rounds"
     )
     t = Table(title="weight modes side by side (provisional on a shared machine: read ratios)")
@@ -119,7 +109,7 @@ def main() -> None:
     for n in sz.prefill_lens:
         cells = [
             f"{rows[m][1][f'prefill_{n}']:,.0f} "
-            f"({rows[m][1][f'prefill_{n}'] * flop_per_token / flops:.0%} of GEMM)"
+            f"({rows[m][1][f'prefill_{n}'] * per_token / flops:.0%} of GEMM)"
             for m in MODES
         ]
         t.add_row(f"prefill {n} tokens (tok/s)", *cells)

@@ -9,7 +9,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from servelab.model import cpu_kernels
 from servelab.model.linear import linear
-from servelab.model.quant import QuantWeight, deinterleave, interleave
+from servelab.model.quant import QuantWeight, deinterleave, f32_rows, interleave, interleave_f32
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built here")
 
@@ -123,3 +123,41 @@ def test_interleaving_refuses_what_it_cannot_reorder() -> None:
         interleave(_weight("q4_1", 53, 96, seed=0)[0])
     with pytest.raises(ValueError, match="not q4_1x16 x 64"):
         interleave(interleave(_weight("q4_1", 64, 96, seed=0)[0]))
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.fp32_interleave_available(), reason="fp32 interleaving needs AVX-512"
+)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [s for s in SHAPES if s[0] % 16 == 0] + [(48, 5), (32, 100)])
+def test_interleaved_fp32_matches_matmul(n: int, k: int, threads: int) -> None:
+    """f32x16: the values reordered (rows read back exactly, one by one or all), and the
+    product is x @ w.T at every row count, tile and token block (to 300 rows), with a bias
+    or into a residual, each row's result independent of the rows beside it."""
+    cpu_kernels.set_num_threads(threads)
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    wx = interleave_f32(w)
+    assert wx.kind == "f32x16" and wx.interleaved and wx.n == n and wx.blocks.dtype == w.dtype
+    assert torch.equal(f32_rows(wx), w) and torch.equal(cpu_kernels.dequantize(wx), w)
+    rows = torch.tensor([n - 1, 0, 17 % n, 17 % n])
+    assert torch.equal(f32_rows(wx, rows), w[rows])
+    b = torch.randn(n, generator=g)
+    ref = w.double().T
+    for m in (1, 2, 3, 7, 8, 9, 15, 32, 33, 257, 300):
+        x = torch.randn(m, k, generator=g)
+        want = (x.double() @ ref).numpy()
+        _close(linear(x, wx), want.astype(np.float32), k)
+        _close(linear(x, wx, b), (want + b.double().numpy()).astype(np.float32), k)
+        res = torch.randn(m, n, generator=g)
+        _close(
+            linear(x, wx, residual=res.clone()), (res.double().numpy() + want).astype(np.float32), k
+        )
+        if m in (9, 33, 300):
+            alone = torch.cat([linear(x[i : i + 1], wx) for i in range(m)])
+            assert torch.equal(linear(x, wx), alone)
+
+
+def test_fp32_interleaving_needs_rows_in_sixteens() -> None:
+    with pytest.raises(ValueError, match="16k rows, not 40"):
+        interleave_f32(torch.zeros(40, 8))

@@ -12,8 +12,9 @@ Contract:
 - ``qlinear(x, w, b, residual)``: the same product with ``w`` a ``quant.QuantWeight``
   (GGUF Q8_0 or Q4_1 blocks, dequantised in registers for a few rows, a 24-row panel at a
   time into an L2 tile from 12 rows on; kinds ``q4_1x16`` and ``q8_0x16`` by integer dots on
-  inputs rounded to 8 bits per block of 32, any row count, where ``int8_dot_available()``);
-  ``dequantize(w)`` its fp32 matrix.
+  inputs rounded to 8 bits per block of 32, any row count, where ``int8_dot_available()``;
+  kind ``f32x16``, fp32 interleaved by 16 rows, at any row count where
+  ``fp32_interleave_available()``); ``dequantize(w)`` its fp32 matrix.
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
   ``prefill_attention(...)``: the same for prefill chunks, 32 tokens a tile (AVX-512 builds
@@ -39,7 +40,7 @@ import warnings
 import torch
 
 from servelab.model import kernel_build
-from servelab.model.quant import QuantWeight
+from servelab.model.quant import QuantWeight, f32_rows
 
 MAX_ROWS = 32  # above this, prefill-sized products go to BLAS, which tiles for cache
 
@@ -70,6 +71,7 @@ def _load() -> ctypes.CDLL | None:
     lib.sl_qlinear.argtypes = [p, p, p, p, i64, i64, i64, i32, i32, i32]
     lib.sl_dequantize.argtypes = [p, p, i64, i64, i32, i32]
     lib.sl_int8_dot.argtypes = []
+    lib.sl_f32_interleaved.argtypes = []
     lib.sl_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p]
     lib.sl_paged_attention.argtypes += [i64, i64, i64, i64, ctypes.c_float, i32]
     lib.sl_paged_attention.restype = None
@@ -94,6 +96,11 @@ def available() -> bool:
 def int8_dot_available() -> bool:
     """Whether the built kernels take ``q4_1x16`` weights (AVX512-VNNI integer dots)."""
     return available() and bool(_lib.sl_int8_dot())
+
+
+def fp32_interleave_available() -> bool:
+    """Whether the built kernels take ``f32x16`` weights (the AVX-512 builds)."""
+    return available() and bool(_lib.sl_f32_interleaved())
 
 
 def set_num_threads(n: int) -> None:
@@ -141,6 +148,8 @@ def qlinear(
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """The fp32 matrix [w.n, w.k] of quantised weights."""
+    if w.kind == "f32x16":
+        return f32_rows(w).clone()
     out = torch.empty((w.n, w.k), dtype=torch.float32)
     _lib.sl_dequantize(w.blocks.data_ptr(), out.data_ptr(), w.n, w.k, w.kind_id, _threads)
     return out

@@ -23,7 +23,7 @@ from torch import nn
 from servelab.model import cpu_kernels, ops
 from servelab.model.config import ModelConfig
 from servelab.model.linear import linear
-from servelab.model.quant import QuantWeight, interleave
+from servelab.model.quant import QuantWeight, f32_rows, interleave, interleave_f32
 from servelab.model.rope import rope_table
 
 
@@ -98,14 +98,23 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 Weight = torch.Tensor | QuantWeight
 
 
-def _weight(t: Weight) -> nn.Parameter | QuantWeight:
-    """A fused weight as the model holds it: blocks interleaved for integer dots where the
-    kernels have them (``quant.interleave``)."""
+def _weight(t: Weight, interleave_fp32: bool) -> nn.Parameter | QuantWeight:
+    """A fused weight as the model holds it: rows interleaved by 16 where the CPU kernels
+    take that layout (``quant.interleave`` for integer dots, ``quant.interleave_f32`` for
+    fp32 when ``interleave_fp32``)."""
     if isinstance(t, QuantWeight):
         if t.n % 16 == 0 and cpu_kernels.int8_dot_available():
             return interleave(t)
         return QuantWeight(t.kind, t.blocks.contiguous(), t.k)
+    if interleave_fp32 and t.dtype == torch.float32 and t.shape[0] % 16 == 0:
+        return interleave_f32(t.contiguous())
     return _param(t)
+
+
+def _embed(table: nn.Parameter | QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(table, QuantWeight):  # a tied LM head, interleaved
+        return f32_rows(table, ids)
+    return F.embedding(ids, table)
 
 
 def _rotary_rows(w: Weight, n_heads: int) -> Weight:
@@ -124,24 +133,27 @@ def _cat_rows(ws: list[Weight]) -> Weight:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, Weight], prefix: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, w: dict[str, Weight], prefix: str, interleave_fp32: bool
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         nq, nkv = cfg.num_heads, cfg.num_kv_heads
         q = _rotary_rows(w[prefix + "self_attn.q_proj.weight"], nq)
         k = _rotary_rows(w[prefix + "self_attn.k_proj.weight"], nkv)
         v = w[prefix + "self_attn.v_proj.weight"]
-        self.qkv_w = _weight(_cat_rows([q, k, v]))
+        self.qkv_w = _weight(_cat_rows([q, k, v]), interleave_fp32)
         self.qkv_b: nn.Parameter | None = None
         if cfg.qkv_bias:
             qb = to_interleaved_rotary(w[prefix + "self_attn.q_proj.bias"], nq)
             kb = to_interleaved_rotary(w[prefix + "self_attn.k_proj.bias"], nkv)
             self.qkv_b = _param(torch.cat([qb, kb, w[prefix + "self_attn.v_proj.bias"]]))
-        self.o_w = _weight(w[prefix + "self_attn.o_proj.weight"])
+        self.o_w = _weight(w[prefix + "self_attn.o_proj.weight"], interleave_fp32)
         self.gate_up_w = _weight(
-            _cat_rows([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]])
+            _cat_rows([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]]),
+            interleave_fp32,
         )
-        self.down_w = _weight(w[prefix + "mlp.down_proj.weight"])
+        self.down_w = _weight(w[prefix + "mlp.down_proj.weight"], interleave_fp32)
         self.ln1 = _param(w[prefix + "input_layernorm.weight"])
         self.ln2 = _param(w[prefix + "post_attention_layernorm.weight"])
 
@@ -235,7 +247,10 @@ class LlamaForCausalLM(nn.Module):
     """The decoder with its embedding and LM head. ``forward`` returns logits [S, vocab].
 
     Linear weights and the LM head may be ``QuantWeight``s (all layers of one kind; CPU
-    only), run by servelab's quantised kernels.
+    only), run by servelab's kernels: quantised blocks, or on CPU with the AVX-512 kernels
+    fp32 rows interleaved by 16 (``quant.interleave_f32``; a tied embedding then lives only
+    in that layout, its rows read back for lookups). ``dtype`` and ``device`` are the
+    model's compute dtype and device.
     """
 
     def __init__(
@@ -243,19 +258,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = _param(weights["model.embed_tokens.weight"])
+        pack = torch.device(device).type == "cpu" and cpu_kernels.fp32_interleave_available()
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, weights, f"model.layers.{i}.") for i in range(cfg.num_layers)
+            DecoderLayer(cfg, weights, f"model.layers.{i}.", pack) for i in range(cfg.num_layers)
         )
         self.norm = _param(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
+        self.embed: nn.Parameter | QuantWeight
         self.lm_head: nn.Parameter | QuantWeight
         if isinstance(head, QuantWeight):
-            self.lm_head = _weight(head)
+            self.embed = _param(weights["model.embed_tokens.weight"])
+            self.lm_head = _weight(head, pack)
         elif cfg.tie_word_embeddings or head is None:
+            self.embed = _weight(weights["model.embed_tokens.weight"], pack)
             self.lm_head = self.embed
         else:
-            self.lm_head = _param(weights["lm_head.weight"])
+            self.embed = _param(weights["model.embed_tokens.weight"])
+            self.lm_head = _weight(head, pack)
         self.to(device)
         kinds = {
             w.kind_id if isinstance(w, QuantWeight) else 0
@@ -269,13 +288,21 @@ class LlamaForCausalLM(nn.Module):
         self.fuse_decode = len(kinds) <= 1
         self._stack: tuple[tuple, torch.Tensor] | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
     @torch.inference_mode()
     def forward(
         self,
         batch: ForwardBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        x = F.embedding(batch.input_ids, self.embed)
+        x = _embed(self.embed, batch.input_ids)
         rotary = ops.Rotary(self.rope, batch.positions)
         if self._fusable(x, batch, kv_caches):
             self._decoder_stack(x, rotary, batch, kv_caches)

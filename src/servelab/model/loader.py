@@ -37,7 +37,7 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed.device
+        return self.model.device
 
 
 def default_device() -> str:

@@ -15,6 +15,11 @@ Contract:
   ``q8_0x16``: the same bytes reordered for the integer-dot kernels (16 rows' blocks side by
   side, see ``csrc/cpu_kernels.c``, kinds 3 and 4); ``deinterleave`` undoes it. Rows of an
   interleaved weight no longer move one by one, so this is done last, on fused matrices.
+- ``interleave_f32(t)``: an fp32 [n, k] matrix (n a multiple of 16) as kind ``f32x16``, whose
+  ``blocks`` (fp32, shape [n, k]) hold its values as [n / 16][k][16]: for each group of 16
+  rows, their k columns side by side (the fp32 kernel's layout, kind 5). ``f32_rows(w,
+  rows)`` reads rows of it back (all of them when ``rows`` is None): the embedding lookup
+  of a tied LM head.
 
 Why: a decode step streams every weight once, so its floor is the weight bytes over the
 memory bandwidth; Q8_0 is 34/128 of fp32's bytes and Q4_1 20/128.
@@ -31,7 +36,8 @@ import torch
 # q8_0 is the model layer's and the benchmarks'; the CLI offers vocab.QUANTIZATION_MODES.
 MODES = ("none", "q8_0", "q4_1")
 
-_KIND_IDS = {"q8_0": 1, "q4_1": 2, "q4_1x16": 3, "q8_0x16": 4}  # the C kernels' kind numbers
+# The C kernels' kind numbers.
+_KIND_IDS = {"q8_0": 1, "q4_1": 2, "q4_1x16": 3, "q8_0x16": 4, "f32x16": 5}
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Interleaved kinds: (GGUF kind, scale bytes, quant bytes) of a block.
 _INTERLEAVED = {"q4_1x16": ("q4_1", 4, 16), "q8_0x16": ("q8_0", 2, 32)}
@@ -53,8 +59,25 @@ class QuantWeight:
 
     @property
     def interleaved(self) -> bool:
-        """Blocks reordered for the integer-dot kernels (``interleave``)."""
-        return self.kind in _INTERLEAVED
+        """Rows reordered in groups of 16 (``interleave``, ``interleave_f32``): the kernels
+        take these at every row count."""
+        return self.kind in _INTERLEAVED or self.kind == "f32x16"
+
+
+def interleave_f32(t: torch.Tensor) -> QuantWeight:
+    """See the module docstring; ValueError for rows not a multiple of 16."""
+    n, k = t.shape
+    if n % 16:
+        raise ValueError(f"interleave_f32 takes 16k rows, not {n}")
+    return QuantWeight("f32x16", t.view(n // 16, 16, k).transpose(1, 2).reshape(n, k), k)
+
+
+def f32_rows(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` (a long tensor; all when None) of an ``f32x16`` weight, as [len, k]."""
+    groups = w.blocks.view(w.n // 16, w.k, 16)
+    if rows is None:
+        return groups.transpose(1, 2).reshape(w.n, w.k)
+    return groups[rows // 16, :, rows % 16]
 
 
 def interleave(w: QuantWeight) -> QuantWeight:

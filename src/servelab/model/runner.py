@@ -70,7 +70,7 @@ class TorchModelRunner:
         # where it is built; elsewhere blocks are gathered for torch's SDPA.
         self.paged_kernel = (
             self.device.type == "cpu"
-            and self.model.embed.dtype == torch.float32
+            and self.model.dtype == torch.float32
             and loaded.config.head_dim % 16 == 0
             and cpu_kernels.available()
         )
@@ -81,7 +81,7 @@ class TorchModelRunner:
         self.config = cfg
         self.max_model_len: int = cfg.max_model_len
         self.eos_token_ids: list[int] = loaded.tokenizer.eos_token_ids or cfg.eos_token_ids
-        self.dtype = self.model.embed.dtype
+        self.dtype = self.model.dtype
         self.sampler = Sampler(self.device, seed)
         self.block_size = 0
         self.num_blocks = 0
@@ -91,7 +91,7 @@ class TorchModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
         cfg = self.config
-        itemsize = self.model.embed.element_size()
+        itemsize = torch.finfo(self.model.dtype).bits // 8
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
@@ -101,7 +101,7 @@ class TorchModelRunner:
             )
         cfg = self.config
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.model.embed.dtype, device=self.device)
+        self.kv = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
         self._layer_kv = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.block_size, self.num_blocks = block_size, num_blocks
 
