@@ -32,12 +32,13 @@ linear on the plain weight (``onednn``, what servelab routes to where its AVX-51
 are not built) and on a weight packed ahead of time (``onednn_packed``), and servelab's
 kernel on the weight interleaved by 16 rows (``servelab_f32x16``, what it routes to where
 they are) -- in alternating rounds, best kept; then the model's prefill at 256-2048 tokens
-as served and with stock ``F.linear`` on the plain weights, in
-alternating rounds, its GFLOP/s (layers plus causal attention) against the best rate
-measured in the same run (target: >= 85%); with ``--quantization`` the model's products
-dequantise their blocks first, as served. One thread is timed in CPU time of the calling
-thread (every backend then runs inline), so other processes' load on the core does not
-count; more threads are timed by the wall clock and read true only on a quiet machine.
+as served and with stock ``F.linear`` on the plain weights, its GFLOP/s (layers plus causal
+attention) against the best GEMM rate of the layer's products at the same row count
+(oneDNN packed or servelab's), all in the same alternating rounds (target: >= 85%); with
+``--quantization`` the model's weights are quantised as served. One thread is timed in CPU
+time of the calling thread (every backend then runs inline), so other processes' load on
+the core does not count; more threads are timed by the wall clock and read true only on a
+quiet machine.
 
 Usage: python benchmarks/kernels.py [--rows 1,4,16,64,256] [--threads N] [--repeat 5]
                                     [--model smollm2-135m] [--skip-kernels]
@@ -219,9 +220,10 @@ def gemm_backends(w: torch.Tensor, rows: int) -> dict[str, Callable[[], object]]
     return fns
 
 
-def gemm_rates(threads: int, rounds: int) -> dict[int, float]:
-    """Print each backend's GFLOP/s per row count; return the best backend's per row count."""
+def gemm_rates(threads: int, rounds: int) -> None:
+    """Print each backend's GFLOP/s per row count, with its ratio to the best."""
     clock = _clock(threads)
+    cpu_kernels.set_num_threads(threads)
     ws = [torch.randn(o, i) for _, o, i in LAYER_SHAPES]
     best_rate = {}
     for rows in GEMM_ROWS:
@@ -234,7 +236,6 @@ def gemm_rates(threads: int, rounds: int) -> dict[int, float]:
         best_rate[rows] = max(rates.values())
         cells = "  ".join(f"{k} {r:5.1f} ({r / best_rate[rows]:.2f})" for k, r in rates.items())
         print(f"rows {rows:>4}: {cells}")
-    return best_rate
 
 
 def _load(name: str, plain: bool, quantization: str = "none"):
@@ -249,10 +250,10 @@ def _load(name: str, plain: bool, quantization: str = "none"):
         cpu_kernels.enabled = True
 
 
-def bench_prefill(
-    name: str, quantization: str, threads: int, rounds: int, best_rate: dict[int, float]
-) -> None:
-    """The model's prefill, routed and stock, against the best GEMM rate of this run."""
+def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> None:
+    """The model's prefill, as served and stock, against the best GEMM rate at the same row
+    count, each measured in turn with the others (the machine's speed drifts by tens of
+    percent over minutes on a shared host, so a rate measured earlier would not do)."""
     from servelab.engine.plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
     from servelab.model import linear as lin
@@ -279,11 +280,17 @@ def bench_prefill(
             lin.use_numpy_on_cpu = key == "servelab"
             runners[key].execute(plan)
 
-        times = _interleaved({k: lambda k=k: run(k) for k in runners}, rounds, clock)
+        fns: dict[str, Callable[[], object]] = {k: lambda k=k: run(k) for k in runners}
+        gemms = [gemm_backends(torch.randn(o, i), n) for _, o, i in LAYER_SHAPES]
+        for b in ("onednn_packed", "servelab_f32x16"):
+            if b in gemms[0]:
+                fns[b] = lambda b=b, gs=gemms: [g[b]() for g in gs]
+        times = _interleaved(fns, rounds, clock)
+        layer_flops = sum(2 * n * o * i for _, o, i in LAYER_SHAPES)
+        gemm = max(layer_flops / times.pop(b) / 1e9 for b in list(times) if b not in runners)
         # Layers: 2 FLOP per weight per token; causal attention: 4 * width per visible key.
         attn = 4 * c.num_layers * c.num_heads * c.head_dim * n * (n + 1) / 2
         flops = 2 * layer_params * n + attn
-        gemm = best_rate[min(GEMM_ROWS, key=lambda r: abs(r - n))]
         cells = "  ".join(
             f"{k} {n / t:6.0f} tok/s {flops / t / 1e9:5.1f} GFLOP/s = {flops / t / 1e9 / gemm:.0%}"
             for k, t in times.items()
@@ -307,10 +314,9 @@ def main() -> None:
             torch.set_num_threads(threads)
             with threadpool_limits(limits=threads, user_api="blas"):
                 print(f"\n{threads} thread(s): GFLOP/s of one layer's products (ratio to best)")
-                best_rate = gemm_rates(threads, args.repeat)
+                gemm_rates(threads, args.repeat)
                 if args.model:
-                    rounds = max(2, args.repeat // 2)
-                    bench_prefill(args.model, args.quantization, threads, rounds, best_rate)
+                    bench_prefill(args.model, args.quantization, threads, args.repeat)
         return
     torch.set_num_threads(args.threads)
     cpu_kernels.set_num_threads(args.threads)

@@ -136,10 +136,12 @@ def qlinear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``linear`` with quantised weights: ``x`` [m, w.k] fp32."""
+    lib = _load()
+    assert lib is not None, "check cpu_kernels.available() first"
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty((m, w.n), dtype=torch.float32) if residual is None else residual
-    _lib.sl_qlinear(
+    lib.sl_qlinear(
         x.data_ptr(), w.blocks.data_ptr(), b.data_ptr() if b is not None else None,
         y.data_ptr(), m, w.n, w.k, residual is not None, w.kind_id, _threads,
     )  # fmt: skip
