@@ -693,13 +693,17 @@ enum { KIND_F32X = 5, FX_GROUPS = 3, FX_ROWS = 8, FX_TOKEN_BLOCK = 256 };
 static inline __attribute__((always_inline)) void fx_tile(const float *x, int64_t k,
                                                            const float *wg, int64_t gs,
                                                            const float *b, float *y,
-                                                           int64_t ldy, int add, const int R,
+                                                           int64_t ldy, int add,
+                                                           const float *pf, const int R,
                                                            const int NV) {
     __m512 acc[FX_ROWS][FX_GROUPS];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
         __m512 wv[FX_GROUPS];
+        if (pf)
+            for (int v = 0; v < FX_GROUPS; v++)
+                _mm_prefetch((const char *)(pf + v * gs + 16 * i), _MM_HINT_T1);
         for (int v = 0; v < NV; v++) wv[v] = _mm512_loadu_ps(wg + v * gs + 16 * i);
         for (int r = 0; r < R; r++) {
             const __m512 xb = _mm512_set1_ps(x[r * k + i]);
@@ -715,7 +719,8 @@ static inline __attribute__((always_inline)) void fx_tile(const float *x, int64_
         }
 }
 
-#define FX_TILE(R, NV) fx_tile(x + r * k, k, wg, gs, bg, y + r * n + 16 * g0, n, add, R, NV)
+#define FX_TILE(R, NV)                                                                     \
+    fx_tile(x + r * k, k, wg, gs, bg, y + r * n + 16 * g0, n, add, r == r0 ? pf : NULL, R, NV)
 #define FX_ROWS_OF(NV)                                                                     \
     do {                                                                                   \
         for (; r + FX_ROWS <= r1; r += FX_ROWS) FX_TILE(FX_ROWS, NV);                      \
@@ -735,6 +740,10 @@ static void fx_block(const float *x, const float *w, const float *b, float *y, i
                      int64_t k, int64_t g0, int G, int64_t r0, int64_t r1, int add) {
     const int64_t gs = 16 * k;
     const float *wg = w + g0 * gs, *bg = b ? b + 16 * g0 : NULL;
+    // The first row tile prefetches the next block into L2, one line of each group a step:
+    // over 200 MB of a layer's products in memory, one thread, 8 rows 90 -> 108 GFLOP/s and
+    // 32 rows 175 -> 185 (the other tiles read the block from L2).
+    const float *pf = wg + FX_GROUPS * gs;
     int64_t r = r0;
     if (G == 3)
         FX_ROWS_OF(3);
