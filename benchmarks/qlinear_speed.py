@@ -1,9 +1,11 @@
-"""The linear products alone: fp32 against Q4_1 blocks with fp32 inputs and Q4_1 by integer dots.
+"""The linear products alone: fp32 (plain and interleaved) against Q4_1 blocks with fp32 inputs
+and Q4_1 by integer dots.
 
 Over ``--layers`` layers' worth of SmolLM2's four products (qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536), each layer its own copy (so the weights come from memory, as in a
-decode step), at each row count in ``--rows``: ``linear`` on fp32 weights (servelab's kernel
-up to 32 rows, oneDNN above), on Q4_1 blocks (``q4_1``: dequantised in registers, on panels,
+decode step), at each row count in ``--rows``: ``linear`` on fp32 weights in the plain layout
+(servelab's kernel up to 32 rows, oneDNN above) and interleaved by 16 rows (``f32x16``, what
+the model holds where the AVX-512 kernels are built), on Q4_1 blocks (``q4_1``: dequantised in registers, on panels,
 or to fp32 for oneDNN, by row count) and on the same blocks interleaved for integer dots
 (``q4_1x16``, AVX512-VNNI builds only). Random blocks; best of ``--repeat``; the GFLOP/s
 column counts 2 per weight per row, so integer dots can read above the fp32 GEMM rate.
@@ -54,7 +56,11 @@ def main() -> None:
     cpu_kernels.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     blocks = [[random_q4_1(n, k, g) for n, k in SHAPES] for _ in range(a.layers)]
-    kinds = {"fp32": [[cpu_kernels.dequantize(w) for w in ws] for ws in blocks], "q4_1": blocks}
+    fp32 = [[cpu_kernels.dequantize(w) for w in ws] for ws in blocks]
+    kinds: dict[str, list] = {"fp32": fp32}
+    if cpu_kernels.fp32_interleave_available():
+        kinds["f32x16"] = [[quant.interleave_f32(w) for w in ws] for ws in fp32]
+    kinds["q4_1"] = blocks
     if cpu_kernels.int8_dot_available():
         kinds["q4_1x16"] = [[quant.interleave(w) for w in ws] for ws in blocks]
     flops_per_row = 2 * sum(n * k for n, k in SHAPES) * a.layers

@@ -694,16 +694,15 @@ static inline __attribute__((always_inline)) void fx_tile(const float *x, int64_
                                                            const float *wg, int64_t gs,
                                                            const float *b, float *y,
                                                            int64_t ldy, int add,
-                                                           const float *pf, const int R,
-                                                           const int NV) {
+                                                           const float *pf, int npf,
+                                                           const int R, const int NV) {
     __m512 acc[FX_ROWS][FX_GROUPS];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
         __m512 wv[FX_GROUPS];
-        if (pf)
-            for (int v = 0; v < FX_GROUPS; v++)
-                _mm_prefetch((const char *)(pf + v * gs + 16 * i), _MM_HINT_T1);
+        for (int v = 0; v < npf; v++)
+            _mm_prefetch((const char *)(pf + v * gs + 16 * i), _MM_HINT_T1);
         for (int v = 0; v < NV; v++) wv[v] = _mm512_loadu_ps(wg + v * gs + 16 * i);
         for (int r = 0; r < R; r++) {
             const __m512 xb = _mm512_set1_ps(x[r * k + i]);
@@ -720,7 +719,9 @@ static inline __attribute__((always_inline)) void fx_tile(const float *x, int64_
 }
 
 #define FX_TILE(R, NV)                                                                     \
-    fx_tile(x + r * k, k, wg, gs, bg, y + r * n + 16 * g0, n, add, r == r0 ? pf : NULL, R, NV)
+    fx_tile(x + r * k, k, wg, gs, bg, y + r * n + 16 * g0, n, add,                         \
+            spread ? pf + (r - r0) / FX_ROWS * gs : pf,                                    \
+            spread ? (r - r0) / FX_ROWS < FX_GROUPS : (r == r0) * FX_GROUPS, R, NV)
 #define FX_ROWS_OF(NV)                                                                     \
     do {                                                                                   \
         for (; r + FX_ROWS <= r1; r += FX_ROWS) FX_TILE(FX_ROWS, NV);                      \
@@ -740,10 +741,13 @@ static void fx_block(const float *x, const float *w, const float *b, float *y, i
                      int64_t k, int64_t g0, int G, int64_t r0, int64_t r1, int add) {
     const int64_t gs = 16 * k;
     const float *wg = w + g0 * gs, *bg = b ? b + 16 * g0 : NULL;
-    // The first row tile prefetches the next block into L2, one line of each group a step:
-    // over 200 MB of a layer's products in memory, one thread, 8 rows 90 -> 108 GFLOP/s and
-    // 32 rows 175 -> 185 (the other tiles read the block from L2).
+    // The next block goes to L2 while this one is computed, a line of a group each step: the
+    // first three row tiles take a group each where there are three, else the first tile
+    // takes all three. Over 200 MB of a layer's products in memory, one thread, against no
+    // prefetch: 8 rows 90 -> 108 GFLOP/s; 32 rows ~170 -> ~195 (the first tile alone
+    // prefetching all three groups at 32 rows: ~170-185).
     const float *pf = wg + FX_GROUPS * gs;
+    const int spread = r1 - r0 >= FX_GROUPS * FX_ROWS;
     int64_t r = r0;
     if (G == 3)
         FX_ROWS_OF(3);
