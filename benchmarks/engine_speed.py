@@ -163,14 +163,19 @@ def _run(engine: LLMEngine) -> list:
     return records
 
 
-def servelab_figures(engine: LLMEngine, sz: Sizes, vocab: int) -> dict[str, float]:
+def servelab_figures(
+    engine: LLMEngine, sz: Sizes, vocab: int, gemm: Callable[[], float] | None = None
+) -> dict[str, float]:
+    """The engine's figures. With ``gemm`` (a GEMM rate, measured when called), each prefill
+    repeat is followed by one, and ``gemm_{length}`` is the highest of them: a reference
+    taken at the same moments as the prefill (a shared host's speed drifts over minutes)."""
     rng = random.Random(0)
     out: dict[str, float] = {}
     greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
     n = 0
     for length in sz.prefill_lens:
-        times = []
-        for _ in range(sz.repeat + 1):  # first one warms up
+        times, rates = [], []
+        for i in range(sz.repeat + 1):  # first one warms up
             engine.add_request(
                 f"p{n}", prompt_token_ids=_prompt(rng, length, vocab), sampling_params=greedy_one
             )
@@ -178,7 +183,11 @@ def servelab_figures(engine: LLMEngine, sz: Sizes, vocab: int) -> dict[str, floa
             recs = _run(engine)
             assert len(recs) == 1, "the prompt should run in one chunk"
             times.append(recs[0].duration)
+            if gemm is not None and i:
+                rates.append(gemm())
         out[f"prefill_{length}"] = length / min(times[1:])
+        if rates:
+            out[f"gemm_{length}"] = max(rates)
     for batch in sz.decode_batches:
         sp = SamplingParams(max_tokens=sz.decode_steps + 2, temperature=0.0, ignore_eos=True)
         for _ in range(batch):
