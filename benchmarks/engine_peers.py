@@ -64,6 +64,7 @@ from servelab.model.loader import load_model
 from servelab.model.registry import resolve_model
 from servelab.model.runner import TorchModelRunner
 from servelab.rundir import load_run
+from servelab.server.heap import keep_step_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(width=150)
@@ -360,6 +361,7 @@ def targets(
 
 
 def main() -> None:
+    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=1)

@@ -54,6 +54,7 @@ from servelab.model.quant import QuantWeight
 from servelab.model.registry import is_gguf, resolve_model
 from servelab.model.runner import TorchModelRunner
 from servelab.model.weight_cache import cached_hf_dir
+from servelab.server.heap import keep_step_buffers
 
 console = Console(width=150)
 
@@ -276,6 +277,7 @@ def hf_figures(hf_dir: str, sz: Sizes, vocab: int, device: torch.device) -> dict
 
 
 def main() -> None:
+    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

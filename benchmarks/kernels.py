@@ -62,6 +62,7 @@ from threadpoolctl import threadpool_limits
 
 from servelab.model import cpu_kernels
 from servelab.model.quant import interleave_f32
+from servelab.server.heap import keep_step_buffers
 
 # (name, out_features, in_features) of one SmolLM2-135M layer with fused q/k/v and gate/up.
 LAYER_SHAPES = [
@@ -300,6 +301,7 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
 
 
 def main() -> None:
+    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

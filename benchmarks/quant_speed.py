@@ -41,6 +41,7 @@ from servelab.engine.engine import LLMEngine
 from servelab.model.loader import load_model
 from servelab.model.quant import MODES
 from servelab.model.runner import TorchModelRunner
+from servelab.server.heap import keep_step_buffers
 
 console = Console(width=150)
 SIZES = Sizes((256, 1024), (1, 8, 16, 32), 128, 8, 4, 32, 8, 0, 2)
@@ -48,6 +49,7 @@ QUICK = Sizes((64, 128), (1, 4), 32, 4, 2, 16, 4, 0, 1)
 
 
 def main() -> None:
+    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -3,6 +3,8 @@ period, and never while idle with nothing done (model-free engine, virtual clock
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -82,3 +84,36 @@ def test_work_is_trimmed_after_once_the_core_is_idle(monkeypatch: pytest.MonkeyP
 
 def test_an_idle_core_never_trims(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _run(0, idle_advance=20.0, iterations=4, monkeypatch=monkeypatch) == []
+
+
+_STEPS = """
+import resource, sys
+from servelab.server.heap import keep_step_buffers
+if sys.argv[1] == "keep":
+    keep_step_buffers()
+def step():  # three activations of a layer, freed together
+    bufs = [bytearray(20 * 2**20) for _ in range(3)]
+    del bufs
+step(); step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(core.MALLOC_TRIM is None, reason="glibc's heap controls are not here")
+def test_steps_reuse_their_heap_instead_of_faulting_it_in_again() -> None:
+    """glibc's own thresholds trim the heap at twice the biggest buffer freed, so a step that
+    frees several such buffers gives the pages back and faults them in again next time;
+    the core's policy keeps them until its periodic trim."""
+
+    def faults(policy: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _STEPS, policy], capture_output=True, text=True, check=True
+        )
+        return int(out.stdout)
+
+    default, kept = faults("default"), faults("keep")
+    assert default > 10 * 3 * 20 * 2**20 // 4096 // 2, default  # re-faulted most pages each step
+    assert kept < default // 20, (kept, default)

@@ -36,7 +36,7 @@ import zmq
 
 from servelab.model import kernel_build
 from servelab.server import ipc
-from servelab.server.heap import MALLOC_TRIM
+from servelab.server.heap import MALLOC_TRIM, keep_step_buffers
 
 log = logging.getLogger("servelab.server.core")
 
@@ -55,6 +55,7 @@ def build_engine(cfg: ipc.CoreConfig, engine_cls: type | None = None) -> Any:
     torch.set_num_threads(cfg.torch_threads)
     # The core is one Python thread driving torch; a second inter-op pool only competes for CPUs.
     torch.set_num_interop_threads(1)
+    keep_step_buffers()
     from servelab.engine.config import EngineConfig
     from servelab.model.build import build_engine as build_model_engine
 
