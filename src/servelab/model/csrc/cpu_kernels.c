@@ -872,48 +872,50 @@ int sl_int8_dot(void) {
 #endif
 }
 
-// e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
-// polynomial (relative error ~2e-7, below fp32 rounding of the softmax sums); inputs
-// below -87 flush to 0, as softmax wants for masked-out scores.
+// e^x, for 8 lanes (exp8) and 16 (exp16): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error ~2e-7, below fp32 rounding of the softmax sums);
+// inputs below -87 flush to 0, as softmax wants for masked-out scores. The reduction and the
+// polynomial are written once, for both widths (W: 256 or 512); only the clamp and the 2^n
+// scaling differ.
+#define EXP_FLOOR -87.0f
+#define EXP_LOG2E 1.44269504f
+#define DEFINE_EXP_POLY(T, W)                                                               \
+    static inline T exp_poly##W(T x, T n) {                                                 \
+        T r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(0.693145752f), x);                     \
+        r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(1.42860677e-6f), r);                     \
+        T p = _mm##W##_set1_ps(1.0f / 720);                                                 \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 120));                          \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 24));                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 6));                            \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(0.5f));                                \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f));                                \
+        return _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f));                             \
+    }
+DEFINE_EXP_POLY(__m256, 256)
+
 static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 lo = _mm256_set1_ps(EXP_FLOOR);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 p = exp_poly256(x, n);
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 #ifdef SL_AVX512
-// exp8's function on 16 lanes, the same steps in 512-bit registers (scalef applies 2^n, which
-// is exact for the normal range that inputs above -87 give): the same values, in half the
-// instructions of exp8 on each half.
+DEFINE_EXP_POLY(__m512, 512)
+
+// scalef applies 2^n, which is exact for the normal range that inputs above EXP_FLOOR give:
+// exp8's values, in half the instructions of exp8 on each half.
 static inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __m512 lo = _mm512_set1_ps(EXP_FLOOR);
     const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
     x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
+    return _mm512_maskz_scalef_ps(keep, exp_poly512(x, n), n);
 }
 
 // out[j] = the sum of v[j]'s 16 lanes, for 16 vectors: a transpose-and-add tree (45
