@@ -263,17 +263,15 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, weights, f"model.layers.{i}.", pack) for i in range(cfg.num_layers)
         )
         self.norm = _param(weights["model.norm.weight"])
-        head = weights.get("lm_head.weight")
+        embed, head = weights["model.embed_tokens.weight"], weights.get("lm_head.weight")
         self.embed: nn.Parameter | QuantWeight
         self.lm_head: nn.Parameter | QuantWeight
-        if isinstance(head, QuantWeight):
-            self.embed = _param(weights["model.embed_tokens.weight"])
-            self.lm_head = _weight(head, pack)
-        elif cfg.tie_word_embeddings or head is None:
-            self.embed = _weight(weights["model.embed_tokens.weight"], pack)
+        # A quantised head (q4_1's own blocks, q8_0's) is its own weight even when tied.
+        if not isinstance(head, QuantWeight) and (cfg.tie_word_embeddings or head is None):
+            self.embed = _weight(embed, pack)
             self.lm_head = self.embed
         else:
-            self.embed = _param(weights["model.embed_tokens.weight"])
+            self.embed = _param(embed)
             self.lm_head = _weight(head, pack)
         self.to(device)
         kinds = {

@@ -91,7 +91,7 @@ class TorchModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
         cfg = self.config
-        itemsize = torch.finfo(self.model.dtype).bits // 8
+        itemsize = self.dtype.itemsize
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
@@ -101,7 +101,7 @@ class TorchModelRunner:
             )
         cfg = self.config
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._layer_kv = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.block_size, self.num_blocks = block_size, num_blocks
 
