@@ -49,6 +49,7 @@ from engine_speed import (
     Sizes,
     flop_per_token,
     gemm_flops,
+    prefill_flops,
     read_bandwidth,
     servelab_figures,
     step_bytes,
@@ -100,7 +101,7 @@ class Floors:
     def prefill_ceiling(self, n: int, figures: dict | None = None) -> float:
         """tok/s at the GEMM rate: layers for every token, causal attention, one LM head row;
         the rate measured beside the prefill where ``figures`` has one (``gemm_{n}``)."""
-        flops = n * self.layer_flops + 4 * self.attn_width * n * (n + 1) / 2 + self.head_flops
+        flops = prefill_flops(self.cfg, n) + self.head_flops
         return n * (figures or {}).get(f"gemm_{n}", self.gemm) / flops
 
     def decode_floor(self, batch: int, ctx: int, step_bytes: int) -> tuple[float, float]:

@@ -117,6 +117,12 @@ def flop_per_token(c: ModelConfig) -> float:
     return 2 * c.num_layers * c.hidden_size * per_layer
 
 
+def prefill_flops(c: ModelConfig, n: int) -> float:
+    """FLOPs of the decoder layers over an n-token prompt: the products (``flop_per_token``
+    a token) and causal attention (QK and PV: 4 per head element per visible key)."""
+    return n * flop_per_token(c) + 4 * c.num_layers * c.num_heads * c.head_dim * n * (n + 1) / 2
+
+
 # ---- machine limits ----
 
 
@@ -301,8 +307,7 @@ def main() -> None:
     flops = gemm_flops(c.hidden_size, c.intermediate_size, q_out, 512, device, 5)
     floor = weight_bytes / (bandwidth * 1e9)
     ceiling = flops / per_token
-    attn_width = c.num_layers * c.num_heads * c.head_dim
-    ceilings = {n: flops / (per_token + 4 * attn_width * (n + 1) / 2) for n in sz.prefill_lens}
+    ceilings = {n: flops * n / prefill_flops(c, n) for n in sz.prefill_lens}
     console.print(
         f"read {bandwidth:.1f} GB/s -> decode floor {floor * 1e3:.1f} ms "
         f"({weight_bytes / 1e6:.0f} MB of weights); GEMM {flops / 1e9:.1f} GFLOP/s -> prefill "

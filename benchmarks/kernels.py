@@ -58,6 +58,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from engine_speed import prefill_flops
 from threadpoolctl import threadpool_limits
 
 from servelab.model import cpu_kernels
@@ -258,19 +259,15 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
     from servelab.engine.plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
     from servelab.model import linear as lin
-    from servelab.model.loader import load_model
     from servelab.model.runner import TorchModelRunner
 
-    c = load_model(name, device="cpu", quantization=quantization).config
-    q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    inter, hidden = c.intermediate_size, c.hidden_size
-    layer_params = c.num_layers * hidden * (q_out + hidden + 3 * inter)
     runners = {}
     for key, plain in (("servelab", False), ("stock F.linear", True)):
         runners[key] = TorchModelRunner(
             _load(name, plain, quantization), device="cpu", num_threads=threads, seed=0
         )
         runners[key].allocate_kv(-(-max(PREFILL_LENS) // 16) + 1, 16)
+    c = runners["servelab"].config
     greedy = SamplingParams(temperature=0.0)
     clock = _clock(threads)
     for n in PREFILL_LENS:
@@ -289,9 +286,7 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
         times = _interleaved(fns, rounds, clock)
         layer_flops = sum(2 * n * o * i for _, o, i in LAYER_SHAPES)
         gemm = max(layer_flops / times.pop(b) / 1e9 for b in list(times) if b not in runners)
-        # Layers: 2 FLOP per weight per token; causal attention: 4 * width per visible key.
-        attn = 4 * c.num_layers * c.num_heads * c.head_dim * n * (n + 1) / 2
-        flops = 2 * layer_params * n + attn
+        flops = prefill_flops(c, n)
         cells = "  ".join(
             f"{k} {n / t:6.0f} tok/s {flops / t / 1e9:5.1f} GFLOP/s = {flops / t / 1e9 / gemm:.0%}"
             for k, t in times.items()
