@@ -2,7 +2,7 @@
 
 On this class of CPU (AMD) MKL's fp32 GEMV behind ``F.linear`` streams weights at ~60%
 of the memory bandwidth for 1-row products (decode) and is pathological for 2-16 rows
-(``benchmarks/kernels.py``). So on CPU, fp32 products of up to ``cpu_kernels.MAX_ROWS``
+(``benchmarks/kernel_speed.py``). So on CPU, fp32 products of up to ``cpu_kernels.MAX_ROWS``
 rows (decode, drafts) go to servelab's own kernel, which reads each weight once per step
 for any row count; where it is not built, up to 16 rows go to numpy/OpenBLAS ``W @ x.T``
 on zero-copy views (its best operand order for few rows).
@@ -18,7 +18,7 @@ are not a multiple of 16.
 Prefill-sized products go to oneDNN's linear on the plain [out, in] weight
 (``torch.ops.mkldnn._linear_pointwise``), the residual add fused as its post-op: on one
 AMD Zen 4 core it ran 10-20% faster than MKL's ``F.linear`` and 5-10% faster than
-OpenBLAS at 64-2048 rows (``benchmarks/kernels.py --gemm``). Unlike OpenBLAS it runs on
+OpenBLAS at 64-2048 rows (``benchmarks/kernel_speed.py --gemm``). Unlike OpenBLAS it runs on
 torch's own OpenMP pool, so attention and the other torch ops that follow never wait for a
 second pool's threads to yield the cores. Where torch lacks oneDNN, ``F.linear``. Other
 devices use ``F.linear``.

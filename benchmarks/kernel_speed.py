@@ -40,9 +40,9 @@ time of the calling thread (every backend then runs inline), so other processes'
 the core does not count; more threads are timed by the wall clock and read true only on a
 quiet machine.
 
-Usage: python benchmarks/kernels.py [--rows 1,4,16,64,256] [--threads N] [--repeat 5]
-                                    [--model smollm2-135m] [--skip-kernels]
-       python benchmarks/kernels.py --gemm 1,2 [--repeat 5] [--model smollm2-135m]
+Usage: python benchmarks/kernel_speed.py [--rows 1,4,16,64,256] [--threads N] [--repeat 5]
+                                         [--model smollm2-135m] [--skip-kernels]
+       python benchmarks/kernel_speed.py --gemm 1,2 [--repeat 5] [--model smollm2-135m]
                                     [--quantization none|q8_0|q4_1]
 """
 
