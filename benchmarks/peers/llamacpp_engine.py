@@ -1,4 +1,5 @@
-"""llama.cpp's engine speed on a GGUF, in-process: what benchmarks/engine_peers.py sets beside servelab.
+"""llama.cpp's engine speed on a GGUF, in-process: what ``benchmarks.engine.engine_peers`` sets
+beside servelab.
 
 Runs in the llama-cpp-python venv that benchmarks/peers/install.sh builds, never in servelab's
 (it imports only llama_cpp and the standard library), and prints one JSON object on stdout:

@@ -26,7 +26,7 @@ Then it prints issue 21's targets, met or missed, and writes every figure to
 ``OUT/figures.json`` with the runs under ``OUT``. Read the ratios: on a shared machine the
 absolute figures move with other load.
 
-Usage: python benchmarks/engine_peers.py [--threads 1] [--modes none,q4_1] [--out DIR]
+Usage: python -m benchmarks.engine.engine_peers [--threads 1] [--modes none,q4_1] [--out DIR]
        [--servers NAMES] [--skip-engine] [--skip-http] [--skip-mixed] [--quick]
 """
 
@@ -45,7 +45,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from engine_speed import (
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.engine.engine_speed import (
     Sizes,
     flop_per_token,
     gemm_flops,
@@ -54,10 +57,7 @@ from engine_speed import (
     servelab_figures,
     step_bytes,
 )
-from peers import servers
-from rich.console import Console
-from rich.table import Table
-
+from benchmarks.peers import servers
 from servelab.bench.target import free_port
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
@@ -67,7 +67,7 @@ from servelab.model.runner import TorchModelRunner
 from servelab.rundir import load_run
 from servelab.server.heap import keep_step_buffers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 console = Console(width=150)
 SIZES = Sizes((256, 1024, 2048), (1, 8, 32), 256, 16, 0, 0, 0, 0, 2)
 QUICK = Sizes((64, 128), (1, 4), 64, 4, 0, 0, 0, 0, 1)

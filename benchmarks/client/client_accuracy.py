@@ -19,9 +19,9 @@ file is joined by request id with the server's timelines. Per client: the TTFT p
 reported, the true TTFT p50/p95 of the same requests (server: first token written - request
 arrived), their differences, and the error of every inter-chunk gap where the client records them.
 
-    .venv/bin/python benchmarks/client_accuracy.py            # the full ladder, up to 500 streams
-    .venv/bin/python benchmarks/client_accuracy.py --quick    # a short check
-    .venv/bin/python benchmarks/client_accuracy.py --quick --peers   # and the clients side by side
+    python -m benchmarks.client.client_accuracy            # the full ladder, up to 500 streams
+    python -m benchmarks.client.client_accuracy --quick    # a short check
+    python -m benchmarks.client.client_accuracy --quick --peers   # and the clients side by side
 """
 
 from __future__ import annotations
@@ -39,15 +39,20 @@ import aiohttp
 import msgspec
 import numpy as np
 
-# the sibling folder: on sys.path as the script's own (and distributed_client.py adds it)
-from peers.clients import ClientFailed, Job, Reported, clients, local_tokenizer, run_client
-
+from benchmarks.peers.clients import (
+    ClientFailed,
+    Job,
+    Reported,
+    clients,
+    local_tokenizer,
+    run_client,
+)
 from servelab.bench.client import Target, send
 from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
 from servelab.bench.testserver import Schedule, run_test_server
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -16,22 +16,18 @@ offer whatever the worker count, and at the largest levels requests time out or 
 (the ``errors`` column). Read the figures side by side, as ratios, never as absolutes;
 the client's limit shows only where the server has cores of its own.
 
-    .venv/bin/python benchmarks/distributed_client.py            # up to 2,000 streams
-    .venv/bin/python benchmarks/distributed_client.py --quick    # a short check
+    python -m benchmarks.client.distributed_client            # up to 2,000 streams
+    python -m benchmarks.client.distributed_client --quick    # a short check
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))  # the sibling script, for its timeline fetch
-from client_accuracy import _timelines
-
+from benchmarks.client.client_accuracy import _timelines
 from servelab.bench.client import Target
 from servelab.bench.distributed.driver import DistributedStage, WorkerPool
 from servelab.bench.loop import run_loop

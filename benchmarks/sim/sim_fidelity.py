@@ -1,7 +1,7 @@
 """Simulator fidelity on this machine: profile on some workloads, predict held-out ones,
 and run those for real in the same session.
 
-    .venv/bin/python benchmarks/sim_fidelity.py [--rate 0.3] [--requests 12] [--source runs|grid]
+    python -m benchmarks.sim.sim_fidelity [--rate 0.3] [--requests 12] [--source runs|grid]
         [--train chat,codegen,agent] [--heldout "rag;rag --max-num-batched-tokens 256;agent@0.45"]
         [--sim-seeds 5] [--rounds 2] [--reuse runs/fidelity-...]
 

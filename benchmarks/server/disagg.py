@@ -18,8 +18,8 @@ client to the first. On a 2-CPU machine each server therefore gets ONE core: the
 engine runs one thread on it; the two disaggregated workers (one thread each) time-share it
 through the OS scheduler. Figures are provisional on a shared machine; compare ratios.
 
-    python benchmarks/disagg.py --quick            # a few minutes: checks it all works
-    python benchmarks/disagg.py --rates 0.1,0.2,0.4 --requests 12 --repeats 2
+    python -m benchmarks.server.disagg --quick            # a few minutes: checks it all works
+    python -m benchmarks.server.disagg --rates 0.1,0.2,0.4 --requests 12 --repeats 2
 """
 
 from __future__ import annotations
@@ -160,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                 out=out / f"rate-{rate:g}",
                 seed=1,
                 quiet=True,
-                command=["python", "benchmarks/disagg.py", f"(mixed at {rate:g} sessions/s)"],
+                command=[
+                    "python",
+                    "-m",
+                    "benchmarks.server.disagg",
+                    f"(mixed at {rate:g} sessions/s)",
+                ],
             )
             m = execute_matrix(spec, base, console, servers=servers)
             results[rate] = {c: [row(p) for p in paths] for c, paths in m.runs.items()}

@@ -10,7 +10,7 @@ effect, the simulated wall time of both sides, and how many requests the key met
 measured (a question with a population filter, ``Question.during``, keeps some only):
 the demo takes the smallest size whose power is high and whose time fits.
 
-    python benchmarks/demo_power.py --profile demo-profile.json --seeds 20
+    python -m benchmarks.analyze.demo_power --profile demo-profile.json --seeds 20
 """
 
 from __future__ import annotations

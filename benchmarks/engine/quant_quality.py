@@ -11,7 +11,7 @@ One run, same held text, same prompts:
 Targets (a mode that misses them must not ship as an option): q8_0 top-1 >= 99% and
 perplexity within +1% of fp32; q4_1 top-1 >= 93% and perplexity within +5%.
 
-Usage: python benchmarks/quant_quality.py [--model smollm2-135m] [--tokens 4096]
+Usage: python -m benchmarks.engine.quant_quality [--model smollm2-135m] [--tokens 4096]
        [--threads 2]
 """
 
@@ -51,7 +51,7 @@ PROMPTS = [
 
 
 def held_text() -> str:
-    docs = Path(__file__).resolve().parent.parent / "docs" / "design"
+    docs = Path(__file__).resolve().parents[2] / "docs" / "design"
     return "\n\n".join(p.read_text() for p in sorted(docs.glob("*.md")))
 
 

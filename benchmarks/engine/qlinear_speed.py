@@ -10,7 +10,7 @@ or to fp32 for oneDNN, by row count) and on the same blocks interleaved for inte
 (``q4_1x16``, AVX512-VNNI builds only). Random blocks; best of ``--repeat``; the GFLOP/s
 column counts 2 per weight per row, so integer dots can read above the fp32 GEMM rate.
 
-Usage: PYTHONPATH=src taskset -c 1 python benchmarks/qlinear_speed.py [--threads 1]
+Usage: taskset -c 1 python -m benchmarks.engine.qlinear_speed [--threads 1]
        [--rows 1,8,32,256,1024] [--layers 10] [--repeat 3]
 """
 

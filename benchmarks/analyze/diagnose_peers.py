@@ -19,7 +19,7 @@
     vLLM's API process off the engine's core once it is up, to show how much of that gap is
     the API process's own work.
 
-    python benchmarks/diagnose_peers.py [--vllm-python .venv-peers/vllm/bin/python]
+    python -m benchmarks.analyze.diagnose_peers [--vllm-python .venv-peers/vllm/bin/python]
         [--model-dir DIR] [--out DIR] [--only overload,unchunked,...] [--api-on-client-core]
 
 Not a test: it takes about 20 minutes on a 2-core machine (vLLM CPU decodes ~100 ms/token
@@ -41,15 +41,15 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from peers import servers
 
+from benchmarks.peers import servers
 from servelab.analyze.attribution import attribute
 from servelab.analyze.diagnose import diagnose
 from servelab.analyze.promscrape import estimate
 from servelab.analyze.stats import confidence_label
 from servelab.rundir import load_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVER_CPU, CLIENT_CPU = "0", "1"
 MEDIUM = 0.45  # confidence_label's "medium"
 AGREE_MS = 5.0

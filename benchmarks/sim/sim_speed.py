@@ -1,7 +1,7 @@
 """How fast the simulator runs: the whole Azure conversational trace (19,366 requests, one
 hour) on a simulated H200 serving Llama-3.1-8B, and where the time goes.
 
-    .venv/bin/python benchmarks/sim_speed.py [--requests N] [--replicas R] [--profile]
+    python -m benchmarks.sim.sim_speed [--requests N] [--replicas R] [--profile]
                                              [--reference]
 
 Prints CPU time (``time.process_time``: the machine is shared, wall time is not the

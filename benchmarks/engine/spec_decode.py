@@ -5,9 +5,9 @@ self-draft arm), all alive together but loaded one at a time, and runs the same 
 workloads against each, arms interleaved within every cell so slow drift of a shared machine
 hits all arms alike:
 
-- ``copy-heavy`` (benchmarks/workloads/copy_heavy.yaml): code files, continued through the
+- ``copy-heavy`` (benchmarks/engine/workloads/copy_heavy.yaml): code files, continued through the
   completions endpoint at temperature 0; the continuation re-types much of the file.
-- ``open-chat`` (benchmarks/workloads/open_chat.yaml): questions on prose through the chat
+- ``open-chat`` (benchmarks/engine/workloads/open_chat.yaml): questions on prose through the chat
   endpoint at the server's default temperature (1.0), where little can be predicted.
 
 For each workload x concurrency (1 and 8) x arm: output tokens/s, TPOT and ITL (medians,
@@ -24,7 +24,7 @@ it to the request body the bench sends (see ``_with_temperature``).
 
 Figures are provisional whenever other work shares the machine: compare within one run.
 
-Usage: python benchmarks/spec_decode.py [--quick] [--model smollm2-135m] [--spec JSON]
+Usage: python -m benchmarks.engine.spec_decode [--quick] [--model smollm2-135m] [--spec JSON]
        [--self-draft-layers 8] [--requests 8] [--out runs/spec_decode]
 """
 

@@ -13,7 +13,7 @@ The modes' own figures move with other load on a shared machine, so all three en
 built first and measured in ``--rounds`` alternating rounds (the order rotating), each figure
 the best of its rounds: read the ratios.
 
-Usage: python benchmarks/quant_speed.py [--model smollm2-135m] [--threads 2] [--rounds 3]
+Usage: python -m benchmarks.engine.quant_speed [--model smollm2-135m] [--threads 2] [--rounds 3]
        [--quick]
 """
 
@@ -25,7 +25,10 @@ import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch load
 import argparse
 
 import torch
-from engine_speed import (
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.engine.engine_speed import (
     Sizes,
     flop_per_token,
     gemm_flops,
@@ -33,9 +36,6 @@ from engine_speed import (
     servelab_figures,
     step_bytes,
 )
-from rich.console import Console
-from rich.table import Table
-
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
 from servelab.model.loader import load_model

@@ -24,7 +24,7 @@ batch 1, ~32 output tok/s at concurrency 16 for 256 in / 64 out on SmolLM2-135M)
 
 Figures are provisional whenever other work shares the machine: compare within one run.
 
-Usage: python benchmarks/server_speed.py [--model smollm2-135m] [--quick] [--url URL]
+Usage: python -m benchmarks.server.server_speed [--model smollm2-135m] [--quick] [--url URL]
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ time of the calling thread (every backend then runs inline), so other processes'
 the core does not count; more threads are timed by the wall clock and read true only on a
 quiet machine.
 
-Usage: python benchmarks/kernel_speed.py [--rows 1,4,16,64,256] [--threads N] [--repeat 5]
+Usage: python -m benchmarks.engine.kernel_speed [--rows 1,4,16,64,256] [--threads N] [--repeat 5]
                                          [--model smollm2-135m] [--skip-kernels]
-       python benchmarks/kernel_speed.py --gemm 1,2 [--repeat 5] [--model smollm2-135m]
+       python -m benchmarks.engine.kernel_speed --gemm 1,2 [--repeat 5] [--model smollm2-135m]
                                     [--quantization none|q8_0|q4_1]
 """
 
@@ -58,9 +58,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from engine_speed import prefill_flops
 from threadpoolctl import threadpool_limits
 
+from benchmarks.engine.engine_speed import prefill_flops
 from servelab.model import cpu_kernels
 from servelab.model.quant import interleave_f32
 from servelab.server.heap import keep_step_buffers

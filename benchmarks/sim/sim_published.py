@@ -1,7 +1,7 @@
 """Simulate published GPU measurements (benchmarks/published_gpu.yaml) and print the error
 of every figure.
 
-    .venv/bin/python benchmarks/sim_published.py [--requests N] [--only SUBSTRING] [--jobs J]
+    python -m benchmarks.sim.sim_published [--requests N] [--only SUBSTRING] [--jobs J]
 
 Each point runs on the simulated vLLM engine's defaults for its hardware (the offline class
 for offline and batch-latency runs), in its published datatypes, with fixed lengths and a

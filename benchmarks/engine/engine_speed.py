@@ -5,7 +5,7 @@ One run, same fp32 weights (the GGUF's dequantised HF directory), same thread co
 - the machine's limits, measured first: streaming read bandwidth (a torch sum over 512 MB)
   -> the decode floor (weight bytes / bandwidth, every step reads all weights); fp32 GEMM
   FLOP/s (the faster of ``F.linear`` and, on CPU, oneDNN's linear on weights packed ahead
-  of time, at prefill shapes; ``benchmarks/kernel_speed.py --gemm`` compares every backend) -> the
+  of time, at prefill shapes; ``benchmarks.engine.kernel_speed --gemm`` compares every backend) -> the
   prefill ceiling: 2 FLOP per non-embedding
   weight per token (~212 MFLOP for SmolLM2-135M) plus causal attention's score and value
   products (4 * heads * head_dim per visible key per layer: +8% at 512 tokens, +33% at
@@ -22,7 +22,7 @@ the matmul rate; batched output throughput >= 4x HF sequential.
 Figures are provisional whenever other work shares the machine: read the ratios, which are
 measured side by side in one run, not the absolute numbers.
 
-Usage: python benchmarks/engine_speed.py [--model smollm2-135m] [--threads N] [--device cpu]
+Usage: python -m benchmarks.engine.engine_speed [--model smollm2-135m] [--threads N] [--device cpu]
        [--quick]   (small sizes, to check that the script runs)
 """
 

@@ -30,7 +30,7 @@ Targets: 0 5xx outside the kill, 0 leaked blocks, 0 requests without an end, RSS
 <= 1 MB/min. Pinning: with 2+ CPUs the server runs on the last CPU and this client on the
 first (``taskset``).
 
-Usage: python benchmarks/soak.py [--minutes 30] [--rate R] [--quick]
+Usage: python -m benchmarks.server.soak [--minutes 30] [--rate R] [--quick]
 """
 
 from __future__ import annotations

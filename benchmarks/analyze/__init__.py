@@ -1,0 +1,1 @@
+"""Benchmarks of the analysis: the diagnosis against planted causes, the demo verdicts' power."""
