@@ -1,4 +1,5 @@
-"""Llama-family model shapes for the cost models: parameter counts and KV bytes per token.
+"""Llama-family model shapes for the cost models: parameter counts, the FLOPs of a step's
+work, the bytes of the weights it streams, and KV bytes per token.
 
 A :class:`ModelSpec` comes from a preset name, or from an HF ``config.json`` (a file or a
 directory holding one) or a GGUF file, read by the model package's ``ModelConfig``. Only
@@ -10,8 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from servelab.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from servelab.sim.work import StepWork
 
 
 @dataclass(frozen=True)
@@ -42,14 +47,17 @@ class ModelSpec:
         return self.kv_heads * self.head_dim
 
     @property
+    def layer_matrix_params(self) -> int:
+        """Weights of one decoder layer's matrices: the q/k/v/o projections and the gated MLP
+        (what a weight-only quantisation stores in its own format)."""
+        h = self.hidden
+        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + 3 * h * self.intermediate
+
+    @property
     def layer_params(self) -> int:
         """Weights of one decoder layer: attention projections, gated MLP, two RMSNorms."""
-        h = self.hidden
-        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        if self.qkv_bias:
-            attn += self.q_dim + 2 * self.kv_dim
-        mlp = 3 * h * self.intermediate
-        return attn + mlp + 2 * h
+        bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        return self.layer_matrix_params + bias + 2 * self.hidden
 
     @property
     def linear_params_per_token(self) -> int:
@@ -72,6 +80,40 @@ class ModelSpec:
         """Weights one forward pass reads in full: the layers, the final norm and the LM
         head. The input embedding is only indexed (one row per token)."""
         return self.layers * self.layer_params + self.hidden + self.lm_head_params
+
+    @property
+    def flops_per_token(self) -> int:
+        """FLOPs of the layers for one computed token: 2 per weight (every layer's matrices,
+        norms and biases; not the LM head)."""
+        return 2 * self.linear_params_per_token
+
+    @property
+    def flops_per_logit(self) -> int:
+        """FLOPs of the LM head for one position whose logits are computed."""
+        return 2 * self.lm_head_params
+
+    @property
+    def flops_per_attn_pair(self) -> int:
+        """FLOPs of attention for one causal (query, key) pair over all layers: the score
+        and the value products, 2 each per head element."""
+        return 4 * self.layers * self.heads * self.head_dim
+
+    def flops(self, work: StepWork) -> float:
+        """FLOPs of one step's work on one device: the layers over every computed token,
+        the LM head over the positions with logits, attention over the causal pairs."""
+        return (
+            self.flops_per_token * work.tokens
+            + self.flops_per_logit * work.logits
+            + self.flops_per_attn_pair * work.attn_pairs
+        )
+
+    def streamed_bytes(self, matrix_bytes: float, head_bytes: float, other_bytes: float) -> float:
+        """Bytes of the weights one forward pass streams (``streamed_params``), with the
+        layers' matrices at ``matrix_bytes`` a weight, the LM head at ``head_bytes`` and the
+        rest (norms, biases) at ``other_bytes``: a quantised model's three datatypes."""
+        matrices = self.layers * self.layer_matrix_params
+        other = self.streamed_params - matrices - self.lm_head_params
+        return matrices * matrix_bytes + self.lm_head_params * head_bytes + other * other_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token across all layers."""

@@ -129,9 +129,9 @@ class RooflineCostModel:
         self.gemm_dtype = p.gemm_dtype(hardware.peaks)
         m = model
         # Per-device constants, computed once: the simulator calls predict() per step.
-        self._lin_flops_per_token = 2.0 * m.linear_params_per_token / tp
-        self._attn_flops_per_pair = 4.0 * m.layers * m.heads * m.head_dim / tp
-        self._head_flops_per_logit = 2.0 * m.lm_head_params / tp
+        self._lin_flops_per_token = m.flops_per_token / tp
+        self._attn_flops_per_pair = m.flops_per_attn_pair / tp
+        self._head_flops_per_logit = m.flops_per_logit / tp
         # Layer FLOPs at an FP8 peak cost what fewer FLOPs at the 16-bit peak would: one
         # scale keeps a single division per step (exactly 1.0 when both peaks agree).
         self._gemm_scale = hardware.peak_flops / hardware.peaks[self.gemm_dtype]
