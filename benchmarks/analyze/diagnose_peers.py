@@ -115,7 +115,7 @@ CASES = [
         ["--rate", "0.2", "--requests", "12"],
     ),
     # On a quiet machine a client merely pinned beside one-thread vLLM is not starved (the
-    # scheduler runs it on waking: loop lag p99 2.9 ms at 1 request/s), so nothing is there
+    # scheduler runs it as soon as it wakes; docs/design/analyze.md), so nothing is there
     # to find. Three CPU-bound processes at a higher priority (nice -10, so root) on the
     # client's own core (not the server's) starve it, as a busy load generator would be.
     Case(
@@ -309,8 +309,7 @@ def confirmed_prefill_stalls(run) -> tuple[int, int]:
 
     The window ends at the first token's arrival, not at the send + vLLM's queue time:
     vLLM reports no arrival stamp, and on one shared core its API process can take
-    hundreds of ms to hand a long prompt to the engine (prefix_on: a request's queue + time
-    to first token was 693 ms of a 1,236 ms TTFT)."""
+    hundreds of ms to hand a long prompt to the engine (docs/design/analyze.md)."""
     by_id = {r.request_id: r for r in run.records}
     stalls = [st for st in attribute(run).stalls if st.cause == "prefill"]
     confirmed = 0

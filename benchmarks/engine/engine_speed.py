@@ -4,17 +4,16 @@ One run, same fp32 weights (the GGUF's dequantised HF directory), same thread co
 
 - the machine's limits, measured first: streaming read bandwidth (a torch sum over 512 MB)
   -> the decode floor (weight bytes / bandwidth, every step reads all weights); fp32 GEMM
-  FLOP/s (the faster of ``F.linear`` and, on CPU, oneDNN's linear on weights packed ahead
-  of time, at prefill shapes; ``benchmarks.engine.kernel_speed --gemm`` compares every backend) -> the
-  prefill ceiling: 2 FLOP per non-embedding
-  weight per token (~212 MFLOP for SmolLM2-135M) plus causal attention's score and value
-  products (4 * heads * head_dim per visible key per layer: +8% at 512 tokens, +33% at
-  2048), all at the measured GEMM rate;
+  FLOP/s (``benchmarks.common.gemm_rate``, at prefill shapes) -> the prefill ceiling: the
+  prompt's FLOPs as the simulator's ``ModelSpec`` counts them (2 per layer weight per token,
+  ~212 MFLOP for SmolLM2-135M, plus causal attention's score and value products, 4 * heads *
+  head_dim per visible key per layer: +8% at 512 tokens, +33% at 2048, plus the LM head at
+  the one position that samples), all at the measured GEMM rate;
 - prefill tokens/s at 512- and 2048-token prompts (one request, one chunk);
 - decode step time at batch 1, 8 and 32 (256-token prompts; steps that only decode);
 - output tokens/s for 64 requests of 256 in / 64 out, all submitted at once, against HF
-  ``generate`` one request after another (HF runs ``--hf-seq`` of them; its rate per request
-  does not depend on how many run in sequence).
+  ``generate`` one request after another (4 of them, 2 with ``--quick``: HF's rate per
+  request does not depend on how many run in sequence).
 
 Targets (printed with each figure): decode at batch 1 <= 1.5x the floor; prefill >= 80% of
 the matmul rate; batched output throughput >= 4x HF sequential.
@@ -22,8 +21,8 @@ the matmul rate; batched output throughput >= 4x HF sequential.
 Figures are provisional whenever other work shares the machine: read the ratios, which are
 measured side by side in one run, not the absolute numbers.
 
-Usage: python -m benchmarks.engine.engine_speed [--model smollm2-135m] [--threads N] [--device cpu]
-       [--quick]   (small sizes, to check that the script runs)
+Usage: python -m benchmarks.engine.engine_speed [--model smollm2-135m] [--threads N]
+       [--device cpu] [--no-hf] [--quick]   (--quick: small sizes, to check that it runs)
 """
 
 from __future__ import annotations
@@ -36,188 +35,43 @@ import gc
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.common import (
+    Sizes,
+    decode_bytes,
+    engine_figures,
+    gemm_rate,
+    prefill_flops,
+    random_prompt,
+    read_bandwidth,
+    sync,
+)
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
-from servelab.engine.sampling_params import SamplingParams
-from servelab.model.config import ModelConfig
-from servelab.model.llama import LlamaForCausalLM
 from servelab.model.loader import load_model
-from servelab.model.quant import QuantWeight
 from servelab.model.registry import is_gguf, resolve_model
 from servelab.model.runner import TorchModelRunner
 from servelab.model.weight_cache import cached_hf_dir
 from servelab.server.heap import keep_step_buffers
+from servelab.sim.modelspec import from_model_config
 
 console = Console(width=150)
-
-
-@dataclass
-class Sizes:
-    prefill_lens: tuple[int, ...] = (512, 2048)
-    decode_batches: tuple[int, ...] = (1, 8, 32)
-    decode_ctx: int = 256
-    decode_steps: int = 16
-    tput_requests: int = 64
-    tput_in: int = 256
-    tput_out: int = 64
-    hf_seq: int = 4
-    repeat: int = 3
-
-
-QUICK = Sizes((64, 128), (1, 4), 64, 4, 8, 32, 8, 2, 1)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _best(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeat):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-# ---- the model's costs ----
-
-
-def _bytes(w: torch.Tensor | QuantWeight) -> int:
-    t = w.blocks if isinstance(w, QuantWeight) else w
-    return t.numel() * t.element_size()
-
-
-def step_bytes(model: LlamaForCausalLM) -> int:
-    """What one decode step reads: each layer's weights, the final norm and the LM head."""
-    layers = sum(
-        _bytes(w)
-        for L in model.layers
-        for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w, L.ln1, L.ln2)
-    )
-    return layers + _bytes(model.norm) + _bytes(model.lm_head)
-
-
-def flop_per_token(c: ModelConfig) -> float:
-    """FLOPs of the decoder layers' products for one token: 2 per weight."""
-    q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    per_layer = q_out + c.num_heads * c.head_dim + 3 * c.intermediate_size
-    return 2 * c.num_layers * c.hidden_size * per_layer
-
-
-def prefill_flops(c: ModelConfig, n: int) -> float:
-    """FLOPs of the decoder layers over an n-token prompt: the products (``flop_per_token``
-    a token) and causal attention (QK and PV: 4 per head element per visible key)."""
-    return n * flop_per_token(c) + 4 * c.num_layers * c.num_heads * c.head_dim * n * (n + 1) / 2
-
-
-# ---- machine limits ----
-
-
-def read_bandwidth(device: torch.device, repeat: int) -> float:
-    """Streaming read GB/s: a sum over 512 MB of fp32."""
-    x = torch.ones(128 * 1024 * 1024, device=device)
-    t = _best(lambda: x.sum(), repeat, device)
-    return x.numel() * 4 / t / 1e9
-
-
-def gemm_flops(
-    hidden: int, inter: int, q_out: int, rows: int, device: torch.device, repeat: int
-) -> float:
-    """Best fp32 FLOP/s over one layer's matrices at ``rows`` rows ([out, in] weights)."""
-    shapes = [(q_out, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
-    mats = [torch.randn(o, i, device=device) for o, i in shapes]
-    xs = {i: torch.randn(rows, i, device=device) for _, i in shapes}
-    flops = sum(2 * rows * o * i for o, i in shapes)
-    t = _best(lambda: [F.linear(xs[m.shape[1]], m) for m in mats], repeat, device)
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        dnn = torch.ops.mkldnn
-        packed = [(xs[m.shape[1]], dnn._reorder_linear_weight(m, rows)) for m in mats]
-
-        def onednn() -> None:
-            for x, p in packed:
-                dnn._linear_pointwise(x, p, None, "none", [], "")
-
-        t = min(t, _best(onednn, repeat, device))
-    return flops / t
-
-
-# ---- servelab ----
-
-
-def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(1000, vocab) for _ in range(n)]  # random ids: no prefix-cache hits
-
-
-def _run(engine: LLMEngine) -> list:
-    records = []
-    while engine.has_unfinished():
-        rec = engine.step().record
-        if rec is not None:
-            records.append(rec)
-    return records
-
-
-def servelab_figures(
-    engine: LLMEngine, sz: Sizes, vocab: int, gemm: Callable[[], float] | None = None
-) -> dict[str, float]:
-    """The engine's figures. With ``gemm`` (a GEMM rate, measured when called), each prefill
-    repeat is followed by one, and ``gemm_{length}`` is the highest of them: a reference
-    taken at the same moments as the prefill (a shared host's speed drifts over minutes)."""
-    rng = random.Random(0)
-    out: dict[str, float] = {}
-    greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
-    n = 0
-    for length in sz.prefill_lens:
-        times, rates = [], []
-        for i in range(sz.repeat + 1):  # first one warms up
-            engine.add_request(
-                f"p{n}", prompt_token_ids=_prompt(rng, length, vocab), sampling_params=greedy_one
-            )
-            n += 1
-            recs = _run(engine)
-            assert len(recs) == 1, "the prompt should run in one chunk"
-            times.append(recs[0].duration)
-            if gemm is not None and i:
-                rates.append(gemm())
-        out[f"prefill_{length}"] = length / min(times[1:])
-        if rates:
-            out[f"gemm_{length}"] = max(rates)
-    for batch in sz.decode_batches:
-        sp = SamplingParams(max_tokens=sz.decode_steps + 2, temperature=0.0, ignore_eos=True)
-        for _ in range(batch):
-            engine.add_request(
-                f"d{n}", prompt_token_ids=_prompt(rng, sz.decode_ctx, vocab), sampling_params=sp
-            )
-            n += 1
-        steps = [
-            r.duration for r in _run(engine) if r.prefill_tokens == 0 and r.decode_seqs == batch
-        ]
-        out[f"decode_{batch}"] = statistics.median(steps)
-    if not sz.tput_requests:
-        return out
-    sp = SamplingParams(max_tokens=sz.tput_out, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    for _ in range(sz.tput_requests):
-        engine.add_request(
-            f"t{n}", prompt_token_ids=_prompt(rng, sz.tput_in, vocab), sampling_params=sp
-        )
-        n += 1
-    _run(engine)
-    out["throughput"] = sz.tput_requests * sz.tput_out / (time.perf_counter() - t0)
-    return out
+QUICK = Sizes(
+    prefill_lens=(64, 128),
+    decode_batches=(1, 4),
+    decode_ctx=64,
+    decode_steps=4,
+    tput_requests=8,
+    tput_in=32,
+    tput_out=8,
+    hf_seq=2,
+    repeat=1,
+)
 
 
 # ---- HF transformers ----
@@ -252,14 +106,14 @@ def hf_figures(hf_dir: str, sz: Sizes, vocab: int, device: torch.device) -> dict
                 pad_token_id=0,
                 logits_processor=LogitsProcessorList([proc] if proc else []),
             )
-        _sync(device)
+        sync(device)
 
     out: dict[str, float] = {}
-    generate([_prompt(rng, 16, vocab)], 2)  # warm-up
+    generate([random_prompt(rng, 16, vocab)], 2)  # warm-up
     for length in sz.prefill_lens:
         times = []
         for _ in range(max(1, sz.repeat - 1)):  # HF is slow: one fewer repeat
-            ids = [_prompt(rng, length, vocab)]
+            ids = [random_prompt(rng, length, vocab)]
             t0 = time.perf_counter()
             generate(ids, 1)
             times.append(time.perf_counter() - t0)
@@ -267,51 +121,71 @@ def hf_figures(hf_dir: str, sz: Sizes, vocab: int, device: torch.device) -> dict
     for batch in sz.decode_batches:
         proc = _StepTimes()
         generate(
-            [_prompt(rng, sz.decode_ctx, vocab) for _ in range(batch)], sz.decode_steps + 1, proc
+            [random_prompt(rng, sz.decode_ctx, vocab) for _ in range(batch)],
+            sz.decode_steps + 1,
+            proc,
         )
         out[f"decode_{batch}"] = statistics.median(
             b - a for a, b in zip(proc.times, proc.times[1:])
         )
     t0 = time.perf_counter()
     for _ in range(sz.hf_seq):
-        generate([_prompt(rng, sz.tput_in, vocab)], sz.tput_out)
+        generate([random_prompt(rng, sz.tput_in, vocab)], sz.tput_out)
     out["throughput"] = sz.hf_seq * sz.tput_out / (time.perf_counter() - t0)
     return out
 
 
-# ---- report ----
+# ---- the run
 
 
-def main() -> None:
-    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
+@dataclass(kw_only=True)
+class Figures:
+    """One run's figures: the limits measured before and after, servelab's and HF's."""
+
+    sizes: Sizes
+    bandwidth: float  # GB/s, at the start
+    bandwidth_after: float  # GB/s, at the end
+    gemm: float  # FLOP/s
+    weight_bytes: float  # what a decode step reads
+    per_token: float  # the layers' FLOPs a token
+    ceilings: dict[int, float]  # prefill tok/s at the GEMM rate, by prompt length
+    ours: dict[str, float]
+    hf: dict[str, float]
+
+    @property
+    def floor(self) -> float:
+        """The decode floor in seconds: the weights a step reads over the read bandwidth."""
+        return self.weight_bytes / (self.bandwidth * 1e9)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Figures:
     torch.set_num_threads(args.threads)
     sz = QUICK if args.quick else Sizes()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
     console.print(f"[bold]engine_speed[/bold]: {args.model} on {device}, {args.threads} threads")
     console.print("measuring the machine's limits...")
     bandwidth = read_bandwidth(device, 5)
     loaded = load_model(args.model, device=str(device))
     c = loaded.config
-    weight_bytes = step_bytes(loaded.model)
-    # The LM head runs only where a token is sampled.
-    per_token = flop_per_token(c)
-    q_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    flops = gemm_flops(c.hidden_size, c.intermediate_size, q_out, 512, device, 5)
-    floor = weight_bytes / (bandwidth * 1e9)
-    ceiling = flops / per_token
-    ceilings = {n: flops * n / prefill_flops(c, n) for n in sz.prefill_lens}
+    spec = from_model_config(c, args.model)
+    gemm = gemm_rate(spec, 512, device, 5)
+    weight_bytes = decode_bytes(spec, loaded.model)
+    per_token = spec.flops_per_token  # the LM head runs only where a token is sampled
     console.print(
-        f"read {bandwidth:.1f} GB/s -> decode floor {floor * 1e3:.1f} ms "
-        f"({weight_bytes / 1e6:.0f} MB of weights); GEMM {flops / 1e9:.1f} GFLOP/s -> prefill "
-        f"ceiling {ceiling:,.0f} tok/s ({per_token / 1e6:.0f} MFLOP/token before attention)"
+        f"read {bandwidth:.1f} GB/s -> decode floor {weight_bytes / (bandwidth * 1e9) * 1e3:.1f} "
+        f"ms ({weight_bytes / 1e6:.0f} MB of weights); GEMM {gemm / 1e9:.1f} GFLOP/s -> prefill "
+        f"ceiling {gemm / per_token:,.0f} tok/s ({per_token / 1e6:.0f} MFLOP/token before "
+        "attention)"
     )
     console.print("servelab...")
     config = EngineConfig(max_num_batched_tokens=max(2048, *sz.prefill_lens))
@@ -320,7 +194,7 @@ def main() -> None:
         config,
         loaded.tokenizer,
     )
-    ours = servelab_figures(engine, sz, c.vocab_size)
+    ours = engine_figures(engine, sz, c.vocab_size)
     hf: dict[str, float] = {}
     if not args.no_hf:
         path = resolve_model(args.model)
@@ -330,18 +204,37 @@ def main() -> None:
         gc.collect()
         console.print("HF transformers...")
         hf = hf_figures(str(path), sz, c.vocab_size, device)
-    console.print(_table(ours, hf, sz, floor, ceilings))
-    # Other load changes the machine under the run: say so rather than hide it.
-    after = read_bandwidth(device, 5)
-    drift = abs(after - bandwidth) / bandwidth
+    return Figures(
+        sizes=sz,
+        bandwidth=bandwidth,
+        # Other load changes the machine under the run: measured again, to say so.
+        bandwidth_after=read_bandwidth(device, 5),
+        gemm=gemm,
+        weight_bytes=weight_bytes,
+        per_token=per_token,
+        ceilings={n: gemm * n / prefill_flops(spec, n) for n in sz.prefill_lens},
+        ours=ours,
+        hf=hf,
+    )
+
+
+def show(f: Figures) -> None:
+    console.print(_table(f.ours, f.hf, f.sizes, f.floor, f.ceilings))
+    drift = abs(f.bandwidth_after - f.bandwidth) / f.bandwidth
     note = (
         "  [bold red]the machine changed during the run: rerun on a quiet one[/]"
         if drift > 0.2
         else ""
     )
     console.print(
-        f"read bandwidth {bandwidth:.1f} GB/s at the start, {after:.1f} GB/s at the end{note}"
+        f"read bandwidth {f.bandwidth:.1f} GB/s at the start, {f.bandwidth_after:.1f} GB/s at "
+        f"the end{note}"
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
+    show(run(parse_args(argv)))
 
 
 def _table(

@@ -60,30 +60,13 @@ import torch
 import torch.nn.functional as F
 from threadpoolctl import threadpool_limits
 
-from benchmarks.engine.engine_speed import prefill_flops
+from benchmarks.common import best_time, layer_shapes, prefill_flops
 from servelab.model import cpu_kernels
 from servelab.model.quant import interleave_f32
 from servelab.server.heap import keep_step_buffers
+from servelab.sim.modelspec import PRESETS, ModelSpec, from_model_config
 
-# (name, out_features, in_features) of one SmolLM2-135M layer with fused q/k/v and gate/up.
-LAYER_SHAPES = [
-    ("qkv", 960, 576),
-    ("o_proj", 576, 576),
-    ("gate_up", 3072, 576),
-    ("down", 576, 1536),
-]
-LM_HEAD = (49152, 576)
-NUM_LAYERS = 30
-
-
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up: page in, thread pools up
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+DEFAULT = PRESETS["smollm2-135m"]  # the shapes the kernels are timed at
 
 
 def variants(mats: list[torch.Tensor], rows: int) -> dict[str, Callable[[], object]]:
@@ -140,11 +123,13 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
         runner.allocate_kv(max(batch_max * blocks, -(-prompt_len // 16)) + 1, 16)
     params = [p for p in runners[True].model.parameters()]
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    floor = _best(lambda: [p.sum() for p in params], repeat)
+    floor = best_time(lambda: [p.sum() for p in params], repeat)
     vocab = runners[True].config.vocab_size
     layer_mats = [p for p in params if p.dim() == 2 and p.shape[0] != vocab]
     x512 = {m.shape[1]: torch.randn(prompt_len, m.shape[1]).numpy() for m in layer_mats}
-    gemm = _best(lambda: [x512[m.shape[1]] @ m.numpy().T for m in layer_mats], max(2, repeat // 2))
+    gemm = best_time(
+        lambda: [x512[m.shape[1]] @ m.numpy().T for m in layer_mats], max(2, repeat // 2)
+    )
     gemm_flops = sum(2 * prompt_len * m.numel() for m in layer_mats)
     print(
         f"\n{name}: {weight_bytes / 1e6:.0f} MB of weights; bandwidth floor (torch sum) "
@@ -154,7 +139,7 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
     greedy = SamplingParams(temperature=0.0)
     prompt = list(range(100, 100 + prompt_len))
     table = list(range(-(-prompt_len // 16)))
-    model_flops_per_token = 2 * sum(m.numel() for m in layer_mats)
+    model_flops_per_token = from_model_config(runners[True].config, name).flops_per_token
     modes = {
         "servelab routing": (True, True),
         "kernels off     ": (True, False),
@@ -167,13 +152,13 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
         runner.paged_kernel = kernels and runner.config.head_dim % 16 == 0
         for batch in (1, batch_max):
             step = iter(range(10**6))
-            t = _best(
+            t = best_time(
                 lambda b=batch, s=step, r=runner: r.execute(_decode_plan(next(s), b, ctx, 42)),
                 repeat,
             )
             print(f"{label} decode batch {batch}: {t * 1e3:6.1f} ms/step = {t / floor:.2f}x floor")
         pre = BatchPlan(0, [ScheduledSeq("p", prompt, 0, table, True, greedy)])
-        t = _best(lambda p=pre, r=runner: r.execute(p), max(2, repeat // 2))
+        t = best_time(lambda p=pre, r=runner: r.execute(p), max(2, repeat // 2))
         achieved = model_flops_per_token * prompt_len / t / 1e9
         print(
             f"{label} prefill {prompt_len}: {t * 1e3:6.0f} ms = {prompt_len / t:.0f} tok/s, "
@@ -222,18 +207,20 @@ def gemm_backends(w: torch.Tensor, rows: int) -> dict[str, Callable[[], object]]
     return fns
 
 
-def gemm_rates(threads: int, rounds: int) -> None:
-    """Print each backend's GFLOP/s per row count, with its ratio to the best."""
+def gemm_rates(spec: ModelSpec, threads: int, rounds: int) -> None:
+    """Print each backend's GFLOP/s per row count over one layer's products of ``spec``,
+    with its ratio to the best."""
     clock = _clock(threads)
     cpu_kernels.set_num_threads(threads)
-    ws = [torch.randn(o, i) for _, o, i in LAYER_SHAPES]
+    shapes = layer_shapes(spec)
+    ws = [torch.randn(o, i) for _, o, i in shapes]
     best_rate = {}
     for rows in GEMM_ROWS:
         total: dict[str, float] = {}
         for w in ws:
             for k, t in _interleaved(gemm_backends(w, rows), rounds, clock).items():
                 total[k] = total.get(k, 0.0) + t
-        flops = sum(2 * rows * o * i for _, o, i in LAYER_SHAPES)
+        flops = sum(2 * rows * o * i for _, o, i in shapes)
         rates = {k: flops / t / 1e9 for k, t in total.items()}
         best_rate[rows] = max(rates.values())
         cells = "  ".join(f"{k} {r:5.1f} ({r / best_rate[rows]:.2f})" for k, r in rates.items())
@@ -267,7 +254,8 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
             _load(name, plain, quantization), device="cpu", num_threads=threads, seed=0
         )
         runners[key].allocate_kv(-(-max(PREFILL_LENS) // 16) + 1, 16)
-    c = runners["servelab"].config
+    spec = from_model_config(runners["servelab"].config, name)
+    shapes = layer_shapes(spec)
     greedy = SamplingParams(temperature=0.0)
     clock = _clock(threads)
     for n in PREFILL_LENS:
@@ -279,14 +267,14 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
             runners[key].execute(plan)
 
         fns: dict[str, Callable[[], object]] = {k: lambda k=k: run(k) for k in runners}
-        gemms = [gemm_backends(torch.randn(o, i), n) for _, o, i in LAYER_SHAPES]
+        gemms = [gemm_backends(torch.randn(o, i), n) for _, o, i in shapes]
         for b in ("onednn_packed", "servelab_f32x16"):
             if b in gemms[0]:
                 fns[b] = lambda b=b, gs=gemms: [g[b]() for g in gs]
         times = _interleaved(fns, rounds, clock)
-        layer_flops = sum(2 * n * o * i for _, o, i in LAYER_SHAPES)
+        layer_flops = sum(2 * n * o * i for _, o, i in shapes)
         gemm = max(layer_flops / times.pop(b) / 1e9 for b in list(times) if b not in runners)
-        flops = prefill_flops(c, n)
+        flops = prefill_flops(spec, n)
         cells = "  ".join(
             f"{k} {n / t:6.0f} tok/s {flops / t / 1e9:5.1f} GFLOP/s = {flops / t / 1e9 / gemm:.0%}"
             for k, t in times.items()
@@ -295,8 +283,31 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
     lin.use_numpy_on_cpu = True
 
 
-def main() -> None:
-    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
+def kernel_table(threads: int, repeat: int, rows_list: list[int]) -> None:
+    """Every kernel candidate over the default model's layers and its LM head, per row count."""
+    layer_mats = [torch.randn(o, i) for _ in range(DEFAULT.layers) for _, o, i in layer_shapes(DEFAULT)]  # fmt: skip
+    head = [torch.randn(DEFAULT.vocab, DEFAULT.hidden)]
+    gb_layers = sum(m.numel() for m in layer_mats) * 4 / 1e9
+    with threadpool_limits(limits=threads, user_api="blas"):
+        print(
+            f"threads={threads} (torch and OpenBLAS), best of {repeat}; "
+            f"layers = {DEFAULT.layers} x (qkv, o, gate_up, down) = {gb_layers * 1e3:.0f} MB"
+        )
+        for label, mats, max_rows in (("layers", layer_mats, 1 << 30), ("lm_head", head, 64)):
+            print(f"\n{label}: ms per pass (GB/s of weights) and ratio to torch")
+            for rows in rows_list:
+                if rows > max_rows:
+                    continue  # logits are only computed at sampled positions
+                gb = sum(m.numel() for m in mats) * 4 / 1e9
+                times = {k: best_time(fn, repeat) for k, fn in variants(mats, rows).items()}
+                cells = "  ".join(
+                    f"{k} {t * 1e3:7.1f} ({gb / t:4.1f}) x{t / times['torch']:.2f}"
+                    for k, t in times.items()
+                )
+                print(f"rows {rows:>4}: {cells}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -305,41 +316,25 @@ def main() -> None:
     ap.add_argument("--skip-kernels", action="store_true", help="only the --model section")
     ap.add_argument("--gemm", default=None, help="thread counts: prefill GEMM rates, e.g. 1,2")
     ap.add_argument("--quantization", default="none", help="the --gemm model's weights")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    keep_step_buffers()  # the engine core's heap policy: measure what the server runs
+    args = parse_args(argv)
     if args.gemm:
         for threads in (int(t) for t in args.gemm.split(",")):
             torch.set_num_threads(threads)
             with threadpool_limits(limits=threads, user_api="blas"):
                 print(f"\n{threads} thread(s): GFLOP/s of one layer's products (ratio to best)")
-                gemm_rates(threads, args.repeat)
+                gemm_rates(DEFAULT, threads, args.repeat)
                 if args.model:
                     bench_prefill(args.model, args.quantization, threads, args.repeat)
         return
     torch.set_num_threads(args.threads)
     cpu_kernels.set_num_threads(args.threads)
-    layer_mats = [torch.randn(o, i) for _ in range(NUM_LAYERS) for _, o, i in LAYER_SHAPES]
-    head = [torch.randn(*LM_HEAD)]
-    gb_layers = sum(m.numel() for m in layer_mats) * 4 / 1e9
-    if args.skip_kernels:
-        bench_model(args.model, args.threads, args.repeat)
-        return
-    with threadpool_limits(limits=args.threads, user_api="blas"):
-        print(
-            f"threads={args.threads} (torch and OpenBLAS), best of {args.repeat}; "
-            f"layers = {NUM_LAYERS} x (qkv, o, gate_up, down) = {gb_layers * 1e3:.0f} MB"
-        )
-        for label, mats, max_rows in (("layers", layer_mats, 1 << 30), ("lm_head", head, 64)):
-            print(f"\n{label}: ms per pass (GB/s of weights) and ratio to torch")
-            for rows in (int(r) for r in args.rows.split(",")):
-                if rows > max_rows:
-                    continue  # logits are only computed at sampled positions
-                gb = sum(m.numel() for m in mats) * 4 / 1e9
-                times = {k: _best(fn, args.repeat) for k, fn in variants(mats, rows).items()}
-                cells = "  ".join(
-                    f"{k} {t * 1e3:7.1f} ({gb / t:4.1f}) x{t / times['torch']:.2f}"
-                    for k, t in times.items()
-                )
-                print(f"rows {rows:>4}: {cells}")
+    if not args.skip_kernels:
+        kernel_table(args.threads, args.repeat, [int(r) for r in args.rows.split(",")])
     if args.model:
         bench_model(args.model, args.threads, args.repeat)
 

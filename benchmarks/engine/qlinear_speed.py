@@ -26,11 +26,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.common import layer_shapes
 from servelab.model import cpu_kernels, quant
 from servelab.model.linear import linear
 from servelab.model.quant import QuantWeight
+from servelab.sim.modelspec import PRESETS
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+SHAPES = [(o, i) for _, o, i in layer_shapes(PRESETS["smollm2-135m"])]  # (out, in) features
 
 
 def random_q4_1(n: int, k: int, g: torch.Generator) -> QuantWeight:

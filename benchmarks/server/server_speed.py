@@ -37,7 +37,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -45,6 +44,7 @@ import aiohttp
 import httpx
 import msgspec
 
+from benchmarks.common import random_prompt, serve
 from servelab.bench.target import free_port
 from servelab.model.tokenizer import Tokenizer
 from servelab.vocab import ClientRecord
@@ -74,40 +74,11 @@ def start_server(
     args: argparse.Namespace, server_cpu: int | None
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "servelab.cli",
-        "serve",
-        "--model",
-        args.model,
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(args.input_len + args.output_len + 16),
-        "--log-level",
-        "warning",
-    ]
+    flags = ["--model", args.model, "--max-model-len", str(args.input_len + args.output_len + 16)]
+    flags += ["--log-level", "warning"]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    if server_cpu is not None:
-        cmd = ["taskset", "-c", str(server_cpu), *cmd]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE if not args.verbose else None)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    print(f"starting: {' '.join(cmd)}", flush=True)
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode() if proc.stderr else ""
-            raise SystemExit(f"servelab serve exited with {proc.returncode}:\n{err}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("servelab serve did not become ready in 15 minutes")
+        flags += ["--threads", str(args.threads)]
+    return serve(flags, port, server_cpu, quiet=not args.verbose), f"http://127.0.0.1:{port}"
 
 
 async def one_request(
@@ -152,11 +123,6 @@ async def one_request(
     return rec
 
 
-def random_prompt(rng: random.Random, tok: Tokenizer, n: int) -> list[int]:
-    # Ids 0..9 hold the special tokens of SmolLM2-like vocabularies; plain text ids follow.
-    return [rng.randrange(10, tok.vocab_size) for _ in range(n)]
-
-
 async def run_phase(
     url: str,
     model: str,
@@ -172,7 +138,8 @@ async def run_phase(
 
     async def client(session: aiohttp.ClientSession) -> None:
         for _ in range(per_client):
-            prompt = random_prompt(rng, tok, input_len)
+            # Ids 0..9 hold the special tokens of SmolLM2-like vocabularies.
+            prompt = random_prompt(rng, input_len, tok.vocab_size, first=10)
             result.records.append(await one_request(session, url, model, prompt, output_len))
 
     timeout = aiohttp.ClientTimeout(total=None)
@@ -226,7 +193,7 @@ def serving_overhead(before: dict[str, float], after: dict[str, float]) -> list[
     ]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--url", help="benchmark a running server instead of starting one")
@@ -241,11 +208,24 @@ def main() -> None:
     )
     p.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
     p.add_argument("--verbose", action="store_true", help="show the server's log")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.input_len, args.output_len, args.batch1_requests = 32, 8, 2
         args.concurrency, args.rounds = 4, 1
+    return args
 
+
+@dataclass(kw_only=True)
+class Phases:
+    """The batch-1 and the concurrent phase, and /metrics around the concurrent one."""
+
+    batch1: Result
+    concurrent: Result
+    before: dict[str, float]
+    after: dict[str, float]
+
+
+def run(args: argparse.Namespace) -> Phases:
     cpus = sorted(os.sched_getaffinity(0))
     pin = not args.no_pin and args.url is None and len(cpus) >= 2 and shutil.which("taskset")
     proc = None
@@ -284,7 +264,11 @@ def main() -> None:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
+    return Phases(batch1=b1, concurrent=cc, before=before, after=after)
 
+
+def show(args: argparse.Namespace, ph: Phases) -> None:
+    b1, cc = ph.batch1, ph.concurrent
     ttft1 = statistics.median(r.ttft for r in b1.records if r.ttft is not None)
     tpot1 = statistics.median(r.tpot for r in b1.records if r.tpot is not None)
     tok_s = cc.output_tokens / cc.wall
@@ -304,8 +288,13 @@ def main() -> None:
         f"   (vLLM CPU ref {VLLM_TOK_S_C16:.0f} tok/s: ratio {tok_s / VLLM_TOK_S_C16:.2f})"
     )
     print("  serving layer during the concurrent phase:")
-    for name, value in serving_overhead(before, after):
+    for name, value in serving_overhead(ph.before, ph.after):
         print(f"    {name:<45} {value}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    show(args, run(args))
 
 
 if __name__ == "__main__":

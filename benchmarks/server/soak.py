@@ -41,15 +41,16 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 import psutil
+
+from benchmarks.common import serve
+from servelab.bench.target import free_port
 
 HOSTILE: list[tuple[str, bytes]] = [
     ("huge int", b'{"prompt": "hi", "max_tokens": 4, "priority": 1208925819614629174706176}'),
@@ -63,7 +64,7 @@ HOSTILE: list[tuple[str, bytes]] = [
     ("broken json", b'{"prompt": "hi", "max_tokens": '),
     ("negative max_tokens", b'{"prompt": "hi", "max_tokens": -5}'),
 ]
-# The heaviest single requests known (issue 22's probe and the prepare.py measurements): each
+# The heaviest single requests known (probed against the server's request preparation): each
 # is sent alone while /health is polled; /health must answer within DOOR_TARGET_S.
 WORST: list[tuple[str, str, bytes]] = [
     (
@@ -118,32 +119,8 @@ class Tally:
     failures: list[tuple[float, str, str]] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(cpu: int | None, port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "servelab.cli", "serve", "--port", str(port)]
-    cmd += ["--log-level", "warning", "--max-model-len", "1024"]
-    if cpu is not None:
-        cmd = ["taskset", "-c", str(cpu), *cmd]
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"servelab serve exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if b" 200 " in s.recv(64):
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("servelab serve did not become ready in 15 minutes")
+    return serve(["--log-level", "warning", "--max-model-len", "1024"], port, cpu)
 
 
 def role(p: psutil.Process, server: subprocess.Popen[bytes]) -> str:
@@ -368,7 +345,17 @@ def slopes_mb_per_min(samples: list[dict], since: float) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+async def _idle_sample(url: str, server: subprocess.Popen[bytes], t0: float) -> dict:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(60):  # wait for every request to leave the engine
+            sample_ = await sample(s, url, server, t0)
+            if not sample_["running"]:
+                return sample_
+            await asyncio.sleep(1.0)
+        return sample_
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--rate", type=float, help="requests/s (default: 80%% of a probe)")
@@ -382,22 +369,28 @@ def main() -> None:
     )
     ap.add_argument("--door-only", action="store_true", help="only the worst single requests")
     ap.add_argument("--quick", action="store_true", help="3 minutes, for a smoke run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.minutes = 3.0
-    cpus = sorted(os.sched_getaffinity(0))
-    server_cpu = cpus[-1] if len(cpus) >= 2 else None
-    if server_cpu is not None:
-        os.sched_setaffinity(0, {cpus[0]})
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(server_cpu, port)
-    args.server_ref, args.t_start = [server], time.monotonic()
-    door_ok = asyncio.run(door(url))
-    if args.door_only:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=120)
-        raise SystemExit(0 if door_ok else 1)
+    return args
+
+
+@dataclass(kw_only=True)
+class Soak:
+    """What acts 1 to 3 left: the load's tally, the idle sample after it, the drain's tally
+    and exit code, and when the load ran (seconds since the start)."""
+
+    t_start: float
+    tally: Tally
+    idle: dict
+    drain: Tally
+    exit_code: int
+    load_t0: float
+    load_t1: float
+
+
+def run(args: argparse.Namespace, url: str, port: int, server_cpu: int | None) -> Soak:
+    """Acts 1 to 3 after the door (``args.server_ref`` holds the running server)."""
     t = Tally(hangup_fraction=args.hangup)
     rate = args.rate
     if rate is None:
@@ -432,19 +425,33 @@ def main() -> None:
         await task
 
     asyncio.run(drain_run())
-    code = server.wait(timeout=120)
+    return Soak(
+        t_start=args.t_start,
+        tally=t,
+        idle=idle,
+        drain=drain,
+        exit_code=server.wait(timeout=120),
+        load_t0=load_t0,
+        load_t1=load_t1,
+    )
+
+
+def show(r: Soak, door_ok: bool) -> bool:
+    """Print the results and the verdicts (the door's among them); True when every target
+    is met."""
+    t, idle = r.tally, r.idle
     # The last 20 minutes of the load, or its last two thirds if it is shorter than 30.
-    since = max(load_t1 - 20 * 60, load_t0 + (load_t1 - load_t0) / 3)
+    since = max(r.load_t1 - 20 * 60, r.load_t0 + (r.load_t1 - r.load_t0) / 3)
     print("\n== soak results")
     print(f"requests sent {t.sent}, ended {t.ended}, hung up {t.hung_up}, statuses {t.status}")
     print(f"requests without an end: {t.sent - t.ended} ({t.cut} streams closed without [DONE])")
     print(f"5xx outside the kill window: {t.fivexx_outside_kill}")
     print(f"fuzz requests not answered 4xx: {len(t.fuzz_not_4xx)} {t.fuzz_not_4xx[:5]}")
     for at, what, err in t.failures:
-        print(f"  client error at {at - args.t_start:.1f} s ({what}): {err}")
+        print(f"  client error at {at - r.t_start:.1f} s ({what}): {err}")
     print(f"KV blocks held once idle (leaked): {idle['kv_blocks_used']}")
     slopes = slopes_mb_per_min(t.samples, since)
-    print(f"RSS slope over the last {(load_t1 - since) / 60:.0f} min of the load, per process:")
+    print(f"RSS slope over the last {(r.load_t1 - since) / 60:.0f} min of the load, per process:")
     for proc, slope in slopes.items():
         first = next(s["rss_mb"][proc] for s in t.samples if proc in s["rss_mb"])
         print(
@@ -460,7 +467,7 @@ def main() -> None:
     ]
     print(f"/health samples over 1 s (seconds since the start): {slow or 'none'}")
     print(f"open fds first/last: {t.samples[0]['fds']} / {t.samples[-1]['fds']}")
-    print(f"SIGTERM drain: exit code {code}, drain statuses {drain.status}")
+    print(f"SIGTERM drain: exit code {r.exit_code}, drain statuses {r.drain.status}")
     verdicts = {
         "/health within 100 ms during each worst single request": door_ok,
         "0 5xx outside the kill": t.fivexx_outside_kill == 0,
@@ -468,21 +475,29 @@ def main() -> None:
         "0 requests without an end": t.sent == t.ended,
         "0 leaked KV blocks": not idle["kv_blocks_used"],
         "RSS slope <= 1 MB/min in every process": all(v <= 1.0 for v in slopes.values()),
-        "SIGTERM drain exits 0": code == 0,
+        "SIGTERM drain exits 0": r.exit_code == 0,
     }
     for what, ok in verdicts.items():
         print(f"{'PASS' if ok else 'FAIL'}  {what}")
-    raise SystemExit(0 if all(verdicts.values()) else 1)
+    return all(verdicts.values())
 
 
-async def _idle_sample(url: str, server: subprocess.Popen[bytes], t0: float) -> dict:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(60):  # wait for every request to leave the engine
-            sample_ = await sample(s, url, server, t0)
-            if not sample_["running"]:
-                return sample_
-            await asyncio.sleep(1.0)
-        return sample_
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    server_cpu = cpus[-1] if len(cpus) >= 2 else None
+    if server_cpu is not None:
+        os.sched_setaffinity(0, {cpus[0]})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(server_cpu, port)
+    args.server_ref, args.t_start = [server], time.monotonic()
+    door_ok = asyncio.run(door(url))
+    if args.door_only:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+        raise SystemExit(0 if door_ok else 1)
+    raise SystemExit(0 if show(run(args, url, port, server_cpu), door_ok) else 1)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ and run those for real in the same session.
    ``fidelity.json``.
 
 Training covers the contexts the held-out cases reach: a profile made of short-context
-runs alone under-predicts 500-1,200-token decode steps by 8-22% (profile coverage, not the
-simulator; see docs/design/sim.md).
+runs alone under-predicts the decode steps of longer contexts (profile coverage, not the
+simulator; docs/notes/sim-fidelity-log.md has the figures).
 
 ``--reuse DIR`` takes the real runs from an earlier output directory (as many rounds as it
 holds, up to ``--rounds``) and redoes only the profiles and simulations (about a
@@ -156,7 +156,7 @@ def relative_cis(m: dict) -> dict[str, tuple[float, float]]:
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -180,73 +180,78 @@ def main() -> None:
     ap.add_argument("--grid", default="default", help="grid for --source grid (default, quick)")
     ap.add_argument("--out", default=f"runs/fidelity-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--reuse", metavar="DIR", help="real runs from this earlier --out")
-    a = ap.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-
+    a = ap.parse_args(argv)
     if a.rounds < 1 or a.sim_seeds < 1:
         raise SystemExit("--rounds and --sim-seeds must be at least 1")
+    return a
 
-    def real_run(name: str, case: Case, required: bool) -> Path | None:
-        if a.reuse:
-            d = Path(a.reuse) / name
-            if not (d / "steps.jsonl").is_file():
-                if required:
-                    raise SystemExit(f"--reuse: no real run at {d}")
-                return None
-            return d
-        d = out / name
-        run([*SERVELAB, "bench", *load_args(a, case), "--out", str(d), "--quiet"])
+
+def real_run(
+    a: argparse.Namespace, out: Path, name: str, case: Case, required: bool
+) -> Path | None:
+    """``servelab bench`` of ``case`` into ``out/name``; with ``--reuse``, that run of the
+    earlier directory (None when it has none and it is not ``required``)."""
+    if a.reuse:
+        d = Path(a.reuse) / name
+        if not (d / "steps.jsonl").is_file():
+            if required:
+                raise SystemExit(f"--reuse: no real run at {d}")
+            return None
         return d
+    d = out / name
+    run([*SERVELAB, "bench", *load_args(a, case), "--out", str(d), "--quiet"])
+    return d
 
-    def profile_runs(run_dirs: list[Path], table: Path) -> None:
-        """``servelab profile --from-run`` over ``run_dirs``, written to ``table``."""
-        from_runs = [arg for d in run_dirs for arg in ("--from-run", str(d))]
-        run([*SERVELAB, "profile", *from_runs, "--out", str(table)])
 
-    train = parse_cases(a.train, a.rate, ",") if a.source == "runs" else []
-    cases = parse_cases(a.heldout, a.rate, ";")
-    if set(train) & set(cases):
-        raise SystemExit("a held-out case is also a training case: give it another rate or args")
-    # Rounds of real runs, training and held-out cases alternating, so that the machine's
-    # drift over minutes falls on both alike (sim.drift).
+def real_runs(
+    a: argparse.Namespace, out: Path, train: list[Case], cases: list[Case]
+) -> dict[Case, list[Path]]:
+    """Every case's real runs, in rounds: training and held-out cases alternate, so that the
+    machine's drift over minutes falls on both alike (sim.drift)."""
     order = [x for pair in zip_longest(train, cases) for x in pair if x is not None]
     reals: dict[Case, list[Path]] = {c: [] for c in order}
     for rnd in range(a.rounds):
         for case in order:
             kind = "train" if case in train else "real"
             suffix = f"-rep{rnd + 1}" if rnd else ""
-            d = real_run(f"{kind}-{case.name}{suffix}", case, required=rnd == 0)
+            d = real_run(a, out, f"{kind}-{case.name}{suffix}", case, required=rnd == 0)
             if d is not None:
                 reals[case].append(d)
+    return reals
 
-    profile = out / "profile.json"
-    if a.source == "runs":
-        profile_runs([d for c in train for d in reals[c]], profile)
-    else:
-        run([*SERVELAB, "profile", "--grid", a.grid, "--out", str(profile)])
 
-    def simulate(table: Path, case: Case, name: str) -> list[Path]:
-        """One simulation per sim seed (run directories name/seedK)."""
-        seeds = []
-        for k in range(a.sim_seeds):
-            d = out / name / f"seed{k}"
-            cmd = [*SERVELAB, "sim", "--profile", str(table), *load_args(a, case)]
-            run([*cmd, "--sim-seed", str(k), "--out", str(d)], quiet=True)
-            seeds.append(d)
-        return seeds
+def profile_runs(run_dirs: list[Path], table: Path) -> None:
+    """``servelab profile --from-run`` over ``run_dirs``, written to ``table``."""
+    from_runs = [arg for d in run_dirs for arg in ("--from-run", str(d))]
+    run([*SERVELAB, "profile", *from_runs, "--out", str(table)])
 
-    results = {}
+
+def simulate(a: argparse.Namespace, out: Path, table: Path, case: Case, name: str) -> list[Path]:
+    """One simulation per sim seed (run directories name/seedK)."""
+    seeds = []
+    for k in range(a.sim_seeds):
+        d = out / name / f"seed{k}"
+        cmd = [*SERVELAB, "sim", "--profile", str(table), *load_args(a, case)]
+        run([*cmd, "--sim-seed", str(k), "--out", str(d)], quiet=True)
+        seeds.append(d)
+    return seeds
+
+
+def compare(
+    a: argparse.Namespace, out: Path, profile: Path, cases: list[Case], reals: dict
+) -> dict[str, dict[str, dict]]:
+    """Per held-out case and figure: the real mean and spread, the simulated median and its
+    error, each seed's error and the in-sample control's."""
+    results: dict[str, dict[str, dict]] = {}
     for case in cases:
         w = case.label
-        sims = simulate(profile, case, f"sim-{case.name}")
+        sims = simulate(a, out, profile, case, f"sim-{case.name}")
         # In-sample control: a profile made of this case's own steps. Its error is what the
         # simulator itself gets wrong (scheduling, client, interpolation); the held-out error
         # minus this one is what changed on the machine between runs.
         own = out / f"profile-{case.name}.json"
         profile_runs(reals[case], own)
-        insims = simulate(own, case, f"insim-{case.name}")
+        insims = simulate(a, out, own, case, f"insim-{case.name}")
         real_metrics = [overall(d) for d in reals[case]]
         repeats = [figures(m) for m in real_metrics]
         repeat_cis = [relative_cis(m) for m in real_metrics]
@@ -269,12 +274,16 @@ def main() -> None:
                 "seed_errors": [rel_error(f[k], real) for f in seeds],
                 "in_sample_error": rel_error(statistics.median(f[k] for f in insample), real),
             }
+    return results
 
-    n_real = min(len(reals[c]) for c in cases)
+
+def show(
+    a: argparse.Namespace, results: dict[str, dict[str, dict]], n_real: int, took: float
+) -> None:
     print(
         f"\nsimulated vs real on this machine ({a.source} profile of {a.train}; "
         f"{a.requests} requests each; real: mean of {n_real} runs; sim: median of "
-        f"{a.sim_seeds} sim seeds; {time.perf_counter() - t_start:.0f} s in all)"
+        f"{a.sim_seeds} sim seeds; {took:.0f} s in all)"
     )
     header = (
         f"{'case':10s} {'metric':14s} {'real':>10s} {'one run CI':>14s} {'sim':>10s} "
@@ -304,6 +313,26 @@ def main() -> None:
                 f"{seed_s:>13s} {ins_s:>9s} {spread_s:>12s}  {target:.0%} {mark}"
             )
     print(f"{within} of {total} figures within target")
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    train = parse_cases(a.train, a.rate, ",") if a.source == "runs" else []
+    cases = parse_cases(a.heldout, a.rate, ";")
+    if set(train) & set(cases):
+        raise SystemExit("a held-out case is also a training case: give it another rate or args")
+    reals = real_runs(a, out, train, cases)
+    profile = out / "profile.json"
+    if a.source == "runs":
+        profile_runs([d for c in train for d in reals[c]], profile)
+    else:
+        run([*SERVELAB, "profile", "--grid", a.grid, "--out", str(profile)])
+    results = compare(a, out, profile, cases, reals)
+    n_real = min(len(reals[c]) for c in cases)
+    show(a, results, n_real, time.perf_counter() - t_start)
     (out / "fidelity.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     print(f"wrote {out / 'fidelity.json'}")
 
