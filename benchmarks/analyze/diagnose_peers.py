@@ -163,9 +163,6 @@ def _servelab() -> list[str]:
     return [sys.executable, "-m", "servelab.cli"]  # child processes inherit PYTHONPATH
 
 
-REUSE = False  # --reuse: diagnose the runs already in --out instead of running them again
-
-
 def bench(
     out: Path,
     workload: Path,
@@ -174,8 +171,12 @@ def bench(
     url: str | None,
     tok: str,
     burners: int = 0,
+    reuse: bool = False,
 ) -> None:
-    if REUSE and (out / "manifest.json").exists():
+    """``servelab bench`` on ``cpu`` against ``url`` (None: its embedded server), with
+    ``burners`` CPU-bound processes beside it; with ``reuse``, a run already at ``out`` is
+    kept."""
+    if reuse and (out / "manifest.json").exists():
         return
     burn = [
         subprocess.Popen(
@@ -218,11 +219,12 @@ def withhold(src: Path, dst: Path) -> Path:
     return dst
 
 
-def exact_vs_estimated(work: Path, rate: float) -> None:
+def exact_vs_estimated(work: Path, rate: float, reuse: bool) -> None:
     wl = work / "long_during_streams.yaml"
     run_dir = work / "servelab"
     print("\n(a) servelab's engine as itself vs with its timelines withheld", flush=True)
-    bench(run_dir, wl, ["--rate", str(rate), "--requests", "24"], CLIENT_CPU, None, "")
+    bench(run_dir, wl, ["--rate", str(rate), "--requests", "24"], CLIENT_CPU, None, "",
+          reuse=reuse)  # fmt: skip
     exact = load_run(run_dir)
     foreign = load_run(withhold(run_dir, work / "servelab-withheld"))
     ea, fa = attribute(exact), attribute(foreign)
@@ -388,7 +390,7 @@ def judge(case: Case, run_dir: Path) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-peers/vllm/bin/python"))
     ap.add_argument("--model-dir", default=None, help="an HF export (default: export now)")
@@ -404,11 +406,12 @@ def main() -> None:
         help="move vLLM's API process to the client's core once it is up (its engine core "
         "stays alone on the server's): what of the client-server TTFT gap is the API's work",
     )
-    a = ap.parse_args()
-    global REUSE
-    REUSE = a.reuse
-    if not Path(a.vllm_python).exists():
-        sys.exit(f"no vLLM python at {a.vllm_python}: run benchmarks/peers/install.sh first")
+    return ap.parse_args(argv)
+
+
+def prepare(a: argparse.Namespace) -> tuple[Path, Path]:
+    """The output folder with the cases' workloads written in it, and the HF export vLLM
+    serves (made now unless ``--model-dir`` has one)."""
     work = Path(a.out or tempfile.mkdtemp(prefix="diagnose-peers-"))
     work.mkdir(parents=True, exist_ok=True)
     for name, spec in WORKLOADS.items():
@@ -417,20 +420,19 @@ def main() -> None:
     if not (model_dir / "config.json").exists():
         subprocess.run([*_servelab(), "export-hf", "--model", "smollm2-135m", str(model_dir)],
                        check=True, capture_output=True)  # fmt: skip
-    only = set(filter(None, a.only.split(",")))
-    t0 = time.monotonic()
-    if not a.skip_a and (not only or "a" in only):
-        exact_vs_estimated(work, a.a_rate)
-    api = "API process on the client's core" if a.api_on_client_core else "client on core 1"
-    print(f"\n(b) planted causes on vLLM 0.32 CPU (1 thread, core 0; {api})", flush=True)
+    return work, model_dir
+
+
+def planted_causes(a: argparse.Namespace, cases: list[Case], work: Path, model_dir: Path) -> list:
+    """(b): each case against vLLM started with its flags (restarted only when they change),
+    judged; one row per case."""
     rows = []
-    cases = [c for c in CASES if not only or c.name in only]
     server: servers.PinnedServer | None = None
     flags: list[str] | None = None
     try:
         for case in cases:
             if case.flags != flags and not (
-                REUSE and (work / case.name / "manifest.json").exists()
+                a.reuse and (work / case.name / "manifest.json").exists()
             ):
                 if server:
                     server.stop()
@@ -449,7 +451,8 @@ def main() -> None:
             t = time.monotonic()
             try:
                 bench(out, work / f"{case.workload}.yaml", case.load, case.client_cpu,
-                      server.url if server else "", str(model_dir), case.burners)  # fmt: skip
+                      server.url if server else "", str(model_dir), case.burners,
+                      reuse=a.reuse)  # fmt: skip
                 row = judge(case, out)
             except RuntimeError as e:
                 row = {"case": case.name, "expected": case.expected, "verdict": f"ERROR {e}"}
@@ -459,6 +462,10 @@ def main() -> None:
     finally:
         if server:
             server.stop()
+    return rows
+
+
+def show(rows: list[dict]) -> None:
     print("\n| case | expected cause | top finding | confidence | false findings |"
           " other findings vLLM confirms | verdict | vLLM vs client TTFT |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -466,6 +473,21 @@ def main() -> None:
         print(f"| {r['case']} | {r['expected']} | {r.get('top', '-')} | {r.get('confidence', '-')}"
               f" | {r.get('false', '-')} | {r.get('confirmed', '-')} | {r['verdict']}"
               f" | {r.get('agreement', '-')} |")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    if not Path(a.vllm_python).exists():
+        sys.exit(f"no vLLM python at {a.vllm_python}: run benchmarks/peers/install.sh first")
+    work, model_dir = prepare(a)
+    only = set(filter(None, a.only.split(",")))
+    t0 = time.monotonic()
+    if not a.skip_a and (not only or "a" in only):
+        exact_vs_estimated(work, a.a_rate, a.reuse)
+    api = "API process on the client's core" if a.api_on_client_core else "client on core 1"
+    print(f"\n(b) planted causes on vLLM 0.32 CPU (1 thread, core 0; {api})", flush=True)
+    rows = planted_causes(a, [c for c in CASES if not only or c.name in only], work, model_dir)
+    show(rows)
     print(f"\nruns in {work}; {time.monotonic() - t0:.0f} s in all")
 
 
