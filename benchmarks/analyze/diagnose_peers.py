@@ -89,7 +89,7 @@ WORKLOADS = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Case:
     name: str
     # the finding that must come first; "no low_prefix_reuse" for caching on; "healthy":
@@ -105,58 +105,33 @@ class Case:
 BASE = ["--max-num-seqs", "4", "--max-model-len", "2048"]
 CASES = [
     # Requests mostly alone: nothing to find, and vLLM's figures cover the server's whole time.
-    Case("light", "healthy", BASE, "chat", ["--rate", "0.1", "--requests", "12"]),
-    Case("overload", "queue_bound", BASE, "chat", ["--rate", "2.5", "--requests", "24"]),
-    Case(
-        "prefix_on",
-        "no low_prefix_reuse",
-        BASE,
-        "shared_prefix",
-        ["--rate", "0.2", "--requests", "12"],
-    ),
+    Case(name="light", expected="healthy", flags=BASE, workload="chat",
+         load=["--rate", "0.1", "--requests", "12"]),
+    Case(name="overload", expected="queue_bound", flags=BASE, workload="chat",
+         load=["--rate", "2.5", "--requests", "24"]),
+    Case(name="prefix_on", expected="no low_prefix_reuse", flags=BASE, workload="shared_prefix",
+         load=["--rate", "0.2", "--requests", "12"]),
     # On a quiet machine a client merely pinned beside one-thread vLLM is not starved (the
     # scheduler runs it as soon as it wakes; docs/design/analyze.md), so nothing is there
     # to find. Three CPU-bound processes at a higher priority (nice -10, so root) on the
     # client's own core (not the server's) starve it, as a busy load generator would be.
-    Case(
-        "squeezed",
-        "client_bottleneck",
-        BASE,
-        "chat",
-        ["--rate", "1.0", "--requests", "24"],
-        burners=3,
-    ),
-    Case(
-        "prefix_off",
-        "low_prefix_reuse",
-        [*BASE, "--no-enable-prefix-caching"],
-        "shared_prefix",
-        ["--rate", "0.2", "--requests", "12"],
-    ),
-    Case(
-        "unchunked",
-        "itl_prefill_interference",
-        [*BASE, "--no-enable-chunked-prefill"],
-        "long_during_streams",
-        ["--rate", "0.6", "--requests", "16"],
-    ),
-    Case(
-        "big_budget",
-        "itl_prefill_interference",
-        [*BASE, "--max-num-batched-tokens", "4096"],
-        "long_during_streams",
-        ["--rate", "0.6", "--requests", "16"],
-    ),
-    Case(
-        "tiny_kv",
-        "kv_pressure",
-        # 6 blocks of 128 tokens hold 640 tokens of context (vLLM keeps one block back): two of
-        # the six requests' ~220 tokens each fit, the rest are preempted as they grow.
-        ["--max-num-seqs", "6", "--max-model-len", "512", "--num-gpu-blocks-override", "6"],
-        "kv",
-        ["--rate", "4", "--requests", "12"],
-    ),
-]
+    Case(name="squeezed", expected="client_bottleneck", flags=BASE, workload="chat",
+         load=["--rate", "1.0", "--requests", "24"], burners=3),
+    Case(name="prefix_off", expected="low_prefix_reuse",
+         flags=[*BASE, "--no-enable-prefix-caching"], workload="shared_prefix",
+         load=["--rate", "0.2", "--requests", "12"]),
+    Case(name="unchunked", expected="itl_prefill_interference",
+         flags=[*BASE, "--no-enable-chunked-prefill"], workload="long_during_streams",
+         load=["--rate", "0.6", "--requests", "16"]),
+    Case(name="big_budget", expected="itl_prefill_interference",
+         flags=[*BASE, "--max-num-batched-tokens", "4096"], workload="long_during_streams",
+         load=["--rate", "0.6", "--requests", "16"]),
+    # 6 blocks of 128 tokens hold 640 tokens of context (vLLM keeps one block back): two of
+    # the six requests' ~220 tokens each fit, the rest are preempted as they grow.
+    Case(name="tiny_kv", expected="kv_pressure",
+         flags=["--max-num-seqs", "6", "--max-model-len", "512", "--num-gpu-blocks-override", "6"],
+         workload="kv", load=["--rate", "4", "--requests", "12"]),
+]  # fmt: skip
 
 
 def _servelab() -> list[str]:

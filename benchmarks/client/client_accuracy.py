@@ -214,7 +214,13 @@ def compare_clients(
     )
     for n in streams:
         for client in clients(peers_dir):
-            job = Job(url, n, max(100, 2 * n), tokens, f"{client.name}-{n}-{os.getpid()}")
+            job = Job(
+                url=url,
+                streams=n,
+                requests=max(100, 2 * n),
+                tokens=tokens,
+                tag=f"{client.name}-{n}-{os.getpid()}",
+            )
             try:
                 reported, note = run_client(client, job, tok, out_dir / f"{n}-{client.name}", cpu)
                 tls = run_loop(fetch_timelines(url, [r.request_id for r in reported]))

@@ -39,7 +39,17 @@ async def _level(
     pool: WorkerPool, url: str, streams: int, args: argparse.Namespace
 ) -> dict[str, float | str]:
     n = streams * args.per_stream
-    plan = [PlannedRequest(f"r{i:06d}", i, "stream", "hello", 1, args.tokens) for i in range(n)]
+    plan = [
+        PlannedRequest(
+            request_id=f"r{i:06d}",
+            index=i,
+            workload_class="stream",
+            prompt="hello",
+            prompt_tokens=1,
+            max_tokens=args.tokens,
+        )
+        for i in range(n)
+    ]
     load = LoadSpec(concurrency=streams, requests=n)
     tag = f"w{len(pool.workers)}s{streams}"
     stage: DistributedStage = await pool.run_stage(plan, load, run_tag=tag)

@@ -83,32 +83,40 @@ def variants(mats: list[torch.Tensor], rows: int) -> dict[str, Callable[[], obje
     return out
 
 
-def _decode_plan(step: int, batch: int, ctx: int, token: int):
+def _plan(step: int, seqs: list[tuple[str, list[int], int, list[int]]]):
+    """A plan of greedy sequences (request id, token ids, start position, block table),
+    each sampling one token."""
     from servelab.engine.plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
-    blocks = -(-(ctx + 64) // 16)
     return BatchPlan(
-        step,
-        [
+        step_id=step,
+        seqs=[
             ScheduledSeq(
-                f"r{i}",
-                [token],
-                ctx + step % 64,
-                list(range(i * blocks, (i + 1) * blocks)),
-                True,
-                greedy,
+                request_id=rid,
+                token_ids=ids,
+                start_pos=start,
+                block_table=table,
+                sample=True,
+                sampling=greedy,
             )
-            for i in range(batch)
+            for rid, ids, start, table in seqs
         ],
     )
 
 
+def _decode_plan(step: int, batch: int, ctx: int, token: int):
+    blocks = -(-(ctx + 64) // 16)
+    seqs = [
+        (f"r{i}", [token], ctx + step % 64, list(range(i * blocks, (i + 1) * blocks)))
+        for i in range(batch)
+    ]
+    return _plan(step, seqs)
+
+
 def bench_model(name: str, threads: int, repeat: int) -> None:
     """Decode and prefill of the real model, against the floors measured alongside."""
-    from servelab.engine.plan import BatchPlan, ScheduledSeq
-    from servelab.engine.sampling_params import SamplingParams
     from servelab.model import linear as lin
     from servelab.model.runner import TorchModelRunner
 
@@ -136,7 +144,6 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
         f"{floor * 1e3:.1f} ms = {weight_bytes / floor / 1e9:.1f} GB/s; "
         f"GEMM of the layer shapes at {prompt_len} rows: {gemm_flops / gemm / 1e9:.0f} GFLOP/s"
     )
-    greedy = SamplingParams(temperature=0.0)
     prompt = list(range(100, 100 + prompt_len))
     table = list(range(-(-prompt_len // 16)))
     model_flops_per_token = from_model_config(runners[True].config, name).flops_per_token
@@ -157,7 +164,7 @@ def bench_model(name: str, threads: int, repeat: int) -> None:
                 repeat,
             )
             print(f"{label} decode batch {batch}: {t * 1e3:6.1f} ms/step = {t / floor:.2f}x floor")
-        pre = BatchPlan(0, [ScheduledSeq("p", prompt, 0, table, True, greedy)])
+        pre = _plan(0, [("p", prompt, 0, table)])
         t = best_time(lambda p=pre, r=runner: r.execute(p), max(2, repeat // 2))
         achieved = model_flops_per_token * prompt_len / t / 1e9
         print(
@@ -243,8 +250,7 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
     """The model's prefill, as served and stock, against the best GEMM rate at the same row
     count, each measured in turn with the others (the machine's speed drifts by tens of
     percent over minutes on a shared host, so a rate measured earlier would not do)."""
-    from servelab.engine.plan import BatchPlan, ScheduledSeq
-    from servelab.engine.sampling_params import SamplingParams
+    from servelab.engine.plan import BatchPlan
     from servelab.model import linear as lin
     from servelab.model.runner import TorchModelRunner
 
@@ -256,11 +262,9 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
         runners[key].allocate_kv(-(-max(PREFILL_LENS) // 16) + 1, 16)
     spec = from_model_config(runners["servelab"].config, name)
     shapes = layer_shapes(spec)
-    greedy = SamplingParams(temperature=0.0)
     clock = _clock(threads)
     for n in PREFILL_LENS:
-        plan = BatchPlan(0, [ScheduledSeq("p", list(range(100, 100 + n)), 0,
-                                          list(range(-(-n // 16))), True, greedy)])  # fmt: skip
+        plan = _plan(0, [("p", list(range(100, 100 + n)), 0, list(range(-(-n // 16))))])
 
         def run(key: str, plan: BatchPlan = plan) -> None:
             lin.use_numpy_on_cpu = key == "servelab"
@@ -285,7 +289,8 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
 
 def kernel_table(threads: int, repeat: int, rows_list: list[int]) -> None:
     """Every kernel candidate over the default model's layers and its LM head, per row count."""
-    layer_mats = [torch.randn(o, i) for _ in range(DEFAULT.layers) for _, o, i in layer_shapes(DEFAULT)]  # fmt: skip
+    shapes = layer_shapes(DEFAULT)
+    layer_mats = [torch.randn(o, i) for _ in range(DEFAULT.layers) for _, o, i in shapes]
     head = [torch.randn(DEFAULT.vocab, DEFAULT.hidden)]
     gb_layers = sum(m.numel() for m in layer_mats) * 4 / 1e9
     with threadpool_limits(limits=threads, user_api="blas"):

@@ -41,7 +41,7 @@ TOKENIZER_REPO = "local/smollm2-135m"
 _SNAPSHOT = "0" * 40  # a commit id is all the cache layout asks of a snapshot
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     url: str
     streams: int
@@ -63,7 +63,7 @@ class Reported:
     itls: list[float] | None  # the client's per-chunk gaps; None where it keeps none
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Client:
     name: str
     exe: Path
@@ -305,22 +305,25 @@ def _ms(metric: dict) -> float:
 def clients(peers_dir: Path) -> list[Client]:
     """servelab first, then the peers, each from its venv under ``peers_dir``."""
 
-    def peer(name: str, exe: str, *args: Any, **kw: Any) -> Client:
+    def peer(name: str, exe: str, **kw: Any) -> Client:
         # install.sh marks a venv once the peer's command has run from it
         venv = peers_dir.absolute() / name  # absolute: each client runs in its output folder
-        return Client(name, venv / "bin" / exe, *args, **kw, ready=venv / "INSTALLED")
+        return Client(name=name, exe=venv / "bin" / exe, ready=venv / "INSTALLED", **kw)
 
     return [
         Client(
-            "servelab", Path(sys.executable).with_name("servelab"), _servelab_cmd, _servelab_read
+            name="servelab",
+            exe=Path(sys.executable).with_name("servelab"),
+            command=_servelab_cmd,
+            read=_servelab_read,
         ),
-        peer("vllm", "python", _vllm_cmd, _vllm_read),
+        peer("vllm", "python", command=_vllm_cmd, read=_vllm_read),
         peer(
             "guidellm",
             "guidellm",
-            _guidellm_cmd,
-            _guidellm_read,
+            command=_guidellm_cmd,
+            read=_guidellm_read,
             note="keeps only first and last token times: no ITL",
         ),
-        peer("aiperf", "aiperf", _aiperf_cmd, _aiperf_read),
+        peer("aiperf", "aiperf", command=_aiperf_cmd, read=_aiperf_read),
     ]

@@ -50,7 +50,7 @@ CONFIGS = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Size:
     rates: list[float]  # sessions/s, rising
     requests: int  # sessions per run

@@ -65,7 +65,12 @@ def simulate(p: dict[str, Any], eff: Efficiency, cap: int) -> tuple[dict[str, fl
     c = p.get("concurrency")
     n = min(p["requests"] if "requests" in p else max(4 * c, 20), cap)
     isl, osl = p["input_len"], p["output_len"]
-    reqs = [SimRequest(f"r{i}", 0.0, [i + 1] * isl, osl) for i in range(n)]
+    reqs = [
+        SimRequest(
+            request_id=f"r{i}", send_time=0.0, prompt_token_ids=[i + 1] * isl, max_tokens=osl
+        )
+        for i in range(n)
+    ]
     t0 = time.perf_counter()
     res = Simulation(target.factory, reqs, Topology(), max_concurrency=c, keep_steps=False).run()
     wall = time.perf_counter() - t0
