@@ -33,23 +33,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from servelab.units import parse_size_gb
+from servelab.engine_flags import config_settings
 from servelab.vocab import ClientRecord, RequestTimeline, StepRecord
 
 FORMAT_VERSION = 2  # 1: no version field, flags-only engine config; 2: resolved config
-
-# `servelab serve` flags whose EngineConfig field has another name or unit (format-1 runs).
-_FLAG_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "kv_cache_memory": ("kv_cache_memory_gb", parse_size_gb),
-    "num_gpu_blocks_override": ("num_kv_blocks", int),
-}
 
 _encode = msgspec.json.Encoder().encode
 _JSONL = ("requests.jsonl", "server.jsonl", "steps.jsonl", "metrics_scrape.jsonl")
@@ -275,11 +268,7 @@ class Run:
         flags = server.get("config")
         if not isinstance(flags, dict):
             return {}
-        out = dict(flags)
-        for flag, (name, parse) in _FLAG_FIELDS.items():
-            if flag in out:
-                out[name] = parse(str(out.pop(flag)))
-        return out
+        return config_settings(flags)
 
     @property
     def model(self) -> str | None:

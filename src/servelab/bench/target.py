@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from servelab.analyze.promscrape import info_metrics
+from servelab.engine_flags import read_flags
 
 HEALTH_TIMEOUT_S = 900.0  # loading and dequantising a model on 2 cores takes a while
 
@@ -74,7 +75,7 @@ class ServerInfo:
             "launched": self.launched,
             "command": self.command,
             "engine_args": self.engine_args,
-            "config": parse_engine_args(self.engine_args),
+            "config": read_flags(self.engine_args),
             "engine_config": self.engine_config,
             "version": self.version,
             "models": self.models,
@@ -82,43 +83,6 @@ class ServerInfo:
             "max_model_len": self.max_model_len,
             "info_metrics": self.info_metrics,
         }
-
-
-def parse_engine_args(text: str) -> dict[str, Any]:
-    """``"--max-num-seqs 8 --no-enable-prefix-caching"`` -> ``{"max_num_seqs": 8, ...}``.
-
-    For the manifest only: the server validates its own flags.
-    """
-    out: dict[str, Any] = {}
-    toks = shlex.split(text or "")
-    i = 0
-    while i < len(toks):
-        tok = toks[i]
-        if not tok.startswith("--"):
-            i += 1
-            continue
-        key, eq, val = tok[2:].partition("=")
-        name = key.replace("-", "_")
-        if eq:
-            out[name] = _scalar(val)
-        elif i + 1 < len(toks) and not toks[i + 1].startswith("--"):
-            out[name] = _scalar(toks[i + 1])
-            i += 1
-        elif name.startswith("no_"):
-            out[name[3:]] = False
-        else:
-            out[name] = True
-        i += 1
-    return out
-
-
-def _scalar(v: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(v.lower(), v)
 
 
 def _auth(api_key: str | None) -> dict[str, str]:

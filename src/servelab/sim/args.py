@@ -1,57 +1,56 @@
-"""Parse ``--engine-args`` and ``--sweep`` strings of ``servelab sim``.
+"""The simulator's engine settings: ``--engine-args`` and ``--sweep`` of ``servelab sim``.
 
-Accepted forms, mixed freely and separated by spaces or commas::
+``--engine-args`` takes `servelab serve`'s flags, read by the one tokenizer
+(``servelab.engine_flags``) and checked here against ``EngineConfig``'s fields and the
+deployment knobs only a simulation has::
 
-    max_num_seqs=128 max-num-batched-tokens=4096
-    --max-num-seqs 128 --no-enable-chunked-prefill --enable-prefix-caching
-    num_gpu_blocks_override=20000 kv_cache_memory=40G     # vLLM / `servelab serve` names
-    tp=2 gpu_memory_utilization=0.85                        # deployment knobs (not EngineConfig)
+    --max-num-seqs 128 --no-enable-chunked-prefill --kv-cache-memory 40G --tp 2
+
+The old spelling, ``max_num_seqs=128 tp=2`` (spaces or commas between settings), still
+reads; ``respell`` gives its new spelling for the command's note.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from typing import Any
 
 from servelab.engine.config import EngineConfig
+from servelab.engine_flags import RENAMED, Flag, config_key, spell, split_flags
+from servelab.units import parse_size_gb
 
-ALIASES = {
-    "num_gpu_blocks_override": "num_kv_blocks",
-    "tensor_parallel_size": "tp",
-    "kv_cache_memory": "kv_cache_memory_gb",
-}
 DEPLOYMENT_KEYS = {"tp": int, "gpu_memory_utilization": float}
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+_KNOWN = {*_FIELDS, *DEPLOYMENT_KEYS, *RENAMED}
+_SWITCHES = {name for name, f in _FIELDS.items() if isinstance(f.default, bool)}
 
 
-def _key(raw: str) -> str:
-    k = raw.lstrip("-").replace("-", "_").strip()
-    return ALIASES.get(k, k)
-
-
-def _convert(key: str, value: str) -> Any:
+def _convert(key: str, value: str | bool) -> Any:
+    if isinstance(value, bool):
+        return value
     if key in DEPLOYMENT_KEYS:
         return DEPLOYMENT_KEYS[key](value)
-    if key == "kv_cache_memory_gb":
-        from servelab.units import parse_size_gb
-
+    if key == "kv_cache_memory_gb":  # a size, as `servelab serve --kv-cache-memory` takes
         return parse_size_gb(value)
-    default = _FIELDS[key].default
-    if isinstance(default, bool):
+    if key in _SWITCHES:
         v = value.strip().lower()
         if v not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
             raise ValueError(f"{key} takes true or false, got {value!r}")
         return v in ("true", "1", "yes", "on")
     if value.strip().lower() in ("none", "auto"):
         return None
-    return float(value) if key == "kv_cache_memory_gb" else int(value)
+    return int(value)
 
 
-def _check_key(key: str, raw: str) -> None:
-    if key not in _FIELDS and key not in DEPLOYMENT_KEYS:
-        known = sorted({*(_FIELDS), *DEPLOYMENT_KEYS})
-        raise ValueError(f"unknown engine arg {raw!r}; known: {', '.join(known)}")
+def _settings(text: str | None) -> list[tuple[Flag, str, Any]]:
+    out = []
+    for flag in split_flags(text, _KNOWN, _SWITCHES):
+        key = config_key(flag.name)
+        try:
+            out.append((flag, key, _convert(key, flag.value)))
+        except ValueError as e:
+            raise ValueError(f"bad value for engine arg {flag.written!r}: {e}") from None
+    return out
 
 
 def parse_engine_args(text: str | None) -> dict[str, Any]:
@@ -59,44 +58,18 @@ def parse_engine_args(text: str | None) -> dict[str, Any]:
 
     Raises ValueError naming the bad argument and the known keys.
     """
-    out: dict[str, Any] = {}
-    if not text:
-        return out
-    tokens = [t for part in shlex.split(text) for t in part.split(",") if t]
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if "=" in tok:
-            raw, value = tok.split("=", 1)
-        elif tok.startswith("--"):
-            raw = tok
-            key = _key(tok)
-            if key.startswith("no_") and key[3:] in _FIELDS:
-                out[key[3:]] = False
-                i += 1
-                continue
-            _check_key(key, tok)
-            if key in _FIELDS and isinstance(_FIELDS[key].default, bool):
-                out[key] = True
-                i += 1
-                continue
-            if i + 1 >= len(tokens):
-                raise ValueError(f"engine arg {tok} needs a value")
-            value = tokens[i + 1]
-            i += 1
-        else:
-            raise ValueError(
-                f"cannot read engine arg {tok!r}: write key=value or --flag value "
-                "(e.g. 'max_num_seqs=128 --no-enable-chunked-prefill')"
-            )
-        key = _key(raw)
-        _check_key(key, raw)
-        try:
-            out[key] = _convert(key, value)
-        except ValueError as e:
-            raise ValueError(f"bad value for engine arg {raw!r}: {e}") from None
-        i += 1
-    return out
+    return {key: value for _, key, value in _settings(text)}
+
+
+def respell(text: str | None) -> str | None:
+    """``text`` in the flag spelling when it uses the old ``key=value`` one, else None."""
+    settings = _settings(text)
+    if not any(flag.old_style for flag, _, _ in settings):
+        return None
+    return " ".join(
+        spell(flag.name, value if isinstance(value, bool) else str(flag.value))
+        for flag, _, value in settings
+    )
 
 
 def split_deployment(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -33,7 +33,8 @@ from rich.console import Console
 
 from servelab.analyze.compare import Comparison, compare
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
-from servelab.bench.target import LaunchedServer, parse_engine_args
+from servelab.bench.target import LaunchedServer
+from servelab.engine_flags import read_flags
 from servelab.rundir import Run, load_run, read_json, write_manifest
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$")
@@ -132,7 +133,7 @@ def record_server(run_dir: Path, server: LaunchedServer) -> None:
         launched=True,
         command=server.command,
         engine_args=server.engine_args,
-        config=parse_engine_args(server.engine_args),
+        config=read_flags(server.engine_args),
     )
     manifest["server"] = info
     write_manifest(run_dir, manifest)
