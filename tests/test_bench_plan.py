@@ -178,6 +178,34 @@ def test_load_spec_errors_say_what_to_do():
         LoadSpec(rate=1, requests=1, arrival="weibull").validate()
 
 
+def test_load_from_flags_applies_the_rules_every_caller_shares():
+    assert LoadSpec.from_flags() == LoadSpec(concurrency=1, requests=20)
+    assert LoadSpec.from_flags(rate=2, duration=30) == LoadSpec(rate=2, duration=30)
+    trace = LoadSpec.from_flags(trace="azure-2023-conv")
+    assert (trace.concurrency, trace.rate, trace.requests) == (None, None, None)
+    onoff = LoadSpec.from_flags(rate=2, on=5, off=10)
+    assert (onoff.arrival, onoff.on, onoff.off) == ("onoff", 5, 10)
+    assert LoadSpec.from_flags(rate=2, ramp_to=8).arrival == "ramp"
+    assert LoadSpec.from_flags(rate=2, ramp_to=8, arrival="constant").arrival == "constant"
+    swept = LoadSpec.from_flags(sweep=("rate", [0.5, 1, 2]))
+    assert (swept.rate, swept.concurrency, swept.requests) == (0.5, None, 10)
+    closed = LoadSpec.from_flags(sweep=("concurrency", [4.0, 16.0]))
+    assert (closed.concurrency, closed.rate, closed.requests) == (4, None, 10)
+    searched = LoadSpec.from_flags(search=True, requests=30)
+    assert (searched.rate, searched.concurrency, searched.requests) == (1.0, None, 30)
+
+
+def test_load_from_flags_refuses_what_does_not_go_together():
+    with pytest.raises(ValueError, match="not both"):
+        LoadSpec.from_flags(sweep=("rate", [1, 2]), search=True)
+    with pytest.raises(ValueError, match="drop --concurrency"):
+        LoadSpec.from_flags(concurrency=2, search=True)
+    with pytest.raises(ValueError, match="inf cannot be swept or searched"):
+        LoadSpec.from_flags(rate=float("inf"), search=True)
+    with pytest.raises(ValueError, match="not both"):  # validated like any LoadSpec
+        LoadSpec.from_flags(concurrency=2, rate=1)
+
+
 # --------------------------------------------------------------------------- traces
 
 

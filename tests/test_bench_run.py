@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -247,6 +248,10 @@ def test_interrupt_records_in_flight_requests_as_aborted(server, tmp_path):
         (["--workload", "nope"], "neither a preset"),
         (["--find-max-rate", "--sweep", "rate=1,2"], "not both"),
         (["--url", "ftp://x"], "http://"),
+        (["--find-max-rate", "--concurrency", "2"], "drop --concurrency"),
+        (["--trace", "azure-2023-conv", "--workload", "chat"], "drop --workload"),
+        (["--goodput-target", "1.5"], "give a fraction in (0, 1]"),
+        (["--slice-duration", "61min"], "give 100ms to 1h"),
     ],
 )
 def test_bad_flags_say_what_to_do(args, message, tmp_path):
@@ -254,6 +259,23 @@ def test_bad_flags_say_what_to_do(args, message, tmp_path):
     text = r.output + (r.stderr if r.stderr_bytes is not None else "")
     assert r.exit_code == 2, text
     assert message in " ".join(text.replace("│", " ").split()), text
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"workers": 0}, "--workers 0: give 1 or more"),
+        ({"scrape_interval": 0.01}, "give 50ms to 60s"),
+        ({"endpoint": "responses"}, "use completions or chat"),
+        ({"load": LoadSpec(rate=1.0)}, "--requests N or --duration"),
+    ],
+)
+def test_bench_options_built_by_hand_are_checked_as_the_cli_checks_them(change, message):
+    from servelab.bench.run import BenchOptions, run_bench
+
+    opts = BenchOptions(url="http://127.0.0.1:9", load=LoadSpec(concurrency=1, requests=1))
+    with pytest.raises(ValueError, match=message):
+        run_bench(replace(opts, **change))
 
 
 # ------------------------------------------- run.py stops a sweep / fails a search stage

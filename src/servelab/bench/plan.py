@@ -14,6 +14,7 @@ and text, so changing e.g. the rate does not change the prompts.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -59,6 +60,76 @@ class LoadSpec:
     trace: str | None = None
     time_scale: float = 1.0
     length_scale: float = 1.0
+
+    @classmethod
+    def from_flags(
+        cls,
+        *,
+        concurrency: int | None = None,
+        rate: float | None = None,
+        arrival: str = "poisson",
+        burstiness: float = 1.0,
+        on: float | None = None,
+        off: float | None = None,
+        ramp_to: float | None = None,
+        ramp_over: float | None = None,
+        requests: int | None = None,
+        duration: float | None = None,
+        trace: str | None = None,
+        time_scale: float = 1.0,
+        length_scale: float = 1.0,
+        sweep: tuple[str, list[float]] | None = None,
+        search: bool = False,
+    ) -> LoadSpec:
+        """The load a command line asks for, validated, after the rules every caller shares:
+
+        - ON/OFF times imply onoff arrivals, and a ramp target ramp arrivals, unless
+          ``arrival`` names another process than the default poisson;
+        - a ``sweep`` (``("rate" | "concurrency", values)``) starts from its first value
+          where the flags set none; a rate ``search`` starts from 1 request/s, open loop;
+        - with no rate, concurrency or trace: one request at a time;
+        - with no request count, duration or trace: 20 requests (10 for each stage of a
+          sweep or a search).
+
+        Raises ValueError naming the flag, as ``validate`` does.
+        """
+        if search and sweep is not None:
+            raise ValueError("choose --sweep or --find-max-rate, not both")
+        if search and concurrency is not None:
+            raise ValueError("--find-max-rate searches over --rate (open loop); drop --concurrency")
+        if arrival == "poisson" and on is not None:
+            arrival = "onoff"
+        if arrival == "poisson" and ramp_to is not None:
+            arrival = "ramp"
+        if sweep is not None and sweep[0] == "rate" and rate is None:
+            rate = sweep[1][0]
+        if sweep is not None and sweep[0] == "concurrency" and concurrency is None:
+            concurrency = int(sweep[1][0])
+        if search and rate is None:
+            rate = 1.0
+        if concurrency is None and rate is None and trace is None:
+            concurrency = 1
+        if requests is None and duration is None and trace is None:
+            requests = 10 if sweep is not None or search else 20
+        if rate is not None and math.isinf(rate) and (sweep is not None or search):
+            raise ValueError("--rate inf cannot be swept or searched")
+        load = cls(
+            concurrency=concurrency,
+            rate=rate,
+            arrival=arrival,
+            burstiness=burstiness,
+            on=on,
+            off=off,
+            ramp_to=ramp_to,
+            ramp_over=ramp_over,
+            requests=requests,
+            duration=duration,
+            trace=trace,
+            time_scale=time_scale,
+            length_scale=length_scale,
+        )
+        load.validate()
+        return load
 
     @property
     def closed(self) -> bool:

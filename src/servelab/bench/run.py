@@ -32,7 +32,7 @@ from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
 from servelab.bench.manifest import machine, versions
 from servelab.bench.monitor import ClientHealth, LoopMonitor
-from servelab.bench.plan import LoadSpec, Plan, build_plan, iter_plan
+from servelab.bench.plan import ENDPOINTS, LoadSpec, Plan, build_plan, iter_plan
 from servelab.bench.progress import Progress
 from servelab.bench.runner import Runner, StageResult
 from servelab.bench.search import find_max_rate, saturated, sweep_stop
@@ -58,7 +58,8 @@ DEFAULT_WORKLOAD = "chat"
 
 @dataclass
 class BenchOptions:
-    """Everything the command line says, already parsed (see ``commands.py``)."""
+    """Everything the command line says, already parsed (``servelab.cli.bench``); the load
+    comes from ``LoadSpec.from_flags``. ``validate`` checks what each flag allows."""
 
     url: str | None = None
     model: str | None = None
@@ -92,6 +93,28 @@ class BenchOptions:
     @property
     def distributed(self) -> bool:
         return self.workers > 1 or self.ray_address is not None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag that is wrong and saying what to do."""
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url {self.url!r}: give a base URL such as http://127.0.0.1:8000")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint {self.endpoint!r}: use completions or chat")
+        if self.load.trace is not None and self.workload is not None:
+            raise ValueError("--trace sets its own lengths and arrivals; drop --workload")
+        if self.workers < 1:
+            raise ValueError(f"--workers {self.workers}: give 1 or more")
+        if self.ray_address is not None:
+            from servelab.bench.distributed.ray_workers import check_address
+
+            check_address(self.ray_address)
+        if not 0.05 <= self.scrape_interval <= 60:
+            raise ValueError(f"--scrape-interval {self.scrape_interval:g}s: give 50ms to 60s")
+        if not 0.1 <= self.slice_duration <= 3600:
+            raise ValueError(f"--slice-duration {self.slice_duration:g}s: give 100ms to 1h")
+        if not 0 < self.goodput_target <= 1:
+            raise ValueError(f"--goodput-target {self.goodput_target}: give a fraction in (0, 1]")
+        self.load.validate()
 
 
 @dataclass
@@ -613,7 +636,7 @@ class Bench:
 
     async def run(self) -> int:
         o = self.o
-        o.load.validate()
+        o.validate()
         self._plan_inputs()  # bad workloads fail before a server is started
         self.rundir = RunDir(self._out_dir(), overwrite=o.overwrite)
         try:

@@ -260,7 +260,7 @@ def _opts(out: Path, name: str, workload: str, requests: int, conc: int, seed: i
     return BenchOptions(
         tokenizer=DEFAULT_MODEL,
         workload=workload,
-        load=LoadSpec(concurrency=conc, requests=requests),
+        load=LoadSpec.from_flags(concurrency=conc, requests=requests),
         out=out / name,
         seed=seed,
         command=["servelab", "demo", f"({name})"],
