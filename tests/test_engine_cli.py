@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import typer
 from typer.testing import CliRunner
 
 from servelab.cli import app
@@ -33,3 +34,11 @@ def test_offline_demo_shows_chunks_and_prefix_hits(tiny_llama_dir: Path) -> None
     assert timelines["rag-1"].cached_tokens > timelines["rag-0"].cached_tokens  # same document
     assert all(timelines[f"chat-{i}"].cached_tokens > 0 for i in (3, 4))  # shared system prompt
     assert all(t.finish_reason is not None for t in timelines.values())
+
+
+def test_every_command_is_registered_the_same_way() -> None:
+    from servelab.cli import analyze, bench, export, generate, serve, sim
+
+    modules = (analyze, bench, export, generate, serve, sim)
+    listed = {name for m in modules for name in m.COMMANDS}
+    assert set(typer.main.get_command(app).commands) == listed | {"version"}

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from servelab.server.args import ServerArgs
+from servelab.server.args import API_KEY_ENV, ServerArgs
 from servelab.units import parse_size_gb
 
 
@@ -75,3 +78,36 @@ def test_bad_flags_exit_2_with_a_message(flags: list[str], needle: str) -> None:
     result = CliRunner().invoke(app, ["serve", *flags])
     assert result.exit_code == 2
     assert needle in result.output
+
+
+def test_serve_options_are_the_server_args_fields_one_for_one() -> None:
+    params = typer.main.get_command(app).commands["serve"].params
+    fields = dataclasses.fields(ServerArgs)
+    assert [p.name for p in params] == [f.name for f in fields]
+    for p, f in zip(params, fields):
+        assert p.opts == [f"--{f.name.replace('_', '-')}"]
+        assert p.default == f.default and p.help == f.metadata["help"]
+    flags = {p.name: p for p in params}
+    assert flags["enable_prefix_caching"].secondary_opts == ["--no-enable-prefix-caching"]
+    assert flags["disaggregated"].secondary_opts == []
+    assert flags["api_key"].envvar == API_KEY_ENV
+
+
+def test_serve_flags_parse_into_server_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    served: list[ServerArgs] = []
+    monkeypatch.setattr("servelab.server.main.run_server", lambda args: served.append(args) or 0)
+    flags = ["--port", "0", "--max-num-seqs", "8", "--no-enable-prefix-caching"]
+    flags += ["--kv-cache-memory", "512M", "--disaggregated", "--kv-transport", "socket"]
+    result = CliRunner().invoke(app, ["serve", *flags], env={API_KEY_ENV: ""})
+    assert result.exit_code == 0, result.output
+    assert served == [
+        ServerArgs(
+            port=0,
+            max_num_seqs=8,
+            enable_prefix_caching=False,
+            kv_cache_memory="512M",
+            disaggregated=True,
+            kv_transport="socket",
+        )
+    ]
+    assert served[0].api_key is None  # an empty key in the environment is no key

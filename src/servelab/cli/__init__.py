@@ -1,7 +1,8 @@
 """The `servelab` command: every typer command lives in this package, one module per group.
 
-Command modules import nothing heavy at module level (no torch), so that
-`servelab bench` never loads the engine.
+Each command module holds its commands as plain functions and lists them in ``COMMANDS``
+(name -> function); they are registered here, in one way. Command modules import nothing
+heavy at module level (no torch), so that `servelab bench` never loads the engine.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _register_all() -> None:
     from servelab.cli import analyze, bench, export, generate, serve, sim
 
     for module in (generate, export, serve, bench, analyze, sim):
-        module.register(app)
+        for name, command in module.COMMANDS.items():
+            app.command(name)(command)
 
 
 @app.callback()

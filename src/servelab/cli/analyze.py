@@ -29,111 +29,106 @@ def _load(paths: list[Path]) -> list[Run]:
         raise fail(str(e)) from None
 
 
-def register(app: typer.Typer) -> None:
-    """Add this subsystem's commands to the `servelab` app."""
+def diagnose(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory written by `servelab bench`")],
+    json_out: JsonFlag = False,
+) -> None:
+    """Explain a run's latencies: where TTFT went, what caused ITL stalls, what to change."""
+    from rich.console import Console
 
-    @app.command()
-    def diagnose(
-        run_dir: Annotated[
-            Path, typer.Argument(help="a run directory written by `servelab bench`")
-        ],
-        json_out: JsonFlag = False,
-    ) -> None:
-        """Explain a run's latencies: where TTFT went, what caused ITL stalls, what to change."""
-        from rich.console import Console
+    from servelab.analyze.diagnose import diagnose as run_diagnosis
+    from servelab.report.terminal import render_diagnosis
 
-        from servelab.analyze.diagnose import diagnose as run_diagnosis
-        from servelab.report.terminal import render_diagnosis
+    (run,) = _load([run_dir])
+    d = run_diagnosis(run)
+    if json_out:
+        typer.echo(json.dumps(d.to_dict(), indent=1, default=str))
+    else:
+        render_diagnosis(d, Console())
 
-        (run,) = _load([run_dir])
-        d = run_diagnosis(run)
-        if json_out:
-            typer.echo(json.dumps(d.to_dict(), indent=1, default=str))
-        else:
-            render_diagnosis(d, Console())
 
-    @app.command()
-    def compare(
-        run_dirs: Annotated[
-            list[Path],
-            typer.Argument(help="two or more run directories; the first is the baseline"),
-        ],
-        json_out: JsonFlag = False,
-        alpha: Annotated[
-            float, typer.Option(help="significance level (false discovery rate)")
-        ] = 0.05,
-    ) -> None:
-        """Compare runs metric by metric, marking which differences are significant and which are noise."""
-        from rich.console import Console
+def compare(
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(help="two or more run directories; the first is the baseline"),
+    ],
+    json_out: JsonFlag = False,
+    alpha: Annotated[float, typer.Option(help="significance level (false discovery rate)")] = 0.05,
+) -> None:
+    """Compare runs metric by metric, marking which differences are significant and which are noise."""
+    from rich.console import Console
 
-        from servelab.analyze.compare import compare as run_compare
-        from servelab.report.terminal import render_comparison
+    from servelab.analyze.compare import compare as run_compare
+    from servelab.report.terminal import render_comparison
 
-        if len(run_dirs) < 2:
-            raise fail("compare needs at least two run directories (the first is the baseline)")
-        if not 0 < alpha < 1:
-            raise fail(f"--alpha must be between 0 and 1, got {alpha}")
-        c = run_compare(_load(run_dirs), alpha=alpha)
-        if json_out:
-            typer.echo(json.dumps(c.to_dict(), indent=1, default=str))
-        else:
-            render_comparison(c, Console())
+    if len(run_dirs) < 2:
+        raise fail("compare needs at least two run directories (the first is the baseline)")
+    if not 0 < alpha < 1:
+        raise fail(f"--alpha must be between 0 and 1, got {alpha}")
+    c = run_compare(_load(run_dirs), alpha=alpha)
+    if json_out:
+        typer.echo(json.dumps(c.to_dict(), indent=1, default=str))
+    else:
+        render_comparison(c, Console())
 
-    @app.command()
-    def report(
-        run_dirs: Annotated[list[Path], typer.Argument(help="one or more run directories")],
-        html: Annotated[
-            Path | None,
-            typer.Option(
-                "--html", help="output file (default: report.html in the first run directory)"
-            ),
-        ] = None,
-        trace_json: Annotated[
-            Path | None,
-            typer.Option(
-                "--trace-json",
-                help="also write the first run's request phases and engine steps as a Chrome "
-                "Trace Event file (open it in ui.perfetto.dev or chrome://tracing)",
-            ),
-        ] = None,
-    ) -> None:
-        """Write one self-contained HTML report (charts work offline) for one or more runs."""
-        from servelab.analyze.compare import compare as run_compare
-        from servelab.analyze.diagnose import diagnose as run_diagnosis
-        from servelab.report.html import write_report
 
-        runs = _load(run_dirs)
-        out = html or (run_dirs[0] / "report.html")
-        comparison = run_compare(runs) if len(runs) > 1 else None
-        diagnoses = [run_diagnosis(r) for r in runs]
-        write_report(runs, diagnoses, out, comparison)
-        typer.echo(f"report written to {out.resolve()}")
-        if trace_json is not None:
-            from servelab.report.trace import chrome_trace
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="one or more run directories")],
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html", help="output file (default: report.html in the first run directory)"
+        ),
+    ] = None,
+    trace_json: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace-json",
+            help="also write the first run's request phases and engine steps as a Chrome "
+            "Trace Event file (open it in ui.perfetto.dev or chrome://tracing)",
+        ),
+    ] = None,
+) -> None:
+    """Write one self-contained HTML report (charts work offline) for one or more runs."""
+    from servelab.analyze.compare import compare as run_compare
+    from servelab.analyze.diagnose import diagnose as run_diagnosis
+    from servelab.report.html import write_report
 
-            d = diagnoses[0]
-            trace = chrome_trace(runs[0], d.attribution.stalls if d.attribution else [])
-            trace_json.write_text(json.dumps(trace))
-            typer.echo(f"trace written to {trace_json.resolve()} (open it in ui.perfetto.dev)")
+    runs = _load(run_dirs)
+    out = html or (run_dirs[0] / "report.html")
+    comparison = run_compare(runs) if len(runs) > 1 else None
+    diagnoses = [run_diagnosis(r) for r in runs]
+    write_report(runs, diagnoses, out, comparison)
+    typer.echo(f"report written to {out.resolve()}")
+    if trace_json is not None:
+        from servelab.report.trace import chrome_trace
 
-    @app.command()
-    def demo(
-        quick: Annotated[
-            bool, typer.Option("--quick", help="a reduced size for CI (a couple of minutes)")
-        ] = False,
-        out: Annotated[
-            Path | None, typer.Option(help="output directory (default: runs/<time>-demo)")
-        ] = None,
-        seed: Annotated[int, typer.Option(help="seed of the planned requests")] = 1,
-    ) -> None:
-        """The main job: four questions (RAG TTFT, chunked prefill, priorities, decode ITL), each answered by one comparison."""
-        from servelab.workflows.demo import run_demo
+        d = diagnoses[0]
+        trace = chrome_trace(runs[0], d.attribution.stalls if d.attribution else [])
+        trace_json.write_text(json.dumps(trace))
+        typer.echo(f"trace written to {trace_json.resolve()} (open it in ui.perfetto.dev)")
 
-        try:
-            result = run_demo(quick=quick, out=out, seed=seed)
-        except (ValueError, RuntimeError) as e:
-            raise fail(str(e)) from None
-        if result.interrupted:
-            raise typer.Exit(130)
-        if result.report is None:
-            raise fail("no run finished, so there is no report; see the output above")
+
+def demo(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="a reduced size for CI (a couple of minutes)")
+    ] = False,
+    out: Annotated[
+        Path | None, typer.Option(help="output directory (default: runs/<time>-demo)")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="seed of the planned requests")] = 1,
+) -> None:
+    """The main job: four questions (RAG TTFT, chunked prefill, priorities, decode ITL), each answered by one comparison."""
+    from servelab.workflows.demo import run_demo
+
+    try:
+        result = run_demo(quick=quick, out=out, seed=seed)
+    except (ValueError, RuntimeError) as e:
+        raise fail(str(e)) from None
+    if result.interrupted:
+        raise typer.Exit(130)
+    if result.report is None:
+        raise fail("no run finished, so there is no report; see the output above")
+
+
+COMMANDS = {"diagnose": diagnose, "compare": compare, "report": report, "demo": demo}

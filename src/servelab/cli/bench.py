@@ -421,6 +421,4 @@ def bench(
     raise typer.Exit(code)
 
 
-def register(app: typer.Typer) -> None:
-    """Add `servelab bench` to the `servelab` app."""
-    app.command("bench")(bench)
+COMMANDS = {"bench": bench}

@@ -32,6 +32,4 @@ def export_hf_command(
     typer.echo(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
 
 
-def register(app: typer.Typer) -> None:
-    """Add this subsystem's commands to the `servelab` app."""
-    app.command("export-hf")(export_hf_command)
+COMMANDS = {"export-hf": export_hf_command}

@@ -6,10 +6,12 @@ Imports nothing heavy: the CLI validates flags before any process or model is st
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from servelab.engine.config import EngineConfig
 from servelab.engine.spec.config import parse_speculative_config
+from servelab.engine_flags import config_key, config_settings
 from servelab.model.build import default_threads
 from servelab.units import parse_size_gb
 from servelab.vocab import DEFAULT_MODEL, check_quantization
@@ -26,54 +28,119 @@ _DISAGG_FLAGS = {  # flag -> ServerArgs field
 }
 
 
+def _flag(default: Any, help: str, *, repr: bool = True, **option: Any) -> Any:
+    """A `servelab serve` flag: the field, its ``--help`` text and, where typer's defaults do
+    not fit, how the option is declared (``decls``, ``envvar``, ``show_default``)."""
+    return field(default=default, repr=repr, metadata={"help": help, **option})
+
+
 @dataclass
 class ServerArgs:
-    """Everything `servelab serve` was asked for (vLLM's flag names).
+    """Everything `servelab serve` was asked for (vLLM's flag names): one field per flag,
+    with its help, from which the command's options are generated.
 
     ``api_key`` stays in the API process: it is never sent to the engine core nor logged.
     """
 
-    model: str = DEFAULT_MODEL
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = field(default=None, repr=False)
-    served_model_name: str | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory: str | None = None
-    block_size: int | None = None
-    max_queue: int | None = None
-    device: str | None = None
-    threads: int | None = None
-    quantization: str = "none"  # servelab.model.quant.MODES
-    shutdown_timeout: float = 30.0
-    # Limits at the door (docs/design/server.md): OpenAI's 4 stop sequences by default.
-    max_stop_sequences: int = 4
-    max_body_size: str = "16MiB"
-    # Seconds a connection may take to send a complete request head, counted from its
-    # opening or from the head's first byte.
-    header_timeout: float = 5.0
-    # Seconds an idle keep-alive connection stays open: longer than clients' own pools keep
-    # one (aiohttp 15 s, httpx and the OpenAI SDK 5 s), so that the client closes it first.
-    keep_alive_timeout: float = 30.0
-    # Seconds a request's body may take to arrive once its head has: a client that trickles
-    # it is answered 408 and closed.
-    body_timeout: float = 30.0
-    log_level: str = "info"
-    simulate: str | None = None  # HARDWARE:MODEL: stream at the simulator's timings
-    speculative_config: str | None = None  # vLLM's JSON, e.g. '{"method": "ngram", ...}'
+    model: str = _flag(DEFAULT_MODEL, "Model short name, HF directory or .gguf file.")
+    host: str = _flag("127.0.0.1", "Address to bind (loopback by default).")
+    port: int = _flag(8000, "Port to bind; 0 picks a free one.")
+    api_key: str | None = _flag(
+        None,
+        f"Require 'Authorization: Bearer KEY' on /v1 routes and POST /reset_prefix_cache "
+        f"(or set ${API_KEY_ENV}); /health, /metrics and /version stay open.",
+        repr=False,
+        envvar=API_KEY_ENV,
+        show_default=False,
+    )
+    served_model_name: str | None = _flag(None, "Name clients pass as 'model' (default: --model).")
+    max_num_batched_tokens: int | None = _flag(None, "Token budget of one engine step.")
+    max_num_seqs: int | None = _flag(None, "Most sequences in one engine step.")
+    max_model_len: int | None = _flag(None, "Context length (default: the model's).")
+    enable_chunked_prefill: bool = _flag(True, "Split long prefills.")
+    enable_prefix_caching: bool = _flag(True, "Reuse cached prompt blocks.")
+    num_gpu_blocks_override: int | None = _flag(
+        None, "KV cache size in blocks (overrides --kv-cache-memory)."
+    )
+    kv_cache_memory: str | None = _flag(
+        None, "KV cache size, e.g. 2G or 512MiB (a bare number is GB; default 2)."
+    )
+    block_size: int | None = _flag(None, "Tokens per KV block.")
+    max_queue: int | None = _flag(
+        None, "Waiting requests beyond which new ones get 429 with Retry-After."
+    )
+    device: str | None = _flag(None, "cpu, cuda or cuda:N (default: cuda if present, else cpu).")
+    threads: int | None = _flag(
+        None,
+        "Torch threads of the engine core (default: usable CPUs - 1, at least 1); "
+        "with --disaggregated, of each worker (default: see docs/disaggregation.md).",
+    )
+    quantization: str = _flag(  # servelab.model.quant.MODES
+        "none",
+        "Weights: none (fp32) or q4_1 (the GGUF's own Q4_1 blocks, kept quantised and "
+        "run on servelab's AVX2 CPU kernels).",
+    )
+    shutdown_timeout: float = _flag(
+        30.0, "On SIGTERM, seconds to let in-flight requests finish before aborting them."
+    )
+    # Limits at the door (docs/design/server.md).
+    max_stop_sequences: int = _flag(
+        4, "Most stop strings one request may send (OpenAI's limit is 4)."
+    )
+    max_body_size: str = _flag(
+        "16MiB", "Largest request body, e.g. 16MiB or 64M; bigger ones get 413."
+    )
+    header_timeout: float = _flag(
+        5.0,
+        "Seconds a connection may take to send a request's headers, from its opening or "
+        "from their first byte; a slower one is closed.",
+    )
+    # Longer than clients' own pools keep an idle connection (aiohttp 15 s, httpx and the
+    # OpenAI SDK 5 s), so that the client closes it first.
+    keep_alive_timeout: float = _flag(
+        30.0,
+        "Seconds an idle keep-alive connection stays open (longer than clients' pools "
+        "keep one, so that the client closes it first).",
+    )
+    body_timeout: float = _flag(
+        30.0,
+        "Seconds a request's body may take to arrive after its headers; a slower one "
+        "gets 408 and the connection is closed.",
+    )
+    log_level: str = _flag("info", "debug, info, warning or error.")
+    simulate: str | None = _flag(
+        None,
+        "Serve the real API with simulated timings, e.g. h200:llama-3.1-8b "
+        "(see servelab sim --help).",
+    )
+    speculative_config: str | None = _flag(
+        None,
+        'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": '
+        "4}'; methods: ngram (prompt_lookup_min/max), draft (model), self-draft (num_layers).",
+    )
     # Disaggregated prefill/decode (servelab.server.disagg): separate worker processes and KV pools.
-    disaggregated: bool = False
-    prefill_workers: int = 1
-    decode_workers: int = 1
-    kv_transport: str = "shm"  # "shm" (one host) or "socket" (TCP, any hosts)
-    kv_host: str = "127.0.0.1"  # socket transport: decode workers bind and advertise this
-    kv_transfer_timeout: float = 30.0  # seconds for one reservation + transfer
-    kv_handoff_timeout: float = 600.0  # seconds a request may wait for decode room
+    disaggregated: bool = _flag(
+        False,
+        "Prefill and decode in separate worker processes with their own KV pools.",
+        decls=("--disaggregated",),
+    )
+    prefill_workers: int = _flag(1, "With --disaggregated: prefill workers.")
+    decode_workers: int = _flag(1, "With --disaggregated: decode workers.")
+    kv_transport: str = _flag(
+        "shm", "With --disaggregated: KV transfer by shm (one host) or socket (TCP)."
+    )
+    kv_host: str = _flag(
+        "127.0.0.1", "With --kv-transport socket: address decode workers listen on."
+    )
+    kv_transfer_timeout: float = _flag(
+        30.0, "With --disaggregated: seconds a KV reservation + transfer may take."
+    )
+    kv_handoff_timeout: float = _flag(
+        600.0, "With --disaggregated: seconds a request may wait for decode KV room."
+    )
+
+    def __post_init__(self) -> None:
+        self.api_key = self.api_key or None  # an empty $SERVELAB_API_KEY means no key
 
     @property
     def model_name(self) -> str:
@@ -174,26 +241,13 @@ class ServerArgs:
 
     def engine_config(self) -> EngineConfig:
         """The engine config these flags ask for (unset flags keep the engine's defaults)."""
-        cfg = EngineConfig(
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            enable_prefix_caching=self.enable_prefix_caching,
-            max_queue=self.max_queue,
-        )
-        if self.max_num_batched_tokens is not None:
-            cfg.max_num_batched_tokens = self.max_num_batched_tokens
-        if self.max_num_seqs is not None:
-            cfg.max_num_seqs = self.max_num_seqs
-        if self.max_model_len is not None:
-            cfg.max_model_len = self.max_model_len
-        if self.block_size is not None:
-            cfg.block_size = self.block_size
-        if self.num_gpu_blocks_override is not None:
-            cfg.num_kv_blocks = self.num_gpu_blocks_override
-        if self.kv_cache_memory is not None:
-            cfg.kv_cache_memory_gb = parse_size_gb(self.kv_cache_memory)
+        keys = {f.name for f in fields(EngineConfig)}
+        flags = {f.name: getattr(self, f.name) for f in fields(self) if config_key(f.name) in keys}
+        settings = config_settings({k: v for k, v in flags.items() if v is not None})
         if self.speculative_config is not None:
-            cfg.speculative_config = parse_speculative_config(self.speculative_config).to_dict()
-        return cfg
+            spec = parse_speculative_config(self.speculative_config)
+            settings["speculative_config"] = spec.to_dict()
+        return EngineConfig(**settings)
 
     @property
     def max_body_bytes(self) -> int:
