@@ -249,6 +249,40 @@ def test_cli_sim_writes_a_run_and_reports_bad_input(tmp_path):
     assert r.exit_code == 2 and "tp" in r.output
 
 
+def test_cli_sim_takes_serve_flags_and_still_the_old_spelling_with_a_note(tmp_path):
+    runner = CliRunner()
+    base = ["sim", "--hardware", "h200", "--model", "llama-3.1-8b", "--workload", "chat"]
+    base += ["--rate", "5", "--requests", "10", "--no-steps"]
+    new = runner.invoke(
+        app, [*base, "--engine-args", "--max-num-seqs 128 --tp 2", "--out", str(tmp_path / "new")]
+    )
+    old = runner.invoke(
+        app, [*base, "--engine-args", "max_num_seqs=128 tp=2", "--out", str(tmp_path / "old")]
+    )
+    assert new.exit_code == old.exit_code == 0, new.output + old.output
+    assert "note" not in new.stderr
+    assert old.stderr.strip() == (
+        "note: key=value is the old spelling; write --engine-args '--max-num-seqs 128 --tp 2'"
+    )
+    a, b = load_run(tmp_path / "new"), load_run(tmp_path / "old")
+    assert a.engine_config == b.engine_config and a.engine_config["max_num_seqs"] == 128
+    assert [r.output_tokens for r in a.records] == [r.output_tokens for r in b.records]
+
+
+def test_cli_sim_defaults_its_load_as_bench_does(tmp_path):
+    base = ["sim", "--hardware", "h200", "--model", "llama-3.1-8b", "--no-steps"]
+    r = CliRunner().invoke(
+        app, [*base, "--on-off", "1s,2s", "--rate", "4", "--out", str(tmp_path / "a")]
+    )
+    assert r.exit_code == 0, r.output
+    load = load_run(tmp_path / "a").manifest["load"]
+    assert (load["arrival"], load["on"], load["off"], load["requests"]) == ("onoff", 1.0, 2.0, 20)
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "b")])  # chat, one at a time
+    assert r.exit_code == 0, r.output
+    load = load_run(tmp_path / "b").manifest["load"]
+    assert (load["concurrency"], load["rate"], load["requests"]) == (1, None, 20)
+
+
 def test_simulated_runs_go_through_diagnose_compare_and_report(tmp_path):
     runner = CliRunner()
     out = tmp_path / "sweep"

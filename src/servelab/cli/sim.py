@@ -1,82 +1,417 @@
-"""`servelab sim`, `servelab profile` and `servelab calibrate`. No heavy imports at module level."""
+"""`servelab sim`, `servelab profile` and `servelab calibrate`. No heavy imports at module level.
+
+`sim` is parse -> spec -> call: typer parses the options (the workload and load ones shared
+with `servelab bench`, from ``servelab.cli.load_options``), ``_scenario`` builds the target,
+the topology and the requests, and each sweep point (or the capacity search) simulates it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from servelab.cli import load_options as opt
 from servelab.cli.errors import fail, seconds
 
+if TYPE_CHECKING:
+    from servelab.bench.plan import LoadSpec
+    from servelab.sim.scenario import Scenario
+    from servelab.sim.target import SimTarget
 
-def _build_target(
-    hardware: str | None,
-    model: str,
-    profile: str | None,
-    calibration: str | None,
-    engine_args: str | None,
-    overrides: dict[str, float | None],
-    engine: str | None = None,
-    dtype: str | None = None,
-    kv_dtype: str | None = None,
-) -> Any:
+_DEPLOYMENT = "Deployment"
+
+Hardware = Annotated[
+    str | None,
+    typer.Option(
+        help="Hardware to simulate: h100, h200, b200, a100, a100-40gb, l4, mi300x, cpu.",
+        rich_help_panel=opt.TARGET,
+    ),
+]
+Engine = Annotated[
+    str | None,
+    typer.Option(
+        help="Simulated engine's defaults: vllm (default on GPUs), sglang, servelab "
+        "(default on cpu). --engine-args override them.",
+        rich_help_panel=opt.TARGET,
+    ),
+]
+Dtype = Annotated[
+    str | None,
+    typer.Option(
+        help="Weights: bf16 (default on GPUs), fp16, fp8 (W8A8), int8 or int4 (weight-only).",
+        rich_help_panel=opt.TARGET,
+    ),
+]
+KvDtype = Annotated[
+    str | None,
+    typer.Option(help="KV cache: bf16 (default), fp16 or fp8.", rich_help_panel=opt.TARGET),
+]
+Model = Annotated[
+    str,
+    typer.Option(
+        help="Model preset, HF config.json (or its dir), or .gguf.", rich_help_panel=opt.TARGET
+    ),
+]
+Profile = Annotated[
+    str | None,
+    typer.Option(
+        help="A `servelab profile` table: replay this machine's measured step times.",
+        rich_help_panel=opt.TARGET,
+    ),
+]
+CalibrationFile = Annotated[
+    str | None,
+    typer.Option(
+        help="A `servelab calibrate` file: fitted efficiencies for --hardware.",
+        rich_help_panel=opt.TARGET,
+    ),
+]
+Mfu = Annotated[
+    float | None,
+    typer.Option(
+        help="Override the roofline's model FLOPs utilisation (0-1).", rich_help_panel=opt.TARGET
+    ),
+]
+Mbu = Annotated[
+    float | None,
+    typer.Option(
+        help="Override the roofline's memory bandwidth utilisation (0-1).",
+        rich_help_panel=opt.TARGET,
+    ),
+]
+StepOverhead = Annotated[
+    str | None,
+    typer.Option(help="Override the fixed cost per step, e.g. 1ms.", rich_help_panel=opt.TARGET),
+]
+EngineArgs = Annotated[
+    str | None,
+    typer.Option(
+        help="Engine settings as `servelab serve` spells them, plus --tp and "
+        "--gpu-memory-utilization, e.g. '--max-num-seqs 128 --no-enable-chunked-prefill --tp 2'.",
+        rich_help_panel=opt.TARGET,
+    ),
+]
+SimSeed = Annotated[
+    int,
+    typer.Option(
+        help="Seed of the simulator's own draws (step noise, speculative acceptance, resent "
+        "history); repeat with others to see a simulation's spread. --seed stays the plan's.",
+        rich_help_panel=opt.WORKLOAD,
+    ),
+]
+Replicas = Annotated[
+    int, typer.Option(help="Data-parallel replicas behind a router.", rich_help_panel=_DEPLOYMENT)
+]
+Router = Annotated[
+    str,
+    typer.Option(help="round-robin, least-loaded or prefix-aware.", rich_help_panel=_DEPLOYMENT),
+]
+Pd = Annotated[
+    str | None,
+    typer.Option(
+        help="Disaggregate: 'P:D' prefill and decode replicas, e.g. 1:3.",
+        rich_help_panel=_DEPLOYMENT,
+    ),
+]
+Link = Annotated[
+    str,
+    typer.Option(
+        help="KV transfer link for --pd: nvlink, ib, roce, ethernet, pcie or '25GB/s,10us'.",
+        rich_help_panel=_DEPLOYMENT,
+    ),
+]
+NetworkDelay = Annotated[
+    str,
+    typer.Option(help="One-way client-server delay, e.g. 2ms.", rich_help_panel=_DEPLOYMENT),
+]
+Sweep = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Sweep an engine arg: 'max_num_batched_tokens=512,2048' (repeatable: cross product).",
+        rich_help_panel=opt.SLO_SEARCH,
+    ),
+]
+FindCapacity = Annotated[
+    str | None,
+    typer.Option(
+        help="replicas (fewest), rate (highest) or pd (best split of --replicas).",
+        rich_help_panel=opt.SLO_SEARCH,
+    ),
+]
+Attainment = Annotated[
+    float,
+    typer.Option(
+        "--attainment",
+        help="Fraction of requests that must meet their SLOs.",
+        rich_help_panel=opt.SLO_SEARCH,
+    ),
+]
+MaxReplicas = Annotated[
+    int,
+    typer.Option(help="Upper bound for --find-capacity replicas.", rich_help_panel=opt.SLO_SEARCH),
+]
+Out = Annotated[
+    str | None,
+    typer.Option(
+        help="Run directory to write (default runs/sim-<time>).", rich_help_panel=opt.OUTPUT
+    ),
+]
+NoSteps = Annotated[
+    bool,
+    typer.Option(
+        "--no-steps",
+        help="Do not write steps.jsonl (huge for long traces).",
+        rich_help_panel=opt.OUTPUT,
+    ),
+]
+
+
+def sim(
+    ctx: typer.Context,
+    hardware: Hardware = None,
+    engine: Engine = None,
+    dtype: Dtype = None,
+    kv_dtype: KvDtype = None,
+    model: Model = "smollm2-135m",
+    profile: Profile = None,
+    calibration: CalibrationFile = None,
+    mfu: Mfu = None,
+    mbu: Mbu = None,
+    step_overhead: StepOverhead = None,
+    workload: opt.Workload = None,
+    trace: opt.Trace = None,
+    rate: opt.Rate = None,
+    concurrency: opt.Concurrency = None,
+    arrival: opt.Arrival = "poisson",
+    burstiness: opt.Burstiness = 1.0,
+    on_off: opt.OnOff = None,
+    ramp_to: opt.RampTo = None,
+    ramp_over: opt.RampOver = None,
+    requests: opt.Requests = None,
+    duration: opt.Duration = None,
+    time_scale: opt.TimeScale = 1.0,
+    length_scale: opt.LengthScale = 1.0,
+    seed: opt.Seed = 0,
+    sim_seed: SimSeed = 0,
+    endpoint: opt.Endpoint = "completions",
+    engine_args: EngineArgs = None,
+    sweep: Sweep = None,
+    replicas: Replicas = 1,
+    router: Router = "round-robin",
+    pd: Pd = None,
+    link: Link = "nvlink",
+    network_delay: NetworkDelay = "0ms",
+    slo: opt.Slo = None,
+    find_capacity: FindCapacity = None,
+    attainment_target: Attainment = 0.9,
+    max_replicas: MaxReplicas = 64,
+    out: Out = None,
+    no_steps: NoSteps = False,
+) -> None:
+    """Simulate a deployment on the engine's own scheduler with a cost model (what-ifs at GPU scale)."""
+    import json
+
+    from rich.console import Console
+
+    from servelab.report.terminal import defaults_line, sim_table
+    from servelab.sim.args import parse_sweep
+
+    _note_old_spelling(engine_args)
+    try:
+        if find_capacity is not None and sweep:
+            raise ValueError("use --find-capacity or --sweep, not both")
+        load = opt.load_spec(ctx.params)
+        scenario = _scenario(ctx.params, load)
+        points = parse_sweep(sweep) if sweep else [{}]
+    except ValueError as e:
+        raise fail(str(e)) from None
+    used = scenario.target.info.get("engine_defaults")
+    if used is not None:
+        typer.echo(defaults_line(used, scenario.target.info))
+    run_dir = Path(out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
+    if find_capacity is not None:
+        _capacity(ctx.params, scenario, load, run_dir)
+        return
+    rows = [_simulate_point(scenario, p, run_dir, len(points) > 1, not no_steps) for p in points]
+    Console().print(sim_table(rows))
+    if len(rows) > 1:
+        (run_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
+
+
+def _note_old_spelling(engine_args: str | None) -> None:
+    """One line on stderr when ``--engine-args`` uses the old ``key=value`` spelling."""
+    from servelab.sim.args import respell
+
+    try:
+        new = respell(engine_args)
+    except ValueError:
+        return  # the command reports the bad setting itself
+    if new is not None:
+        typer.echo(f"note: key=value is the old spelling; write --engine-args {new!r}", err=True)
+
+
+def _target(flags: Mapping[str, Any]) -> SimTarget:
+    """What to simulate: a measured profile, or hardware x model through the roofline."""
     from servelab.engine.config import EngineConfig
     from servelab.sim.args import parse_engine_args, split_deployment
     from servelab.sim.calibrate import Calibration
     from servelab.sim.roofline import Efficiency
     from servelab.sim.target import profile_target, roofline_target
 
-    eng, dep = split_deployment(parse_engine_args(engine_args))
-    if profile is not None:
-        if hardware is not None or calibration is not None:
+    eng, dep = split_deployment(parse_engine_args(flags["engine_args"]))
+    if flags["profile"] is not None:
+        if flags["hardware"] is not None or flags["calibration"] is not None:
             raise ValueError("--profile replaces --hardware/--calibration; give one or the other")
-        if engine is not None or dtype is not None or kv_dtype is not None:
+        if any(flags[k] is not None for k in ("engine", "dtype", "kv_dtype")):
             raise ValueError(
                 "--profile replays this machine's measured engine; --engine, --dtype and "
                 "--kv-dtype apply to --hardware only"
             )
         from servelab.sim.profiled import ProfileTable
 
-        table = ProfileTable.load(profile)
+        table = ProfileTable.load(flags["profile"])
         base = EngineConfig(**table.meta.get("engine_config", {}))
-        import dataclasses
-
         return profile_target(table, dataclasses.replace(base, **eng))
-    if hardware is None:
+    if flags["hardware"] is None:
         raise ValueError(
             "say what to simulate: --hardware NAME (with --model) or --profile TABLE.json"
         )
     eff = Efficiency()
-    if calibration is not None:
-        cal = Calibration.load(calibration)
-        eff = cal.efficiency
+    if flags["calibration"] is not None:
+        eff = Calibration.load(flags["calibration"]).efficiency
+    overrides = {
+        "mfu": flags["mfu"],
+        "mbu": flags["mbu"],
+        "step_overhead": seconds("--step-overhead", flags["step_overhead"]),
+    }
     for k, v in overrides.items():
         if v is not None:
             setattr(eff, k, v)
     from servelab.sim.engine_defaults import default_engine
     from servelab.sim.hardware import get_hardware
 
-    hw = get_hardware(hardware)
+    hw = get_hardware(flags["hardware"])
     return roofline_target(
         hw,
-        model,
+        flags["model"],
         tp=dep.get("tp", 1),
         efficiency=eff,
         gpu_memory_utilization=dep.get("gpu_memory_utilization"),
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        engine=engine or default_engine(hw),
+        dtype=flags["dtype"],
+        kv_dtype=flags["kv_dtype"],
+        engine=flags["engine"] or default_engine(hw),
         engine_args=eng,
     )
 
 
-def _check_fresh(d: Path) -> None:
-    if (d / "requests.jsonl").exists():
-        raise ValueError(
-            f"{d} already holds a run (requests.jsonl); choose another --out or delete it"
+def _topology(flags: Mapping[str, Any]) -> Any:
+    from servelab.sim.links import parse_link
+    from servelab.sim.loop import Topology
+
+    topo = Topology(replicas=flags["replicas"], router=flags["router"])
+    if flags["pd"] is not None:
+        p, _, d = flags["pd"].partition(":")
+        if not (p.isdigit() and d.isdigit()):
+            raise ValueError(f"--pd {flags['pd']!r}: write P:D, e.g. 1:3")
+        topo = Topology(
+            prefill=int(p), decode=int(d), router=flags["router"], link=parse_link(flags["link"])
         )
+    topo.validate()
+    return topo
+
+
+def _scenario(flags: Mapping[str, Any], load: LoadSpec) -> Scenario:
+    """The target, topology and requests of ``load`` that the parsed ``flags`` ask for
+    (ValueError if they cannot be)."""
+    from servelab.sim.scenario import Scenario, load_requests
+    from servelab.units import SLO
+
+    target = _target(flags)
+    topology = _topology(flags)
+    reqs, info, slos = load_requests(
+        _workload(flags),
+        load,
+        flags["seed"],
+        target.engine_config.max_model_len or target.max_model_len,
+        flags["endpoint"],
+        resend=target.resend,
+        sim_seed=flags["sim_seed"],
+    )
+    info["sim_seed"] = flags["sim_seed"]
+    if flags["slo"] is not None:
+        override = SLO.parse(flags["slo"])
+        slos = {k: v.merged(override) for k, v in slos.items()} if slos else override
+    return Scenario(
+        target=target,
+        requests=reqs,
+        topology=topology,
+        network_delay=seconds("--network-delay", flags["network_delay"]) or 0.0,
+        max_concurrency=load.concurrency,
+        slos=slos,
+        info=info,
+        sim_seed=flags["sim_seed"],
+    )
+
+
+def _workload(flags: Mapping[str, Any]) -> str | None:
+    """``--workload``, or bench's default one where neither it nor a trace is given."""
+    if flags["workload"] is not None or flags["trace"] is not None:
+        return flags["workload"]
+    from servelab.bench.run import DEFAULT_WORKLOAD
+
+    return DEFAULT_WORKLOAD
+
+
+def _simulate_point(
+    scenario: Scenario, point: dict[str, Any], out: Path, in_sweep: bool, write_steps: bool
+) -> dict[str, Any]:
+    """Simulate ``scenario`` with the engine settings of one sweep point into ``out`` (in a
+    sweep: a directory under it named for the point); return its row of the terminal table."""
+    from servelab.rundir import read_json
+    from servelab.sim.rundir import write_run_dir
+    from servelab.sim.scenario import simulate
+
+    label = ",".join(f"{k}={v}" for k, v in point.items()) or scenario.target.label
+    run_dir = out / label.replace("=", "-").replace(",", "_") if in_sweep else out
+    try:
+        if point:
+            scenario = dataclasses.replace(
+                scenario, target=scenario.target.with_engine_args(**point)
+            )
+    except (TypeError, ValueError) as e:
+        raise fail(f"sweep point {label}: {e}") from None
+    if (run_dir / "requests.jsonl").exists():
+        raise fail(
+            f"{run_dir} already holds a run (requests.jsonl); choose another --out or delete it"
+        )
+    t0 = time.perf_counter()
+    res = simulate(scenario, keep_steps=write_steps)
+    wall = time.perf_counter() - t0
+    info = scenario.info
+    write_run_dir(
+        run_dir,
+        res,
+        target=scenario.target.describe(),
+        workload=info.get("workload"),
+        load=info.get("load"),
+        slos=scenario.slos,
+        write_steps=write_steps,
+        sim={
+            "network_delay_s": scenario.network_delay,
+            "wall_s": wall,
+            "sweep_point": point,
+            "trace": info.get("trace"),
+            "plan": info.get("plan"),
+            "sim_seed": scenario.sim_seed,
+        },
+    )
+    typer.echo(f"wrote {run_dir}")
+    return _summary_row(label, res, read_json(run_dir, "metrics.json") or {}, wall)
 
 
 def _summary_row(label: str, res: Any, metrics: dict[str, Any], wall: float) -> dict[str, Any]:
@@ -98,264 +433,23 @@ def _summary_row(label: str, res: Any, metrics: dict[str, Any], wall: float) -> 
     }
 
 
-def sim(
-    hardware: str | None = typer.Option(
-        None, help="Hardware to simulate: h100, h200, b200, a100, a100-40gb, l4, mi300x, cpu."
-    ),
-    engine: str | None = typer.Option(
-        None,
-        help="Simulated engine's defaults: vllm (default on GPUs), sglang, servelab "
-        "(default on cpu). --engine-args override them.",
-    ),
-    dtype: str | None = typer.Option(
-        None, help="Weights: bf16 (default on GPUs), fp16, fp8 (W8A8), int8 or int4 (weight-only)."
-    ),
-    kv_dtype: str | None = typer.Option(None, help="KV cache: bf16 (default), fp16 or fp8."),
-    model: str = typer.Option(
-        "smollm2-135m", help="Model preset, HF config.json (or its dir), or .gguf."
-    ),
-    profile: str | None = typer.Option(
-        None, help="A `servelab profile` table: replay this machine's measured step times."
-    ),
-    calibration: str | None = typer.Option(
-        None, help="A `servelab calibrate` file: fitted efficiencies for --hardware."
-    ),
-    mfu: float | None = typer.Option(
-        None, help="Override the roofline's model FLOPs utilisation (0-1)."
-    ),
-    mbu: float | None = typer.Option(
-        None, help="Override the roofline's memory bandwidth utilisation (0-1)."
-    ),
-    step_overhead: str | None = typer.Option(
-        None, help="Override the fixed cost per step, e.g. 1ms."
-    ),
-    workload: str | None = typer.Option(
-        None, help="Workload preset or spec file (as for `servelab bench`)."
-    ),
-    trace: str | None = typer.Option(
-        None,
-        help="Replay a trace: azure-2023-conv, mooncake-synthetic, or an Azure CSV / "
-        "Mooncake JSONL file.",
-    ),
-    rate: float | None = typer.Option(
-        None, help="Open loop: requests/s (with a trace: the mean rate to scale it to)."
-    ),
-    concurrency: int | None = typer.Option(None, help="Closed loop: requests in flight."),
-    arrival: str = typer.Option("poisson", help="poisson, gamma, constant, onoff, ramp."),
-    burstiness: float = typer.Option(
-        1.0, help="Gamma arrivals' shape (1 = Poisson, < 1 burstier)."
-    ),
-    requests: int | None = typer.Option(None, help="Stop after this many requests (sessions)."),
-    duration: str | None = typer.Option(None, help="Send nothing later than this, e.g. 60s."),
-    time_scale: float = typer.Option(1.0, help="Trace: multiply its times (2 = twice as slow)."),
-    length_scale: float = typer.Option(1.0, help="Multiply every token length."),
-    seed: int = typer.Option(0, help="Seed of the plan (the simulation itself is deterministic)."),
-    sim_seed: int = typer.Option(
-        0,
-        help="Seed of the simulator's own draws (step noise, speculative acceptance, resent "
-        "history); repeat with others to see a simulation's spread. --seed stays the plan's.",
-    ),
-    endpoint: str = typer.Option(
-        "completions", help="completions or chat (as for `servelab bench`)."
-    ),
-    engine_args: str | None = typer.Option(
-        None, help="Engine settings, e.g. 'max_num_seqs=128 --no-enable-chunked-prefill tp=2'."
-    ),
-    sweep: list[str] | None = typer.Option(  # noqa: B008
-        None,
-        help="Sweep an engine arg: 'max_num_batched_tokens=512,2048' (repeatable: cross product).",
-    ),
-    replicas: int = typer.Option(1, help="Data-parallel replicas behind a router."),
-    router: str = typer.Option("round-robin", help="round-robin, least-loaded or prefix-aware."),
-    pd: str | None = typer.Option(
-        None, help="Disaggregate: 'P:D' prefill and decode replicas, e.g. 1:3."
-    ),
-    link: str = typer.Option(
-        "nvlink",
-        help="KV transfer link for --pd: nvlink, ib, roce, ethernet, pcie or '25GB/s,10us'.",
-    ),
-    network_delay: str = typer.Option("0ms", help="One-way client-server delay, e.g. 2ms."),
-    slo: str | None = typer.Option(
-        None, help="SLO override for every class, e.g. 'ttft=2s,itl=200ms'."
-    ),
-    find_capacity: str | None = typer.Option(
-        None, help="replicas (fewest), rate (highest) or pd (best split of --replicas)."
-    ),
-    attainment_target: float = typer.Option(
-        0.9, "--attainment", help="Fraction of requests that must meet their SLOs."
-    ),
-    max_replicas: int = typer.Option(64, help="Upper bound for --find-capacity replicas."),
-    out: str | None = typer.Option(None, help="Run directory to write (default runs/sim-<time>)."),
-    no_steps: bool = typer.Option(
-        False, "--no-steps", help="Do not write steps.jsonl (huge for long traces)."
-    ),
-) -> None:
-    """Simulate a deployment on the engine's own scheduler with a cost model (what-ifs at GPU scale)."""
-    import json
-
-    from rich.console import Console
-
-    from servelab.bench.plan import LoadSpec
-    from servelab.report.terminal import defaults_line, sim_table
-    from servelab.rundir import read_json
-    from servelab.sim.links import parse_link
-    from servelab.sim.loop import Topology
-    from servelab.sim.rundir import write_run_dir
-    from servelab.sim.scenario import Scenario, load_requests, simulate
-    from servelab.units import SLO
-
-    try:
-        target = _build_target(
-            hardware,
-            model,
-            profile,
-            calibration,
-            engine_args,
-            {"mfu": mfu, "mbu": mbu, "step_overhead": seconds("--step-overhead", step_overhead)},
-            engine,
-            dtype,
-            kv_dtype,
-        )
-        topo = Topology(replicas=replicas, router=router)
-        if pd is not None:
-            p, _, d = pd.partition(":")
-            if not (p.isdigit() and d.isdigit()):
-                raise ValueError(f"--pd {pd!r}: write P:D, e.g. 1:3")
-            topo = Topology(prefill=int(p), decode=int(d), router=router, link=parse_link(link))
-        topo.validate()
-        load = LoadSpec(
-            concurrency=concurrency,
-            rate=rate,
-            arrival=arrival,
-            burstiness=burstiness,
-            requests=requests,
-            duration=seconds("--duration", duration),
-            trace=trace,
-            time_scale=time_scale,
-            length_scale=length_scale,
-        )
-        max_len = target.engine_config.max_model_len or target.max_model_len
-        reqs, info, slos = load_requests(
-            workload,
-            load,
-            seed,
-            max_len,
-            endpoint,
-            resend=target.resend,
-            sim_seed=sim_seed,
-        )
-        info["sim_seed"] = sim_seed
-        if slo is not None:
-            override = SLO.parse(slo)
-            slos = {k: v.merged(override) for k, v in slos.items()} if slos else override
-        scenario = Scenario(
-            target,
-            reqs,
-            topo,
-            seconds("--network-delay", network_delay) or 0.0,
-            concurrency,
-            slos,
-            info,
-            sim_seed,
-        )
-        if find_capacity is not None and sweep:
-            raise ValueError("use --find-capacity or --sweep, not both")
-    except ValueError as e:
-        raise fail(str(e)) from None
-
-    used = target.info.get("engine_defaults")
-    if used is not None:
-        typer.echo(defaults_line(used, target.info))
-    run_dir = Path(out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
-    if find_capacity is not None:
-        _capacity(
-            find_capacity,
-            scenario,
-            workload,
-            load,
-            seed,
-            endpoint,
-            attainment_target,
-            max_replicas,
-            replicas,
-            run_dir,
-        )
-        return
-    from servelab.sim.args import parse_sweep
-
-    try:
-        points = parse_sweep(sweep) if sweep else [{}]
-    except ValueError as e:
-        raise fail(str(e)) from None
-    rows = []
-    for point in points:
-        label = ",".join(f"{k}={v}" for k, v in point.items()) or target.label
-        sc = scenario
-        if point:
-            try:
-                sc = Scenario(
-                    target.with_engine_args(**point),
-                    reqs,
-                    topo,
-                    scenario.network_delay,
-                    concurrency,
-                    slos,
-                    info,
-                    sim_seed,
-                )
-            except (TypeError, ValueError) as e:
-                raise fail(f"sweep point {label}: {e}") from None
-        d = run_dir if len(points) == 1 else run_dir / label.replace("=", "-").replace(",", "_")
-        try:
-            _check_fresh(d)
-        except ValueError as e:
-            raise fail(str(e)) from None
-        t0 = time.perf_counter()
-        res = simulate(sc, keep_steps=not no_steps)
-        wall = time.perf_counter() - t0
-        write_run_dir(
-            d,
-            res,
-            target=sc.target.describe(),
-            workload=info.get("workload"),
-            load=info.get("load"),
-            slos=slos,
-            write_steps=not no_steps,
-            sim={
-                "network_delay_s": sc.network_delay,
-                "wall_s": wall,
-                "sweep_point": point,
-                "trace": info.get("trace"),
-                "plan": info.get("plan"),
-                "sim_seed": sim_seed,
-            },
-        )
-        rows.append(_summary_row(label, res, read_json(d, "metrics.json") or {}, wall))
-        typer.echo(f"wrote {d}")
-    Console().print(sim_table(rows))
-    if len(rows) > 1:
-        (run_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
-
-
-def _capacity(
-    kind: str,
-    scenario: Any,
-    workload: str | None,
-    load: Any,
-    seed: int,
-    endpoint: str,
-    target: float,
-    max_replicas: int,
-    replicas: int,
-    run_dir: Path,
-) -> None:
+def _capacity(flags: Mapping[str, Any], scenario: Scenario, load: LoadSpec, run_dir: Path) -> None:
     import json
 
     from servelab.sim.capacity import find_capacity
 
+    kind, target = flags["find_capacity"], flags["attainment_target"]
     try:
         result, what = find_capacity(
-            kind, scenario, workload, load, seed, endpoint, target, max_replicas, replicas
+            kind,
+            scenario,
+            _workload(flags),
+            load,
+            flags["seed"],
+            flags["endpoint"],
+            target,
+            flags["max_replicas"],
+            flags["replicas"],
         )
     except ValueError as e:
         raise fail(str(e)) from None
@@ -421,7 +515,7 @@ def profile(
     ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: the loader's choice)."),
     engine_args: str | None = typer.Option(
-        None, help="Engine settings recorded with the table (e.g. kv_cache_memory=2G)."
+        None, help="Engine settings recorded with the table (e.g. '--kv-cache-memory 2G')."
     ),
     from_run: list[str] | None = typer.Option(  # noqa: B008
         None, help="Build the table from these real runs' steps instead of a grid (repeatable)."
@@ -440,6 +534,7 @@ def profile(
     from servelab.sim.profiler import table_from_runs
     from servelab.vocab import check_quantization
 
+    _note_old_spelling(engine_args)
     try:
         check_quantization(quantization)
         eng, _ = split_deployment(parse_engine_args(engine_args))
@@ -449,26 +544,32 @@ def profile(
             )
         if from_run:
             table = table_from_runs(from_run, model)
+        elif repeats < 1:
+            raise ValueError("--repeats must be >= 1")
         else:
-            if repeats < 1:
-                raise ValueError("--repeats must be >= 1")
-
-            def show(k: int, n: int, shape: list, t: float) -> None:
-                pre = [f"{a}@{c}" for a, c in shape if a > 1]
-                dec = [c for a, c in shape if a == 1]
-                what = " + ".join(
-                    ([f"prefill {'+'.join(pre)}"] if pre else [])
-                    + ([f"decode {len(dec)} @ctx {max(dec)}"] if dec else [])
-                )
-                typer.echo(f"[{k}/{n}] {what}: {t * 1000:.1f} ms")
-
+            config = EngineConfig(**eng)
             table = run_profile(
-                model, EngineConfig(**eng), grid, repeats, device, threads, show, quantization
+                model, config, grid, repeats, device, threads, _show_shape, quantization
             )
         fitted = ProfiledCostModel(table)
     except ValueError as e:
         raise fail(str(e)) from None
     table.save(out)
+    _describe_table(table, out, fitted.fit_error)
+
+
+def _show_shape(k: int, n: int, shape: list, t: float) -> None:
+    """One line per profiled shape: its prefills (tokens@context) and decodes, and its time."""
+    pre = [f"{a}@{c}" for a, c in shape if a > 1]
+    dec = [c for a, c in shape if a == 1]
+    what = " + ".join(
+        ([f"prefill {'+'.join(pre)}"] if pre else [])
+        + ([f"decode {len(dec)} @ctx {max(dec)}"] if dec else [])
+    )
+    typer.echo(f"[{k}/{n}] {what}: {t * 1000:.1f} ms")
+
+
+def _describe_table(table: Any, out: str, fit_error: float) -> None:
     if table.meta.get("shapes_left_out"):
         typer.echo(
             f"left out {len(table.meta['shapes_left_out'])} shapes whose contexts the KV pool "
@@ -483,12 +584,8 @@ def profile(
     typer.echo(
         f"wrote {out}: {len(table.samples)} steps of {table.meta.get('quantization', 'none')} "
         "weights, interpolation error median "
-        f"{fitted.fit_error:.1%}; use it with `servelab sim --profile {out}`"
+        f"{fit_error:.1%}; use it with `servelab sim --profile {out}`"
     )
 
 
-def register(app: typer.Typer) -> None:
-    """Add this subsystem's commands to the `servelab` app."""
-    app.command()(sim)
-    app.command()(calibrate)
-    app.command()(profile)
+COMMANDS = {"sim": sim, "calibrate": calibrate, "profile": profile}
