@@ -13,13 +13,13 @@ from servelab.rundir import load_run
 from servelab.vocab import ClientRecord
 
 Q = Question(
-    "chunked_prefill",
-    "Does it help?",
-    ("overall", "itl", "p99"),
-    ("overall", "ttft", "p50"),
-    "off",
-    "on",
-    "on",
+    id="chunked_prefill",
+    question="Does it help?",
+    metric=("overall", "itl", "p99"),
+    cost=("overall", "ttft", "p50"),
+    baseline="off",
+    treatment="on",
+    treatment_effect="on",
 )
 
 

@@ -31,7 +31,7 @@ BANDWIDTH_BOUND_SHARE = 0.25
 QUESTION_IDS = ("rag_ttft", "chunked_prefill", "priorities", "decode_itl")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Question:
     id: str
     question: str

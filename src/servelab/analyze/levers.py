@@ -21,7 +21,7 @@ from servelab.analyze.findings import Context, Finding
 DEFAULT_KV_BYTES_PER_TOKEN = 46 * 1024
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Recommendation:
     lever: str
     title: str
@@ -209,15 +209,19 @@ def chunked_prefill(c: Context, f: Finding) -> Recommendation:
             f"{f.evidence['share_of_decode_time_lost']:.1%} of decode time recovered"
         )
     return Recommendation(
-        "chunked_prefill",
-        "Turn chunked prefill on",
-        engine_flags(c, enable_chunked_prefill=True, max_num_batched_tokens=budget),
-        gain,
-        "a long prompt takes several steps, so its own TTFT grows by one step overhead and one "
-        "decode batch per extra chunk",
-        "low",
-        "prompts are short (they fit one chunk anyway) or no decodes run beside long prompts "
-        "(offline batch jobs that only care about throughput)",
+        lever="chunked_prefill",
+        title="Turn chunked prefill on",
+        action=engine_flags(c, enable_chunked_prefill=True, max_num_batched_tokens=budget),
+        expected_gain=gain,
+        cost=(
+            "a long prompt takes several steps, so its own TTFT grows by one step overhead and "
+            "one decode batch per extra chunk"
+        ),
+        complexity="low",
+        not_worth_it_when=(
+            "prompts are short (they fit one chunk anyway) or no decodes run beside long prompts "
+            "(offline batch jobs that only care about throughput)"
+        ),
     )
 
 
@@ -235,36 +239,46 @@ def batch_budget_down(c: Context, f: Finding) -> Recommendation:
             f"{(step + cost.prefill_per_token * target) * 1e3:.0f} ms"
         )
     return Recommendation(
-        "batch_budget_down",
-        "Lower the chunked-prefill token budget",
-        engine_flags(c, max_num_batched_tokens=target)
+        lever="batch_budget_down",
+        title="Lower the chunked-prefill token budget",
+        action=engine_flags(c, max_num_batched_tokens=target)
         + (
             f" (or --long-prefill-token-threshold {target}: only long prompts are cut smaller)"
             if server_kind(c) == "vllm"
             else ""
         )
         + _now(c, "max_num_batched_tokens"),
-        gain,
-        "long prompts need more steps, so their TTFT rises; throughput falls slightly as each "
-        "step's fixed overhead is shared by fewer tokens",
-        "low",
-        "TTFT of long prompts matters more than smooth streaming, or the spikes come from "
-        "preemption or the client rather than prefill",
+        expected_gain=gain,
+        cost=(
+            "long prompts need more steps, so their TTFT rises; throughput falls slightly as each "
+            "step's fixed overhead is shared by fewer tokens"
+        ),
+        complexity="low",
+        not_worth_it_when=(
+            "TTFT of long prompts matters more than smooth streaming, or the spikes come from "
+            "preemption or the client rather than prefill"
+        ),
     )
 
 
 def batch_budget_up(c: Context, f: Finding) -> Recommendation:
     budget = _cfg(c, "max_num_batched_tokens", 2048)
     return Recommendation(
-        "batch_budget_up",
-        "Raise the chunked-prefill token budget",
-        engine_flags(c, max_num_batched_tokens=_scaled(c, "max_num_batched_tokens", budget, 2))
+        lever="batch_budget_up",
+        title="Raise the chunked-prefill token budget",
+        action=engine_flags(
+            c, max_num_batched_tokens=_scaled(c, "max_num_batched_tokens", budget, 2)
+        )
         + _now(c, "max_num_batched_tokens"),
-        "long prompts finish prefill in half the steps, saving one step overhead and one "
-        "co-scheduled decode batch per chunk saved",
-        "bigger chunks make larger ITL spikes for the requests decoding beside them",
-        "low",
-        "streaming smoothness (ITL p99) is the tighter SLO, or prompts already fit one chunk",
+        expected_gain=(
+            "long prompts finish prefill in half the steps, saving one step overhead and one "
+            "co-scheduled decode batch per chunk saved"
+        ),
+        cost="bigger chunks make larger ITL spikes for the requests decoding beside them",
+        complexity="low",
+        not_worth_it_when=(
+            "streaming smoothness (ITL p99) is the tighter SLO, or prompts already fit one chunk"
+        ),
     )
 
 
@@ -285,16 +299,16 @@ def prefix_caching(c: Context, f: Finding) -> Recommendation:
                 "reuses a prefix (upper bound: the shared part is at most the shortest prompt)"
             )
     return Recommendation(
-        "prefix_caching",
-        "Use prefix caching" if on is False else "Make prefixes reusable",
-        engine_flags(c, enable_prefix_caching=True)
+        lever="prefix_caching",
+        title="Use prefix caching" if on is False else "Make prefixes reusable",
+        action=engine_flags(c, enable_prefix_caching=True)
         if on is False or (on is None and server_kind(c) != "servelab")
         else "put the shared text first and keep it byte-identical; give the cache KV room "
         "(kv_cache_memory_gb) so shared blocks are not evicted",
-        gain,
-        "hashing per block, and cached blocks hold KV memory that running requests could use",
-        "low",
-        "prompts share nothing, or the shared part is shorter than one KV block",
+        expected_gain=gain,
+        cost="hashing per block, and cached blocks hold KV memory that running requests could use",
+        complexity="low",
+        not_worth_it_when="prompts share nothing, or the shared part is shorter than one KV block",
     )
 
 
@@ -305,33 +319,41 @@ def max_num_seqs_up(c: Context, f: Finding) -> Recommendation:
     if cost is not None:
         extra = f"; each extra sequence adds about {cost.decode_per_seq * 1e3:.1f} ms to every step"
     return Recommendation(
-        "max_num_seqs_up",
-        "Admit more sequences per step",
-        engine_flags(c, max_num_seqs=_scaled(c, "max_num_seqs", n, 2)) + _now(c, "max_num_seqs"),
-        f"queueing behind the sequence cap ({f.evidence.get('queue_ms_mean', '?')} ms mean) "
-        "shrinks while the KV cache has room",
-        "larger decode batches raise TPOT" + extra,
-        "low",
-        "the KV cache is already near full (more sequences will preempt) or TPOT is the tight SLO",
+        lever="max_num_seqs_up",
+        title="Admit more sequences per step",
+        action=engine_flags(c, max_num_seqs=_scaled(c, "max_num_seqs", n, 2))
+        + _now(c, "max_num_seqs"),
+        expected_gain=(
+            f"queueing behind the sequence cap ({f.evidence.get('queue_ms_mean', '?')} ms mean) "
+            "shrinks while the KV cache has room"
+        ),
+        cost="larger decode batches raise TPOT" + extra,
+        complexity="low",
+        not_worth_it_when=(
+            "the KV cache is already near full (more sequences will preempt) or TPOT is the tight "
+            "SLO"
+        ),
     )
 
 
 def max_num_seqs_down(c: Context, f: Finding) -> Recommendation:
     n = _cfg(c, "max_num_seqs", 64)
     return Recommendation(
-        "max_num_seqs_down",
-        "Cap the batch lower",
-        engine_flags(
+        lever="max_num_seqs_down",
+        title="Cap the batch lower",
+        action=engine_flags(
             c,
             max_num_seqs=max(1, n // 2)
             if c.config("max_num_seqs") is not None or server_kind(c) == "servelab"
             else _scaled(c, "max_num_seqs", n, 0.5),
         )
         + _now(c, "max_num_seqs"),
-        "fewer sequences share each step: lower TPOT and no preemption from KV overcommit",
-        "lower throughput; requests wait in the queue instead (TTFT rises under load)",
-        "low",
-        "throughput is the goal and TPOT already meets its SLO",
+        expected_gain=(
+            "fewer sequences share each step: lower TPOT and no preemption from KV overcommit"
+        ),
+        cost="lower throughput; requests wait in the queue instead (TTFT rises under load)",
+        complexity="low",
+        not_worth_it_when="throughput is the goal and TPOT already meets its SLO",
     )
 
 
@@ -342,19 +364,19 @@ def kv_memory(c: Context, f: Finding) -> Recommendation:
     if lost:
         gain += f" ({lost:.2f} s of request time in this run)"
     return Recommendation(
-        "kv_memory",
-        "Give the KV cache more memory",
-        engine_flags(
+        lever="kv_memory",
+        title="Give the KV cache more memory",
+        action=engine_flags(
             c,
             kv_cache_memory=f"{gb * 2:g}G"
             if server_kind(c) == "servelab"
             else _scaled(c, "kv_cache_memory_gb", gb, 2),
         )
         + _now(c, "kv_cache_memory_gb", " GB"),
-        gain,
-        "memory taken from the host or GPU",
-        "low",
-        "the machine has no memory to spare; then cap max_num_seqs instead",
+        expected_gain=gain,
+        cost="memory taken from the host or GPU",
+        complexity="low",
+        not_worth_it_when="the machine has no memory to spare; then cap max_num_seqs instead",
     )
 
 
@@ -375,32 +397,42 @@ def priorities(c: Context, f: Finding) -> Recommendation:
     means = {k: statistics.fmean(v) for k, v in by_class.items() if v}
     worst = max(means, key=means.__getitem__) if means else "interactive"
     return Recommendation(
-        "priorities",
-        "Serve the latency-sensitive class first",
-        _PRIORITY_FLAGS.get(server_kind(c), "")
+        lever="priorities",
+        title="Serve the latency-sensitive class first",
+        action=_PRIORITY_FLAGS.get(server_kind(c), "")
         + "send the interactive class with a lower `priority` value (vLLM's convention: lower "
         "is served first) and batch work with a higher one",
-        f"that class skips the queue: its queueing ({means.get(worst, 0.0) * 1e3:.0f} ms mean for "
-        f"'{worst}' here) drops toward zero",
-        "the other classes wait longer by about the same total; under preemption, low-priority "
-        "requests are the ones recomputed",
-        "medium",
-        "all classes have the same SLO, or the queue is empty most of the time",
+        expected_gain=(
+            f"that class skips the queue: its queueing ({means.get(worst, 0.0) * 1e3:.0f} ms mean "
+            f"for '{worst}' here) drops toward zero"
+        ),
+        cost=(
+            "the other classes wait longer by about the same total; under preemption, "
+            "low-priority requests are the ones recomputed"
+        ),
+        complexity="medium",
+        not_worth_it_when="all classes have the same SLO, or the queue is empty most of the time",
     )
 
 
 def speculative_decoding(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
-        "speculative_decoding",
-        "Speculative decoding",
-        "enable speculation with a small draft (n-gram or draft model), 2-4 proposed tokens",
-        "at small batch (memory-bound decode) each step can emit several tokens: with 3 drafts "
-        "and 60% acceptance about 1.8 tokens per step, so TPOT nearly halves",
-        "extra compute per step for drafting and verification; acceptance varies with the text",
-        "medium",
-        f"batches are large (decode is compute-bound: batch mean "
-        f"{f.evidence.get('decode_batch_mean', '?')} here) or sampling is at high temperature "
-        "(few drafts are accepted)",
+        lever="speculative_decoding",
+        title="Speculative decoding",
+        action="enable speculation with a small draft (n-gram or draft model), 2-4 proposed tokens",
+        expected_gain=(
+            "at small batch (memory-bound decode) each step can emit several tokens: with 3 "
+            "drafts and 60% acceptance about 1.8 tokens per step, so TPOT nearly halves"
+        ),
+        cost=(
+            "extra compute per step for drafting and verification; acceptance varies with the text"
+        ),
+        complexity="medium",
+        not_worth_it_when=(
+            "batches are large (decode is compute-bound: batch mean "
+            f"{f.evidence.get('decode_batch_mean', '?')} here) or sampling is at high temperature "
+            "(few drafts are accepted)"
+        ),
     )
 
 
@@ -418,16 +450,22 @@ def disaggregation(c: Context, f: Finding) -> Recommendation:
     inputs = [x.input_tokens for x in c.ok]
     mean_in = statistics.fmean(inputs) if inputs else 0.0
     rec = Recommendation(
-        "disaggregation",
-        "Disaggregate prefill and decode",
-        "run prefill and decode on separate workers and hand the KV cache over",
-        "decode never waits for a prefill and prefill never shares a step "
-        f"(interference is {share:.0%} of TTFT here)",
-        f"a KV transfer per request (about {mean_in * kv_bytes / 1e6:.0f} MB for a mean "
-        f"{mean_in:.0f}-token prompt), two workers' worth of hardware",
-        "high",
-        "contention is bursty rather than sustained, chunked prefill already bounds the spikes, "
-        "or the KV transfer costs more than the interference it removes",
+        lever="disaggregation",
+        title="Disaggregate prefill and decode",
+        action="run prefill and decode on separate workers and hand the KV cache over",
+        expected_gain=(
+            "decode never waits for a prefill and prefill never shares a step (interference is "
+            f"{share:.0%} of TTFT here)"
+        ),
+        cost=(
+            f"a KV transfer per request (about {mean_in * kv_bytes / 1e6:.0f} MB for a mean "
+            f"{mean_in:.0f}-token prompt), two workers' worth of hardware"
+        ),
+        complexity="high",
+        not_worth_it_when=(
+            "contention is bursty rather than sustained, chunked prefill already bounds the "
+            "spikes, or the KV transfer costs more than the interference it removes"
+        ),
     )
     if not sustained:
         rec.recommended = False
@@ -449,44 +487,48 @@ _ADMISSION = {
 
 def capacity(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
-        "capacity",
-        "Add capacity or shape the load",
-        "more replicas behind a load balancer, or admission control ("
+        lever="capacity",
+        title="Add capacity or shape the load",
+        action="more replicas behind a load balancer, or admission control ("
         + _ADMISSION.get(
             server_kind(c),
             "a bounded queue at the server or its load balancer that answers 429 "
             "instead of queueing without bound)",
         ),
-        "queueing falls in proportion to the capacity added; bursts are absorbed",
-        "hardware, or rejected requests with admission control",
-        "medium",
-        "the queue only forms in rare bursts that an SLO tolerates",
+        expected_gain="queueing falls in proportion to the capacity added; bursts are absorbed",
+        cost="hardware, or rejected requests with admission control",
+        complexity="medium",
+        not_worth_it_when="the queue only forms in rare bursts that an SLO tolerates",
     )
 
 
 def client(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
-        "client",
-        "Fix the client before reading the server's numbers",
-        "rerun with a lower request rate or more client workers (Ray) and keep the client off "
-        "the server's cores",
-        "a valid measurement: TTFT and ITL then describe the server, not the client",
-        "a second machine or core for the client",
-        "low",
-        "never: a lagging client makes every server figure of this run suspect",
+        lever="client",
+        title="Fix the client before reading the server's numbers",
+        action=(
+            "rerun with a lower request rate or more client workers (Ray) and keep the client off "
+            "the server's cores"
+        ),
+        expected_gain="a valid measurement: TTFT and ITL then describe the server, not the client",
+        cost="a second machine or core for the client",
+        complexity="low",
+        not_worth_it_when="never: a lagging client makes every server figure of this run suspect",
     )
 
 
 def api_process(c: Context, f: Finding) -> Recommendation:
     return Recommendation(
-        "api_process",
-        "Look at the API process, not the engine",
-        "profile the HTTP process: tokenisation, chat template, JSON encoding per chunk; keep it "
-        "on its own core",
-        f"up to {f.evidence['network_http_ms_p50']} ms of TTFT per request",
-        "engineering time",
-        "medium",
-        "the overhead is a small share of TTFT",
+        lever="api_process",
+        title="Look at the API process, not the engine",
+        action=(
+            "profile the HTTP process: tokenisation, chat template, JSON encoding per chunk; keep "
+            "it on its own core"
+        ),
+        expected_gain=f"up to {f.evidence['network_http_ms_p50']} ms of TTFT per request",
+        cost="engineering time",
+        complexity="medium",
+        not_worth_it_when="the overhead is a small share of TTFT",
     )
 
 

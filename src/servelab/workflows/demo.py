@@ -66,42 +66,46 @@ MIN_LEVEL_REQUESTS = 4
 
 QUESTIONS = {
     "rag_ttft": Question(
-        "rag_ttft",
-        "RAG TTFT: where does it go, and what does prefix caching save?",
-        ("overall", "ttft", "mean"),
-        ("overall", "itl", "p50"),
-        "prefix caching off",
-        "prefix caching on",
-        "with the cache",
+        id="rag_ttft",
+        question="RAG TTFT: where does it go, and what does prefix caching save?",
+        metric=("overall", "ttft", "mean"),
+        cost=("overall", "itl", "p50"),
+        baseline="prefix caching off",
+        treatment="prefix caching on",
+        treatment_effect="with the cache",
     ),
     "chunked_prefill": Question(
-        "chunked_prefill",
-        "Mixed traffic: does chunked prefill protect the streams decoding while long "
-        "prompts arrive?",
-        ("chat", MAX_ITL, "mean"),
-        ("overall", "ttft", "p50"),
-        "unchunked",
-        "chunked, 256-token budget",
-        "chunked",
+        id="chunked_prefill",
+        question=(
+            "Mixed traffic: does chunked prefill protect the streams decoding while long prompts "
+            "arrive?"
+        ),
+        metric=("chat", MAX_ITL, "mean"),
+        cost=("overall", "ttft", "p50"),
+        baseline="unchunked",
+        treatment="chunked, 256-token budget",
+        treatment_effect="chunked",
         during="rag",
     ),
     "priorities": Question(
-        "priorities",
-        "Interactive vs batch: does a lower priority for batch jobs protect interactive TTFT?",
-        ("chat", "ttft", "p95"),
-        ("batch", "e2e", "p50"),
-        "FCFS",
-        "batch at priority 1",
-        "with priorities",
+        id="priorities",
+        question=(
+            "Interactive vs batch: does a lower priority for batch jobs protect interactive TTFT?"
+        ),
+        metric=("chat", "ttft", "p95"),
+        cost=("batch", "e2e", "p50"),
+        baseline="FCFS",
+        treatment="batch at priority 1",
+        treatment_effect="with priorities",
     ),
     "decode_itl": Question(
-        "decode_itl",
-        "Long outputs: what sets ITL as concurrency rises?",
-        ("overall", "itl", "p50"),
-        ("overall", "throughput", "output_tokens_per_s"),
-        "concurrency 1",
-        "concurrency 8",
-        "at concurrency 8",
+        id="decode_itl",
+        question="Long outputs: what sets ITL as concurrency rises?",
+        metric=("overall", "itl", "p50"),
+        cost=("overall", "throughput", "output_tokens_per_s"),
+        baseline="concurrency 1",
+        treatment="concurrency 8",
+        treatment_effect="at concurrency 8",
     ),
 }
 
