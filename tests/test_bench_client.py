@@ -19,8 +19,9 @@ import pytest
 
 from servelab.bench.client import Target, send
 from servelab.bench.http import HttpClient, ResponseParser, SSEParser
+from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
-from servelab.vocab import ClientRecord
+from servelab.vocab import ClientRecord, RequestTags
 
 # Gaps far larger than scheduling noise, so "between write i and write i+1" is a sharp test.
 SLOW = Schedule(ttft=0.12, itl=0.04, stall_every=4, stall=0.08)
@@ -92,16 +93,9 @@ def _run(
         prompt = [{"role": "user", "content": "hi there"}] if endpoint == "chat" else "hi there"
 
         async def one(i):
-            return await send(
-                http,
-                target,
-                f"req{tag}-{i}",
-                prompt,
-                max_tokens,
-                stream=stream,
-                intended_send=time.monotonic(),
-                workload_class="t",
-            )
+            tags = RequestTags(workload_class="t", stream=stream)
+            req = one_request(f"req{tag}-{i}", "hi there", max_tokens, tags=tags)
+            return await send(http, target, req, prompt=prompt, intended_send=time.monotonic())
 
         if concurrent:
             outs = await asyncio.gather(*(one(i) for i in range(n_req)))
@@ -241,9 +235,8 @@ def test_keep_alive_connections_are_reused():
             http = HttpClient(url)
             t = Target(url, "m")
             for i in range(5):
-                out = await send(
-                    http, t, f"k{i}", "x", 3, intended_send=time.monotonic(), workload_class="t"
-                )
+                req = one_request(f"k{i}", "x", 3, tags=RequestTags(workload_class="t"))
+                out = await send(http, t, req, prompt="x", intended_send=time.monotonic())
                 assert out.record.ok
             await http.close()
             return http.connections_opened
@@ -296,11 +289,9 @@ def test_kernel_stamps_are_not_delayed_by_a_busy_client(url):
             send(
                 http,
                 target,
-                f"busy-{next(_ids)}",
-                "x",
-                2,
+                one_request(f"busy-{next(_ids)}", "x", 2, tags=RequestTags(workload_class="t")),
+                prompt="x",
                 intended_send=time.monotonic(),
-                workload_class="t",
             ),
             busy(),
         )

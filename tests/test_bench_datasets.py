@@ -21,8 +21,10 @@ from servelab.bench.datasets import load_dataset
 from servelab.bench.datasets.select import Sampler, Selection
 from servelab.bench.http import HttpClient
 from servelab.bench.plan import LoadSpec, build_plan
+from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
 from servelab.bench.workload import parse_workload
+from servelab.vocab import RequestTags
 
 CONVS = [
     {
@@ -251,7 +253,7 @@ def test_plans_are_seeded_and_multi_turn_keeps_the_recorded_replies(tmp_path, to
     c = build_plan(spec, load, 8, tokenizer=tok)
     assert [r.prompt for r in a] == [r.prompt for r in b]
     assert [r.prompt for r in a] != [r.prompt for r in c]
-    assert len(a) == 6 and [r.turn for r in a] == [0, 1] * 3
+    assert len(a) == 6 and [r.tags.turn for r in a] == [0, 1] * 3
     first = a[0]
     conv = next(x for x in CONVS if x["conversations"][0]["value"] == first.prompt)
     assert first.reply == conv["conversations"][1]["value"]
@@ -332,10 +334,9 @@ def test_ttfo_waits_for_the_first_token_after_the_reasoning():
         async def go():
             http = HttpClient(url)
             target = Target(url, "test-model", endpoint="chat")
-            out = await send(
-                http, target, "rz-1", [{"role": "user", "content": "think"}], 6,
-                intended_send=time.monotonic(), workload_class="t",
-            )  # fmt: skip
+            req = one_request("rz-1", "think", 6, tags=RequestTags(workload_class="t"))
+            messages = [{"role": "user", "content": "think"}]
+            out = await send(http, target, req, prompt=messages, intended_send=time.monotonic())
             await http.close()
             return out.record
 

@@ -26,7 +26,7 @@ def smollm_tok():
 
 
 def _sent_text(tok, r, endpoint):
-    if endpoint == "chat" and r.turn == 0:
+    if endpoint == "chat" and r.tags.turn == 0:
         return tok.apply_chat_template([{"role": "user", "content": r.prompt}])
     return r.prompt
 
@@ -95,23 +95,24 @@ def test_shared_prefixes_exactly_where_specified(smollm_tok):
     )
     plan = build_plan(spec, LoadSpec(concurrency=2, requests=60), 7, tokenizer=smollm_tok)
     ids = {r.request_id: smollm_tok.encode(r.prompt) for r in plan}
-    groups = {r.prefix_group for r in plan}
+    groups = {r.tags.prefix_group for r in plan}
     assert {"doc:sys0", "doc:sys0/doc0", "doc:sys0/doc1", "doc:sys0/doc2", None} <= groups
     for a, b in itertools.combinations(plan, 2):
         lcp = _lcp(ids[a.request_id], ids[b.request_id])
-        ga, gb = (a.prefix_group or "").split(":")[-1], (b.prefix_group or "").split(":")[-1]
+        pa, pb = a.tags.prefix_group, b.tags.prefix_group
+        ga, gb = (pa or "").split(":")[-1], (pb or "").split(":")[-1]
         common = 0
         for x, y in zip(ga.split("/"), gb.split("/")):
             if not x or x != y:
                 break
             common += 1
         if common == 0:
-            assert lcp < 16, (a.prefix_group, b.prefix_group, lcp)  # not even one KV block
+            assert lcp < 16, (pa, pb, lcp)  # not even one KV block
         else:
             shared = 40 + (100 if common == 2 else 0)
-            assert lcp >= shared, (a.prefix_group, b.prefix_group, lcp)
+            assert lcp >= shared, (pa, pb, lcp)
             assert lcp < shared + 16  # the request's own text starts with a unique lead
-    sharing = [r for r in plan if r.prefix_group and r.prefix_group.count("/") == 1]
+    sharing = [r for r in plan if r.tags.prefix_group and r.tags.prefix_group.count("/") == 1]
     assert all(r.prefix_tokens == 140 for r in sharing)
 
 
@@ -131,19 +132,20 @@ def test_sessions_have_turns_and_think_times(smollm_tok):
     plan = build_plan(load_workload("agent"), LoadSpec(rate=1, requests=8), 0, tokenizer=smollm_tok)
     sessions: dict[str, list] = {}
     for r in plan:
-        sessions.setdefault(r.session_id, []).append(r)
+        sessions.setdefault(r.tags.session_id, []).append(r)
     assert len(sessions) == 8
     for turns in sessions.values():
-        assert [r.turn for r in turns] == list(range(len(turns)))
+        assert [r.tags.turn for r in turns] == list(range(len(turns)))
         assert 2 <= len(turns) <= 4 and all(r.num_turns == len(turns) for r in turns)
         assert turns[0].send_time is not None
         assert all(r.send_time is None and r.think_time == pytest.approx(0.5) for r in turns[1:])
-        assert turns[0].prefix_group is not None and all(r.prefix_group is None for r in turns[1:])
+        assert turns[0].tags.prefix_group is not None
+        assert all(r.tags.prefix_group is None for r in turns[1:])
 
 
 def test_open_loop_stops_at_duration_and_closed_loop_streams(smollm_tok):
     plan = build_plan(load_workload("chat"), LoadSpec(rate=5, duration=4), 0, tokenizer=smollm_tok)
-    first = [r.send_time for r in plan if r.turn == 0]
+    first = [r.send_time for r in plan if r.tags.turn == 0]
     assert first[0] == 0.0 and max(first) <= 4.0 and first == sorted(first)
     with pytest.raises(ValueError, match="iter_plan"):
         build_plan(

@@ -103,7 +103,7 @@ def test_run_directory_from_a_multi_turn_chat_run(server, tok, tmp_path):
     assert sorted(by_plan) == sorted(r.request_id for r in plan)
     assert all(r.ok for r in recs), [r.error for r in recs if not r.ok]
     # intended send times follow the plan exactly; the client sent close behind them
-    firsts = [(p_.send_time, by_plan[p_.request_id]) for p_ in plan if p_.turn == 0]
+    firsts = [(p_.send_time, by_plan[p_.request_id]) for p_ in plan if p_.tags.turn == 0]
     t0 = firsts[0][1].intended_send
     for planned, rec in firsts:
         assert rec.intended_send - t0 == pytest.approx(planned, abs=1e-6)
@@ -111,13 +111,13 @@ def test_run_directory_from_a_multi_turn_chat_run(server, tok, tmp_path):
     for p_ in plan:
         rec = by_plan[p_.request_id]
         assert rec.requested_output_tokens == rec.output_tokens == p_.max_tokens
-        assert (rec.session_id, rec.turn) == (p_.session_id, p_.turn)
-        if p_.turn > 0:
+        assert (rec.session_id, rec.turn) == (p_.tags.session_id, p_.tags.turn)
+        if p_.tags.turn > 0:
             assert rec.intended_send >= by_plan[f"r{p_.index - 1:06d}"].done + p_.think_time - 1e-6
 
     # later turns carry the conversation: the previous answer is in the messages
     bodies = {s["id"]: s["body"] for s in _served(server)}
-    later = next(p_ for p_ in plan if p_.turn == 1)
+    later = next(p_ for p_ in plan if p_.tags.turn == 1)
     msgs = bodies[by_plan[later.request_id].request_id]["messages"]
     assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
     previous = plan[later.index - 1]

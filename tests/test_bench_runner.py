@@ -13,6 +13,7 @@ from servelab.bench.http import HttpClient
 from servelab.bench.plan import LoadSpec, PlannedRequest
 from servelab.bench.runner import Runner, sessions
 from servelab.bench.testserver import Schedule, run_test_server
+from servelab.vocab import RequestTags
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +26,13 @@ def _req(
     i: int, send: float | None = None, session: str | None = None, turn: int = 0, tokens: int = 5
 ) -> PlannedRequest:
     return PlannedRequest(
-        f"r{i:06d}",
-        i,
-        "c",
-        f"prompt {i}",
-        3,
-        tokens,
+        request_id=f"r{i:06d}",
+        index=i,
+        tags=RequestTags(workload_class="c", session_id=session, turn=turn),
+        prompt=f"prompt {i}",
+        prompt_tokens=3,
+        max_tokens=tokens,
         send_time=send,
-        session_id=session,
-        turn=turn,
         think_time=0.05 if turn else 0.0,
     )
 

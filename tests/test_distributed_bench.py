@@ -173,16 +173,20 @@ def test_open_loop_sessions_one_schedule_many_workers(
     start = run.stage["start"]
     for p in plan:
         r = recs[p.request_id]
-        assert (r.workload_class, r.session_id, r.turn) == (p.workload_class, p.session_id, p.turn)
+        assert (r.workload_class, r.session_id, r.turn) == (
+            p.tags.workload_class,
+            p.tags.session_id,
+            p.tags.turn,
+        )
         assert r.requested_output_tokens == p.max_tokens == r.output_tokens
-        if p.turn == 0:  # the union of the sub-schedules is the planned schedule
+        if p.tags.turn == 0:  # the union of the sub-schedules is the planned schedule
             assert r.intended_send - start == pytest.approx(START_DELAY_S + p.send_time, abs=1e-6)
             assert not run.timed or abs(r.send_lag) <= SEND_TOLERANCE_S
 
     # sessions kept whole, on both workers, as the server saw them
     seen = served_workers(server, run.tag)
     assert set(seen) == set(recs) and set(seen.values()) == {"0", "1"}
-    for _, turns in itertools.groupby(plan, key=lambda p: p.session_id or p.request_id):
+    for _, turns in itertools.groupby(plan, key=lambda p: p.tags.session_id or p.request_id):
         assert len({seen[p.request_id] for p in turns}) == 1
 
     # aggregate arrivals: the superposition of the workers' sends is the planned Poisson
@@ -262,7 +266,11 @@ def test_closed_loop_bounded_by_time_is_fed_while_it_runs(
     )
     for rid, r in recs.items():
         p = planned[int(rid[1:])]
-        assert (r.workload_class, r.session_id, r.turn) == (p.workload_class, p.session_id, p.turn)
+        assert (r.workload_class, r.session_id, r.turn) == (
+            p.tags.workload_class,
+            p.tags.session_id,
+            p.tags.turn,
+        )
     # no session begins after the duration (its later turns may follow); the workers' send
     # times reach the driver's clock only within the run's own timing error budget
     slack = run.manifest["timing_error_budget_s"]["across_workers_s"]

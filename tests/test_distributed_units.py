@@ -27,9 +27,9 @@ from servelab.bench.distributed.protocol import (
 from servelab.bench.distributed.worker import SessionFeed, WorkerCore
 from servelab.bench.http import HttpClient
 from servelab.bench.monitor import ClientHealth
-from servelab.bench.plan import LoadSpec, PlannedRequest, build_plan
+from servelab.bench.plan import LoadSpec, build_plan
 from servelab.bench.runner import START_DELAY_S, Runner, request_id, sessions
-from servelab.bench.testing import tiny_tokenizer
+from servelab.bench.testing import one_request, tiny_tokenizer
 from servelab.bench.testserver import Schedule, TestServer
 from servelab.bench.workload import WorkloadSpec
 from servelab.vocab import ClientRecord
@@ -77,8 +77,8 @@ def test_partition_deals_whole_sessions_and_its_union_is_the_plan(plan, weights)
     for i, share in enumerate(shares):
         assert [r.index for r in share] == sorted(r.index for r in share)  # plan order kept
         for r in share:
-            if r.session_id is not None:
-                assert owner.setdefault(r.session_id, i) == i  # a session on one worker
+            if r.tags.session_id is not None:
+                assert owner.setdefault(r.tags.session_id, i) == i  # a session on one worker
     n_sessions = [len(list(sessions(share))) for share in shares]
     total = sum(n_sessions)
     for n, w in zip(n_sessions, weights, strict=True):
@@ -88,7 +88,14 @@ def test_partition_deals_whole_sessions_and_its_union_is_the_plan(plan, weights)
 
 
 def _rec(rid: str, send: float, done: float | None, error: str | None = None) -> ClientRecord:
-    return ClientRecord(rid, "c", intended_send=send, actual_send=send, done=done, error=error)
+    return ClientRecord(
+        request_id=rid,
+        workload_class="c",
+        intended_send=send,
+        actual_send=send,
+        done=done,
+        error=error,
+    )
 
 
 def test_concurrency_over_time_is_time_weighted():
@@ -157,7 +164,7 @@ def test_session_feed_serves_waiting_streams_then_ends():
 
         tasks = [asyncio.ensure_future(stream()) for _ in range(3)]
         await asyncio.sleep(0.02)  # every stream waits on the empty feed
-        feed.put([[PlannedRequest(f"r{i}", i, "c", "p", 1, 1)] for i in range(5)])
+        feed.put([[one_request(f"r{i}", "p", 1, index=i)] for i in range(5)])
         await asyncio.sleep(0)
         feed.close()
         await asyncio.wait_for(asyncio.gather(*tasks), 2)
@@ -173,13 +180,13 @@ def test_a_closed_loop_runs_from_a_feed_and_starts_at_the_given_time():
 
     async def go(url):
         feed = SessionFeed()
-        feed.put([[PlannedRequest(f"r{i:06d}", i, "c", "hi", 1, 3)] for i in range(4)])
+        feed.put([[one_request(f"r{i:06d}", "hi", 3, index=i)] for i in range(4)])
         http = HttpClient(url)
         runner = Runner(http, Target(url, "test-model"), LoadSpec(concurrency=2), run_tag="t")
         at = time.monotonic() + 0.2
         task = asyncio.ensure_future(runner.run(feed, start_at=at))
         await asyncio.sleep(0.4)
-        feed.put([[PlannedRequest("r000004", 4, "c", "hi", 1, 3)]])
+        feed.put([[one_request("r000004", "hi", 3, index=4)]])
         feed.close()
         res = await asyncio.wait_for(task, 10)
         await http.close()
@@ -238,7 +245,13 @@ class FakeWorker:
         n = len(share) if self.ok is None else self.ok
         sent = [(request_id(tag, r), self.at + 0.01 * i) for i, r in enumerate(share[: n + 1])]
         recs = [
-            ClientRecord(request_id(tag, r), r.workload_class, t, t, done=t + 0.5)
+            ClientRecord(
+                request_id=request_id(tag, r),
+                workload_class=r.tags.workload_class,
+                intended_send=t,
+                actual_send=t,
+                done=t + 0.5,
+            )
             for r, (_, t) in zip(share[:n], sent, strict=False)
         ]
         yield [(SENT, sent), (RECORDS, recs)]
@@ -268,7 +281,7 @@ def test_a_failed_worker_has_its_unrecorded_share_recorded_as_lost(plan):
     by_id = {f"t-{p.request_id}": p for p in plan}
     for r in lost:
         p = by_id[r.request_id]
-        if p.turn == 0 and not r.error.endswith("in flight"):
+        if p.tags.turn == 0 and not r.error.endswith("in flight"):
             assert r.intended_send - start == pytest.approx(START_DELAY_S + p.send_time)
 
 

@@ -13,24 +13,24 @@ from aiohttp import web
 from servelab.bench.client import Target, send
 from servelab.bench.http import HttpClient
 from servelab.bench.serverfigures import LLAMACPP, SGLANG, VLLM, MalformedFigures, figures_from
+from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, TestServer
+from servelab.vocab import RequestTags
 
 
 def _send(schedule: Schedule, stream: bool = True, n: int = 3):
     async def go():
         http = HttpClient(url)
         target = Target(url, "test-model", timeout=20.0)
+        tags = RequestTags(workload_class="chat", stream=stream)
         try:
             outs = [
                 await send(
                     http,
                     target,
-                    f"r{k}",
-                    "hello there",
-                    6,
-                    stream=stream,
+                    one_request(f"r{k}", "hello there", 6, tags=tags),
+                    prompt="hello there",
                     intended_send=time.monotonic(),
-                    workload_class="chat",
                 )
                 for k in range(n)
             ]
@@ -143,12 +143,11 @@ def _replay_body(body: bytes, endpoint: str, stream: bool):
             out = await send(
                 http,
                 Target(url, "smollm2-135m", endpoint=endpoint, timeout=20.0),
-                "r0",
-                "hello",
-                8,
-                stream=stream,
+                one_request(
+                    "r0", "hello", 8, tags=RequestTags(workload_class="chat", stream=stream)
+                ),
+                prompt="hello",
                 intended_send=time.monotonic(),
-                workload_class="chat",
             )
         finally:
             await http.close()

@@ -16,6 +16,7 @@ from servelab.sim.links import parse_link
 from servelab.sim.loop import T0, SimRequest, Simulation, Topology
 from servelab.sim.roofline import Efficiency
 from servelab.sim.target import roofline_target
+from servelab.vocab import RequestTags
 
 
 def _target(**cfg):
@@ -97,8 +98,16 @@ def test_closed_loop_concurrency_limit_is_respected():
 
 def test_sessions_wait_for_the_previous_turn():
     reqs = [
-        SimRequest("t0", 0.0, [5] * 100, 10, session_id="s"),
-        SimRequest("t1", 0.0, [5] * 150, 10, session_id="s", turn=1, after="t0", think_time=1.0),
+        SimRequest("t0", 0.0, [5] * 100, 10, tags=RequestTags(session_id="s")),
+        SimRequest(
+            "t1",
+            0.0,
+            [5] * 150,
+            10,
+            after="t0",
+            think_time=1.0,
+            tags=RequestTags(session_id="s", turn=1),
+        ),
     ]
     res = Simulation(_target().factory, reqs).run()
     t0, t1 = res.records
@@ -107,9 +116,17 @@ def test_sessions_wait_for_the_previous_turn():
 
 def test_a_session_keeps_its_concurrency_slot_and_non_streamed_output_comes_at_once():
     reqs = [
-        SimRequest("a0", 0.0, [5] * 100, 10, session_id="a"),
-        SimRequest("a1", 0.0, [5] * 150, 10, session_id="a", turn=1, after="a0", think_time=0.5),
-        SimRequest("b0", 0.0, [6] * 100, 10, stream=False),
+        SimRequest("a0", 0.0, [5] * 100, 10, tags=RequestTags(session_id="a")),
+        SimRequest(
+            "a1",
+            0.0,
+            [5] * 150,
+            10,
+            after="a0",
+            think_time=0.5,
+            tags=RequestTags(session_id="a", turn=1),
+        ),
+        SimRequest("b0", 0.0, [6] * 100, 10, tags=RequestTags(stream=False)),
     ]
     res = Simulation(_target().factory, reqs, max_concurrency=1).run()
     a0, a1, b0 = res.records
@@ -120,9 +137,9 @@ def test_a_session_keeps_its_concurrency_slot_and_non_streamed_output_comes_at_o
 
 def test_a_failed_turn_skips_the_rest_of_its_session():
     reqs = [
-        SimRequest("a0", 0.0, [5] * 2000, 10, session_id="a"),
-        SimRequest("a1", 0.0, [5] * 10, 10, session_id="a", turn=1, after="a0"),
-        SimRequest("a2", 0.0, [5] * 10, 10, session_id="a", turn=2, after="a1"),
+        SimRequest("a0", 0.0, [5] * 2000, 10, tags=RequestTags(session_id="a")),
+        SimRequest("a1", 0.0, [5] * 10, 10, after="a0", tags=RequestTags(session_id="a", turn=1)),
+        SimRequest("a2", 0.0, [5] * 10, 10, after="a1", tags=RequestTags(session_id="a", turn=2)),
         SimRequest("b0", 0.0, [6] * 10, 10),
     ]
     res = Simulation(_target(max_model_len=1024).factory, reqs, max_concurrency=1).run()

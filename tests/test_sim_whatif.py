@@ -68,8 +68,10 @@ def test_workload_requests_keep_the_plans_lengths_times_and_shared_prefixes():
     # Requests of one prefix group share their prefix tokens exactly.
     by_group: dict[str, list] = {}
     for p, r in zip(plan, reqs):
-        if p.prefix_group:
-            by_group.setdefault(p.prefix_group, []).append((p.prefix_tokens, r.prompt_token_ids))
+        if p.tags.prefix_group:
+            by_group.setdefault(p.tags.prefix_group, []).append(
+                (p.prefix_tokens, r.prompt_token_ids)
+            )
     shared = [v for v in by_group.values() if len(v) > 1]
     assert shared
     for group in shared:

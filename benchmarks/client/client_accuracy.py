@@ -51,7 +51,9 @@ from benchmarks.peers.clients import (
 from servelab.bench.client import Target, send
 from servelab.bench.http import HttpClient
 from servelab.bench.loop import run_loop
+from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
+from servelab.vocab import RequestTags
 
 
 @dataclass
@@ -76,15 +78,8 @@ async def _servelab_streams(url: str, lv: Level, tag: str) -> list[tuple[str, fl
     target = Target(url, "test-model", extra_headers=_schedule_header(lv))
 
     async def one(i: int) -> tuple[str, float, list[float]]:
-        out = await send(
-            http,
-            target,
-            f"{tag}-{i}",
-            "hello",
-            lv.tokens,
-            intended_send=time.monotonic(),
-            workload_class="x",
-        )
+        req = one_request(f"{tag}-{i}", "hello", lv.tokens, tags=RequestTags(workload_class="x"))
+        out = await send(http, target, req, prompt=req.prompt, intended_send=time.monotonic())
         r = out.record
         if not r.ok:
             raise RuntimeError(r.error)

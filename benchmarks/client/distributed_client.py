@@ -31,23 +31,19 @@ from benchmarks.common import fetch_timelines
 from servelab.bench.client import Target
 from servelab.bench.distributed.driver import DistributedStage, WorkerPool
 from servelab.bench.loop import run_loop
-from servelab.bench.plan import LoadSpec, PlannedRequest
+from servelab.bench.plan import LoadSpec
+from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
+from servelab.vocab import RequestTags
 
 
 async def _level(
     pool: WorkerPool, url: str, streams: int, args: argparse.Namespace
 ) -> dict[str, float | str]:
     n = streams * args.per_stream
+    tags = RequestTags(workload_class="stream")
     plan = [
-        PlannedRequest(
-            request_id=f"r{i:06d}",
-            index=i,
-            workload_class="stream",
-            prompt="hello",
-            prompt_tokens=1,
-            max_tokens=args.tokens,
-        )
+        one_request(f"r{i:06d}", "hello", args.tokens, index=i, prompt_tokens=1, tags=tags)
         for i in range(n)
     ]
     load = LoadSpec(concurrency=streams, requests=n)

@@ -216,6 +216,21 @@ class StepRecord:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
+@dataclass(frozen=True, kw_only=True)
+class RequestTags:
+    """What one request is, as its workload planned it: its class, its place in a session,
+    the shared prefix it starts with, and how it is served. The plan sets them once and they
+    travel unchanged to the request's ClientRecord; ``priority`` is sent (lower is served
+    first) but not recorded."""
+
+    workload_class: str = "default"
+    session_id: str | None = None
+    turn: int = 0
+    prefix_group: str | None = None
+    stream: bool = True
+    priority: int = 0
+
+
 @dataclass
 class ClientRecord:
     """What the benchmark client saw of one request. One line of ``requests.jsonl``.
@@ -309,6 +324,37 @@ class ClientRecord:
         if self.e2e is None or self.ttft is None or self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @classmethod
+    def for_request(
+        cls,
+        request_id: str,
+        tags: RequestTags,
+        *,
+        stage: str | None,
+        intended_send: float,
+        actual_send: float,
+        input_tokens: int,
+        requested_output_tokens: int | None,
+        error: str | None = None,
+    ) -> ClientRecord:
+        """The record of a planned request before anything arrived: its tags as planned, the
+        sweep ``stage`` it ran in, and its send; every client (real, distributed, simulated)
+        starts its records here."""
+        return cls(
+            request_id=request_id,
+            workload_class=tags.workload_class,
+            intended_send=intended_send,
+            actual_send=actual_send,
+            input_tokens=input_tokens,
+            requested_output_tokens=requested_output_tokens,
+            stream=tags.stream,
+            error=error,
+            session_id=tags.session_id,
+            turn=tags.turn,
+            prefix_group=tags.prefix_group,
+            stage=stage,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from servelab.bench.http import HttpClient, StreamResult
+from servelab.bench.plan import PlannedRequest
 from servelab.bench.prompts import TokenizerLike
 from servelab.bench.recount import Recounter
 from servelab.bench.serverfigures import MalformedFigures, figures_from, ignored
@@ -124,15 +125,11 @@ class Outcome:
 
 
 def request_body(
-    target: Target,
-    prompt: str | list[dict[str, str]],
-    max_tokens: int,
-    stream: bool,
-    priority: int = 0,
-    force_length: bool = True,
+    target: Target, req: PlannedRequest, prompt: str | list[dict[str, str]]
 ) -> dict[str, Any]:
     """The JSON body: exact output length via ``min_tokens`` + ``ignore_eos`` unless strict
-    or not ``force_length`` (then ``max_tokens`` is only a limit)."""
+    or not ``req.force_length`` (then ``max_tokens`` is only a limit)."""
+    stream, priority, max_tokens = req.tags.stream, req.tags.priority, req.max_tokens
     body: dict[str, Any] = {"model": target.model, "max_tokens": max_tokens, "stream": stream}
     if target.endpoint == "chat":
         body["messages"] = prompt
@@ -141,7 +138,7 @@ def request_body(
     if stream:
         body["stream_options"] = {"include_usage": True}
     if not target.strict_openai:
-        if force_length:
+        if req.force_length:
             body["min_tokens"] = max_tokens
             body["ignore_eos"] = True
         if stream:
@@ -270,44 +267,38 @@ class _Collector:
 async def send(
     http: HttpClient,
     target: Target,
-    request_id: str,
-    prompt: str | list[dict[str, str]],
-    max_tokens: int,
+    req: PlannedRequest,
     *,
-    stream: bool = True,
-    priority: int = 0,
-    force_length: bool = True,
-    planned_input_tokens: int = 0,
+    prompt: str | list[dict[str, str]],
     intended_send: float,
-    workload_class: str,
-    session_id: str | None = None,
-    turn: int = 0,
-    prefix_group: str | None = None,
+    request_id: str | None = None,
     stage: str | None = None,
     on_abort: Callable[[ClientRecord], None] | None = None,
     recounter: Recounter | None = None,
 ) -> Outcome:
-    """Send one request and return its record (every failure is recorded, not raised).
+    """Send one planned request and return its record (every failure is recorded, not raised).
 
+    What is per send comes beside it: ``prompt`` is what the body carries (the plan's
+    prompt after the conversation so far, or chat messages), ``request_id`` the id it is
+    sent and recorded under (the plan's by default), ``stage`` the sweep stage it runs in.
     If the caller is cancelled mid-request, the record of what arrived so far goes to
     ``on_abort`` (error ``aborted: ...``) before the cancellation propagates. The client
     re-count of the output (with ``target.tokenizer``) runs inline, or, given a
     ``recounter`` (which many streams share), waits its turn there in ``Outcome.counting``
     while the caller goes on: its next request need not wait for a count.
     """
-    body = _encode(request_body(target, prompt, max_tokens, stream, priority, force_length))
-    rec = ClientRecord(
-        request_id=request_id,
-        workload_class=workload_class,
+    request_id = request_id or req.request_id
+    stream = req.tags.stream
+    forced = not target.strict_openai and req.force_length
+    body = _encode(request_body(target, req, prompt))
+    rec = ClientRecord.for_request(
+        request_id,
+        req.tags,
+        stage=stage,
         intended_send=intended_send,
         actual_send=0.0,
-        input_tokens=planned_input_tokens,
-        requested_output_tokens=None if target.strict_openai or not force_length else max_tokens,
-        stream=stream,
-        session_id=session_id,
-        turn=turn,
-        prefix_group=prefix_group,
-        stage=stage,
+        input_tokens=req.prompt_tokens,
+        requested_output_tokens=req.max_tokens if forced else None,
     )
     col = _Collector(rec, target.endpoint == "chat")
     handler = col.on_event if stream else col.on_body

@@ -29,6 +29,7 @@ from servelab.bench.datasets.tracetext import TraceText
 from servelab.bench.prompts import PromptFactory, TokenizerLike, lead_number, lead_word
 from servelab.bench.traces import TraceRow, load_trace, scale_trace
 from servelab.bench.workload import ClassSpec, DatasetSource, WorkloadSpec
+from servelab.vocab import RequestTags
 
 ENDPOINTS = ("completions", "chat")
 TRACE_CLASS = "trace"
@@ -166,11 +167,12 @@ class LoadSpec:
         return asdict(self)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlannedRequest:
     """One request of the plan.
 
-    ``prompt`` is the text to send: the whole prompt of a first turn (completions), or
+    ``tags`` say what the request is (class, session and turn, prefix group, stream,
+    priority); they reach its ClientRecord unchanged. ``prompt`` is the text to send: the whole prompt of a first turn (completions), or
     the user message (chat); for a later turn, only that turn's new text (the runner
     puts the conversation so far in front). ``prompt_tokens`` is exact: what the server
     will count for a first turn (chat template included), or the new text's own tokens
@@ -179,23 +181,18 @@ class PlannedRequest:
     ``send_time`` is the intended send, in seconds from the start of the run (open
     loop, first turns); ``None`` in a closed loop and for later turns, which go
     ``think_time`` seconds after the previous turn's response. Requests with the same
-    ``prefix_group`` share their first ``prefix_tokens`` tokens exactly; every other
+    ``tags.prefix_group`` share their first ``prefix_tokens`` tokens exactly; every other
     prompt starts with a unique lead.
     """
 
     request_id: str
     index: int
-    workload_class: str
+    tags: RequestTags
     prompt: str
     prompt_tokens: int
     max_tokens: int
     send_time: float | None = None
-    stream: bool = True
-    priority: int = 0
-    prefix_group: str | None = None
     prefix_tokens: int = 0
-    session_id: str | None = None
-    turn: int = 0
     num_turns: int = 1
     think_time: float = 0.0
     carry_history: bool = True
@@ -465,15 +462,17 @@ def _dataset_session(
         yield PlannedRequest(
             request_id=f"r{index + k:06d}",
             index=index + k,
-            workload_class=cls.name,
+            tags=RequestTags(
+                workload_class=cls.name,
+                session_id=session_id,
+                turn=k,
+                stream=cls.stream,
+                priority=cls.priority,
+            ),
             prompt=turn.prompt,
             prompt_tokens=turn.prompt_tokens,
             max_tokens=turn.max_tokens,
             send_time=send_time if k == 0 else None,
-            stream=cls.stream,
-            priority=cls.priority,
-            session_id=session_id,
-            turn=k,
             num_turns=len(turns),
             think_time=think[k] if k else 0.0,
             force_length=turn.force,
@@ -556,17 +555,19 @@ def _class_request(
     return PlannedRequest(
         request_id=f"r{index:06d}",
         index=index,
-        workload_class=cls.name,
+        tags=RequestTags(
+            workload_class=cls.name,
+            session_id=session_id,
+            turn=turn,
+            prefix_group=f"{cls.name}:" + "/".join(groups) if groups else None,
+            stream=cls.stream,
+            priority=cls.priority,
+        ),
         prompt=prompt,
         prompt_tokens=prompt_tokens,
         max_tokens=n_out,
         send_time=send_time,
-        stream=cls.stream,
-        priority=cls.priority,
-        prefix_group=f"{cls.name}:" + "/".join(groups) if groups else None,
         prefix_tokens=head_tokens + (ctx.overhead if groups else 0),
-        session_id=session_id,
-        turn=turn,
         num_turns=turns,
         think_time=think_time,
         carry_history=cls.session.carry_history if cls.session is not None else True,
@@ -637,12 +638,14 @@ def _trace_plan(
         yield PlannedRequest(
             request_id=f"r{index:06d}",
             index=index,
-            workload_class=TRACE_CLASS,
+            tags=RequestTags(
+                workload_class=TRACE_CLASS,
+                prefix_group=f"{TRACE_CLASS}:{row.hash_ids[0]}" if row.hash_ids else None,
+            ),
             prompt=prompt,
             prompt_tokens=ctx.overhead + row.input_tokens,
             max_tokens=row.output_tokens,
             send_time=None if load.closed else row.time,
-            prefix_group=f"{TRACE_CLASS}:{row.hash_ids[0]}" if row.hash_ids else None,
             prefix_tokens=0,
         )
 

@@ -44,7 +44,8 @@ def sessions(plan: Iterable[PlannedRequest]) -> Iterator[list[PlannedRequest]]:
     """Group a plan into sessions (consecutive turns with one ``session_id``)."""
     current: list[PlannedRequest] = []
     for req in plan:
-        if current and (req.session_id is None or req.session_id != current[0].session_id):
+        session = req.tags.session_id
+        if current and (session is None or session != current[0].tags.session_id):
             yield current
             current = []
         current.append(req)
@@ -192,7 +193,7 @@ class Runner:
             if failed is not None:
                 self._record(self._skipped(req, failed))
                 continue
-            if req.turn > 0:
+            if req.tags.turn > 0:
                 intended = time.monotonic() + req.think_time
                 if req.think_time > 0:
                     await asyncio.sleep(req.think_time)
@@ -207,9 +208,9 @@ class Runner:
 
     def _compose(
         self, req: PlannedRequest, history: list[tuple[str, str]]
-    ) -> tuple[str | list[dict[str, str]], int]:
-        """The prompt (or messages) for this turn, and its planned input tokens."""
-        past = history if (req.turn > 0 and req.carry_history) else []
+    ) -> str | list[dict[str, str]]:
+        """The prompt (or messages) for this turn: the conversation so far, then the plan's."""
+        past = history if (req.tags.turn > 0 and req.carry_history) else []
         if self.target.endpoint == "chat":
             msgs: list[dict[str, str]] = []
             for user, answer in past:
@@ -217,32 +218,23 @@ class Runner:
                     {"role": "user", "content": user},
                     {"role": "assistant", "content": answer},
                 ]
-            return msgs + [{"role": "user", "content": req.prompt}], req.prompt_tokens
-        text = "".join(f"{user}{answer}\n\n" for user, answer in past) + req.prompt
-        return text, req.prompt_tokens
+            return msgs + [{"role": "user", "content": req.prompt}]
+        return "".join(f"{user}{answer}\n\n" for user, answer in past) + req.prompt
 
     async def _send(
         self, req: PlannedRequest, history: list[tuple[str, str]], intended: float
     ) -> Outcome:
-        prompt, planned_in = self._compose(req, history)
+        prompt = self._compose(req, history)
         self.sent += 1
-        self.prompts.append((req.workload_class, prompt))
+        self.prompts.append((req.tags.workload_class, prompt))
         self._on_send(req)
         outcome = await send(
             self.http,
             self.target,
-            self._rid(req),
-            prompt,
-            req.max_tokens,
-            stream=req.stream,
-            priority=req.priority,
-            force_length=req.force_length,
-            planned_input_tokens=planned_in,
+            req,
+            prompt=prompt,
             intended_send=intended,
-            workload_class=req.workload_class,
-            session_id=req.session_id,
-            turn=req.turn,
-            prefix_group=req.prefix_group,
+            request_id=self._rid(req),
             stage=self.stage,
             on_abort=self._record,
             recounter=self._recounter,
@@ -260,17 +252,13 @@ class Runner:
 
     def _skipped(self, req: PlannedRequest, failed_id: str) -> ClientRecord:
         now = time.monotonic()
-        return ClientRecord(
-            request_id=self._rid(req),
-            workload_class=req.workload_class,
+        return ClientRecord.for_request(
+            self._rid(req),
+            req.tags,
+            stage=self.stage,
             intended_send=now,
             actual_send=now,
             input_tokens=req.prompt_tokens,
             requested_output_tokens=req.max_tokens,
-            stream=req.stream,
-            session_id=req.session_id,
-            turn=req.turn,
-            prefix_group=req.prefix_group,
-            stage=self.stage,
             error=f"skipped: turn {failed_id} of this session failed, so it was not sent",
         )

@@ -1,4 +1,5 @@
-"""Test helpers: small real tokenizers built in memory from the benchmark corpus.
+"""Test helpers: small real tokenizers built in memory from the benchmark corpus, and a
+planned request to send by hand.
 
 Used by the benchmark's tests and by anyone who needs a tokenizer without model files."""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 from functools import cache
 
 from servelab.bench.corpus import CODE, PROSE, QUESTIONS
+from servelab.bench.plan import PlannedRequest
+from servelab.vocab import RequestTags
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -61,3 +64,24 @@ def tiny_tokenizer(byte_level: bool = True, vocab_size: int = 320) -> HFTok:
     )
     tok.train_from_iterator(list(PROSE) + list(CODE) + list(QUESTIONS), trainer=trainer)
     return HFTok(tok, f"tiny-bpe-{'bytelevel' if byte_level else 'nosplit'}-{vocab_size}")
+
+
+def one_request(
+    request_id: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    index: int = 0,
+    prompt_tokens: int = 0,
+    tags: RequestTags | None = None,
+) -> PlannedRequest:
+    """A request outside any plan, to hand to ``bench.client.send`` or a runner directly
+    (``prompt_tokens`` 0: not known; the server's usage then gives the record's count)."""
+    return PlannedRequest(
+        request_id=request_id,
+        index=index,
+        tags=tags or RequestTags(),
+        prompt=prompt,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+    )

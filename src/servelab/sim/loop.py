@@ -26,7 +26,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 from servelab.engine.engine import RequestOutput
@@ -40,6 +40,7 @@ from servelab.vocab import (
     PREFILL_ROLE,
     ClientRecord,
     FinishReason,
+    RequestTags,
     RequestTimeline,
     StepRecord,
 )
@@ -54,23 +55,20 @@ class SimRequest:
 
     ``send_time`` is the intended send, seconds from the start of the run. With
     ``after`` (a multi-turn session), the request is sent ``think_time`` after that
-    request's last byte, in the same concurrency slot. Without ``stream`` the client
-    sees one chunk carrying every token, at the last byte.
+    request's last byte, in the same concurrency slot. ``tags`` come from the plan and
+    reach the client record unchanged; without ``tags.stream`` the client sees one chunk
+    carrying every token, at the last byte.
     """
 
     request_id: str
     send_time: float
     prompt_token_ids: list[int]
     max_tokens: int
-    workload_class: str = "default"
-    priority: int = 0
-    session_id: str | None = None
-    turn: int = 0
-    prefix_group: str | None = None
+    _: KW_ONLY
+    tags: RequestTags = RequestTags()
     stage: str | None = None
     after: str | None = None
     think_time: float = 0.0
-    stream: bool = True
 
 
 @dataclass
@@ -250,7 +248,7 @@ class Simulation:
                 c.req.request_id,
                 prompt_token_ids=prompt,
                 sampling_params=params,
-                priority=c.req.priority,
+                priority=c.req.tags.priority,
                 arrival_time=t,
             )
         except ValueError as e:
@@ -286,7 +284,7 @@ class Simulation:
         rec = c.record
         if rec.done is None:
             rec.done = t
-        if not c.req.stream and rec.chunk_times:
+        if not c.req.tags.stream and rec.chunk_times:
             rec.chunk_times = [t]
             rec.chunk_tokens = [sum(rec.chunk_tokens)]
         children = self._children.pop(rid, [])
@@ -302,8 +300,8 @@ class Simulation:
 
     def _skip(self, reqs: list[SimRequest], failed: str, t: float) -> None:
         for req in reqs:
-            rec = _client_record(req, t, t)
-            rec.error = f"skipped: turn {failed} of this session failed, so it was not sent"
+            error = f"skipped: turn {failed} of this session failed, so it was not sent"
+            rec = _client_record(req, t, t, error)
             self._clients[req.request_id] = _Client(req, rec)
             self._skip(self._children.pop(req.request_id, []), failed, t)
 
@@ -525,18 +523,17 @@ def _merge(prefill: RequestTimeline, decode: RequestTimeline) -> RequestTimeline
     )
 
 
-def _client_record(req: SimRequest, intended: float, actual: float) -> ClientRecord:
+def _client_record(
+    req: SimRequest, intended: float, actual: float, error: str | None = None
+) -> ClientRecord:
     """The client's record of a planned request sent (or skipped) at ``actual``."""
-    return ClientRecord(
-        request_id=req.request_id,
-        workload_class=req.workload_class,
+    return ClientRecord.for_request(
+        req.request_id,
+        req.tags,
+        stage=req.stage,
         intended_send=intended,
         actual_send=actual,
         input_tokens=len(req.prompt_token_ids),
         requested_output_tokens=req.max_tokens,
-        stream=req.stream,
-        session_id=req.session_id,
-        turn=req.turn,
-        prefix_group=req.prefix_group,
-        stage=req.stage,
+        error=error,
     )

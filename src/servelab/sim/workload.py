@@ -18,6 +18,7 @@ from typing import Any
 
 from servelab.sim.history import Resend
 from servelab.sim.loop import SimRequest
+from servelab.vocab import RequestTags
 
 _FILLER = 13  # any id: after a unique first block, the chained block hashes differ anyway
 _SPAN = 30_000  # ids below every vocabulary servelab knows
@@ -60,14 +61,15 @@ def requests_from_plan(
     out: list[SimRequest] = []
     last_turn: dict[str, tuple[SimRequest, list[int]]] = {}
     for p in plan:
-        if endpoint == "chat" and p.turn == 0:
+        turn, session_id = p.tags.turn, p.tags.session_id
+        if endpoint == "chat" and turn == 0:
             text = tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}])
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
-            ids = tokenizer.encode(p.prompt, add_special_tokens=p.turn == 0)
+            ids = tokenizer.encode(p.prompt, add_special_tokens=turn == 0)
         after, think = None, 0.0
-        if p.turn > 0 and p.session_id in last_turn:
-            prev, prev_ids = last_turn[p.session_id]
+        if turn > 0 and session_id in last_turn:
+            prev, prev_ids = last_turn[session_id]
             after, think = prev.request_id, p.think_time
             if p.carry_history:
                 answer = _placeholder_outputs(prev.max_tokens, ph)
@@ -80,17 +82,12 @@ def requests_from_plan(
             send_time=p.send_time or 0.0,
             prompt_token_ids=ids,
             max_tokens=p.max_tokens,
-            workload_class=p.workload_class,
-            priority=p.priority,
-            session_id=p.session_id,
-            turn=p.turn,
-            prefix_group=p.prefix_group,
+            tags=p.tags,
             after=after,
             think_time=think,
-            stream=p.stream,
         )
-        if p.session_id is not None:
-            last_turn[p.session_id] = (req, ids)
+        if session_id is not None:
+            last_turn[session_id] = (req, ids)
         out.append(req)
     return out
 
@@ -135,6 +132,12 @@ def requests_from_trace(
         else:
             ids, group = _synthetic(i, row.input_tokens), None
         out.append(
-            SimRequest(f"r{i:06d}", row.time, ids, row.output_tokens, "trace", prefix_group=group)
+            SimRequest(
+                request_id=f"r{i:06d}",
+                send_time=row.time,
+                prompt_token_ids=ids,
+                max_tokens=row.output_tokens,
+                tags=RequestTags(workload_class="trace", prefix_group=group),
+            )
         )
     return out, {"trace": {"file": str(path), "format": fmt, **report}}

@@ -362,7 +362,7 @@ class _StageRun:
         p.sent_at.pop(rec.request_id, None)
         req = p.planned.pop(rec.request_id, None)
         p.recorded += 1
-        if req is not None and req.turn == req.num_turns - 1:
+        if req is not None and req.tags.turn == req.num_turns - 1:
             p.sessions_done += 1
         self.records.append(rec)
         self.on_record(rec)
@@ -378,23 +378,19 @@ class _StageRun:
             sent = p.sent_at.get(rid)
             if self.fed and sent is None:
                 continue
-            if req.send_time is not None and req.turn == 0 and not self.load.closed:
+            if req.send_time is not None and req.tags.turn == 0 and not self.load.closed:
                 intended = self.start_at + START_DELAY_S + req.send_time
             else:
                 intended = sent if sent is not None else now
             what = "while it was in flight" if sent is not None else "before sending it"
-            rec = ClientRecord(
-                request_id=rid,
-                workload_class=req.workload_class,
+            rec = ClientRecord.for_request(
+                rid,
+                req.tags,
+                stage=self.stage,
                 intended_send=intended,
                 actual_send=sent if sent is not None else intended,
                 input_tokens=req.prompt_tokens,
                 requested_output_tokens=None if strict else req.max_tokens,
-                stream=req.stream,
-                session_id=req.session_id,
-                turn=req.turn,
-                prefix_group=req.prefix_group,
-                stage=self.stage,
                 error=f"worker_lost: {p.lost} {what}",
             )
             p.lost_records += 1
