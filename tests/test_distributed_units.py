@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -283,6 +284,30 @@ def test_a_failed_worker_has_its_unrecorded_share_recorded_as_lost(plan):
         p = by_id[r.request_id]
         if p.tags.turn == 0 and not r.error.endswith("in flight"):
             assert r.intended_send - start == pytest.approx(START_DELAY_S + p.send_time)
+
+
+def test_a_lost_request_keeps_every_tag_it_was_planned_with(plan):
+    tagged = [
+        replace(
+            p,
+            tags=replace(p.tags, prefix_group=f"g{p.index % 3}", stream=p.index % 2 == 0),
+        )
+        for p in plan
+    ]
+    pool = WorkerPool([FakeWorker(0), FakeWorker(1, ok=2)], Target("http://x", "m"), "fake")
+    stage = asyncio.run(pool.run_stage(tagged, LoadSpec(rate=10, requests=60), run_tag="t"))
+    by_id = {f"t-{p.request_id}": p for p in tagged}
+    lost = [r for r in stage.result.records if not r.ok]
+    assert lost
+    for r in lost:
+        tags = by_id[r.request_id].tags
+        assert (r.workload_class, r.session_id, r.turn, r.prefix_group, r.stream) == (
+            tags.workload_class,
+            tags.session_id,
+            tags.turn,
+            tags.prefix_group,
+            tags.stream,
+        )
 
 
 def test_a_worker_whose_stage_raises_reports_it_as_its_last_event():
