@@ -83,7 +83,9 @@ def test_tables_fit_80_and_100_columns(tmp_path):
 
 
 def _rec(rid: str, cls: str, send: float, tokens: list[float]) -> ClientRecord:
-    return ClientRecord(rid, cls, send, send, chunk_times=tokens)
+    return ClientRecord(
+        request_id=rid, workload_class=cls, intended_send=send, actual_send=send, chunk_times=tokens
+    )
 
 
 def test_during_prefill_keeps_the_streams_a_long_prompt_could_stall():

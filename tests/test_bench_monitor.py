@@ -32,7 +32,10 @@ def test_a_blocked_loop_makes_the_run_invalid():
 
 
 def test_sends_behind_schedule_make_an_open_loop_run_invalid():
-    late = [ClientRecord(f"r{i}", "c", intended_send=i, actual_send=i + 0.2) for i in range(10)]
+    late = [
+        ClientRecord(request_id=f"r{i}", workload_class="c", intended_send=i, actual_send=i + 0.2)
+        for i in range(10)
+    ]
     mon = _watch(0.0)
     h = mon.report(late, open_loop=True)
     assert any("behind the arrival schedule" in r for r in h.reasons) and not h.valid

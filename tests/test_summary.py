@@ -145,7 +145,14 @@ def test_summarize_throughput_goodput_and_groups():
         r = rec(i, float(i), 0.2 if cls == "chat" else 0.8, [0.1] * 4, cls=cls)
         r.input_tokens = 100 if cls == "chat" else 600
         records.append(r)
-    failed = ClientRecord("bad", "chat", 3.5, 3.5, error="http_500: boom", done=3.6)
+    failed = ClientRecord(
+        request_id="bad",
+        workload_class="chat",
+        intended_send=3.5,
+        actual_send=3.5,
+        error="http_500: boom",
+        done=3.6,
+    )
     records.append(failed)
     m = summarize(records, slos={"chat": SLO(ttft=0.5), "rag": SLO(ttft=0.5)}, n_boot=50)
     w = m["window"]

@@ -34,10 +34,18 @@ def queue_run(rate: float, duration: float, seed: int, servers: int = 8) -> list
         chunks = [first + (done - first) * i / 9 for i in range(10)]
         recs.append(
             ClientRecord(
-                f"r{len(recs)}", "chat", t, t, 100, 10,
-                chunk_times=chunks, chunk_tokens=[1] * 10, done=done, status=200,
+                request_id=f"r{len(recs)}",
+                workload_class="chat",
+                intended_send=t,
+                actual_send=t,
+                input_tokens=100,
+                output_tokens=10,
+                chunk_times=chunks,
+                chunk_tokens=[1] * 10,
+                done=done,
+                status=200,
             )
-        )  # fmt: skip
+        )
     return recs
 
 

@@ -231,7 +231,7 @@ class RequestTags:
     priority: int = 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ClientRecord:
     """What the benchmark client saw of one request. One line of ``requests.jsonl``.
 
