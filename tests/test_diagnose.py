@@ -112,7 +112,7 @@ def test_prefix_reuse_on_another_server_reads_its_config_and_judges_tokens_by_th
         }
         run.metrics = {"similarity": {"overall": ideal} if ideal else None}
         est = SimpleNamespace(counters={"prefix_cache_queries": queries, "prefix_cache_hits": hits})
-        return low_prefix_reuse(Context(run, attr, est))  # type: ignore[arg-type]
+        return low_prefix_reuse(Context(run=run, attr=attr, est=est))  # type: ignore[arg-type]
 
     # vLLM with caching off keeps its cache counters at zero; its own label says it is off.
     off = finding("False", 0.0, 0.0, 0.43)
@@ -386,11 +386,19 @@ def test_priorities_and_prefix_caching_in_each_servers_words(tmp_path):
     from servelab.analyze.findings import Context, Finding
     from servelab.analyze.levers import recommend
 
-    planted = Finding("planted", "t", "s", {}, 1.0, False, ["priorities", "prefix_caching"])
+    planted = Finding(
+        id="planted",
+        title="t",
+        summary="s",
+        evidence={},
+        confidence=1.0,
+        exact=False,
+        levers=["priorities", "prefix_caching"],
+    )
     acts = {}
     for owner in ("vllm", "sglang", "llamacpp", "someone"):
         run = load_run(_owned_by(rundirs.as_other_target(rundirs.burst(tmp_path / owner)), owner))
-        recs = recommend(Context(run, attribute(run), None), [planted])
+        recs = recommend(Context(run=run, attr=attribute(run), est=None), [planted])
         acts[owner] = {r.lever: r.action for r in recs}
     # servelab's workloads send lower `priority` for sooner; SGLang must be told to agree
     assert acts["sglang"]["priorities"].startswith(

@@ -45,7 +45,7 @@ class Question:
     during: str | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Measured:
     """One metric on both sides: values, 95% CIs, relative delta, p-value (None: untested)."""
 
@@ -69,7 +69,7 @@ class Measured:
         return f"{_LABELS.get(self.metric, self.metric)} {self.stat}{where}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Answer:
     question: Question
     key: Measured
@@ -168,7 +168,18 @@ def measure(
     if metric in ("throughput", "goodput"):
         a, b = (_mean_rate(g, metric, stat) for g in (base, treat))
         n = (len(base), len(treat))
-        return Measured(scope, metric, stat, a, b, None, None, _delta(a, b), None, n)
+        return Measured(
+            scope=scope,
+            metric=metric,
+            stat=stat,
+            baseline_value=a,
+            treatment_value=b,
+            baseline_ci=None,
+            treatment_ci=None,
+            delta=_delta(a, b),
+            p_value=None,
+            counts=n,
+        )
     va = metric_values(_records(base, scope, during), metric)
     vb = metric_values(_records(treat, scope, during), metric)
     sa, sb = describe(*va, n_boot=400, seed=seed), describe(*vb, n_boot=400, seed=seed)
@@ -176,7 +187,19 @@ def measure(
     p = permutation_pvalues(va, vb, seed=seed).get(stat)
     ci_a, ci_b = sa.ci.get(stat), sb.ci.get(stat)
     n = (_requests(va), _requests(vb))
-    return Measured(scope, metric, stat, a, b, ci_a, ci_b, _delta(a, b), p, n, during)
+    return Measured(
+        scope=scope,
+        metric=metric,
+        stat=stat,
+        baseline_value=a,
+        treatment_value=b,
+        baseline_ci=ci_a,
+        treatment_ci=ci_b,
+        delta=_delta(a, b),
+        p_value=p,
+        counts=n,
+        during=during,
+    )
 
 
 def _requests(values: tuple[list[float], list[int] | None]) -> int:
@@ -263,7 +286,7 @@ def answer(
     text = head + cost_txt
     if levels is not None:
         text, extra = _decode_answer(key, cost, levels, verdict, p_txt)
-    return Answer(q, key, cost, verdict, text, extra)
+    return Answer(question=q, key=key, cost=cost, verdict=verdict, answer=text, extra=extra)
 
 
 def _decode_answer(

@@ -80,7 +80,7 @@ class TTFTBreakdown:
         return asdict(self)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Stall:
     request_id: str
     workload_class: str
@@ -102,7 +102,7 @@ class Stall:
         return asdict(self) | {"excess": self.excess}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Attribution:
     ttft: list[TTFTBreakdown]
     stalls: list[Stall]
@@ -193,7 +193,7 @@ def attribute(run: Run) -> Attribution:
             stalls.extend(_stalls(rec, None, _NO_STEPS, cost, windows, series))
     sources = {b.source for b in breakdowns}
     source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
-    return Attribution(breakdowns, stalls, cost, source)
+    return Attribution(ttft=breakdowns, stalls=stalls, cost=cost, source=source)
 
 
 def _base(rec: ClientRecord) -> TTFTBreakdown:
@@ -391,7 +391,14 @@ def _stalls(
     for i, g in enumerate(gaps):
         if g <= STALL_FACTOR * med or g - med <= STALL_MIN_EXCESS:
             continue
-        stall = Stall(rec.request_id, rec.workload_class, rec.chunk_times[i], g, med, "unknown")
+        stall = Stall(
+            request_id=rec.request_id,
+            workload_class=rec.workload_class,
+            at=rec.chunk_times[i],
+            gap=g,
+            median_gap=med,
+            cause="unknown",
+        )
         if tl is not None and matched:
             sa, sb = tl.token_times[cum[i] - 1], tl.token_times[cum[i + 1] - 1]
             stall.server_gap = sb - sa

@@ -43,7 +43,7 @@ MIN_PERM = 200
 MIN_REPEATS_FOR_RATE_TEST = 3
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Row:
     scope: str  # "overall" or a workload class
     metric: str  # ttft | itl | ... | throughput.requests_per_s
@@ -68,7 +68,7 @@ class Row:
         return asdict(self) | {"verdicts": [self.verdict(i) for i in range(len(self.values))]}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Comparison:
     labels: list[str]
     rows: list[Row]
@@ -293,15 +293,15 @@ def compare(
                 values = [getattr(st, s) for st in stats]
                 rows.append(
                     Row(
-                        scope,
-                        metric,
-                        s,
-                        values,
-                        [st.ci.get(s) for st in stats],
-                        _deltas(values),
-                        [None] * len(gs),
-                        [None] * len(gs),
-                        "lower",
+                        scope=scope,
+                        metric=metric,
+                        stat=s,
+                        values=values,
+                        ci=[st.ci.get(s) for st in stats],
+                        delta=_deltas(values),
+                        p=[None] * len(gs),
+                        significant=[None] * len(gs),
+                        better="lower",
                     )
                 )
                 row_p: list[float | None] = [None]
@@ -310,15 +310,15 @@ def compare(
         per_run = [[_rate(run, section, key) for run in g] for g in gs]
         values = [_mean(v) for v in per_run]
         row = Row(
-            "overall",
-            f"{section}.{key}",
-            "value",
-            values,
-            [None] * len(gs),
-            _deltas(values),
-            [None] * len(gs),
-            [None] * len(gs),
-            "higher",
+            scope="overall",
+            metric=f"{section}.{key}",
+            stat="value",
+            values=values,
+            ci=[None] * len(gs),
+            delta=_deltas(values),
+            p=[None] * len(gs),
+            significant=[None] * len(gs),
+            better="higher",
         )
         rows.append(row)
         p: list[float | None] = [None]
@@ -342,7 +342,13 @@ def compare(
             "Throughput and goodput have one value per run: they get a verdict only with "
             f"{MIN_REPEATS_FOR_RATE_TEST}+ repeats per group (servelab bench --matrix)."
         )
-    return Comparison(labels, rows, [g[0].engine_config for g in gs], warnings, notes)
+    return Comparison(
+        labels=labels,
+        rows=rows,
+        configs=[g[0].engine_config for g in gs],
+        warnings=warnings,
+        notes=notes,
+    )
 
 
 def _mean(v: list[float | None]) -> float | None:

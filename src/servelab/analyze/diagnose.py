@@ -137,7 +137,7 @@ def diagnose(run: Run) -> Diagnosis:
     parsed = parse_scrapes(run.scrapes) if foreign else []
     est = estimate(run.scrapes, parsed) if foreign else None
     series = server_series(parsed)
-    ctx = Context(run, attr, est, series)
+    ctx = Context(run=run, attr=attr, est=est, series=series)
     findings = find_all(ctx)
     recs = recommend(ctx, findings)
     rows = attr.ttft

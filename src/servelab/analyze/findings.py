@@ -42,7 +42,7 @@ NETWORK_SHARE = 0.3
 NETWORK_MIN = 0.020
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Finding:
     id: str
     title: str
@@ -60,7 +60,7 @@ class Finding:
         return asdict(self) | {"confidence_label": self.confidence_label}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Context:
     run: Run
     attr: Attribution
@@ -139,18 +139,18 @@ def prefill_bound(c: Context) -> Finding | None:
         levers.append("batch_budget_up")
     conf = _clip((rho - 0.4) / 0.5) * (1.0 if c.server_exact else 0.7)
     return Finding(
-        "prefill_bound",
-        "TTFT grows with input length (prefill-bound)",
-        f"TTFT rises {slope * 1e6:.0f} ms per 1k input tokens (Spearman {rho:.2f}); "
+        id="prefill_bound",
+        title="TTFT grows with input length (prefill-bound)",
+        summary=f"TTFT rises {slope * 1e6:.0f} ms per 1k input tokens (Spearman {rho:.2f}); "
         + (
             f"prefill compute is {share:.0%} of TTFT for the longest prompts."
             if share
             else "the server-side split is not available for this target."
         ),
-        ev,
-        conf,
-        c.server_exact,
-        levers,
+        evidence=ev,
+        confidence=conf,
+        exact=c.server_exact,
+        levers=levers,
     )
 
 
@@ -221,15 +221,17 @@ def queue_bound(c: Context) -> Finding | None:
     levers.append("capacity")
     conf = _clip((rho - 0.3) / 0.5) * (1.0 if c.server_exact else 0.7)
     return Finding(
-        "queue_bound",
-        f"TTFT grows with queue depth at arrival ({kind})",
-        f"Requests that arrived behind a longer queue waited longer (Spearman {rho:.2f}, "
-        f"up to {max(depth)} waiting)"
+        id="queue_bound",
+        title=f"TTFT grows with queue depth at arrival ({kind})",
+        summary=(
+            f"Requests that arrived behind a longer queue waited longer (Spearman {rho:.2f}, up to "
+            f"{max(depth)} waiting)"
+        )
         + (f"; queueing is {ev['queue_share_of_ttft']:.0%} of TTFT." if c.server_exact else "."),
-        ev,
-        conf,
-        c.server_exact,
-        levers,
+        evidence=ev,
+        confidence=conf,
+        exact=c.server_exact,
+        levers=levers,
     )
 
 
@@ -303,17 +305,19 @@ def over_saturated(c: Context) -> Finding | None:
         ev["stages"] = ", ".join(over)
     where = f" (stage {', '.join(over)})" if label else ""
     return Finding(
-        "over_saturated",
-        "Over-saturated: the queue grew through the run" + where,
-        f"{ev['offered_rate']:.3g} req/s were offered and {ev['achieved_rate']:.3g} req/s "
-        f"completed; TTFT p50 grew {ev['ttft_p50_growth_ms_per_minute']:.0f} ms per minute and "
-        f"the queue {ev['queue_depth_growth_per_minute']:.1f} requests per minute. Percentiles "
-        "of this run depend on its length, not only on the server: lower the rate below "
-        f"{ev['achieved_rate']:.3g} req/s to measure a steady state.",
-        ev,
-        _clip(1.0 - max(ttft["p_rising"], depth["p_rising"]) * 4),
-        True,
-        ["capacity"],
+        id="over_saturated",
+        title="Over-saturated: the queue grew through the run" + where,
+        summary=(
+            f"{ev['offered_rate']:.3g} req/s were offered and {ev['achieved_rate']:.3g} req/s "
+            f"completed; TTFT p50 grew {ev['ttft_p50_growth_ms_per_minute']:.0f} ms per minute and "
+            f"the queue {ev['queue_depth_growth_per_minute']:.1f} requests per minute. Percentiles "
+            "of this run depend on its length, not only on the server: lower the rate below "
+            f"{ev['achieved_rate']:.3g} req/s to measure a steady state."
+        ),
+        evidence=ev,
+        confidence=_clip(1.0 - max(ttft["p_rising"], depth["p_rising"]) * 4),
+        exact=True,
+        levers=["capacity"],
     )
 
 
@@ -348,20 +352,22 @@ def itl_prefill_interference(c: Context) -> Finding | None:
     if not exact:
         ev["stall_cause_confidence_mean"] = round(statistics.fmean(s.confidence for s in big), 2)
     return Finding(
-        "itl_prefill_interference",
-        "ITL spikes line up with long prefills"
+        id="itl_prefill_interference",
+        title="ITL spikes line up with long prefills"
         + (
             " (chunked prefill would help)"
             if chunked is False
             else " (a smaller chunk budget would help)"
         ),
-        f"{len(big)} inter-token gaps of {BIG_STALL:.0f}x the request's median or more ran beside "
-        f"another request's prefill; they cost {share:.1%} of all decode time "
-        f"(worst {ev['stall_ms_max']} ms vs a {ev['itl_ms_p50']} ms median).",
-        ev,
-        conf,
-        exact,
-        levers,
+        summary=(
+            f"{len(big)} inter-token gaps of {BIG_STALL:.0f}x the request's median or more ran "
+            f"beside another request's prefill; they cost {share:.1%} of all decode time (worst "
+            f"{ev['stall_ms_max']} ms vs a {ev['itl_ms_p50']} ms median)."
+        ),
+        evidence=ev,
+        confidence=conf,
+        exact=exact,
+        levers=levers,
     )
 
 
@@ -401,20 +407,22 @@ def kv_pressure(c: Context) -> Finding | None:
         levers.append("priorities")
     conf = 0.9 if ev.get("preemptions") else 0.5
     return Finding(
-        "kv_pressure",
-        "KV cache pressure" + (" and preemptions" if ev.get("preemptions") else ""),
-        f"{ev.get('preemptions', 0)} preemption(s); KV usage peaked at "
-        f"{ev.get('kv_usage_max', float('nan')):.0%}"
+        id="kv_pressure",
+        title="KV cache pressure" + (" and preemptions" if ev.get("preemptions") else ""),
+        summary=(
+            f"{ev.get('preemptions', 0)} preemption(s); KV usage peaked at "
+            f"{ev.get('kv_usage_max', float('nan')):.0%}"
+        )
         + (
             f"; {ev['seconds_lost_to_preemption']:.2f} s of request time was lost to recompute "
             "and re-queueing."
             if "seconds_lost_to_preemption" in ev
             else "."
         ),
-        ev,
-        conf if exact else conf * 0.7,
-        exact,
-        levers,
+        evidence=ev,
+        confidence=conf if exact else conf * 0.7,
+        exact=exact,
+        levers=levers,
     )
 
 
@@ -472,15 +480,17 @@ def low_prefix_reuse(c: Context) -> Finding | None:
         else "cached blocks were evicted or the shared part is not an identical prefix"
     )
     return Finding(
-        "low_prefix_reuse",
-        "Low prefix reuse despite shared prompts",
-        f"{len(reusable)} requests share a prompt prefix with an earlier one, but only "
-        f"{frac:.0%} {'of the reusable tokens ' if 'share_of_ideal' in ev else ''}reused "
-        f"cached KV ({why}).",
-        ev,
-        0.9 if exact or caching is False else 0.6,
-        exact,
-        ["prefix_caching"],
+        id="low_prefix_reuse",
+        title="Low prefix reuse despite shared prompts",
+        summary=(
+            f"{len(reusable)} requests share a prompt prefix with an earlier one, but only "
+            f"{frac:.0%} {'of the reusable tokens ' if 'share_of_ideal' in ev else ''}reused "
+            f"cached KV ({why})."
+        ),
+        evidence=ev,
+        confidence=0.9 if exact or caching is False else 0.6,
+        exact=exact,
+        levers=["prefix_caching"],
     )
 
 
@@ -508,14 +518,16 @@ def decode_bound(c: Context) -> Finding | None:
         ["speculative_decoding"] if small_batch else ["max_num_seqs_down", "speculative_decoding"]
     )
     return Finding(
-        "decode_bound",
-        "Decode-bound: long outputs dominate latency",
-        f"Decode is {share:.0%} of end-to-end time with a median of {out_med:.0f} output tokens; "
-        f"TPOT p50 {ev['tpot_ms_p50']} ms.",
-        ev,
-        _clip((share - 0.6) / 0.3),
-        True,
-        levers,
+        id="decode_bound",
+        title="Decode-bound: long outputs dominate latency",
+        summary=(
+            f"Decode is {share:.0%} of end-to-end time with a median of {out_med:.0f} output "
+            f"tokens; TPOT p50 {ev['tpot_ms_p50']} ms."
+        ),
+        evidence=ev,
+        confidence=_clip((share - 0.6) / 0.3),
+        exact=True,
+        levers=levers,
     )
 
 
@@ -567,7 +579,15 @@ def client_bottleneck(c: Context) -> Finding | None:
             "are likely usable; rerun on a quieter machine to be sure."
         )
         conf = 0.5
-    return Finding("client_bottleneck", title, "; ".join(parts) + tail, ev, conf, True, ["client"])
+    return Finding(
+        id="client_bottleneck",
+        title=title,
+        summary="; ".join(parts) + tail,
+        evidence=ev,
+        confidence=conf,
+        exact=True,
+        levers=["client"],
+    )
 
 
 def network_overhead(c: Context) -> Finding | None:
@@ -592,13 +612,17 @@ def network_overhead(c: Context) -> Finding | None:
         )
         conf = 0.3
     return Finding(
-        "network_overhead",
-        "HTTP, tokenisation and delivery take a large share of TTFT",
-        summary,
-        {"network_http_ms_p50": _ms(med), "ttft_ms_p50": _ms(ttft_med), "run_valid": c.run.valid},
-        conf,
-        c.attr.source == "exact",
-        ["api_process"],
+        id="network_overhead",
+        title="HTTP, tokenisation and delivery take a large share of TTFT",
+        summary=summary,
+        evidence={
+            "network_http_ms_p50": _ms(med),
+            "ttft_ms_p50": _ms(ttft_med),
+            "run_valid": c.run.valid,
+        },
+        confidence=conf,
+        exact=c.attr.source == "exact",
+        levers=["api_process"],
     )
 
 

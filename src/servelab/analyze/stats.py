@@ -53,7 +53,7 @@ def confidence_label(score: float) -> str:
     return "high" if score >= 0.75 else "medium" if score >= 0.45 else "low"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepCost:
     """step duration ~ overhead + prefill_per_token * prefill tokens + decode_per_seq * decodes.
 
@@ -97,7 +97,13 @@ def fit_step_cost(steps: Sequence[StepRecord]) -> StepCost | None:
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    return StepCost(float(max(full[0], 0.0)), float(full[1]), float(full[2]), r2, len(steps))
+    return StepCost(
+        overhead=float(max(full[0], 0.0)),
+        prefill_per_token=float(full[1]),
+        decode_per_seq=float(full[2]),
+        r2=r2,
+        n_steps=len(steps),
+    )
 
 
 @dataclass

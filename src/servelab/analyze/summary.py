@@ -42,7 +42,7 @@ from servelab.vocab import LATENCY_METRICS, ClientRecord
 DEFAULT_BUCKET_EDGES: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Window:
     """The measured window ``[start, end]`` (monotonic seconds) and how it was chosen."""
 
@@ -120,7 +120,7 @@ def measured_window(
             f"warm-up ({w.describe()}) and cool-down ({c.describe()}) leave no measured window "
             f"in a run whose sends span {sends[-1] - sends[0]:.3g}s; use smaller ones"
         )
-    return Window(start, end, w.describe(), c.describe())
+    return Window(start=start, end=end, warmup=w.describe(), cooldown=c.describe())
 
 
 # --------------------------------------------------------------------------- statistics

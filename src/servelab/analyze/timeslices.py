@@ -56,7 +56,7 @@ RATE_SHORTFALL = 0.1  # achieved below offered by this share: the surplus queued
 PARTIAL_MIN = 0.5  # a last, partial window counts when it is at least this full
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Trend:
     """Mann-Kendall S and one-sided p, Theil-Sen slope (per second), growth, early level."""
 
@@ -120,7 +120,7 @@ def trend(t: Sequence[float], values: Sequence[float], min_growth: float = 0.0) 
     growth = slope * float(ts[-1] - ts[0])
     early = float(np.median(ys[: max(1, len(ys) // 3)]))
     rising = p < TREND_ALPHA and growth >= max(min_growth, GROWTH_MIN * early) and growth > 0
-    return Trend(len(ys), s, p, slope, growth, early, rising)
+    return Trend(n=len(ys), s=s, p=p, slope=slope, growth=growth, early=early, rising=rising)
 
 
 def _end(r: ClientRecord) -> float:
