@@ -310,7 +310,9 @@ def _planted_stages(monkeypatch, saturated_from: float) -> list[float]:
             )
             for k in range(5)
         ]
-        stage.result = StageResult(stage.label, 0.0, 0.5, len(recs), recs)
+        stage.result = StageResult(
+            label=stage.label, start=0.0, end=0.5, sent=len(recs), records=recs
+        )
         stage.health = ClientHealth()
         stage.plan_info = {"timing_error_budget_s": timing_error_budget(None)}
         stage.summary = summarize(recs, slos=self._slos())

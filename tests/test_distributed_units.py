@@ -209,7 +209,7 @@ class FakeWorker:
     kind = "fake"
 
     def __init__(self, index: int, ok: int | None = None) -> None:
-        self.info = WorkerInfo(index, 100 + index, "here", boot_id())
+        self.info = WorkerInfo(index=index, pid=100 + index, host="here", boot_id=boot_id())
         self.ok = ok
         self.lost = None
         self.job: StageJob | None = None
@@ -257,7 +257,17 @@ class FakeWorker:
         ]
         yield [(SENT, sent), (RECORDS, recs)]
         if self.ok is None:
-            yield [(DONE, StageDone(self.at, self.at + 1, n, False, ClientHealth(), "x", 0, 0))]
+            done = StageDone(
+                start=self.at,
+                end=self.at + 1,
+                sent=n,
+                interrupted=False,
+                health=ClientHealth(),
+                stamping="x",
+                late_start_s=0,
+                feed_wait_s=0,
+            )
+            yield [(DONE, done)]
         else:
             yield [(FAILED, "Traceback (most recent call last):\n  ...\nValueError: boom\n")]
 
@@ -313,7 +323,7 @@ def test_a_lost_request_keeps_every_tag_it_was_planned_with(plan):
 def test_a_worker_whose_stage_raises_reports_it_as_its_last_event():
     async def go():
         core = WorkerCore(3, Target("http://127.0.0.1:9", "m"))
-        core.setup(StageJob(LoadSpec(rate=1, requests=1), "t", None, fed=True))
+        core.setup(StageJob(load=LoadSpec(rate=1, requests=1), run_tag="t", stage=None, fed=True))
         core.start(time.monotonic())
         batches = []
         while (batch := await asyncio.wait_for(core.next_batch(), 5)) is not None:

@@ -28,7 +28,7 @@ from servelab.vocab import ClientRecord
 START_DELAY_S = 0.05  # the first intended send is this far after the run starts
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageResult:
     """What one execution did, for the manifest."""
 
@@ -142,7 +142,12 @@ class Runner:
             await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._counting, return_exceptions=True)  # every record is in
         return StageResult(
-            self.stage, start, time.monotonic(), self.sent, self.records, interrupted
+            label=self.stage,
+            start=start,
+            end=time.monotonic(),
+            sent=self.sent,
+            records=self.records,
+            interrupted=interrupted,
         )
 
     async def _open(

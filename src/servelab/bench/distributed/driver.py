@@ -102,7 +102,7 @@ class DistributedStage:
     report: dict[str, Any]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Part:
     """One worker's part of one stage, as the driver tracks it."""
 
@@ -262,7 +262,7 @@ class _StageRun:
         try:
             clocks = await asyncio.gather(*(measure_offset(w.ping) for w in workers))
             self.parts = [
-                _Part(w, c, conc[i] if conc else None)
+                _Part(worker=w, clock=c, concurrency=conc[i] if conc else None)
                 for i, (w, c) in enumerate(zip(workers, clocks, strict=True))
             ]
             await self._hand_out()
@@ -299,7 +299,11 @@ class _StageRun:
         for p, share in zip(self.parts, shares, strict=True):
             p.assign(self.run_tag, share)
             load = replace(self.load, concurrency=p.concurrency) if self.load.closed else self.load
-            jobs.append(StageJob(load, self.run_tag, self.stage, share, fed=self.fed))
+            jobs.append(
+                StageJob(
+                    load=load, run_tag=self.run_tag, stage=self.stage, share=share, fed=self.fed
+                )
+            )
         await asyncio.gather(*(p.worker.setup(j) for p, j in zip(self.parts, jobs, strict=True)))
         if self.fed:
             await asyncio.gather(*(self._top_up(p) for p in self.parts))
@@ -486,12 +490,12 @@ class _StageRun:
         health = self._health(lost, end - self.start_at)
         clocks = [p.clock for p in self.parts]
         result = StageResult(
-            self.stage,
-            self.start_at,
-            end,
-            sum(p.sent for p in self.parts),
-            self.records,
-            interrupted,
+            label=self.stage,
+            start=self.start_at,
+            end=end,
+            sent=sum(p.sent for p in self.parts),
+            records=self.records,
+            interrupted=interrupted,
         )
         report = {
             "mode": self.pool.mode,

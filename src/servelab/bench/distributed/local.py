@@ -56,7 +56,7 @@ class ProcessWorker(WorkerCalls):
     ) -> None:
         self.index = index
         self.proc = proc
-        self.info = WorkerInfo(index, proc.pid, socket.gethostname(), None)
+        self.info = WorkerInfo(index=index, pid=proc.pid, host=socket.gethostname(), boot_id=None)
         self._reader = reader
         self._writer = writer
         self._seq = itertools.count()

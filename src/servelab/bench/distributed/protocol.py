@@ -32,7 +32,7 @@ _HEADER = 4
 _MAX_MESSAGE = 1 << 31
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageJob:
     """One worker's part of a stage.
 
@@ -49,7 +49,7 @@ class StageJob:
     fed: bool = False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageDone:
     """The last event of a worker's stage (times on the worker's clock)."""
 
@@ -63,7 +63,7 @@ class StageDone:
     feed_wait_s: float  # closed loop fed by the driver: time its streams waited for sessions
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerInfo:
     """Who a worker is, from its first ping."""
 

@@ -104,7 +104,9 @@ class WorkerCore:
         self._wake = asyncio.Event()
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.index, os.getpid(), socket.gethostname(), _BOOT_ID)
+        return WorkerInfo(
+            index=self.index, pid=os.getpid(), host=socket.gethostname(), boot_id=_BOOT_ID
+        )
 
     def ping(self) -> tuple[float, str | None]:
         return time.monotonic(), _BOOT_ID
