@@ -214,7 +214,7 @@ class Plan(list[PlannedRequest]):
         self.info: dict[str, Any] = info or {}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Streams:
     """Independent random streams, so one knob does not reshuffle the others."""
 
@@ -229,15 +229,15 @@ class _Streams:
         a, c, ln, t = np.random.SeedSequence(seed).spawn(4)
         text_seed = int(t.generate_state(1)[0])
         return cls(
-            np.random.default_rng(a),
-            np.random.default_rng(c),
-            np.random.default_rng(ln),
-            random.Random(text_seed),
-            text_seed % 900_000,
+            arrivals=np.random.default_rng(a),
+            classes=np.random.default_rng(c),
+            lengths=np.random.default_rng(ln),
+            text=random.Random(text_seed),
+            salt=text_seed % 900_000,
         )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Context:
     factory: PromptFactory
     endpoint: str
@@ -293,7 +293,14 @@ def iter_plan(
     factory = PromptFactory(tokenizer)
     wrap = _chat_wrap(tokenizer) if endpoint == "chat" else (lambda s: s)
     overhead = factory.count(wrap("x")) - factory.count("x") if endpoint == "chat" else 0
-    ctx = _Context(factory, endpoint, wrap, overhead, max_model_len, seed)
+    ctx = _Context(
+        factory=factory,
+        endpoint=endpoint,
+        wrap=wrap,
+        overhead=overhead,
+        max_model_len=max_model_len,
+        seed=seed,
+    )
     info["clipped_to_context"] = ctx.clipped
     info["chat_template_tokens"] = overhead
     streams = _Streams.from_seed(seed)

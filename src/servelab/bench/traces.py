@@ -37,7 +37,7 @@ def trace_path(name_or_path: str | Path) -> Path:
     return Path(name_or_path)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TraceRow:
     """One request of a trace: send time (s from the first row), token lengths, and
     for Mooncake the prefix-block ids and their (scaled) block size in tokens."""
@@ -82,7 +82,13 @@ def _load_azure(p: Path) -> list[TraceRow]:
         for i, rec in enumerate(csv.DictReader(f)):
             try:
                 ts = datetime.fromisoformat(rec["TIMESTAMP"].strip()).timestamp()
-                rows.append(TraceRow(ts, int(rec["ContextTokens"]), int(rec["GeneratedTokens"])))
+                rows.append(
+                    TraceRow(
+                        time=ts,
+                        input_tokens=int(rec["ContextTokens"]),
+                        output_tokens=int(rec["GeneratedTokens"]),
+                    )
+                )
             except (KeyError, ValueError, TypeError) as e:
                 raise ValueError(f"{p}: bad row {i + 2}: {e}") from None
     return rows
@@ -98,10 +104,10 @@ def _load_mooncake(p: Path) -> list[TraceRow]:
                 d = json.loads(line)
                 rows.append(
                     TraceRow(
-                        d["timestamp"] / 1000.0,
-                        int(d["input_length"]),
-                        int(d["output_length"]),
-                        tuple(int(h) for h in d.get("hash_ids", [])) or None,
+                        time=d["timestamp"] / 1000.0,
+                        input_tokens=int(d["input_length"]),
+                        output_tokens=int(d["output_length"]),
+                        hash_ids=tuple(int(h) for h in d.get("hash_ids", [])) or None,
                     )
                 )
             except (KeyError, ValueError, TypeError) as e:
@@ -164,7 +170,15 @@ def scale_trace(
                 outp, clipped_out = max_model_len - 1, clipped_out + 1
             if inp > max_model_len - outp:
                 inp, clipped_in = max_model_len - outp, clipped_in + 1
-        out.append(TraceRow(t, inp, outp, r.hash_ids, MOONCAKE_BLOCK_TOKENS * length_scale))
+        out.append(
+            TraceRow(
+                time=t,
+                input_tokens=inp,
+                output_tokens=outp,
+                hash_ids=r.hash_ids,
+                block_tokens=MOONCAKE_BLOCK_TOKENS * length_scale,
+            )
+        )
     if not out:
         raise ValueError("no trace requests left after --duration/--requests; raise the limits")
     report = {

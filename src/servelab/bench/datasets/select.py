@@ -21,7 +21,7 @@ MIN_TOKENS = 4  # vLLM's min_len for a ShareGPT prompt and output
 OUTPUT_LENS = ("dataset", "natural")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Turn:
     """One request of a dataset session. ``reply`` is the recorded assistant reply that the
     next turn sends as history (None: the model's own reply is sent)."""
@@ -149,7 +149,9 @@ class Sampler:
                     return None
                 break
             keep = reply if self.sel.history == "recorded" else None
-            turns.append(Turn(user, n_in, n_out, force, keep))
+            turns.append(
+                Turn(prompt=user, prompt_tokens=n_in, max_tokens=n_out, force=force, reply=keep)
+            )
             history = total + (self.count_raw(keep) if keep is not None else n_out)
         return turns
 
