@@ -16,7 +16,7 @@ from servelab.sim.loop import SimResult, Topology
 from servelab.sim.scenario import attainment, load_requests, simulate
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Point:
     """One simulated configuration and how it did."""
 
@@ -55,7 +55,13 @@ def _point(label: str, res: SimResult, slos: Any, target: float, **extra: Any) -
     dur = res.sim_duration or 1.0
     e2e = [r.e2e for r in res.records if r.ok and r.e2e is not None]
     extra["mean_e2e"] = sum(e2e) / len(e2e) if e2e else None
-    return Point(label, att, att * len(res.records) / dur, att >= target, extra)
+    return Point(
+        label=label,
+        attainment=att,
+        goodput=att * len(res.records) / dur,
+        meets=att >= target,
+        extra=extra,
+    )
 
 
 def fewest_replicas(

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Link:
     """A point-to-point link: ``bandwidth`` bytes/s one way per device, ``latency`` seconds."""
 
@@ -22,11 +22,31 @@ class Link:
 LINKS: dict[str, Link] = {
     link.name: link
     for link in (
-        Link("nvlink", 450e9, 5e-6, "NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional per GPU"),
-        Link("ib", 50e9, 10e-6, "InfiniBand NDR 400 Gb/s per GPU (ConnectX-7), one way"),
-        Link("roce", 25e9, 20e-6, "RoCE 200 Gb/s per GPU, one way"),
-        Link("ethernet", 12.5e9, 50e-6, "100 Gb/s Ethernet with TCP, one way"),
-        Link("pcie", 25e9, 10e-6, "PCIe Gen4 x16 through host memory, about 25 GB/s one way"),
+        Link(
+            name="nvlink",
+            bandwidth=450e9,
+            latency=5e-6,
+            source="NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional per GPU",
+        ),
+        Link(
+            name="ib",
+            bandwidth=50e9,
+            latency=10e-6,
+            source="InfiniBand NDR 400 Gb/s per GPU (ConnectX-7), one way",
+        ),
+        Link(name="roce", bandwidth=25e9, latency=20e-6, source="RoCE 200 Gb/s per GPU, one way"),
+        Link(
+            name="ethernet",
+            bandwidth=12.5e9,
+            latency=50e-6,
+            source="100 Gb/s Ethernet with TCP, one way",
+        ),
+        Link(
+            name="pcie",
+            bandwidth=25e9,
+            latency=10e-6,
+            source="PCIe Gen4 x16 through host memory, about 25 GB/s one way",
+        ),
     )
 }
 
@@ -50,4 +70,4 @@ def parse_link(text: str) -> Link:
     value, unit, lat, lat_unit = m.groups()
     bw = float(value) * 1e9 / (8 if unit in ("Gb", "gbit") else 1)
     latency = float(lat) * (1e-6 if lat_unit == "us" else 1e-3) if lat else 10e-6
-    return Link(text.strip(), bw, latency, "custom")
+    return Link(name=text.strip(), bandwidth=bw, latency=latency, source="custom")

@@ -114,7 +114,7 @@ class Topology:
 EngineFactory = Callable[[VirtualClock, int], tuple[Any, SimExecutor]]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Replica:
     index: int
     role: str  # vocab.ROLES
@@ -137,7 +137,7 @@ class SimResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Client:
     req: SimRequest
     record: ClientRecord
@@ -196,7 +196,7 @@ class Simulation:
                 clock = VirtualClock(T0)
                 engine, ex = factory(clock, next(seeds))
                 engine.replica, engine.role = i, role
-                out.append(Replica(i, role, engine, ex, clock))
+                out.append(Replica(index=i, role=role, engine=engine, executor=ex, clock=clock))
             return out
 
         if topo.disaggregated:
@@ -235,7 +235,7 @@ class Simulation:
             self._push(max(intended, now), _SEND, (req, intended))
 
     def _send(self, t: float, req: SimRequest, intended: float) -> None:
-        self._clients[req.request_id] = _Client(req, _client_record(req, intended, t))
+        self._clients[req.request_id] = _Client(req=req, record=_client_record(req, intended, t))
         self._push(t + self.delay, _ARRIVE, req.request_id)
 
     def _add(
@@ -302,7 +302,7 @@ class Simulation:
         for req in reqs:
             error = f"skipped: turn {failed} of this session failed, so it was not sent"
             rec = _client_record(req, t, t, error)
-            self._clients[req.request_id] = _Client(req, rec)
+            self._clients[req.request_id] = _Client(req=req, record=rec)
             self._skip(self._children.pop(req.request_id, []), failed, t)
 
     # ---- steps ----
