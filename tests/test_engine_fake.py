@@ -8,7 +8,8 @@ from engine_fakes import EOS, FakeClock, FakeExecutor, FakeTokenizer, reference_
 from hypothesis import given, settings
 
 from servelab.engine.config import EngineConfig
-from servelab.engine.engine import LLMEngine, RequestOutput
+from servelab.engine.engine import LLMEngine
+from servelab.engine.request import RequestOutput
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.llm import LLM
 from servelab.vocab import FinishReason

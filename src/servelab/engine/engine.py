@@ -28,7 +28,7 @@ from servelab.engine.config import EngineConfig
 from servelab.engine.detokenizer import Detokenizer
 from servelab.engine.executor import Executor
 from servelab.engine.kv_cache import KVCacheManager
-from servelab.engine.request import Request
+from servelab.engine.request import Request, RequestOutput
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.scheduler import Scheduler, SchedulerOutput
 from servelab.engine.spec.kv_rollback import RollbackKVCacheManager
@@ -41,20 +41,6 @@ if TYPE_CHECKING:
     from servelab.engine.spec.proposer import Proposer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]  # tokens produced this step (several with speculative decoding)
-    new_text: str  # detokenized text for them ("" without a tokenizer); stop strings trimmed
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    timeline: RequestTimeline  # complete once finished
 
 
 @dataclass
@@ -250,7 +236,8 @@ class LLMEngine:
         return self.scheduler.num_running
 
     def get_request(self, request_id: str) -> Request | None:
-        """The live state of an unfinished request (read it, do not change it)."""
+        """The live state of an unfinished request; None once it finished or if unknown. Read
+        it; only the hooks below change it (a disaggregated hand-off)."""
         return self._requests.get(request_id)
 
     def get_timeline(self, request_id: str) -> RequestTimeline | None:
@@ -390,18 +377,8 @@ class LLMEngine:
             for req, k in zip(reqs, left, strict=True):
                 if k == steps:
                     self._finish(req, FinishReason.LENGTH, end)
-                    n_out = len(req.token_ids) - req.num_prompt_tokens
                     finished.append(
-                        RequestOutput(
-                            req.request_id,
-                            req.token_ids[-1:],
-                            "",
-                            True,
-                            FinishReason.LENGTH,
-                            req.num_prompt_tokens,
-                            n_out,
-                            req.timeline,
-                        )
+                        RequestOutput.of(req, req.token_ids[-1:], "", FinishReason.LENGTH)
                     )
         self.step_records.extend(records)
         return DecodeBurst(reqs, ends, records, finished)
@@ -457,9 +434,7 @@ class LLMEngine:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(req, reason, now)
-            return RequestOutput(
-                req.request_id, [tok], "", reason is not None, reason, n_prompt, n_out, req.timeline
-            )
+            return RequestOutput.of(req, [tok], "", reason)
         kept = 0
         for tok in tokens:
             kept += 1
@@ -482,18 +457,7 @@ class LLMEngine:
         text = detok.take(final=reason is not None) if detok is not None else ""
         if reason is not None:
             self._finish(req, reason, now)
-        # Positional (field order): one per sequence per step, and keywords cost more.
-        # n_out counts the output after any tokens past a stop were dropped.
-        return RequestOutput(
-            req.request_id,
-            list(tokens),
-            text,
-            reason is not None,
-            reason,
-            n_prompt,
-            n_out,
-            req.timeline,
-        )
+        return RequestOutput.of(req, list(tokens), text, reason)
 
     def _fail_batch(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         now = self.clock()
@@ -502,25 +466,10 @@ class LLMEngine:
             req = e.request
             req.timeline.error = f"{type(error).__name__}: {error}"
             self._finish(req, FinishReason.ERROR, now)
-            outputs.append(
-                RequestOutput(
-                    request_id=req.request_id,
-                    new_token_ids=[],
-                    new_text="",
-                    finished=True,
-                    finish_reason=FinishReason.ERROR,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_output_tokens=req.num_output_tokens,
-                    timeline=req.timeline,
-                )
-            )
+            outputs.append(RequestOutput.of(req, [], "", FinishReason.ERROR))
         return outputs
 
     # ---- hooks for a request that lives on more than one engine (disaggregated serving) ----
-
-    def request(self, request_id: str) -> Request | None:
-        """The unfinished request ``request_id`` (None if it is not here)."""
-        return self._requests.get(request_id)
 
     def detokenizer(self, request_id: str) -> Detokenizer | None:
         """The request's incremental detokenizer (None without a tokenizer)."""

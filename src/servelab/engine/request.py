@@ -12,9 +12,14 @@ Contract:
   verified, and clears them after every step and at preemption.
 - ``admit_seq`` orders admissions (larger = admitted more recently); the scheduler preempts
   the lowest priority first, then the most recently admitted.
+
+``RequestOutput`` is what the engine returns for a request after each step; ``RequestOutput.of``
+is the one place it is built.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from servelab.engine.sampling_params import SamplingParams
 from servelab.vocab import FinishReason, Phase, RequestTimeline
@@ -87,4 +92,35 @@ class Request:
         return (
             f"Request({self.request_id!r}, phase={self.phase.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, priority={self.priority})"
+        )
+
+
+@dataclass(slots=True, kw_only=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens produced this step (several with speculative decoding)
+    new_text: str  # detokenized text for them ("" without a tokenizer); stop strings trimmed
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    timeline: RequestTimeline  # complete once finished
+
+    @classmethod
+    def of(
+        cls, req: Request, tokens: list[int], text: str, reason: FinishReason | None
+    ) -> RequestOutput:
+        """``req``'s output for a step that produced ``tokens`` (already in ``req.token_ids``)
+        and ``text``; ``reason`` is why it finished, None while it goes on."""
+        return cls(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.token_ids) - req.num_prompt_tokens,
+            timeline=req.timeline,
         )

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
-from servelab.engine.engine import RequestOutput
+from servelab.engine.request import RequestOutput
 from servelab.engine.routing import Router, make_router
 from servelab.engine.sampling_params import SamplingParams
 from servelab.sim.executor import SimExecutor, VirtualClock

@@ -22,7 +22,7 @@ Block accounting: a parked request or a reservation holds its blocks until sent,
 aborted or expired; once no request is unfinished, parked or reserved, every block has
 reference count 0 (the engine's invariant).
 
-It is a subclass that reaches the engine through its public hooks only: ``request``,
+It is a subclass that reaches the engine through its public hooks only: ``get_request``,
 ``detokenizer``, ``end_request``, ``forget_request``, ``KVCacheManager.chain_hashes`` and
 ``Scheduler.adopt_decoding``.
 """
@@ -112,7 +112,7 @@ class DisaggEngine(LLMEngine):
 
     def _held(self, request_id: str) -> Request:
         """A request this worker holds; KeyError if it is gone (aborted, expired)."""
-        req = self.request(request_id)
+        req = self.get_request(request_id)
         if req is None:
             raise KeyError(request_id)
         return req
@@ -121,7 +121,7 @@ class DisaggEngine(LLMEngine):
         """End a parked or reserved request with ERROR (blocks freed, timeline kept)."""
         self._parked.pop(request_id, None)
         self._reserved.pop(request_id, None)
-        req = self.request(request_id)
+        req = self.get_request(request_id)
         if req is not None:
             req.timeline.error = error
             self.end_request(request_id, FinishReason.ERROR)
