@@ -22,9 +22,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING
 
 from servelab.engine.config import EngineConfig
+from servelab.engine.decode_burst import DecodeBurst, run_decode_burst
 from servelab.engine.detokenizer import Detokenizer
 from servelab.engine.executor import Executor
 from servelab.engine.kv_cache import KVCacheManager
@@ -47,29 +48,6 @@ log = logging.getLogger(__name__)
 class EngineStepResult:
     outputs: list[RequestOutput]
     record: StepRecord | None  # None when nothing ran
-
-
-@dataclass
-class DecodeBurst:
-    """Steps run by ``decode_burst``: each of ``requests`` got one token in every one, and
-    any in ``finished`` finished in the last."""
-
-    requests: list[Request]
-    ends: list[float]  # each step's end
-    records: list[StepRecord]  # each step's record, when asked for
-    finished: list[RequestOutput]  # the outputs of the requests the last step finished
-
-
-class DecodeExecutor(Protocol):
-    """An executor that runs pure-decode steps without plans, on the clock the engine reads
-    (the simulator's). ``execute_decodes`` runs one step of ``num_seqs`` one-token decodes
-    after ``context_tokens`` cached tokens in all, exactly as ``execute`` would that plan,
-    advancing the clock; ``decode_tokens(num_output_tokens, count)`` are the tokens it
-    samples for a sequence over its next ``count`` decodes, never an EOS id."""
-
-    def execute_decodes(self, num_seqs: int, context_tokens: int) -> float: ...
-
-    def decode_tokens(self, num_output_tokens: int, count: int) -> list[int]: ...
 
 
 class LLMEngine:
@@ -314,74 +292,9 @@ class LLMEngine:
         return EngineStepResult(outputs, record)
 
     def decode_burst(self, horizon: float, keep_records: bool = False) -> DecodeBurst | None:
-        """Run, in bulk, the steps that start before ``horizon`` while they are pure decode
-        of the same requests (the scheduler's ``decode_run``), up to and including the first
-        step that finishes any of them (by length: nothing else can stop them here).
-
-        Each step is the one ``step`` would run, with the same tokens, times, KV blocks,
-        counters and finishes; only the per-step objects are not made: outputs only for the
-        requests that finished, and step records only with ``keep_records`` (then also kept
-        in ``step_records``). For a caller that owns a virtual clock (the simulator) and an
-        executor with ``execute_decodes``; None when the next step is not such a step, there
-        is no such executor, or the engine speculates or detokenizes (stop strings).
-        """
-        ex = self.executor
-        if self.spec is not None or self.tokenizer is not None:
-            return None
-        if not hasattr(ex, "execute_decodes"):
-            return None
-        run = self.scheduler.decode_run()
-        if run is None:
-            return None
-        reqs = run.requests
-        # Steps until each request reaches its length limit (that step finishes it). Stop
-        # ids are checked per token, so a request with any has no burst; the executor's
-        # tokens are never EOS.
-        left: list[int] = []
-        for req in reqs:
-            sp = req.sampling_params
-            if sp.stop_token_ids:
-                return None
-            limit = min(sp.max_tokens, self.max_model_len - req.num_prompt_tokens)
-            left.append(limit - (len(req.token_ids) - req.num_prompt_tokens))
-        steps = min(left)
-        dex = cast(DecodeExecutor, ex)
-        execute, tokens = dex.execute_decodes, dex.decode_tokens
-        clock, kv, n = self.clock, self.kv_cache, len(reqs)
-        context = run.context_tokens
-        ends: list[float] = []
-        records: list[StepRecord] = []
-        j = 0
-        while j < steps:
-            start = clock()
-            if start >= horizon or not run.allocate(j):
-                break
-            kv_used = kv.num_used_blocks if keep_records else 0
-            execute(n, context)
-            end = clock()
-            context += n
-            run.computed(j, tokens)
-            ends.append(end)
-            if keep_records:
-                decode = [r.request_id for r in reqs]
-                records.append(
-                    self._record(run.first_step_id + j, start, end, {}, decode, kv_used, [])
-                )
-            j += 1
-        if not ends:
-            return None
-        run.commit(ends, tokens)
-        finished: list[RequestOutput] = []
-        if j == steps:  # the last step finished these, in plan order as _emit does
-            end = ends[-1]
-            for req, k in zip(reqs, left, strict=True):
-                if k == steps:
-                    self._finish(req, FinishReason.LENGTH, end)
-                    finished.append(
-                        RequestOutput.of(req, req.token_ids[-1:], "", FinishReason.LENGTH)
-                    )
-        self.step_records.extend(records)
-        return DecodeBurst(reqs, ends, records, finished)
+        """The simulator's fast path: the coming pure-decode steps in bulk, with the outcome of
+        a ``step`` for each (``engine/decode_burst.py``); None when the next step is not one."""
+        return run_decode_burst(self, horizon, keep_records)
 
     def _record(
         self,

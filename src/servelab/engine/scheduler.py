@@ -36,7 +36,7 @@ finished and calls ``finish_request``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -324,24 +324,6 @@ class Scheduler:
             self._preempt(victim, step, now)
         return True
 
-    def decode_run(self) -> DecodeRun | None:
-        """The coming steps in bulk, if the next one is every running request decoding one
-        token with nothing to admit (see :class:`DecodeRun`); None otherwise."""
-        running = self.running
-        cfg = self.config
-        if not running or len(running) > cfg.max_num_batched_tokens:
-            return None
-        if self.waiting and len(running) < cfg.max_num_seqs:
-            return None
-        for req in running:
-            if (
-                req.phase is not _DECODE
-                or req.spec_token_ids
-                or len(req.token_ids) - req.num_computed_tokens != 1
-            ):
-                return None
-        return DecodeRun(self, list(running))
-
     def adopt_decoding(self, req: Request) -> None:
         """Run ``req`` from the next step on, in DECODE: its whole prompt's KV is already in
         its blocks (a disaggregated hand-off). It counts as admitted now, for preemption order."""
@@ -453,94 +435,6 @@ class Scheduler:
         req.num_computed_tokens += accepted
         # Drafts are scheduled only when the engine runs speculation, on the roll-back cache.
         cast("RollbackKVCacheManager", self.kv_cache).trim(req.request_id, req.num_computed_tokens)
-
-
-class DecodeRun:
-    """Steps in which the same running requests each decode one token, done in bulk.
-
-    While nothing is admitted, preempted or finished, every step is the one ``schedule``
-    would plan: each running request (all fit the token budget; admission has nothing to
-    do or no seat) takes its one pending token, and ``allocate`` changes something only
-    for a request whose next token starts a block. So per step this object calls the KV
-    cache only where a block is needed (``allocate``) or filled (``cache_blocks``), in
-    running order as ``schedule`` and ``update_from_output`` would, and :meth:`commit`
-    books the tokens, times and counters of all the steps at once. The caller (the engine)
-    ends the run with the first step that finishes a request and finishes it itself, and
-    :meth:`allocate` says when a step would run short of blocks (the policy then preempts,
-    which only ``schedule`` does).
-    """
-
-    def __init__(self, scheduler: Scheduler, requests: list[Request]) -> None:
-        self._scheduler = scheduler
-        self.requests = requests
-        self.first_step_id = scheduler._next_step_id
-        kv = self._kv = scheduler.kv_cache
-        bs = self._bs = kv.block_size
-        self._computed = [r.num_computed_tokens for r in requests]
-        self.context_tokens = sum(self._computed)
-        self._num_output = [len(r.token_ids) - r.num_prompt_tokens for r in requests]
-        self._booked = [0] * len(requests)  # steps whose tokens are in token_ids
-        # Step j of the run needs a block for request i when its table, which covers at
-        # least its computed tokens, ends at token computed + j; from then on every block
-        # size steps. Likewise a block fills when computed + j + 1 reaches a multiple of it.
-        # Keyed by step modulo the block size; lists in running order.
-        self._alloc: dict[int, list[tuple[int, int]]] = {}
-        self._fill: dict[int, list[int]] = {}
-        tables = kv.block_table
-        for i, req in enumerate(requests):
-            c = self._computed[i]
-            first = len(tables(req.request_id)) * bs - c
-            self._alloc.setdefault(first % bs, []).append((i, first))
-        if kv.enable_prefix_caching:
-            for i, c in enumerate(self._computed):
-                self._fill.setdefault((-c - 1) % bs, []).append(i)
-
-    def allocate(self, j: int) -> bool:
-        """Give step ``j`` its new blocks; False (nothing changed) if the free ones are short."""
-        slot = self._alloc.get(j % self._bs)
-        if slot is None:
-            return True
-        due = [i for i, first in slot if first <= j]
-        if not due:
-            return True
-        kv = self._kv
-        # Each takes one block and none frees any: all succeed or the policy would preempt.
-        if kv.num_free_blocks < len(due):
-            return False
-        reqs, computed = self.requests, self._computed
-        for i in due:
-            kv.allocate(reqs[i].request_id, computed[i] + j + 1)
-        return True
-
-    def computed(self, j: int, tokens: Callable[[int, int], list[int]]) -> None:
-        """Step ``j`` ran: register the blocks it filled. ``tokens(num_output, count)`` gives
-        a request's tokens (the executor's), for the ones a filled block holds."""
-        due = self._fill.get(j % self._bs)
-        if due is None:
-            return
-        reqs, computed = self.requests, self._computed
-        for i in due:
-            self._book(i, j + 1, tokens)
-            req = reqs[i]
-            self._kv.cache_blocks(req.request_id, req.token_ids, computed[i] + j + 1)
-
-    def _book(self, i: int, steps: int, tokens: Callable[[int, int], list[int]]) -> None:
-        booked = self._booked[i]
-        if steps > booked:
-            self.requests[i].token_ids += tokens(self._num_output[i] + booked, steps - booked)
-            self._booked[i] = steps
-
-    def commit(self, ends: list[float], tokens: Callable[[int, int], list[int]]) -> None:
-        """Book the run's ``len(ends)`` steps, which ended at ``ends``, as
-        ``update_from_output`` would have after each."""
-        k = len(ends)
-        for i, req in enumerate(self.requests):
-            self._book(i, k, tokens)
-            req.num_computed_tokens = self._computed[i] + k
-            tl = req.timeline
-            tl.token_times += ends
-            tl.output_tokens = self._num_output[i] + k
-        self._scheduler._next_step_id += k
 
 
 def _preemption_order(req: Request) -> tuple[int, int]:
