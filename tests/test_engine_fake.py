@@ -403,3 +403,43 @@ def test_random_workloads_keep_every_invariant(
     for rid, (p, sp) in added.items():
         if rid not in aborted:
             assert got[rid] == reference_generate(p, sp, VOCAB, MODEL_LEN), rid
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_plain_kv_cache_runs_the_engine_to_the_same_outputs(chunked: bool) -> None:
+    """``kv_cache="plain"`` and the fast default give the same outputs, timelines, step
+    records and counters on shared prefixes, chunked prefill and preemption (the fake
+    executor reads every token back through the block tables, so a different block would
+    change the tokens too)."""
+    runs = {}
+    for kind in ("fast", "plain"):
+        e = engine(
+            kv_cache=kind,
+            num_kv_blocks=40,
+            max_num_seqs=8,
+            max_num_batched_tokens=16 if chunked else 64,
+            enable_chunked_prefill=chunked,
+        )
+        for i, p in enumerate(prompts(16, shared=13)):
+            sp = SamplingParams(max_tokens=6 + 5 * (i % 4))
+            e.add_request(f"r{i}", prompt_token_ids=p, sampling_params=sp, priority=i % 3)
+        outputs: list[RequestOutput] = []
+        while e.has_unfinished():
+            outputs += e.step().outputs
+        e.kv_cache.check_invariants()
+        assert e.kv_cache.num_used_blocks == 0
+        timelines = [t.to_dict() for t in e.finished_timelines]
+        runs[kind] = (outputs, timelines, [r.to_dict() for r in e.step_records], e.stats())
+    assert runs["plain"] == runs["fast"]
+    _, timelines, _, stats = runs["plain"]
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.evictions > 0
+    split = any(len(t["chunks"]) > 1 and not t["preemptions"] for t in timelines)
+    assert split == chunked  # a prompt prefilled in chunks
+    assert type(LLMEngine(FakeExecutor(), EngineConfig(kv_cache="plain")).kv_cache).__name__ == (
+        "PlainKVCache"
+    )
+
+
+def test_an_unknown_kv_cache_is_refused() -> None:
+    with pytest.raises(ValueError, match='kv_cache must be "fast" or "plain"'):
+        engine(kv_cache="quick")

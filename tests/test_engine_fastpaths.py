@@ -1,4 +1,4 @@
-"""The engine's fast paths (issue 8's simulator speed) keep the slow paths' answers."""
+"""The engine's fast paths (the simulator's speed) keep the slow paths' answers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from engine_fakes import FakeClock, FakeExecutor
 
 from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
-from servelab.engine.kv_cache import _ROOT_HASH, KVCacheManager
+from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.kv_cache_plain import ROOT_HASH
 from servelab.sim.executor import VirtualClock
 from servelab.sim.loop import SimRequest, Simulation
 from servelab.sim.target import roofline_target
@@ -60,7 +61,7 @@ def test_memoised_chain_hashes_follow_the_documented_formula() -> None:
     tokens = list(range(100, 118))
     kv.lookup("a", tokens[:9])  # fills two blocks
     got = kv.chain_hashes("a", tokens, 4)
-    parent, want = _ROOT_HASH, []
+    parent, want = ROOT_HASH, []
     for i in range(4):
         parent = hash((parent, tuple(tokens[4 * i : 4 * i + 4])))
         want.append(parent)

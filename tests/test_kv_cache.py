@@ -1,4 +1,5 @@
-"""KVCacheManager: block accounting, prefix caching, LRU eviction, invariants."""
+"""KVCacheManager: block accounting, prefix caching, LRU eviction, invariants; and that it
+behaves exactly like PlainKVCache, the policy written plainly."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 
 from servelab.engine import kv_cache
-from servelab.engine.kv_cache import _ROOT_HASH, KVCacheManager
+from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.kv_cache_plain import PlainKVCache
 
 BS = 4
 
@@ -232,114 +234,31 @@ def test_random_operations_keep_invariants(operations: list[tuple[str, int, int,
     assert m.num_used_blocks == 0 and m.num_free_blocks == m.num_blocks
 
 
-class _Reference:
-    """The documented policy written plainly: one hand-out queue, every full computed block
-    hashed and registered at once. The manager must behave exactly like it."""
-
-    def __init__(self, num_blocks: int, bs: int) -> None:
-        self.bs = bs
-        self.refs = [0] * num_blocks
-        self.key: list[tuple | None] = [None] * num_blocks
-        self.queue = list(range(num_blocks))  # hand-out order, front first
-        self.cached: dict[int, int] = {}  # chain hash -> block
-        self.tables: dict[str, list[int]] = {}
-        self.registered: dict[str, int] = {}
-        self.evictions = self.hits = self.queries = 0
-
-    def keys(self, tokens: list[int], n: int) -> list[tuple]:
-        out, parent = [], _ROOT_HASH
-        for i in range(n):
-            out.append((parent, tuple(tokens[i * self.bs : (i + 1) * self.bs])))
-            parent = hash(out[-1])
-        return out
-
-    def lookup(self, tokens: list[int]) -> list[int]:
-        blocks = []
-        for key in self.keys(tokens, (len(tokens) - 1) // self.bs):
-            b = self.cached.get(hash(key))
-            if b is None or self.key[b] != key:
-                break
-            blocks.append(b)
-        return blocks
-
-    def allocate(self, rid: str, num_tokens: int, hit: list[int], queried: int) -> bool:
-        table = self.tables.get(rid)
-        prefix = hit if table is None else []
-        have = len(prefix) if table is None else len(table)
-        need = max(0, -(-num_tokens // self.bs) - have)
-        if need + sum(self.refs[b] == 0 for b in prefix) > len(self.queue):
-            return False
-        if table is None:
-            table = self.tables[rid] = []
-            self.registered[rid] = len(prefix)
-            self.queries += queried if hit is not None else 0
-            self.hits += len(prefix) * self.bs
-        for b in prefix:
-            if self.refs[b] == 0:
-                self.queue.remove(b)
-            self.refs[b] += 1
-            table.append(b)
-        for _ in range(need):
-            b = self.queue.pop(0)
-            if self.key[b] is not None:
-                del self.cached[hash(self.key[b])]
-                self.key[b] = None
-                self.evictions += 1
-            self.refs[b] = 1
-            table.append(b)
-        return True
-
-    def cache_blocks(self, rid: str, tokens: list[int], computed: int) -> None:
-        table = self.tables.get(rid)
-        if table is None:
-            return
-        start, end = self.registered[rid], min(computed // self.bs, len(table))
-        for i, key in enumerate(self.keys(tokens, end)[start:], start):
-            if self.cached.setdefault(hash(key), table[i]) == table[i]:
-                self.key[table[i]] = key
-        self.registered[rid] = max(start, end)
-
-    def free(self, rid: str) -> None:
-        for b in reversed(self.tables.pop(rid, [])):
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                if self.key[b] is None:
-                    self.queue.insert(0, b)
-                else:
-                    self.queue.append(b)
-        self.registered.pop(rid, None)
-
-    def reset(self) -> None:
-        self.key = [None] * len(self.key)
-        self.cached.clear()
-        for rid, table in self.tables.items():
-            self.registered[rid] = len(table)
-
-
 @pytest.mark.parametrize("seed", range(60))
 def test_the_manager_behaves_like_the_plain_policy(seed: int) -> None:
     """Block for block, hit for hit: unique prompts (registered without hashing), shared
     prefixes, the same content computed twice, re-admissions, partial registration,
-    evictions and resets."""
+    roll-backs of draft blocks, evictions and resets."""
     rng = random.Random(seed)
     bs, num_blocks = rng.choice([1, 2, 4]), rng.randint(3, 30)
     vocab = rng.choice([3, 50, 1000])  # 3: everything shares; 1000: almost nothing does
     prefixes = [[rng.randint(0, vocab) for _ in range(12)] for _ in range(4)] + [[]]
-    m, ref = KVCacheManager(num_blocks, bs), _Reference(num_blocks, bs)
+    m, ref = KVCacheManager(num_blocks, bs), PlainKVCache(num_blocks, bs)
+    rids = [f"r{i}" for i in range(8)]
     seqs: dict[str, list[int]] = {}
     gone: dict[str, list[int]] = {}
     for _ in range(150):
-        op = rng.choice(["admit", "admit", "grow", "free", "free", "part", "reset"])
-        rid = f"r{rng.randint(0, 7)}"
+        op = rng.choice(["admit", "admit", "grow", "free", "free", "part", "trim", "reset"])
+        rid = rng.choice(rids)
         if op == "admit" and rid not in seqs:
             tokens = rng.choice(prefixes)[: rng.randint(0, 12)]
             tokens += [rng.randint(0, vocab) for _ in range(rng.randint(1, 12))]
             if rid in gone and rng.random() < 0.5:
                 tokens = gone[rid]  # re-admitted, as after a preemption
-            hit, want = m.lookup(rid, tokens), ref.lookup(tokens)
-            assert hit.blocks == want
+            hit, want = m.lookup(rid, tokens), ref.lookup(rid, tokens)
+            assert hit == want
             ok = m.allocate(rid, len(tokens), hit)
-            assert ok == ref.allocate(rid, len(tokens), want, len(tokens))
+            assert ok == ref.allocate(rid, len(tokens), want)
             if ok:
                 computed = rng.randint(hit.num_tokens, len(tokens))
                 m.cache_blocks(rid, tokens, computed)
@@ -351,7 +270,7 @@ def test_the_manager_behaves_like_the_plain_policy(seed: int) -> None:
         elif op == "grow" and rid in seqs:
             tokens = seqs[rid] + [rng.randint(0, vocab) for _ in range(rng.randint(1, 6))]
             ok = m.allocate(rid, len(tokens))
-            assert ok == ref.allocate(rid, len(tokens), [], 0)
+            assert ok == ref.allocate(rid, len(tokens))
             if ok:
                 seqs[rid] = tokens
                 m.cache_blocks(rid, tokens, len(tokens))
@@ -360,24 +279,36 @@ def test_the_manager_behaves_like_the_plain_policy(seed: int) -> None:
             computed = rng.randint(0, len(seqs[rid]))
             m.cache_blocks(rid, seqs[rid], computed)
             ref.cache_blocks(rid, seqs[rid], computed)
+        elif op == "trim" and rid in seqs:
+            # As after a verification step: drafts past the verified tokens are dropped.
+            drafts = rng.randint(1, 6)
+            verified = len(seqs[rid])
+            if m.allocate(rid, verified + drafts):
+                assert ref.allocate(rid, verified + drafts)
+                assert m.trim(rid, verified) == ref.trim(rid, verified)
         elif op == "free":
             m.free(rid)
             ref.free(rid)
             if rid in seqs:
                 gone[rid] = seqs.pop(rid)
         elif op == "reset" and rng.random() < 0.2:
-            m.reset_prefix_cache()
-            ref.reset()
-        assert {r: m.block_table(r) for r in ref.tables} == ref.tables
-        assert (m.num_free_blocks, m.num_cached_blocks) == (len(ref.queue), len(ref.cached))
-        assert (m.evictions, m.prefix_cache_hits) == (ref.evictions, ref.hits)
-        assert m.prefix_cache_queries == ref.queries
+            assert m.reset_prefix_cache() and ref.reset_prefix_cache()
+        assert {r: m.block_table(r) for r in rids} == {r: ref.block_table(r) for r in rids}
+        assert [m.ref_count(b) for b in range(num_blocks)] == [
+            ref.ref_count(b) for b in range(num_blocks)
+        ]
+        assert (m.num_free_blocks, m.num_cached_blocks) == (
+            ref.num_free_blocks,
+            ref.num_cached_blocks,
+        )
+        assert (m.evictions, m.prefix_cache_hits) == (ref.evictions, ref.prefix_cache_hits)
+        assert m.prefix_cache_queries == ref.prefix_cache_queries
         m.check_invariants()
     for rid in list(seqs):
         m.free(rid)
         ref.free(rid)
-    assert m.allocate("all", num_blocks * bs)
-    assert m.block_table("all") == ref.queue  # the whole hand-out order
+    assert m.allocate("all", num_blocks * bs) and ref.allocate("all", num_blocks * bs)
+    assert m.block_table("all") == ref.block_table("all")  # the whole hand-out order
 
 
 def test_unique_prompts_are_registered_without_hashing_them(monkeypatch) -> None:

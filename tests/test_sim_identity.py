@@ -141,3 +141,15 @@ def test_the_reference_path_gives_the_same_output(name):
     res = run(name, decode_bursts=False)
     assert res.num_burst_steps == 0
     assert digest(res) == DIGESTS[name]
+
+
+@pytest.mark.parametrize("name", ["preempt", "rag-prefix", "no-chunking", "spec", "pd"])
+def test_the_plain_kv_cache_gives_the_same_output(name):
+    """The engine on the plain KV cache (the policy's readable statement) instead of the fast
+    one, decode bursts included: the same digest."""
+    cfg, workload, load, topo = SCENARIOS[name]
+    cfg = dataclasses.replace(cfg, kv_cache="plain")
+    target = roofline_target("h100", "llama-3.1-8b", engine_config=cfg)
+    reqs, _, slos = load_requests(workload, load, 0, 8192, resend=target.resend)
+    scenario = Scenario(target, reqs, topo, network_delay=0.001, slos=slos)
+    assert digest(simulate(scenario)) == DIGESTS[name]

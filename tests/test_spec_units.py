@@ -11,11 +11,12 @@ from typer.testing import CliRunner
 
 from servelab.cli import app
 from servelab.engine.config import EngineConfig
+from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.kv_cache_plain import PlainKVCache
 from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from servelab.engine.spec.decoder import draft_limit
-from servelab.engine.spec.kv_rollback import RollbackKVCacheManager
 from servelab.engine.spec.policy import MAX_SKIP_STEPS, DraftLengthPolicy
 from servelab.server.args import ServerArgs
 from servelab.server.metrics import ServerMetrics
@@ -168,8 +169,9 @@ def test_draft_limit_keeps_verification_inside_the_request() -> None:
 # ---- KV roll-back ----
 
 
-def test_trim_frees_only_rejected_blocks_and_keeps_hashes_right() -> None:
-    kv = RollbackKVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+@pytest.mark.parametrize("cache", [KVCacheManager, PlainKVCache])
+def test_trim_frees_only_rejected_blocks_and_keeps_hashes_right(cache) -> None:
+    kv = cache(num_blocks=8, block_size=4, enable_prefix_caching=True)
     tokens = list(range(10))
     assert kv.allocate("a", 10 + 5)  # 10 verified positions + 5 draft positions: 4 blocks
     table = list(kv.block_table("a"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from servelab.engine.spec.config import SpeculativeConfig
 
@@ -28,6 +28,9 @@ class EngineConfig:
     # vLLM's speculative config as JSON data, e.g. {"method": "ngram", "num_speculative_tokens":
     # 4}; None: no speculation. A dict, so the config survives asdict() and the JSON hop.
     speculative_config: dict[str, Any] | None = None
+    # Which KV cache runs the policy: "fast" (``kv_cache.KVCacheManager``) or "plain"
+    # (``kv_cache_plain.PlainKVCache``, the readable statement it must equal; O(blocks) a call).
+    kv_cache: Literal["fast", "plain"] = "fast"
 
     def speculative(self) -> SpeculativeConfig | None:
         """The validated speculative config, or None (ValueError if it is malformed)."""
@@ -46,4 +49,6 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.kv_cache not in ("fast", "plain"):
+            raise ValueError(f'kv_cache must be "fast" or "plain", got {self.kv_cache!r}')
         self.speculative()

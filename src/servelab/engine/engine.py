@@ -29,10 +29,10 @@ from servelab.engine.decode_burst import DecodeBurst, run_decode_burst
 from servelab.engine.detokenizer import Detokenizer
 from servelab.engine.executor import Executor
 from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.kv_cache_plain import KVCache, PlainKVCache
 from servelab.engine.request import Request, RequestOutput
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.scheduler import Scheduler, SchedulerOutput
-from servelab.engine.spec.kv_rollback import RollbackKVCacheManager
 from servelab.engine.stats import EngineStats
 from servelab.vocab import COLOCATED, FinishReason, RequestTimeline, StepRecord
 
@@ -85,8 +85,8 @@ class LLMEngine:
                 "a proposer needs speculative_config (at least num_speculative_tokens), e.g. "
                 '{"method": "ngram", "num_speculative_tokens": 4}'
             )
-        kv_cls = RollbackKVCacheManager if spec is not None else KVCacheManager
-        self.kv_cache = kv_cls(
+        kv_cls = PlainKVCache if self.config.kv_cache == "plain" else KVCacheManager
+        self.kv_cache: KVCache = kv_cls(
             self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.kv_cache)

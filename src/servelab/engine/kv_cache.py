@@ -1,64 +1,36 @@
-"""Paged KV-cache bookkeeping with prefix caching. Pure Python: no torch (the simulator reuses it).
+"""The KV cache the engine runs: ``kv_cache_plain.PlainKVCache``'s policy, made fast.
 
-The executor owns the memory; this module only decides which block ids hold what.
+``KVCacheManager`` does exactly what ``PlainKVCache`` does, call for call: the same block
+tables, hits, counts, evictions and hand-out order (tests/test_kv_cache.py compares them
+block for block under random operations). Read the plain one for the policy and the
+contract; this module adds only how it is made cheap, because the simulator calls it for
+every sequence of every step (docs/design/kv_cache.md, "Cost").
 
-Block states: a block is *in use* (ref_count > 0: in at least one request's block table),
-*cached* (ref_count 0, registered in the prefix cache, evictable), or *free* (ref_count 0,
-holds nothing reusable). Cached and free blocks together form the eviction queue: plain free
-blocks are handed out first (the most recently freed first; of one request's, the earliest
-in its table first), then cached ones, least recently freed first (LRU); handing out a
-cached block evicts it from the prefix cache.
-
-Prefix caching: block i of a token sequence is identified by the chained key
-``(hash of block i-1's key, tuple of block i's token ids)``. The cache maps each registered
-block's chain hash (the hash of its key) to the block, and a lookup confirms a hit against
-the key the block holds, so a hit is checked against the tokens, not just a hash (a hash
-collision costs a miss, never a wrong hit). Keying by the hash, an int, spares hashing the
-token tuple again at every registration, lookup and eviction. Only full blocks whose K/V
-has been computed are registered.
+Per-block state lives in lists indexed by block id, and the hand-out queue is two parts: the
+free blocks as a stack (its end handed out first) and the cached blocks as a list read from
+a head. A cached block revived from the middle (a prefix hit) leaves its entry behind,
+stale, counted per block and skipped when read. The cache maps a registered block's chain
+hash, an int, to the block, so no token tuple is hashed again at a registration, lookup or
+eviction; a request's chain hashes and token tuples are memoised.
 
 Deferred hashing: a lookup can only reach a block through the block 0 of its chain (the
 *root*), so a request whose root starts no registered block's chain (keyed blocks are
 counted per root) is registered without hashing: its blocks are marked as registered by a
-*deferred group* kept under its root hash, with a copy of their tokens. Everything that depends on registration (hand-out order, evictions,
-``num_cached_blocks``) is as if they were in the map. The first lookup or registration
-that comes with the same root puts the group's surviving blocks into the map, in the order
-they were registered, before it goes on, so hits and which copy of shared content is kept
-are those of registering at once. In a replay of unique prompts almost no block is hashed.
-(Two different prefixes whose chain hashes collide, about 2**-64 per pair, may keep another
-copy than eager registration would; either way a hit is confirmed against the tokens.)
-
-Contract (the interface the scheduler relies on):
-- ``lookup(request_id, token_ids) -> PrefixHit``: the longest run of cached full blocks at
-  the start of ``token_ids``, capped so that at least the last token is computed (at most
-  ``(len(token_ids) - 1) // block_size`` blocks). Takes no references; changes nothing
-  but where registered blocks are kept (deferred groups move into the map).
-- ``allocate(request_id, num_tokens, hit=None) -> bool``: make the request's block table
-  cover ``num_tokens`` tokens; on the request's first allocation ``hit``'s blocks come
-  first. All or nothing: False (and no change) when too few blocks are available.
-- ``cache_blocks(request_id, token_ids, num_computed_tokens)``: register the request's full
-  blocks whose K/V is now computed. Call after the step that computed them.
-- ``free(request_id)``: drop the request's references (its blocks become cached or free) and
-  forget it. Safe for a request that holds nothing.
-- Invariant: when no request holds blocks, every block has ref_count 0.
+*deferred group* kept under its root hash, with a copy of their tokens. Everything that
+depends on registration (hand-out order, evictions, ``num_cached_blocks``) is as if they
+were in the map. The first lookup or registration that comes with the same root puts the
+group's surviving blocks into the map, in the order they were registered, before it goes
+on, so hits and which copy of shared content is kept are those of registering at once. In a
+replay of unique prompts almost no block is hashed. (Two different prefixes whose chain
+hashes collide, about 2**-64 per pair, may keep another copy than eager registration would;
+either way a hit is confirmed against the tokens.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import repeat
 
-BlockKey = tuple[int, tuple[int, ...]]  # (parent chain hash, the block's token ids)
-_ROOT_HASH = 0x5E12_7E1A  # parent hash of a sequence's first block
-
-
-@dataclass
-class PrefixHit:
-    """Cached blocks found for the start of a token sequence."""
-
-    blocks: list[int] = field(default_factory=list)
-    num_tokens: int = 0  # cached tokens (len(blocks) * block_size)
-    num_queried_tokens: int = 0  # tokens looked up (the prefix-cache query, vLLM's meaning)
+from servelab.engine.kv_cache_plain import ROOT_HASH, BlockKey, PrefixHit
 
 
 class _Deferred:
@@ -77,7 +49,7 @@ class _Deferred:
 
 
 class KVCacheManager:
-    """Fixed-size KV blocks, per-request block tables, reference counts and a prefix cache."""
+    """``PlainKVCache``'s interface and behaviour (its docstrings are the contract), fast."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
@@ -188,7 +160,7 @@ class KVCacheManager:
         hashes, tokens = self._chain(request_id, token_ids, max_blocks)
         keys = self._key
         blocks: list[int] = []
-        parent = _ROOT_HASH
+        parent = ROOT_HASH
         for i in range(max_blocks):
             h = hashes[i]
             block_id = cached.get(h)
@@ -253,7 +225,7 @@ class KVCacheManager:
         hashes, tokens = chain
         root = hashes[0]
         cached, keys, block_hash, roots_of = self._cached, self._key, self._hash, self._root_of
-        parent = hashes[start - 1] if start else _ROOT_HASH
+        parent = hashes[start - 1] if start else ROOT_HASH
         added = 0
         for i in range(start, end):
             b = table[i]
@@ -441,6 +413,22 @@ class KVCacheManager:
                     lru.append(b)
         self._lru_len += len(lru) - queued
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Free the request's blocks past the first ``blocks_needed(num_tokens)``, as ``free``
+        frees blocks; return how many (see ``PlainKVCache.trim``)."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        # Released through free() under a throw-away id, so each block is returned exactly as
+        # free() returns blocks (reference counts, hand-out order).
+        tail_id = f"{request_id}\x00rolled-back"
+        self._tables[tail_id] = tail
+        self.free(tail_id)
+        return len(tail)
+
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
         refs = [0] * self.num_blocks
@@ -490,6 +478,6 @@ def _extend_chain(
     # zip over one iterator repeated ``bs`` times cuts the tokens into block tuples in C.
     it = iter(token_ids[first * bs : num_blocks * bs])
     new = list(zip(*repeat(it, bs), strict=False))
-    h = hashes[-1] if hashes else _ROOT_HASH
+    h = hashes[-1] if hashes else ROOT_HASH
     hashes += [h := hash((h, t)) for t in new]
     tokens += new

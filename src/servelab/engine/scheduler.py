@@ -24,8 +24,7 @@ Policy (docs/design/scheduler.md has the reasoning):
   as many as the remaining budget allows; if the blocks for them are short it decodes
   without drafts rather than preempt anyone. After the step the accepted drafts join the
   request's tokens and computed K/V, and the blocks past ``blocks_needed(num_computed)``,
-  which hold only rejected drafts, are freed (``RollbackKVCacheManager.trim``; the engine
-  supplies that KV manager whenever drafts can occur).
+  which hold only rejected drafts, are freed (the KV cache's ``trim``).
 
 Contract with the engine: ``schedule(now)`` -> ``SchedulerOutput`` (the ``BatchPlan`` to run
 plus what it means for each request); after the executor ran it, ``update_from_output``
@@ -38,16 +37,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
 
 from servelab.engine.config import EngineConfig
-from servelab.engine.kv_cache import KVCacheManager, PrefixHit
+from servelab.engine.kv_cache_plain import KVCache, PrefixHit
 from servelab.engine.plan import BatchPlan, ScheduledSeq, StepOutput
 from servelab.engine.request import Request
 from servelab.vocab import FinishReason, Phase, PrefillChunk, SpecRecord
-
-if TYPE_CHECKING:
-    from servelab.engine.spec.kv_rollback import RollbackKVCacheManager
 
 # The phases the per-sequence paths test and set, bound once: reading an Enum member
 # off its class costs about ten times a global lookup.
@@ -162,7 +157,7 @@ class Scheduler:
     """Decides each step's batch; owns the waiting queue and the running list."""
 
     def __init__(
-        self, config: EngineConfig, kv_cache: KVCacheManager, preempt_for_priority: bool = True
+        self, config: EngineConfig, kv_cache: KVCache, preempt_for_priority: bool = True
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
@@ -433,8 +428,7 @@ class Scheduler:
         e.num_accepted = accepted
         req.timeline.spec.append(SpecRecord(step_id, len(drafts), accepted))
         req.num_computed_tokens += accepted
-        # Drafts are scheduled only when the engine runs speculation, on the roll-back cache.
-        cast("RollbackKVCacheManager", self.kv_cache).trim(req.request_id, req.num_computed_tokens)
+        self.kv_cache.trim(req.request_id, req.num_computed_tokens)
 
 
 def _preemption_order(req: Request) -> tuple[int, int]:

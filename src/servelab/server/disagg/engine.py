@@ -23,7 +23,7 @@ aborted or expired; once no request is unfinished, parked or reserved, every blo
 reference count 0 (the engine's invariant).
 
 It is a subclass that reaches the engine through its public hooks only: ``get_request``,
-``detokenizer``, ``end_request``, ``forget_request``, ``KVCacheManager.chain_hashes`` and
+``detokenizer``, ``end_request``, ``forget_request``, the KV cache's ``chain_hashes`` and
 ``Scheduler.adopt_decoding``.
 """
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelab.engine.engine import EngineStepResult, LLMEngine
-from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.kv_cache_plain import KVCache
 from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.stats import EngineStats
@@ -61,10 +61,10 @@ class _Reservation:
     deadline: float
 
 
-def chain_hashes(kv: KVCacheManager, request_id: str, token_ids: list[int], n: int) -> list[int]:
+def chain_hashes(kv: KVCache, request_id: str, token_ids: list[int], n: int) -> list[int]:
     """The prefix cache's chain hashes of the first ``n`` full blocks of ``token_ids``.
 
-    The KV cache manager's own function (memoised per request), so both sides of a transfer
+    The KV cache's own function (the fast one memoises it per request), so both sides of a transfer
     agree with the cache that registers the blocks. Python hashes of int tuples do not depend
     on PYTHONHASHSEED, so they agree across processes of the same Python build.
     """
