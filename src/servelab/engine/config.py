@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from servelab.engine.spec.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from servelab.engine.executor import Executor
 
 
 @dataclass
@@ -52,3 +56,30 @@ class EngineConfig:
         if self.kv_cache not in ("fast", "plain"):
             raise ValueError(f'kv_cache must be "fast" or "plain", got {self.kv_cache!r}')
         self.speculative()
+
+    def resolve(self, executor: Executor) -> tuple[EngineConfig, int, int]:
+        """A validated copy with ``max_model_len`` and ``num_kv_blocks`` filled in from the
+        executor; returns it and those two, which it no longer leaves unset."""
+        config = dataclasses.replace(self)
+        config.validate()
+        model_len = executor.max_model_len
+        if config.max_model_len is None:
+            config.max_model_len = model_len
+        elif config.max_model_len > model_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context of "
+                f"{model_len} tokens; leave it unset or lower it"
+            )
+        if config.num_kv_blocks is None:
+            per_block = executor.kv_block_bytes(config.block_size)
+            budget_blocks = int(config.kv_cache_memory_gb * 1e9) // per_block
+            # More blocks than max_num_seqs full contexts can never be in use at once; the cap
+            # keeps a tiny model from allocating gigabytes.
+            useful = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+            config.num_kv_blocks = min(budget_blocks, useful)
+            if config.num_kv_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no KV block of "
+                    f"{per_block} bytes; raise it"
+                )
+        return config, config.max_model_len, config.num_kv_blocks

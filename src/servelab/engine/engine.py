@@ -16,7 +16,6 @@ executor advances inside ``execute``); nothing here reads the wall clock itself.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -34,6 +33,7 @@ from servelab.engine.request import Request, RequestOutput
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.scheduler import Scheduler, SchedulerOutput
 from servelab.engine.stats import EngineStats
+from servelab.engine.validation import check_limits, valid_prompt_ids
 from servelab.vocab import COLOCATED, FinishReason, RequestTimeline, StepRecord
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class LLMEngine:
         self.executor = executor
         self.tokenizer = tokenizer
         self.clock = clock
-        self.config, self.max_model_len, self.num_kv_blocks = _resolve_config(config, executor)
+        self.config, self.max_model_len, self.num_kv_blocks = config.resolve(executor)
         spec = self.config.speculative()
         if proposer is not None and spec is None:
             raise ValueError(
@@ -128,10 +128,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use; use a unique id")
         sp = sampling_params or SamplingParams()
-        ids = self._prompt_ids(prompt, prompt_token_ids)
-        self._check_lengths(len(ids), sp)
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        ids = valid_prompt_ids(prompt, prompt_token_ids, self.tokenizer, self._vocab_size)
+        check_limits(len(ids), sp, self.max_model_len, self.kv_cache, self.tokenizer is not None)
         now = self.clock() if arrival_time is None else arrival_time
         req = Request(request_id, ids, sp, self._eos, now, priority)
         req.timeline.replica, req.timeline.role = self.replica, self.role
@@ -139,60 +137,6 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._detok[request_id] = Detokenizer(self.tokenizer, ids, sp.stop)
         self.scheduler.add_request(req)
-
-    def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("give a prompt (text) or prompt_token_ids")
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompt_token_ids instead")
-            # Like vLLM's completions: the tokenizer adds BOS only if the model asks for it.
-            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        limit = self._vocab_size
-        # The usual prompt (plain ints in range) is checked by C loops; only a prompt that
-        # fails that pays for the per-token search that names the bad ids. The sum of ints
-        # is an int, and a float, numpy scalar, Decimal or Fraction among them makes it
-        # another type (a string or None raises): one pass, a quarter of the cost of
-        # collecting the element types.
-        try:
-            if type(sum(ids)) is int and min(ids) >= 0 and (not limit or max(ids) < limit):
-                return ids
-        except TypeError:
-            pass
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or (limit and t >= limit)]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contains invalid ids {bad[:5]}; ids must be integers in "
-                f"[0, {limit if limit else 'vocab size'})"
-            )
-        return ids
-
-    def _check_lengths(self, num_prompt: int, sp: SamplingParams) -> None:
-        limit = self.max_model_len
-        if num_prompt >= limit:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens but the context is {limit} tokens "
-                f"(max_model_len), leaving no room to generate; shorten the prompt to at most "
-                f"{limit - 1} tokens"
-            )
-        if num_prompt + sp.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({sp.max_tokens}) = "
-                f"{num_prompt + sp.max_tokens} exceeds the context of {limit} tokens "
-                f"(max_model_len); lower max_tokens to at most {limit - num_prompt} or shorten "
-                "the prompt"
-            )
-        # The last sampled token never needs K/V, hence the - 1.
-        blocks = self.kv_cache.blocks_needed(num_prompt + sp.max_tokens - 1)
-        if blocks > self.num_kv_blocks:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({sp.max_tokens}) needs {blocks} KV "
-                f"blocks but the pool has {self.num_kv_blocks}; raise num_kv_blocks "
-                "(or kv_cache_memory_gb), or lower max_tokens"
-            )
 
     def abort(self, request_id: str) -> bool:
         """Finish the request with ABORT and free its KV blocks now; False if unknown/finished."""
@@ -410,31 +354,3 @@ class LLMEngine:
         del self._requests[req.request_id]
         self._detok.pop(req.request_id, None)
         self.finished_timelines.append(req.timeline)
-
-
-def _resolve_config(config: EngineConfig, executor: Executor) -> tuple[EngineConfig, int, int]:
-    """Fill in max_model_len and num_kv_blocks from the executor; validate. Returns the
-    resolved config and those two, which it no longer leaves unset."""
-    config = dataclasses.replace(config)
-    config.validate()
-    model_len = executor.max_model_len
-    if config.max_model_len is None:
-        config.max_model_len = model_len
-    elif config.max_model_len > model_len:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's context of {model_len} "
-            "tokens; leave it unset or lower it"
-        )
-    if config.num_kv_blocks is None:
-        per_block = executor.kv_block_bytes(config.block_size)
-        budget_blocks = int(config.kv_cache_memory_gb * 1e9) // per_block
-        # More blocks than max_num_seqs full contexts can never be in use at once; the cap keeps
-        # a tiny model from allocating gigabytes.
-        useful = config.max_num_seqs * -(-config.max_model_len // config.block_size)
-        config.num_kv_blocks = min(budget_blocks, useful)
-        if config.num_kv_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no KV block of "
-                f"{per_block} bytes; raise it"
-            )
-    return config, config.max_model_len, config.num_kv_blocks
