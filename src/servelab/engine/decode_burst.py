@@ -116,7 +116,7 @@ def run_decode_burst(
         for req, k in zip(reqs, left, strict=True):
             if k == steps:
                 engine._finish(req, FinishReason.LENGTH, end)
-                finished.append(RequestOutput.of(req, req.token_ids[-1:], "", FinishReason.LENGTH))
+                finished.append(RequestOutput(req, req.token_ids[-1:], "", FinishReason.LENGTH))
     engine.step_records.extend(records)
     return DecodeBurst(reqs, ends, records, finished)
 

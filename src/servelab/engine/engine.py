@@ -291,7 +291,7 @@ class LLMEngine:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(req, reason, now)
-            return RequestOutput.of(req, [tok], "", reason)
+            return RequestOutput(req, [tok], "", reason)
         kept = 0
         for tok in tokens:
             kept += 1
@@ -314,7 +314,7 @@ class LLMEngine:
         text = detok.take(final=reason is not None) if detok is not None else ""
         if reason is not None:
             self._finish(req, reason, now)
-        return RequestOutput.of(req, list(tokens), text, reason)
+        return RequestOutput(req, list(tokens), text, reason)
 
     def _fail_batch(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         now = self.clock()
@@ -323,7 +323,7 @@ class LLMEngine:
             req = e.request
             req.timeline.error = f"{type(error).__name__}: {error}"
             self._finish(req, FinishReason.ERROR, now)
-            outputs.append(RequestOutput.of(req, [], "", FinishReason.ERROR))
+            outputs.append(RequestOutput(req, [], "", FinishReason.ERROR))
         return outputs
 
     # ---- hooks for a request that lives on more than one engine (disaggregated serving) ----
