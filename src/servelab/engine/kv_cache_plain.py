@@ -1,25 +1,17 @@
 """The KV cache's policy, stated plainly: paged blocks, reference counts and a prefix cache.
 
-``PlainKVCache`` is written to be read. ``KVCacheManager`` (``engine/kv_cache.py``) is the
-fast implementation the engine runs by default and behaves exactly like this one, block for
-block: tests/test_kv_cache.py drives both with random operations and compares every table,
-hit, count and the hand-out order, and ``EngineConfig(kv_cache="plain")`` runs the engine
-on this one. ``KVCache`` names either. Pure Python, no torch: the executor owns the memory,
-a KV cache only decides which block ids hold what.
+``PlainKVCache`` is written to be read, and its docstrings are the contract. The engine runs
+``kv_cache.KVCacheManager`` by default: the same policy call for call, made fast
+(tests/test_kv_cache.py compares them block for block); ``EngineConfig(kv_cache="plain")``
+runs it on this one. The executor owns the memory; a KV cache decides which block ids hold
+what. docs/design/kv_cache.md has the reasoning.
 
-Blocks: ``num_blocks`` of ``block_size`` tokens; position p of a request lives in block
-``block_table[p // block_size]`` at slot ``p % block_size``. A block is *in use* (in at
-least one block table: ``ref_count > 0``), *cached* (in none, registered in the prefix
-cache) or *free* (neither). Cached and free blocks wait in one hand-out queue: free ones in
-front, the most recently freed first, then cached ones, the least recently freed first. A
-request's blocks are freed tail first, so a shared prefix outlives a private suffix. Handing
-out a cached block evicts it from the prefix cache.
-
-Prefix cache: block i of a sequence has the key (chain hash of block i-1, block i's tokens)
-and the chain hash ``hash(key)``; a hit is confirmed against the key, so a hash collision
-costs a miss, never a wrong hit. Only full blocks whose K/V is computed are registered; of
-two copies of the same content the first registered is kept and the other stays private.
-Once no request holds blocks, every block has ``ref_count`` 0.
+A block is *in use* (in a request's block table: ``ref_count > 0``), *cached* (in none, but
+registered in the prefix cache) or *free*. Idle blocks wait in one hand-out queue: free ones
+in front, the most recently freed first, then cached ones, the least recently freed first;
+handing out a cached block evicts it. Block i of a sequence is registered under the key
+(chain hash of block i-1, block i's tokens), whose hash is the block's chain hash; a hit is
+confirmed against the key, so a hash collision costs a miss, never a wrong hit.
 """
 
 from __future__ import annotations
@@ -208,11 +200,9 @@ class PlainKVCache:
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call it)."""
         refs = [0] * self.num_blocks
-        for table in self._tables.values():
-            for b in table:
-                refs[b] += 1
+        for b in (b for table in self._tables.values() for b in table):
+            refs[b] += 1
         assert refs == self._refs, "reference counts"
-        idle = [b for b in range(self.num_blocks) if not refs[b]]
-        assert sorted(self._queue) == idle, "the queue holds each idle block once"
-        keyed = {b: key for b, key in enumerate(self._key) if key is not None}
-        assert self._cached == {hash(key): b for b, key in keyed.items()}, "the cache map"
+        assert sorted(self._queue) == [b for b, n in enumerate(refs) if not n], "the queue"
+        keyed = {hash(key): b for b, key in enumerate(self._key) if key is not None}
+        assert self._cached == keyed, "the cache map"
