@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from itertools import repeat
 
-from servelab.engine.kv_cache_plain import ROOT_HASH, BlockKey, PrefixHit
+from servelab.engine.kv_cache_plain import ROOT_HASH, BlockKey, PrefixHit, check_pool
 
 
 class _Deferred:
@@ -52,11 +52,7 @@ class KVCacheManager:
     """``PlainKVCache``'s interface and behaviour (its docstrings are the contract), fast."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
-                f"{block_size}"
-            )
+        check_pool(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

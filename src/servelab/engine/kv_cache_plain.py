@@ -27,6 +27,15 @@ BlockKey = tuple[int, tuple[int, ...]]  # (parent chain hash, the block's token 
 ROOT_HASH = 0x5E12_7E1A  # the parent chain hash of a sequence's first block
 
 
+def check_pool(num_blocks: int, block_size: int) -> None:
+    """ValueError unless the pool has at least one block of at least one token."""
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(
+            f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
+            f"{block_size}"
+        )
+
+
 @dataclass
 class PrefixHit:
     """Cached blocks found for the start of a token sequence."""
@@ -40,11 +49,7 @@ class PlainKVCache:
     """The policy in the module docstring, one list per state (each hand-out is O(blocks))."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
-                f"{block_size}"
-            )
+        check_pool(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
