@@ -6,9 +6,10 @@ plan the same batch again every step, so ``run_decode_burst`` (``LLMEngine.decod
 runs those steps in bulk: per step it calls the KV cache only where a request needs or fills
 a block and the executor's ``execute_decodes`` for the step's time, and books the tokens,
 times and counters of all the steps at once. The outcome is exactly that of calling
-``LLMEngine.step`` for each (tests/test_sim_identity.py runs both); nothing on the engine's
-reading path (engine, scheduler, request, plan, the plain KV cache) depends on this module.
-docs/design/scheduler.md ("Bulk decode") has the conditions and why they suffice.
+``LLMEngine.step`` for each (tests/test_sim_identity.py runs both). The engine's reading path
+(engine, scheduler, request, plan, the plain KV cache) reaches this module only through the
+one-line ``LLMEngine.decode_burst``. docs/design/scheduler.md ("Bulk decode") has the
+conditions and why they suffice.
 """
 
 from __future__ import annotations
