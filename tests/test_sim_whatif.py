@@ -350,3 +350,31 @@ def test_cli_calibrate_and_profile_from_a_run(tmp_path):
     assert ProfiledCostModel(table).fit_error < 0.03
     r = runner.invoke(app, ["calibrate", str(tmp_path), "--hardware", "h100"])
     assert r.exit_code == 2 and "run directory" in r.output
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "sweep", "message"),
+    [
+        ("--max-num-seqs 0", None, "max_num_seqs must be >= 1"),
+        ("--kv-cache bogus", None, 'kv_cache must be "fast" or "plain"'),
+        (None, "max_num_seqs=0,4", "sweep point max_num_seqs=0"),
+    ],
+)
+def test_sim_refuses_a_bad_engine_setting_without_a_traceback(
+    tmp_path, engine_args, sweep, message
+):
+    args = ["sim", "--hardware", "h200", "--model", "llama-3.1-8b", "--workload", "chat"]
+    args += ["--rate", "5", "--requests", "10", "--out", str(tmp_path / "run")]
+    args += ["--engine-args", engine_args] if engine_args else ["--sweep", sweep]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2
+    assert message in res.output
+    assert "Traceback" not in res.output
+
+
+def test_sim_runs_the_engine_on_the_plain_kv_cache(tmp_path):
+    args = ["sim", "--hardware", "h200", "--model", "llama-3.1-8b", "--workload", "chat"]
+    args += ["--rate", "5", "--requests", "10", "--engine-args", "--kv-cache plain"]
+    res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "run")])
+    assert res.exit_code == 0, res.output
+    assert load_run(tmp_path / "run").engine_config["kv_cache"] == "plain"

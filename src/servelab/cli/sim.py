@@ -332,6 +332,7 @@ def _scenario(flags: Mapping[str, Any], load: LoadSpec) -> Scenario:
     from servelab.units import SLO
 
     target = _target(flags)
+    target.engine_config.validate()  # a bad --engine-args value is the user's to fix
     topology = _topology(flags)
     reqs, info, slos = load_requests(
         _workload(flags),
@@ -383,6 +384,7 @@ def _simulate_point(
             scenario = dataclasses.replace(
                 scenario, target=scenario.target.with_engine_args(**point)
             )
+            scenario.target.engine_config.validate()
     except (TypeError, ValueError) as e:
         raise fail(f"sweep point {label}: {e}") from None
     if (run_dir / "requests.jsonl").exists():

@@ -37,6 +37,8 @@ def _convert(key: str, value: str | bool) -> Any:
         if v not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
             raise ValueError(f"{key} takes true or false, got {value!r}")
         return v in ("true", "1", "yes", "on")
+    if isinstance(_FIELDS[key].default, str):  # a named choice; EngineConfig.validate checks it
+        return value.strip()
     if value.strip().lower() in ("none", "auto"):
         return None
     return int(value)
