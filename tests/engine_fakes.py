@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from servelab.engine.plan import BatchPlan, StepOutput
+from servelab.engine.batch_plan import BatchPlan, StepOutput
 from servelab.engine.sampling_params import SamplingParams
 
 EOS = 0

@@ -10,13 +10,13 @@ import pytest
 import rundirs
 
 from servelab.analyze.attribution import attribute
-from servelab.bench.plan import LoadSpec
+from servelab.bench.request_plan import LoadSpec
 from servelab.rundir import load_run
 from servelab.sim.links import parse_link
-from servelab.sim.loop import Topology
-from servelab.sim.rundir import write_run_dir
+from servelab.sim.run_writer import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
-from servelab.sim.target import roofline_target
+from servelab.sim.sim_target import roofline_target
+from servelab.sim.simulation import Topology
 
 
 def assert_parts_add_up(run) -> None:

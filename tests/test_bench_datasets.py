@@ -18,9 +18,9 @@ import pytest
 from servelab.analyze.similarity import ideal_prefix_reuse
 from servelab.bench.client import Target, send
 from servelab.bench.datasets import load_dataset
-from servelab.bench.datasets.select import Sampler, Selection
+from servelab.bench.datasets.select import Selection, SessionSampler
 from servelab.bench.http import HttpClient
-from servelab.bench.plan import LoadSpec, build_plan
+from servelab.bench.request_plan import LoadSpec, build_plan
 from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
 from servelab.bench.workload import parse_workload
@@ -228,7 +228,7 @@ def test_bad_rows_name_the_line_and_the_fields_found(tmp_path):
 
 def test_filters_say_which_removed_how_many(tmp_path, tok):
     d = load_dataset(str(_sharegpt(tmp_path / "sg.json")))
-    s = Sampler(d, Selection(min_input_len=10_000), 0, tok_count(tok), tok_count(tok), None)
+    s = SessionSampler(d, Selection(min_input_len=10_000), 0, tok_count(tok), tok_count(tok), None)
     with pytest.raises(ValueError) as e:
         s.next()
     assert "after filtering 6 records (min_input_len: 6)" in str(e.value)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from servelab.bench.plan import LoadSpec, build_plan
+from servelab.bench.request_plan import LoadSpec, build_plan
 from servelab.bench.workload import load_workload
 from servelab.rundir import read_records
 

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from servelab.bench.plan import LoadSpec, build_plan, iter_plan
 from servelab.bench.presets import PRESETS
 from servelab.bench.prompts import PromptFactory
+from servelab.bench.request_plan import LoadSpec, build_plan, iter_plan
 from servelab.bench.testing import tiny_tokenizer
 from servelab.bench.workload import load_workload, parse_workload
 

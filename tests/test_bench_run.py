@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from typer.testing import CliRunner
 
-from servelab.bench.plan import LoadSpec, build_plan
+from servelab.bench.request_plan import LoadSpec, build_plan
 from servelab.bench.testserver import WORDS, Schedule, run_test_server
 from servelab.bench.workload import load_workload
 from servelab.cli import app
@@ -286,8 +286,8 @@ def _planted_stages(monkeypatch, saturated_from: float) -> list[float]:
     from servelab.analyze.summary import summarize
     from servelab.bench.distributed.clock import timing_error_budget
     from servelab.bench.monitor import ClientHealth
+    from servelab.bench.plan_runner import StageResult
     from servelab.bench.run import Bench
-    from servelab.bench.runner import StageResult
     from servelab.vocab import ClientRecord
 
     ran: list[float] = []
@@ -329,7 +329,7 @@ def _run_planted(server, tmp_path, **kw):
 
     from rich.console import Console
 
-    from servelab.bench.plan import LoadSpec
+    from servelab.bench.request_plan import LoadSpec
     from servelab.bench.run import BenchOptions, run_bench
     from servelab.units import SLO
 

@@ -10,8 +10,8 @@ import pytest
 
 from servelab.bench.client import Target
 from servelab.bench.http import HttpClient
-from servelab.bench.plan import LoadSpec, PlannedRequest
-from servelab.bench.runner import Runner, sessions
+from servelab.bench.plan_runner import PlanRunner, sessions
+from servelab.bench.request_plan import LoadSpec, PlannedRequest
 from servelab.bench.testserver import Schedule, run_test_server
 from servelab.vocab import RequestTags
 
@@ -42,7 +42,7 @@ def _execute(url: str, load: LoadSpec, plan, schedule: dict | None = None):
         http = HttpClient(url)
         headers = {"X-Test-Schedule": json.dumps(schedule)} if schedule else {}
         target = Target(url, "test-model", extra_headers=headers)
-        res = await Runner(http, target, load, run_tag="t").run(plan)
+        res = await PlanRunner(http, target, load, run_tag="t").run(plan)
         await http.close()
         return res
 
@@ -88,7 +88,7 @@ def test_a_stream_goes_on_while_its_last_output_is_counted(url):
     """The client re-count is off the stream's path, and a record goes out only once counted."""
     sent_at_count: list[int] = []
     counts_at_record: list[int | None] = []
-    runner: list[Runner] = []
+    runner: list[PlanRunner] = []
 
     class CharTokenizer:
         def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -101,7 +101,7 @@ def test_a_stream_goes_on_while_its_last_output_is_counted(url):
     async def go():
         http = HttpClient(url)
         target = Target(url, "test-model", tokenizer=CharTokenizer())
-        r = Runner(
+        r = PlanRunner(
             http,
             target,
             LoadSpec(concurrency=1),

@@ -12,7 +12,7 @@ import json
 import pytest
 from rundirs import StandIn
 
-from servelab.bench.plan import LoadSpec
+from servelab.bench.request_plan import LoadSpec
 from servelab.bench.run import BenchOptions
 from servelab.workflows import matrix
 from servelab.workflows.matrix import MatrixSpec, execute_matrix, run_matrix

@@ -84,7 +84,7 @@ def test_paged_attention_matches_sdpa(
 def test_glue_kernels_match_torch(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """RMSNorm (strided rows), SwiGLU and RoPE + cache store: kernel vs torch path."""
     from servelab.model import ops
-    from servelab.model.config import ModelConfig
+    from servelab.model.model_config import ModelConfig
     from servelab.model.rope import rope_table
 
     g = torch.Generator().manual_seed(rows)

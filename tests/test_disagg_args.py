@@ -6,8 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from servelab.server.args import ServerArgs
 from servelab.server.disagg.cpus import WorkerCPUs, describe, split_cpus
+from servelab.server.server_args import ServerArgs
 
 
 @pytest.mark.parametrize(

@@ -19,21 +19,21 @@ import pytest
 import torch
 import zmq
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.llm import LLM
 from servelab.model.loader import LoadedModel, load_model
-from servelab.model.runner import TorchModelRunner
+from servelab.model.torch_runner import TorchModelRunner
 from servelab.server.disagg import shm
-from servelab.server.disagg.engine import DisaggEngine, TransferError
-from servelab.server.disagg.protocol import (
+from servelab.server.disagg.transport import Received, make_receiver, make_sender
+from servelab.server.disagg.wire import (
     ImportKV,
     Parked,
     Refused,
     Reserved,
     decode_header,
 )
-from servelab.server.disagg.transport import Received, make_receiver, make_sender
+from servelab.server.disagg.worker_engine import DisaggEngine, TransferError
 from servelab.vocab import FinishReason
 
 TEXTS = [
@@ -359,7 +359,7 @@ def test_shm_sender_removes_segments_nobody_read(tmp_path: Path) -> None:
     receiver = make_receiver("shm", ctx, host="", kv_dir=str(tmp_path), name="d9")
     sender = make_sender("shm", ctx, session=session, worker=3, timeout=0.0)
     try:
-        from servelab.server.disagg.protocol import KVHeader
+        from servelab.server.disagg.wire import KVHeader
 
         blocks = [torch.arange(12, dtype=torch.float32).view(3, 4)] * 2
         header = KVHeader("x", 7, {}, 3, 0, 2, [], "float32", [3, 4], 96, 0.0)
@@ -384,8 +384,8 @@ def test_a_busy_link_backlogs_transfers_instead_of_failing_them(
 ) -> None:
     """More transfers than ZeroMQ queues (one step can park that many) all arrive, in order,
     once the receiver is there; a backlog older than the transfer timeout is dropped."""
-    from servelab.server.disagg.protocol import KVHeader
     from servelab.server.disagg.transport import _SEND_HWM
+    from servelab.server.disagg.wire import KVHeader
 
     ctx = zmq.Context()
     session = uuid.uuid4().hex[:8]

@@ -28,14 +28,14 @@ import pytest
 from test_server_fakes import TESTS_DIR, ServerThread, metrics, storm_leaves_no_trace, wait_idle
 
 from servelab.analyze.attribution import attribute
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model import cpu_kernels, kernel_build
 from servelab.model.build import build_engine
 from servelab.model.llm import LLM
 from servelab.model.tokenizer import Tokenizer
 from servelab.rundir import load_run
-from servelab.server.args import ServerArgs
+from servelab.server.server_args import ServerArgs
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -53,8 +53,8 @@ def faulty_engine(cfg: Any) -> Any:
     delivered (the decode side's reservation times out); every decode step takes
     SLOW_STEP_S, and a prefill step holding a ``slow-*`` request takes 1 s.
     """
-    from servelab.server.core import build_engine
-    from servelab.server.disagg.engine import DisaggEngine, TransferError
+    from servelab.server.disagg.worker_engine import DisaggEngine, TransferError
+    from servelab.server.engine_core import build_engine
 
     class Faulty(DisaggEngine):
         def send_kv(self, request_id: str, skip: int, send: Any, *workers: int) -> Any:

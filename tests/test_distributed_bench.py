@@ -19,9 +19,9 @@ from rich.console import Console
 from scipy import stats
 
 from servelab.bench.distributed.driver import WorkerPool
-from servelab.bench.plan import LoadSpec, build_plan, iter_plan
+from servelab.bench.plan_runner import START_DELAY_S
+from servelab.bench.request_plan import LoadSpec, build_plan, iter_plan
 from servelab.bench.run import BenchOptions, run_bench
-from servelab.bench.runner import START_DELAY_S
 from servelab.bench.testserver import Schedule, run_test_server
 from servelab.bench.workload import load_workload
 from servelab.rundir import read_records

@@ -9,14 +9,10 @@ from dataclasses import replace
 import pytest
 
 from servelab.bench.client import Target
+from servelab.bench.distributed.bench_worker import BenchWorkerCore, SessionFeed
 from servelab.bench.distributed.clock import boot_id, measure_offset, timing_error_budget
 from servelab.bench.distributed.driver import WorkerPool
-from servelab.bench.distributed.partition import (
-    concurrency_over_time,
-    partition,
-    split_concurrency,
-)
-from servelab.bench.distributed.protocol import (
+from servelab.bench.distributed.messages import (
     DONE,
     FAILED,
     RECORDS,
@@ -25,11 +21,15 @@ from servelab.bench.distributed.protocol import (
     StageJob,
     WorkerInfo,
 )
-from servelab.bench.distributed.worker import SessionFeed, WorkerCore
+from servelab.bench.distributed.partition import (
+    concurrency_over_time,
+    partition,
+    split_concurrency,
+)
 from servelab.bench.http import HttpClient
 from servelab.bench.monitor import ClientHealth
-from servelab.bench.plan import LoadSpec, build_plan
-from servelab.bench.runner import START_DELAY_S, Runner, request_id, sessions
+from servelab.bench.plan_runner import START_DELAY_S, PlanRunner, request_id, sessions
+from servelab.bench.request_plan import LoadSpec, build_plan
 from servelab.bench.testing import one_request, tiny_tokenizer
 from servelab.bench.testserver import Schedule, TestServer
 from servelab.bench.workload import WorkloadSpec
@@ -183,7 +183,7 @@ def test_a_closed_loop_runs_from_a_feed_and_starts_at_the_given_time():
         feed = SessionFeed()
         feed.put([[one_request(f"r{i:06d}", "hi", 3, index=i)] for i in range(4)])
         http = HttpClient(url)
-        runner = Runner(http, Target(url, "test-model"), LoadSpec(concurrency=2), run_tag="t")
+        runner = PlanRunner(http, Target(url, "test-model"), LoadSpec(concurrency=2), run_tag="t")
         at = time.monotonic() + 0.2
         task = asyncio.ensure_future(runner.run(feed, start_at=at))
         await asyncio.sleep(0.4)
@@ -322,7 +322,7 @@ def test_a_lost_request_keeps_every_tag_it_was_planned_with(plan):
 
 def test_a_worker_whose_stage_raises_reports_it_as_its_last_event():
     async def go():
-        core = WorkerCore(3, Target("http://127.0.0.1:9", "m"))
+        core = BenchWorkerCore(3, Target("http://127.0.0.1:9", "m"))
         core.setup(StageJob(load=LoadSpec(rate=1, requests=1), run_tag="t", stage=None, fed=True))
         core.start(time.monotonic())
         batches = []

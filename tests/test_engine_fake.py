@@ -7,8 +7,8 @@ import pytest
 from engine_fakes import EOS, FakeClock, FakeExecutor, FakeTokenizer, reference_generate
 from hypothesis import given, settings
 
-from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.request import RequestOutput
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.llm import LLM

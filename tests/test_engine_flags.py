@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine_flags import RENAMED, config_settings, read_flags, split_flags
-from servelab.server.args import ServerArgs
-from servelab.sim.args import DEPLOYMENT_KEYS, parse_engine_args, respell
+from servelab.server.server_args import ServerArgs
+from servelab.sim.engine_args import DEPLOYMENT_KEYS, parse_engine_args, respell
 
 SERVE = (
     "--max-num-seqs 8 --no-enable-prefix-caching --num-gpu-blocks-override 100 "

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.build import build_engine
 from servelab.model.llm import LLM
 from servelab.model.loader import LoadedModel, load_model
-from servelab.model.runner import TorchModelRunner
+from servelab.model.torch_runner import TorchModelRunner
 from servelab.vocab import FinishReason
 
 TEXTS = [

@@ -11,12 +11,12 @@ from test_model_tokenizer import TEXTS
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from servelab.engine.plan import BatchPlan, ScheduledSeq
+from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.llama import causal_batch
 from servelab.model.loader import load_model
-from servelab.model.runner import TorchModelRunner
 from servelab.model.tokenizer import Tokenizer
+from servelab.model.torch_runner import TorchModelRunner
 
 
 def test_export_hf_cli_copies_an_hf_directory(tiny_llama_dir: Path, tmp_path: Path) -> None:

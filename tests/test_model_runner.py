@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelab.engine.plan import BatchPlan, ScheduledSeq
+from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.llama import causal_batch
 from servelab.model.loader import LoadedModel, load_model
-from servelab.model.runner import TorchModelRunner
+from servelab.model.torch_runner import TorchModelRunner
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

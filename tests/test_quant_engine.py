@@ -122,7 +122,7 @@ def test_no_kernels_refuses_quantised_modes(
 
 
 def test_cli_offers_only_the_modes_that_pass_their_quality_bar() -> None:
-    from servelab.server.args import ServerArgs
+    from servelab.server.server_args import ServerArgs
 
     ServerArgs(quantization="q4_1").validate()
     with pytest.raises(ValueError, match="--quantization 'q8_0': use none, q4_1"):

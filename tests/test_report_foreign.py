@@ -11,7 +11,7 @@ import pytest
 import rundirs
 
 from servelab.analyze.diagnose import diagnose
-from servelab.bench.target import probe
+from servelab.bench.server_target import probe
 from servelab.bench.testserver import Schedule, TestServer
 from servelab.report import charts
 from servelab.report.html import write_report

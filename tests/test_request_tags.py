@@ -13,16 +13,16 @@ import aiohttp
 from servelab.bench.client import Target
 from servelab.bench.distributed.driver import WorkerPool
 from servelab.bench.http import HttpClient
-from servelab.bench.plan import LoadSpec, PlannedRequest, build_plan
-from servelab.bench.runner import Runner
+from servelab.bench.plan_runner import PlanRunner
+from servelab.bench.request_plan import LoadSpec, PlannedRequest, build_plan
 from servelab.bench.testing import tiny_tokenizer
 from servelab.bench.testserver import Schedule, run_test_server
 from servelab.bench.workload import WorkloadSpec
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import RunDir
-from servelab.sim.loop import SimRequest, Simulation
-from servelab.sim.target import roofline_target
-from servelab.sim.workload import requests_from_plan
+from servelab.sim.sim_requests import requests_from_plan
+from servelab.sim.sim_target import roofline_target
+from servelab.sim.simulation import SimRequest, Simulation
 from servelab.vocab import ClientRecord, RequestTags
 
 # Every tag but ``priority``, which goes in the request body and is not recorded.
@@ -141,7 +141,7 @@ def _served_bodies(url: str) -> dict[str, dict]:
 def _run(url: str, plan: list[PlannedRequest], stage: str) -> list[ClientRecord]:
     async def go():
         http = HttpClient(url)
-        runner = Runner(
+        runner = PlanRunner(
             http, Target(url, "test-model"), LoadSpec(rate=50), run_tag="t", stage=stage
         )
         res = await runner.run(plan)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.batch_plan import StepOutput
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.kv_cache import KVCacheManager
-from servelab.engine.plan import StepOutput
 from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.scheduler import Scheduler, SchedulerOutput

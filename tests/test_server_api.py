@@ -65,7 +65,9 @@ def newest_core_pid() -> int:
     """The engine core of the server started last. Servers run in threads of this process,
     so their cores are its children; /version shows no process ids."""
     cores = [
-        p for p in psutil.Process().children() if "servelab.server.core" in " ".join(p.cmdline())
+        p
+        for p in psutil.Process().children()
+        if "servelab.server.engine_core" in " ".join(p.cmdline())
     ]
     return max(cores, key=lambda p: p.create_time()).pid
 

@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from servelab.server.args import API_KEY_ENV, ServerArgs
+from servelab.server.server_args import API_KEY_ENV, ServerArgs
 from servelab.units import parse_size_gb
 
 

@@ -11,12 +11,12 @@ import pytest
 import zmq
 from engine_fakes import FakeClock, FakeExecutor
 
-from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
-from servelab.server import core, ipc
+from servelab.engine.engine_config import EngineConfig
+from servelab.server import engine_core, ipc
 
 
-class _Core(core.EngineCore):
+class _Core(engine_core.EngineCore):
     """Stops after ``iterations`` loop turns with nothing left to do; polls without waiting."""
 
     def __init__(self, *a: Any, clock: FakeClock, idle_advance: float, iterations: int) -> None:
@@ -38,7 +38,7 @@ class _Core(core.EngineCore):
 def _run(max_tokens: int, idle_advance: float, iterations: int, monkeypatch) -> list[float]:
     clock = FakeClock()
     trims: list[float] = []
-    monkeypatch.setattr(core, "MALLOC_TRIM", lambda pad: trims.append(clock.now))
+    monkeypatch.setattr(engine_core, "MALLOC_TRIM", lambda pad: trims.append(clock.now))
     ex = FakeExecutor(vocab_size=1000, max_model_len=4096, clock=clock)
     engine = LLMEngine(ex, EngineConfig(block_size=16, num_kv_blocks=512), clock=clock)
     ctx = zmq.Context()
@@ -55,7 +55,7 @@ def _run(max_tokens: int, idle_advance: float, iterations: int, monkeypatch) -> 
         engine,
         inputs,
         outputs,
-        core.os.getppid(),
+        engine_core.os.getppid(),
         clock=clock,
         idle_advance=idle_advance,
         iterations=iterations,
@@ -72,7 +72,7 @@ def test_a_busy_core_trims_once_a_period(monkeypatch: pytest.MonkeyPatch) -> Non
     # step is trimmed after at once (it follows loading), then one trim per 10 s.
     trims = _run(2000, idle_advance=0.0, iterations=3, monkeypatch=monkeypatch)
     assert len(trims) == 3 and trims[0] < 0.1
-    assert all(b - a >= core._TRIM_PERIOD_S for a, b in zip(trims, trims[1:], strict=False))
+    assert all(b - a >= engine_core._TRIM_PERIOD_S for a, b in zip(trims, trims[1:], strict=False))
 
 
 def test_work_is_trimmed_after_once_the_core_is_idle(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,7 +102,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-@pytest.mark.skipif(core.MALLOC_TRIM is None, reason="glibc's heap controls are not here")
+@pytest.mark.skipif(engine_core.MALLOC_TRIM is None, reason="glibc's heap controls are not here")
 def test_steps_reuse_their_heap_instead_of_faulting_it_in_again() -> None:
     """glibc's own thresholds trim the heap at twice the biggest buffer freed, so a step that
     frees several such buffers gives the pages back and faults them in again next time;

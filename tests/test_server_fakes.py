@@ -26,7 +26,7 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from servelab.server.args import ServerArgs
+from servelab.server.server_args import ServerArgs
 
 TESTS_DIR = str(Path(__file__).parent)
 STEP_SLEEP_S = 0.003
@@ -37,8 +37,8 @@ def fake_engine(cfg: Any) -> Any:
     """Engine-core factory: real engine and tokenizer, fake executor (see the module doc)."""
     from engine_fakes import FakeExecutor
 
-    from servelab.engine.config import EngineConfig
     from servelab.engine.engine import LLMEngine
+    from servelab.engine.engine_config import EngineConfig
     from servelab.model.tokenizer import Tokenizer
 
     class SleepyExecutor(FakeExecutor):

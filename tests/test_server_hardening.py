@@ -25,7 +25,7 @@ from test_server_fakes import ServerThread, metrics, serving
 
 from servelab.server.api import ServerState, build_app
 from servelab.server.bounds import json_too_deep, least_tokens, longest_token_chars
-from servelab.server.protocol import MAX_JSON_DEPTH, MAX_MESSAGES
+from servelab.server.openai_protocol import MAX_JSON_DEPTH, MAX_MESSAGES
 
 KEY = "hardening-key"
 HEALTH_TIMEOUT_S = 10.0  # generous for a loaded machine: the point is that it answers at all

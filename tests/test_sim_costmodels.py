@@ -210,7 +210,7 @@ def test_profile_table_round_trips_and_rejects_foreign_files(tmp_path):
 
 
 def test_work_of_plan_matches_step_work_add():
-    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
     from servelab.sim.work import work_of_plan
 

@@ -8,13 +8,13 @@ import pytest
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.sim.dtypes import Precision
 from servelab.sim.engine_defaults import engine_defaults, sglang_max_running
 from servelab.sim.hardware import HARDWARE
 from servelab.sim.modelspec import ModelSpec
 from servelab.sim.roofline import Efficiency, RooflineCostModel
-from servelab.sim.target import roofline_target
+from servelab.sim.sim_target import roofline_target
 from servelab.sim.work import StepWork
 
 # (hardware, vLLM serve max_num_seqs, max_num_batched_tokens, offline tokens), from vLLM's

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from servelab.bench.plan import LoadSpec
-from servelab.engine.config import EngineConfig
+from servelab.bench.request_plan import LoadSpec
+from servelab.engine.engine_config import EngineConfig
 from servelab.sim.links import parse_link
-from servelab.sim.loop import SimResult, Topology
 from servelab.sim.scenario import Scenario, load_requests, simulate
-from servelab.sim.target import roofline_target
+from servelab.sim.sim_target import roofline_target
+from servelab.sim.simulation import SimResult, Topology
 
 
 def _canon(v: Any) -> Any:

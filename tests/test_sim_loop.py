@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.kv_cache import KVCacheManager
 from servelab.engine.scheduler import Scheduler
-from servelab.sim.executor import VirtualClock
+from servelab.sim.cost_executor import VirtualClock
 from servelab.sim.links import parse_link
-from servelab.sim.loop import T0, SimRequest, Simulation, Topology
 from servelab.sim.roofline import Efficiency
-from servelab.sim.target import roofline_target
+from servelab.sim.sim_target import roofline_target
+from servelab.sim.simulation import T0, SimRequest, Simulation, Topology
 from servelab.vocab import RequestTags
 
 
@@ -241,7 +241,7 @@ def test_efficiency_changes_move_latency_the_right_way():
 
 
 def test_decode_work_is_the_work_of_a_decode_plan():
-    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
     from servelab.sim.work import decode_work, work_of_plan
 
@@ -252,7 +252,7 @@ def test_decode_work_is_the_work_of_a_decode_plan():
 
 
 def test_decode_tokens_are_the_tokens_execute_samples():
-    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
 
     ex = _target().make_executor(VirtualClock(T0))

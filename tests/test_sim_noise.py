@@ -9,17 +9,17 @@ import statistics
 
 import pytest
 
-from servelab.bench.plan import LoadSpec
-from servelab.engine.config import EngineConfig
+from servelab.bench.request_plan import LoadSpec
+from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import load_run
 from servelab.sim.drift import MIN_ANCHORS, is_anchor, run_speeds
 from servelab.sim.noise import StepNoise
 from servelab.sim.profiled import ProfileSample, ProfileTable
 from servelab.sim.profiler import fit_overhead, table_from_runs
 from servelab.sim.replay import measured_steps
-from servelab.sim.rundir import write_run_dir
+from servelab.sim.run_writer import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
-from servelab.sim.target import profile_target
+from servelab.sim.sim_target import profile_target
 from servelab.sim.work import StepWork
 
 
@@ -139,7 +139,7 @@ def test_resend_divergence_is_drawn_per_request_and_measured_back(tmp_path):
     import dataclasses
 
     from servelab.sim import history
-    from servelab.sim.target import roofline_target
+    from servelab.sim.sim_target import roofline_target
 
     hazard = history.Resend(per_token=0.01)
     draws = [hazard.cut(f"r{i}") for i in range(4000)]

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from servelab.engine.config import EngineConfig
-from servelab.engine.plan import BatchPlan, ScheduledSeq
+from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.tokenizer import Tokenizer
-from servelab.server.args import ServerArgs
-from servelab.sim.executor import PacedExecutor
+from servelab.server.server_args import ServerArgs
+from servelab.sim.cost_executor import PacedExecutor
 from servelab.sim.realtime import build_realtime_engine, build_target
 from servelab.sim.work import StepWork
 

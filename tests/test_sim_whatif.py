@@ -7,22 +7,22 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from servelab.bench.plan import LoadSpec
+from servelab.bench.request_plan import LoadSpec
 from servelab.cli import app
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import load_run
-from servelab.sim.args import parse_engine_args, parse_sweep
 from servelab.sim.calibrate import Calibration, fit_efficiency
 from servelab.sim.capacity import best_pd_split, fewest_replicas, highest_rate
+from servelab.sim.engine_args import parse_engine_args, parse_sweep
 from servelab.sim.hardware import HARDWARE
 from servelab.sim.links import parse_link
-from servelab.sim.loop import Topology
 from servelab.sim.modelspec import PRESETS
 from servelab.sim.replay import measured_steps
 from servelab.sim.roofline import Efficiency
-from servelab.sim.rundir import write_run_dir
+from servelab.sim.run_writer import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
-from servelab.sim.target import roofline_target
+from servelab.sim.sim_target import roofline_target
+from servelab.sim.simulation import Topology
 from servelab.units import SLO
 
 AZURE, MOONCAKE = "azure-2023-conv", "mooncake-synthetic"  # the traces the package ships
@@ -53,7 +53,7 @@ def test_workload_requests_keep_the_plans_lengths_times_and_shared_prefixes():
     load = LoadSpec(rate=4.0, requests=40)
     reqs, info, slos = load_requests("rag", load, seed=3, max_model_len=8192)
     assert info["workload"]["name"] and set(slos) == {"rag"}
-    from servelab.bench.plan import build_plan
+    from servelab.bench.request_plan import build_plan
     from servelab.bench.workload import load_workload
     from servelab.model.tokenizer import Tokenizer
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.spec.proposer import DraftRequest
 from servelab.model.draft_model import DraftModelProposer, self_draft_model
@@ -23,8 +23,8 @@ from servelab.model.llama import causal_batch
 from servelab.model.llm import LLM
 from servelab.model.loader import LoadedModel, load_model
 from servelab.model.quant import QuantWeight
-from servelab.model.runner import TorchModelRunner
 from servelab.model.sampler import filtered_probs
+from servelab.model.torch_runner import TorchModelRunner
 from servelab.vocab import FinishReason, Phase
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}

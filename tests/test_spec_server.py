@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 from test_server_e2e import serve_process
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.build import build_engine
 from servelab.model.llm import LLM

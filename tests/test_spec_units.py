@@ -10,16 +10,16 @@ import pytest
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.kv_cache import KVCacheManager
 from servelab.engine.kv_cache_plain import PlainKVCache
 from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
-from servelab.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from servelab.engine.spec.decoder import draft_limit
 from servelab.engine.spec.policy import MAX_SKIP_STEPS, DraftLengthPolicy
-from servelab.server.args import ServerArgs
+from servelab.engine.spec.spec_config import SpeculativeConfig, parse_speculative_config
 from servelab.server.metrics import ServerMetrics
+from servelab.server.server_args import ServerArgs
 from servelab.vocab import FinishReason, RequestTimeline, SpecRecord
 
 # ---- config ----

@@ -49,8 +49,8 @@ from benchmarks.peers.clients import (
     run_client,
 )
 from servelab.bench.client import Target, send
+from servelab.bench.event_loop import run_loop
 from servelab.bench.http import HttpClient
-from servelab.bench.loop import run_loop
 from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
 from servelab.vocab import RequestTags

@@ -30,8 +30,8 @@ import numpy as np
 from benchmarks.common import fetch_timelines
 from servelab.bench.client import Target
 from servelab.bench.distributed.driver import DistributedStage, WorkerPool
-from servelab.bench.loop import run_loop
-from servelab.bench.plan import LoadSpec
+from servelab.bench.event_loop import run_loop
+from servelab.bench.request_plan import LoadSpec
 from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
 from servelab.vocab import RequestTags

@@ -62,12 +62,12 @@ from benchmarks.common import (
     read_bandwidth,
 )
 from benchmarks.peers import servers
-from servelab.bench.target import free_port
-from servelab.engine.config import EngineConfig
+from servelab.bench.server_target import free_port
 from servelab.engine.engine import LLMEngine
+from servelab.engine.engine_config import EngineConfig
 from servelab.model.loader import load_model
 from servelab.model.registry import resolve_model
-from servelab.model.runner import TorchModelRunner
+from servelab.model.torch_runner import TorchModelRunner
 from servelab.rundir import load_run
 from servelab.server.heap import keep_step_buffers
 from servelab.sim.modelspec import ModelSpec, from_model_config, load_model_spec

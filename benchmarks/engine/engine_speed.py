@@ -51,11 +51,11 @@ from benchmarks.common import (
     read_bandwidth,
     sync,
 )
-from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
+from servelab.engine.engine_config import EngineConfig
 from servelab.model.loader import load_model
 from servelab.model.registry import is_gguf, resolve_model
-from servelab.model.runner import TorchModelRunner
+from servelab.model.torch_runner import TorchModelRunner
 from servelab.model.weight_cache import cached_hf_dir
 from servelab.server.heap import keep_step_buffers
 from servelab.sim.modelspec import from_model_config

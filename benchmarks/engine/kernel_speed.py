@@ -86,7 +86,7 @@ def variants(mats: list[torch.Tensor], rows: int) -> dict[str, Callable[[], obje
 def _plan(step: int, seqs: list[tuple[str, list[int], int, list[int]]]):
     """A plan of greedy sequences (request id, token ids, start position, block table),
     each sampling one token."""
-    from servelab.engine.plan import BatchPlan, ScheduledSeq
+    from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
@@ -118,7 +118,7 @@ def _decode_plan(step: int, batch: int, ctx: int, token: int):
 def bench_model(name: str, threads: int, repeat: int) -> None:
     """Decode and prefill of the real model, against the floors measured alongside."""
     from servelab.model import linear as lin
-    from servelab.model.runner import TorchModelRunner
+    from servelab.model.torch_runner import TorchModelRunner
 
     # As served, and in the plain layout for the modes with servelab's kernels off.
     runners = {
@@ -250,9 +250,9 @@ def bench_prefill(name: str, quantization: str, threads: int, rounds: int) -> No
     """The model's prefill, as served and stock, against the best GEMM rate at the same row
     count, each measured in turn with the others (the machine's speed drifts by tens of
     percent over minutes on a shared host, so a rate measured earlier would not do)."""
-    from servelab.engine.plan import BatchPlan
+    from servelab.engine.batch_plan import BatchPlan
     from servelab.model import linear as lin
-    from servelab.model.runner import TorchModelRunner
+    from servelab.model.torch_runner import TorchModelRunner
 
     runners = {}
     for key, plain in (("servelab", False), ("stock F.linear", True)):

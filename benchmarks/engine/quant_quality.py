@@ -28,13 +28,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.llama import causal_batch
 from servelab.model.llm import LLM
 from servelab.model.loader import LoadedModel, load_model
-from servelab.model.runner import TorchModelRunner
+from servelab.model.torch_runner import TorchModelRunner
 from servelab.workflows.offline import chat_ids
 
 console = Console(width=160)

@@ -30,11 +30,11 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.common import Sizes, decode_bytes, engine_figures, gemm_rate, read_bandwidth
-from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
+from servelab.engine.engine_config import EngineConfig
 from servelab.model.loader import load_model
 from servelab.model.quant import MODES
-from servelab.model.runner import TorchModelRunner
+from servelab.model.torch_runner import TorchModelRunner
 from servelab.server.heap import keep_step_buffers
 from servelab.sim.modelspec import from_model_config
 

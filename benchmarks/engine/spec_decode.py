@@ -47,9 +47,9 @@ from rich.console import Console
 
 import servelab.bench.run as bench_run
 from servelab.bench.client import Target
-from servelab.bench.plan import LoadSpec, build_plan
+from servelab.bench.request_plan import LoadSpec, build_plan
 from servelab.bench.run import BenchOptions, run_bench
-from servelab.bench.target import LaunchedServer
+from servelab.bench.server_target import LaunchedServer
 from servelab.bench.workload import load_workload
 from servelab.model.tokenizer import Tokenizer
 

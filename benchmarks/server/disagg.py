@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from servelab.analyze.summary import run_summary
-from servelab.bench.plan import LoadSpec
+from servelab.bench.request_plan import LoadSpec
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions
 from servelab.rundir import load_run
 from servelab.workflows.matrix import MatrixConfig, MatrixSpec, execute_matrix, start_servers

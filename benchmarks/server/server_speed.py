@@ -45,7 +45,7 @@ import httpx
 import msgspec
 
 from benchmarks.common import random_prompt, serve
-from servelab.bench.target import free_port
+from servelab.bench.server_target import free_port
 from servelab.model.tokenizer import Tokenizer
 from servelab.vocab import ClientRecord
 

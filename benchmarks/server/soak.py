@@ -50,7 +50,7 @@ import aiohttp
 import psutil
 
 from benchmarks.common import serve
-from servelab.bench.target import free_port
+from servelab.bench.server_target import free_port
 
 HOSTILE: list[tuple[str, bytes]] = [
     ("huge int", b'{"prompt": "hi", "max_tokens": 4, "priority": 1208925819614629174706176}'),
@@ -129,7 +129,7 @@ def role(p: psutil.Process, server: subprocess.Popen[bytes]) -> str:
     if p.pid == server.pid:
         return "api"
     cmd = " ".join(p.cmdline())
-    if "servelab.server.core" in cmd:
+    if "servelab.server.engine_core" in cmd:
         return "core"
     return "prepare" if "spawn_main" in cmd else "mp"
 

@@ -7,7 +7,7 @@ or give it in another unit; ``RENAMED`` maps them, and only it.
 
 ``split_flags`` reads such a string. Its callers keep what they each need: the bench
 reads a server's flags leniently for its manifest (``read_flags``); the simulator
-validates them against the engine's config (``servelab.sim.args``); the server maps its
+validates them against the engine's config (``servelab.sim.engine_args``); the server maps its
 own flags onto its engine config and the run directory reads an old manifest's flags
 (``config_settings``).
 """

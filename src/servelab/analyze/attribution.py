@@ -31,7 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from servelab.analyze.promscrape import parse_scrapes
-from servelab.analyze.stats import StepCost, fit_step_cost
+from servelab.analyze.stats import FittedStepCost, fit_step_cost
 from servelab.analyze.timeseries import KV_PRESSURE, ServerSeries, server_series
 from servelab.rundir import Run
 from servelab.vocab import DECODE_ROLE, ClientRecord, RequestTimeline, StepRecord
@@ -106,7 +106,7 @@ class Stall:
 class Attribution:
     ttft: list[TTFTBreakdown]
     stalls: list[Stall]
-    cost: StepCost | None
+    cost: FittedStepCost | None
     source: str
 
 
@@ -229,7 +229,7 @@ def _exact(
     rec: ClientRecord,
     tl: RequestTimeline,
     idx: _StepIndex,
-    cost: StepCost | None,
+    cost: FittedStepCost | None,
     max_seqs: int | None,
 ) -> TTFTBreakdown:
     b = _base(rec)
@@ -266,7 +266,7 @@ def _split_admitted(
     a: float,
     b: float,
     idx: _StepIndex,
-    cost: StepCost | None,
+    cost: FittedStepCost | None,
     parts: dict[str, float],
 ) -> None:
     """Split [a, b] (admitted, before the first token) into prefill, interference, overhead."""
@@ -286,7 +286,7 @@ def _split_admitted(
     parts["overhead"] += max(0.0, (b - a) - covered)
 
 
-def _own_share(own_tokens: int, s: StepRecord, cost: StepCost | None) -> float:
+def _own_share(own_tokens: int, s: StepRecord, cost: FittedStepCost | None) -> float:
     """This request's fraction of a step's time, by the cost model (else by tokens)."""
     tokens = s.prefill_tokens + s.decode_seqs
     if tokens <= 0:
@@ -370,7 +370,7 @@ def _stalls(
     rec: ClientRecord,
     tl: RequestTimeline | None,
     idx: _StepIndex,
-    cost: StepCost | None,
+    cost: FittedStepCost | None,
     windows: _Windows,
     series: ServerSeries | None,
 ) -> list[Stall]:
@@ -427,7 +427,7 @@ def _server_cause(
     sa: float,
     sb: float,
     idx: _StepIndex,
-    cost: StepCost | None,
+    cost: FittedStepCost | None,
     med: float,
 ) -> None:
     steps = idx.ending_in(sa, sb)

@@ -54,7 +54,7 @@ def confidence_label(score: float) -> str:
 
 
 @dataclass(kw_only=True)
-class StepCost:
+class FittedStepCost:
     """step duration ~ overhead + prefill_per_token * prefill tokens + decode_per_seq * decodes.
 
     Fitted by least squares over the run's own steps, so it reflects this machine
@@ -75,7 +75,7 @@ class StepCost:
         )
 
 
-def fit_step_cost(steps: Sequence[StepRecord]) -> StepCost | None:
+def fit_step_cost(steps: Sequence[StepRecord]) -> FittedStepCost | None:
     """Fit the step cost model; None with fewer than 8 steps or no prefill at all."""
     if len(steps) < 8:
         return None
@@ -97,7 +97,7 @@ def fit_step_cost(steps: Sequence[StepRecord]) -> StepCost | None:
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    return StepCost(
+    return FittedStepCost(
         overhead=float(max(full[0], 0.0)),
         prefill_per_token=float(full[1]),
         decode_per_seq=float(full[2]),

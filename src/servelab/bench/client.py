@@ -26,9 +26,9 @@ from typing import Any
 import msgspec
 
 from servelab.bench.http import HttpClient, StreamResult
-from servelab.bench.plan import PlannedRequest
 from servelab.bench.prompts import TokenizerLike
 from servelab.bench.recount import Recounter
+from servelab.bench.request_plan import PlannedRequest
 from servelab.bench.serverfigures import MalformedFigures, figures_from, ignored
 from servelab.vocab import ClientRecord
 

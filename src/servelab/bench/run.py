@@ -28,15 +28,15 @@ from servelab.bench.client import Target
 from servelab.bench.collect import SCRAPE_INTERVAL, MetricsScraper, TimelineCollector
 from servelab.bench.datasets import Dataset, load_dataset
 from servelab.bench.distributed.clock import timing_error_budget
+from servelab.bench.event_loop import run_loop
 from servelab.bench.http import HttpClient
-from servelab.bench.loop import run_loop
 from servelab.bench.manifest import machine, versions
 from servelab.bench.monitor import ClientHealth, LoopMonitor
-from servelab.bench.plan import ENDPOINTS, LoadSpec, Plan, build_plan, iter_plan
+from servelab.bench.plan_runner import PlanRunner, StageResult
 from servelab.bench.progress import Progress
-from servelab.bench.runner import Runner, StageResult
+from servelab.bench.request_plan import ENDPOINTS, LoadSpec, Plan, build_plan, iter_plan
 from servelab.bench.search import find_max_rate, saturated, sweep_stop
-from servelab.bench.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
+from servelab.bench.server_target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
 from servelab.report.terminal import (
     fit,
@@ -328,7 +328,7 @@ class Bench:
         monitor.start()
         progress.start()
         dist: DistributedStage | None = None
-        runner: Runner | None = None
+        runner: PlanRunner | None = None
         try:
             if self.pool is not None:
                 dist = await self.pool.run_stage(
@@ -341,7 +341,7 @@ class Bench:
                 )
                 stage.result = dist.result
             else:
-                runner = Runner(
+                runner = PlanRunner(
                     http,
                     target,
                     stage.load,
@@ -399,7 +399,7 @@ class Bench:
         rows, _ = read_jsonl(path)
         return server_series(parse_scrapes(rows[-scrapes:]))
 
-    def _similarity(self, runner: Runner) -> dict[str, Any] | None:
+    def _similarity(self, runner: PlanRunner) -> dict[str, Any] | None:
         """The ideal prefix reuse of what this stage sent, tokenized after the stage so that
         it costs the event loop nothing while streams run."""
         if self.tokenizer is None or not runner.prompts:

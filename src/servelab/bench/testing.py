@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import cache
 
 from servelab.bench.corpus import CODE, PROSE, QUESTIONS
-from servelab.bench.plan import PlannedRequest
+from servelab.bench.request_plan import PlannedRequest
 from servelab.vocab import RequestTags
 
 CHATML = (

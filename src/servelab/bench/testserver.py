@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from servelab.bench.loop import run_loop
+from servelab.bench.event_loop import run_loop
 from servelab.vocab import FinishReason, RequestTimeline
 
 WORDS = (" the", " of", " and", " to", " in", " a", " is", " that")

@@ -26,7 +26,7 @@ def generate(
     """Generate text for one prompt and show its phase timeline."""
     from rich.console import Console
 
-    from servelab.engine.config import EngineConfig
+    from servelab.engine.engine_config import EngineConfig
     from servelab.engine.sampling_params import SamplingParams
     from servelab.model.build import build_engine
     from servelab.report.terminal import phase_table

@@ -1,6 +1,6 @@
 """`servelab serve`: the OpenAI-compatible server. No heavy imports at module level.
 
-Its options are ``ServerArgs``' fields (``servelab.server.args``), declared there once.
+Its options are ``ServerArgs``' fields (``servelab.server.server_args``), declared there once.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import typer
 
 from servelab.cli.errors import fail
 from servelab.cli.field_options import command_from_fields
-from servelab.server.args import ServerArgs
+from servelab.server.server_args import ServerArgs
 
 
 def serve(args: ServerArgs) -> None:

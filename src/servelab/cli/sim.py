@@ -19,9 +19,9 @@ from servelab.cli import load_options as opt
 from servelab.cli.errors import fail, seconds
 
 if TYPE_CHECKING:
-    from servelab.bench.plan import LoadSpec
+    from servelab.bench.request_plan import LoadSpec
     from servelab.sim.scenario import Scenario
-    from servelab.sim.target import SimTarget
+    from servelab.sim.sim_target import SimTarget
 
 _DEPLOYMENT = "Deployment"
 
@@ -219,7 +219,7 @@ def sim(
     from rich.console import Console
 
     from servelab.report.terminal import defaults_line, sim_table
-    from servelab.sim.args import parse_sweep
+    from servelab.sim.engine_args import parse_sweep
 
     _note_old_spelling(engine_args)
     try:
@@ -245,7 +245,7 @@ def sim(
 
 def _note_old_spelling(engine_args: str | None) -> None:
     """One line on stderr when ``--engine-args`` uses the old ``key=value`` spelling."""
-    from servelab.sim.args import respell
+    from servelab.sim.engine_args import respell
 
     try:
         new = respell(engine_args)
@@ -257,11 +257,11 @@ def _note_old_spelling(engine_args: str | None) -> None:
 
 def _target(flags: Mapping[str, Any]) -> SimTarget:
     """What to simulate: a measured profile, or hardware x model through the roofline."""
-    from servelab.engine.config import EngineConfig
-    from servelab.sim.args import parse_engine_args, split_deployment
+    from servelab.engine.engine_config import EngineConfig
     from servelab.sim.calibrate import Calibration
+    from servelab.sim.engine_args import parse_engine_args, split_deployment
     from servelab.sim.roofline import Efficiency
-    from servelab.sim.target import profile_target, roofline_target
+    from servelab.sim.sim_target import profile_target, roofline_target
 
     eng, dep = split_deployment(parse_engine_args(flags["engine_args"]))
     if flags["profile"] is not None:
@@ -311,7 +311,7 @@ def _target(flags: Mapping[str, Any]) -> SimTarget:
 
 def _topology(flags: Mapping[str, Any]) -> Any:
     from servelab.sim.links import parse_link
-    from servelab.sim.loop import Topology
+    from servelab.sim.simulation import Topology
 
     topo = Topology(replicas=flags["replicas"], router=flags["router"])
     if flags["pd"] is not None:
@@ -374,7 +374,7 @@ def _simulate_point(
     """Simulate ``scenario`` with the engine settings of one sweep point into ``out`` (in a
     sweep: a directory under it named for the point); return its row of the terminal table."""
     from servelab.rundir import read_json
-    from servelab.sim.rundir import write_run_dir
+    from servelab.sim.run_writer import write_run_dir
     from servelab.sim.scenario import simulate
 
     label = ",".join(f"{k}={v}" for k, v in point.items()) or scenario.target.label
@@ -529,8 +529,8 @@ def profile(
     ),
 ) -> None:
     """Measure the real engine's step times on this machine; `servelab sim --profile` replays them."""
-    from servelab.engine.config import EngineConfig
-    from servelab.sim.args import parse_engine_args, split_deployment
+    from servelab.engine.engine_config import EngineConfig
+    from servelab.sim.engine_args import parse_engine_args, split_deployment
     from servelab.sim.profiled import ProfiledCostModel
     from servelab.sim.profiler import profile as run_profile
     from servelab.sim.profiler import table_from_runs

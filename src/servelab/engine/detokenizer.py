@@ -20,7 +20,7 @@ from typing import Protocol
 _CONTEXT_TOKENS = 6  # prompt tokens kept as decoding context
 
 
-class Tokenizer(Protocol):
+class TextTokenizer(Protocol):
     """What the engine needs of a tokenizer (``servelab.model.tokenizer.Tokenizer`` is one)."""
 
     @property
@@ -34,7 +34,7 @@ class Tokenizer(Protocol):
 class Detokenizer:
     """Turns one request's output tokens into text, step by step."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer: TextTokenizer, prompt_token_ids: list[int], stop: list[str]):
         self._tok = tokenizer
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # start of the decoding window

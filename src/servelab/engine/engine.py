@@ -23,21 +23,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from servelab.engine.config import EngineConfig
 from servelab.engine.decode_burst import DecodeBurst, run_decode_burst
 from servelab.engine.detokenizer import Detokenizer
+from servelab.engine.engine_config import EngineConfig
+from servelab.engine.engine_stats import EngineStats
 from servelab.engine.executor import Executor
 from servelab.engine.kv_cache import KVCacheManager
 from servelab.engine.kv_cache_plain import KVCache, PlainKVCache
 from servelab.engine.request import Request, RequestOutput
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.scheduler import Scheduler, SchedulerOutput
-from servelab.engine.stats import EngineStats
 from servelab.engine.validation import check_limits, valid_prompt_ids
 from servelab.vocab import COLOCATED, FinishReason, RequestTimeline, StepRecord
 
 if TYPE_CHECKING:
-    from servelab.engine.detokenizer import Tokenizer
+    from servelab.engine.detokenizer import TextTokenizer
     from servelab.engine.spec.decoder import SpeculativeDecoder
     from servelab.engine.spec.proposer import Proposer
 
@@ -70,7 +70,7 @@ class LLMEngine:
         self,
         executor: Executor,
         config: EngineConfig,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: TextTokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         history: int = 10_000,
         proposer: Proposer | None = None,

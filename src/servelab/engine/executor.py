@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from servelab.engine.plan import BatchPlan, StepOutput
+from servelab.engine.batch_plan import BatchPlan, StepOutput
 
 
 class Executor(Protocol):

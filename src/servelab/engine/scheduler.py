@@ -38,9 +38,9 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.batch_plan import BatchPlan, ScheduledSeq, StepOutput
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.kv_cache_plain import KVCache, PrefixHit
-from servelab.engine.plan import BatchPlan, ScheduledSeq, StepOutput
 from servelab.engine.request import Request
 from servelab.vocab import FinishReason, Phase, PrefillChunk, SpecRecord
 

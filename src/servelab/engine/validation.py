@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 from servelab.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from servelab.engine.detokenizer import Tokenizer
+    from servelab.engine.detokenizer import TextTokenizer
     from servelab.engine.kv_cache_plain import KVCache
 
 
 def valid_prompt_ids(
     prompt: str | None,
     prompt_token_ids: list[int] | None,
-    tokenizer: Tokenizer | None,
+    tokenizer: TextTokenizer | None,
     vocab_size: int | None,
 ) -> list[int]:
     """The prompt's token ids (``prompt_token_ids`` win over ``prompt``), a new list. Refused:

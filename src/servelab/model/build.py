@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.vocab import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def build_engine(
     """
     from servelab.engine.engine import LLMEngine
     from servelab.model.loader import load_model
-    from servelab.model.runner import TorchModelRunner
+    from servelab.model.torch_runner import TorchModelRunner
 
     loaded = load_model(model, device=device, quantization=quantization)
     runner = TorchModelRunner(loaded, device=device, num_threads=threads)

@@ -29,14 +29,14 @@ from typing import Any
 
 from torch import nn
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.kv_cache import KVCacheManager
-from servelab.engine.plan import BatchPlan, ScheduledSeq
 from servelab.engine.sampling_params import SamplingParams
-from servelab.engine.spec.config import SpeculativeConfig
 from servelab.engine.spec.proposer import DraftRequest
+from servelab.engine.spec.spec_config import SpeculativeConfig
 from servelab.model.loader import LoadedModel, load_model
-from servelab.model.runner import TorchModelRunner
+from servelab.model.torch_runner import TorchModelRunner
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 

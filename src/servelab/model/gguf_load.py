@@ -12,8 +12,8 @@ import logging
 
 import numpy as np
 
-from servelab.model.config import ModelConfig
 from servelab.model.gguf_meta import read_metadata
+from servelab.model.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelab.model import cpu_kernels, ops
-from servelab.model.config import ModelConfig
 from servelab.model.linear import linear
+from servelab.model.model_config import ModelConfig
 from servelab.model.quant import QuantWeight, f32_rows, interleave, interleave_f32
 from servelab.model.rope import rope_table
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from servelab.engine.config import EngineConfig
 from servelab.engine.engine import LLMEngine
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.build import build_engine
 from servelab.vocab import FinishReason, RequestTimeline

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from servelab.model.config import ModelConfig
 from servelab.model.llama import LlamaForCausalLM
+from servelab.model.model_config import ModelConfig
 from servelab.model.registry import is_gguf, resolve_model
 from servelab.model.tokenizer import Tokenizer
 

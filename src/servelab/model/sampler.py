@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from servelab.engine.plan import ScheduledSeq
+from servelab.engine.batch_plan import ScheduledSeq
 from servelab.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -42,7 +42,7 @@ def cache_entry(gguf_path: Path) -> Path:
 
 def cached_hf_dir(gguf_path: Path) -> Path:
     """The HF directory holding ``gguf_path``'s dequantised weights; writes it on a miss."""
-    from servelab.model.export import export_hf
+    from servelab.model.hf_export import export_hf
 
     entry = cache_entry(gguf_path)
     if (entry / "config.json").is_file() and (entry / "model.safetensors").is_file():

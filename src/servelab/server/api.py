@@ -33,11 +33,10 @@ from aiohttp import web
 from servelab import __version__
 from servelab.server import ipc
 from servelab.server.engine_client import EngineDeadError, RequestStream
-from servelab.server.errors import APIError, error_body
 from servelab.server.heap import MALLOC_TRIM
 from servelab.server.metrics import CONTENT_TYPE
-from servelab.server.prepare import OFF_LOOP_BYTES, TRIM_BYTES, PreparePool, prepare
-from servelab.server.protocol import (
+from servelab.server.openai_errors import APIError, error_body
+from servelab.server.openai_protocol import (
     SSE_DONE,
     ModelLimits,
     ParsedRequest,
@@ -46,6 +45,7 @@ from servelab.server.protocol import (
     sse,
     usage,
 )
+from servelab.server.prepare import OFF_LOOP_BYTES, TRIM_BYTES, PreparePool, prepare
 from servelab.server.serving_client import ServingClient
 from servelab.vocab import RequestTimeline
 
@@ -545,7 +545,7 @@ class _Server(web.Server):
         return _Handler(self, loop=self._loop, head_timeout=self.head_timeout, **self._kwargs)
 
 
-class Runner(web.AppRunner):
+class ApiAppRunner(web.AppRunner):
     """web.AppRunner whose connections answer aiohttp's own errors as JSON and bound a
     request head with ``head_timeout`` seconds (see ``_Handler``); ``keepalive_timeout``
     closes idle connections.

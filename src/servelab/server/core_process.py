@@ -48,7 +48,7 @@ class CoreProcess:
 
     def __init__(
         self,
-        module: str = "servelab.server.core",
+        module: str = "servelab.server.engine_core",
         decode_output: Callable[[bytes], Any] = ipc.decode_output,
         name: str = "engine core",
     ) -> None:

@@ -1,7 +1,7 @@
 """The API process's handle on the engine-core process.
 
 Contract:
-- ``start()`` launches ``python -m servelab.server.core``, binds the two IPC channels and
+- ``start()`` launches ``python -m servelab.server.engine_core``, binds the two IPC channels and
   returns once the core is ready (or raises CoreStartupError with the core's reason).
 - ``submit()`` sends one request without blocking and returns its RequestStream; one
   receive task routes every output to its stream, so no HTTP handler ever waits on a

@@ -153,4 +153,4 @@ class CoreConfig(msgspec.Struct):
     log_level: str = "info"
     simulate: str | None = None  # HARDWARE:MODEL: simulated timings (servelab.sim.realtime)
     # "module:function" returning an engine; tests pass a fake to test the processes and IPC.
-    engine_factory: str = "servelab.server.core:build_engine"
+    engine_factory: str = "servelab.server.engine_core:build_engine"

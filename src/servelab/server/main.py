@@ -20,13 +20,13 @@ from collections.abc import Callable
 from aiohttp import web
 
 from servelab.server import ipc
-from servelab.server.api import Runner, ServerState, build_app
-from servelab.server.args import ServerArgs
+from servelab.server.api import ApiAppRunner, ServerState, build_app
 from servelab.server.bounds import longest_token_chars
 from servelab.server.engine_client import CoreStartupError, EngineClient
 from servelab.server.metrics import ServerMetrics
+from servelab.server.openai_protocol import ModelLimits
 from servelab.server.prepare import PreparePool, load_tokenizer
-from servelab.server.protocol import ModelLimits
+from servelab.server.server_args import ServerArgs
 from servelab.server.serving_client import ServingClient
 from servelab.server.timelines import TimelineStore
 
@@ -140,7 +140,7 @@ async def serve(
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
     )
-    runner = Runner(
+    runner = ApiAppRunner(
         build_app(state),
         handler_cancellation=True,
         access_log=None,

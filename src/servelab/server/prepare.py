@@ -23,9 +23,9 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from servelab.server.errors import APIError
 from servelab.server.heap import M_MMAP_THRESHOLD, MALLOPT
-from servelab.server.protocol import ModelLimits, ParsedRequest, parse_chat, parse_completion
+from servelab.server.openai_errors import APIError
+from servelab.server.openai_protocol import ModelLimits, ParsedRequest, parse_chat, parse_completion
 
 log = logging.getLogger("servelab.server")
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelab.sim.loop import SimResult, Topology
 from servelab.sim.scenario import attainment, load_requests, simulate
+from servelab.sim.simulation import SimResult, Topology
 
 
 @dataclass(kw_only=True)

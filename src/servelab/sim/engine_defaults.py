@@ -23,7 +23,7 @@ clamp(KV tokens / context length * 512, 2048, 4096) (``model_runner.py``).
 SGLang runs a prefill batch or a decode batch per step (mixed chunks off by default);
 this engine mixes them, so the chunk size becomes the whole step's token budget.
 
-servelab: :class:`~servelab.engine.config.EngineConfig`'s defaults (tuned for this CPU).
+servelab: :class:`~servelab.engine.engine_config.EngineConfig`'s defaults (tuned for this CPU).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.sim.hardware import Hardware
 
 ENGINES = ("vllm", "sglang", "servelab")
@@ -159,7 +159,7 @@ def engine_defaults(
             hardware_class="any",
             config={k: getattr(c, k) for k in _VLLM_KEYS},
             gpu_memory_utilization=0.9,
-            source="servelab src/servelab/engine/config.py EngineConfig",
+            source="servelab src/servelab/engine/engine_config.py EngineConfig",
         )
     if hw.memory_bytes is None:
         raise ValueError(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from servelab.model.config import ModelConfig
+from servelab.model.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from servelab.sim.work import StepWork

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from servelab.engine.config import EngineConfig
-from servelab.engine.plan import BatchPlan, ScheduledSeq
+from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model import cpu_kernels, kernel_build
 from servelab.model.build import build_engine, default_threads

@@ -1,7 +1,7 @@
 """Real-time simulation: `servelab serve --simulate HARDWARE:MODEL`.
 
 The server's engine core runs an ``LLMEngine`` (the engine's own scheduler and KV cache)
-over a :class:`~servelab.sim.executor.PacedExecutor`, which sleeps each step for the time
+over a :class:`~servelab.sim.cost_executor.PacedExecutor`, which sleeps each step for the time
 the cost model predicts on the simulated hardware. Clients get an OpenAI-compatible
 server with that hardware's timing; the text is placeholder words from the serving
 tokenizer, and generation runs to ``max_tokens`` (placeholders are never EOS).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 
 ENV_VAR = "SERVELAB_SIMULATE"
 _WORDS = " the quick brown fox jumps over the lazy dog and keeps on running through the field"
@@ -22,7 +22,7 @@ _WORDS = " the quick brown fox jumps over the lazy dog and keeps on running thro
 
 def build_target(spec: str, config: EngineConfig) -> Any:
     """A SimTarget from a ``--simulate`` spec; ValueError says which forms work."""
-    from servelab.sim.target import profile_target, roofline_target
+    from servelab.sim.sim_target import profile_target, roofline_target
 
     kind, _, rest = spec.partition(":")
     if kind == "profile":

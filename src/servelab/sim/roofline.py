@@ -57,7 +57,7 @@ class Efficiency:
 
 
 @dataclass
-class StepCost:
+class StepBreakdown:
     """The terms of one predicted step (seconds, FLOPs, bytes), for explanation and tests.
 
     ``gemm_*`` are the matrix multiplies (weights streamed), ``attn_*`` the attention
@@ -166,13 +166,13 @@ class RooflineCostModel:
         hw = self.hardware
         return 2 * (self.tp - 1) / self.tp * nbytes / hw.link_bw + hw.link_latency
 
-    def cost(self, w: StepWork) -> StepCost:
-        return StepCost(*self._terms(w.tokens, w.logits, w.attn_pairs, w.kv_read, w.seqs))
+    def cost(self, w: StepWork) -> StepBreakdown:
+        return StepBreakdown(*self._terms(w.tokens, w.logits, w.attn_pairs, w.kv_read, w.seqs))
 
     def _terms(
         self, tokens: int, logits: int, attn_pairs: float, kv_read: int, seqs: int
     ) -> tuple[float, float, float, float, float, float, float, float]:
-        """:class:`StepCost`'s fields, in order, as a tuple, from the sums of
+        """:class:`StepBreakdown`'s fields, in order, as a tuple, from the sums of
         :class:`StepWork` that the roofline reads: ``predict`` runs every simulated step
         and needs no object."""
         e, hw = self.efficiency, self.hardware

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from servelab.sim.history import Resend
-from servelab.sim.loop import SimRequest, SimResult, Simulation, Topology
-from servelab.sim.target import SimTarget
+from servelab.sim.sim_target import SimTarget
+from servelab.sim.simulation import SimRequest, SimResult, Simulation, Topology
 from servelab.units import SLO
 
 
@@ -75,7 +75,7 @@ def load_requests(
     ``resend`` is the target's (``SimTarget``), for multi-turn sessions, drawn
     per ``seed`` and ``sim_seed``.
     """
-    from servelab.sim.workload import requests_from_plan, requests_from_trace
+    from servelab.sim.sim_requests import requests_from_plan, requests_from_trace
 
     load.validate()
     info: dict[str, Any] = {"load": load.to_dict(), "seed": seed}
@@ -95,7 +95,7 @@ def load_requests(
         return reqs, info, None
     if workload is None:
         raise ValueError("give a workload (--workload NAME|FILE) or a trace (--trace FILE)")
-    from servelab.bench.plan import build_plan
+    from servelab.bench.request_plan import build_plan
     from servelab.bench.workload import load_workload
 
     spec = load_workload(workload)

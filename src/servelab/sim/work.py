@@ -1,6 +1,6 @@
 """The work of one engine step, reduced to the sums every cost model needs.
 
-A :class:`StepWork` is built from a :class:`~servelab.engine.plan.BatchPlan` (in the
+A :class:`StepWork` is built from a :class:`~servelab.engine.batch_plan.BatchPlan` (in the
 simulator) or from a recorded step (calibration). It is plain arithmetic so that the
 simulator spends microseconds per step on it.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from servelab.engine.plan import BatchPlan
+from servelab.engine.batch_plan import BatchPlan
 
 
 @dataclass(slots=True)

@@ -33,9 +33,9 @@ from rich.console import Console
 from servelab.analyze.answers import MAX_ITL, Answer, Question, answer
 from servelab.analyze.compare import Comparison, compare
 from servelab.analyze.diagnose import Diagnosis, diagnose
-from servelab.bench.plan import LoadSpec
+from servelab.bench.request_plan import LoadSpec
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
-from servelab.report.demo import write_demo_report
+from servelab.report.demo_report import write_demo_report
 from servelab.report.terminal import render_answers
 from servelab.rundir import Run, load_run
 from servelab.workflows.matrix import (

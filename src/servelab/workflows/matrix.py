@@ -33,7 +33,7 @@ from rich.console import Console
 
 from servelab.analyze.compare import Comparison, compare
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
-from servelab.bench.target import LaunchedServer
+from servelab.bench.server_target import LaunchedServer
 from servelab.engine_flags import read_flags
 from servelab.rundir import Run, load_run, read_json, write_manifest
 

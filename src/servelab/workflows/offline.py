@@ -50,7 +50,7 @@ def run_offline_demo(
     """Generate for the mixed batch and print each request's phase timeline; return them."""
     from rich.console import Console
 
-    from servelab.engine.config import EngineConfig
+    from servelab.engine.engine_config import EngineConfig
     from servelab.engine.sampling_params import SamplingParams
     from servelab.model.build import build_engine
     from servelab.report.terminal import timeline_table

@@ -63,7 +63,7 @@ def pairs(conv: Conversation) -> list[tuple[str, str | None]]:
 
 
 @dataclass
-class Sampler:
+class SessionSampler:
     """Sessions drawn from ``dataset`` in a seeded order; wraps around when all are used."""
 
     dataset: Dataset

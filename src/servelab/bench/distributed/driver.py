@@ -39,12 +39,7 @@ from typing import Any, Protocol
 
 from servelab.bench.client import Target
 from servelab.bench.distributed.clock import ClockOffset, measure_offset, timing_error_budget
-from servelab.bench.distributed.partition import (
-    concurrency_over_time,
-    partition,
-    split_concurrency,
-)
-from servelab.bench.distributed.protocol import (
+from servelab.bench.distributed.messages import (
     DONE,
     FAILED,
     RECORDS,
@@ -54,9 +49,14 @@ from servelab.bench.distributed.protocol import (
     WorkerInfo,
     WorkerLost,
 )
+from servelab.bench.distributed.partition import (
+    concurrency_over_time,
+    partition,
+    split_concurrency,
+)
 from servelab.bench.monitor import MAX_SEND_LAG_P99_S, ClientHealth
-from servelab.bench.plan import LoadSpec, PlannedRequest
-from servelab.bench.runner import START_DELAY_S, StageResult, request_id, sessions
+from servelab.bench.plan_runner import START_DELAY_S, StageResult, request_id, sessions
+from servelab.bench.request_plan import LoadSpec, PlannedRequest
 from servelab.vocab import ClientRecord
 
 START_LEAD_S = 0.3  # the common start: this long after the last worker is ready (+ round trips)

@@ -1,6 +1,6 @@
 """Local worker processes, seen from the driver.
 
-``ProcessWorker.spawn(index, target)`` starts ``python -m servelab.bench.distributed.worker``
+``ProcessWorker.spawn(index, target)`` starts ``python -m servelab.bench.distributed.bench_worker``
 with one end of a socket pair and talks to it with ``protocol`` messages: calls wait
 for their reply; stage events arrive on their own and are queued for ``events()``. When
 the socket closes the worker is gone: pending calls and ``events()`` raise
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from servelab.bench.client import Target
-from servelab.bench.distributed.protocol import (
+from servelab.bench.distributed.messages import (
     DONE,
     FAILED,
     WorkerCalls,
@@ -72,7 +72,7 @@ class ProcessWorker(WorkerCalls):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "servelab.bench.distributed.worker",
+                "servelab.bench.distributed.bench_worker",
                 "--fd",
                 str(child.fileno()),
                 pass_fds=(child.fileno(),),

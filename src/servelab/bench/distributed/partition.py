@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from servelab.bench.plan import PlannedRequest
-from servelab.bench.runner import sessions
+from servelab.bench.plan_runner import sessions
+from servelab.bench.request_plan import PlannedRequest
 from servelab.vocab import ClientRecord
 
 MAX_POINTS = 300  # points of the concurrency series kept in the manifest

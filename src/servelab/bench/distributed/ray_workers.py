@@ -3,7 +3,7 @@
 ``start_ray_workers(n, target, address, tag)`` connects to the cluster (``auto``,
 ``HOST:PORT`` or ``ray://HOST:PORT``; a Ray already initialised in this process is used
 as it is), checks that it has a CPU per worker, and places ``n`` actors
-(``BenchActor``, each holding a ``WorkerCore``) with one CPU each and the SPREAD
+(``BenchActor``, each holding a ``BenchWorkerCore``) with one CPU each and the SPREAD
 strategy, so they land on different nodes where there are several. Stage events come
 back through a streaming generator (``events``). An actor that dies makes its calls
 and its event stream raise ``WorkerLost``.
@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from servelab.bench.client import Target
-from servelab.bench.distributed.protocol import StageJob, WorkerCalls, WorkerInfo, WorkerLost
-from servelab.bench.distributed.worker import WorkerCore
-from servelab.bench.plan import PlannedRequest
+from servelab.bench.distributed.bench_worker import BenchWorkerCore
+from servelab.bench.distributed.messages import StageJob, WorkerCalls, WorkerInfo, WorkerLost
+from servelab.bench.request_plan import PlannedRequest
 
 ACTOR_READY_TIMEOUT_S = 120.0
 CONNECT_CHECK_TIMEOUT_S = 5.0
@@ -90,10 +90,10 @@ def _connect(ray: Any, address: str) -> bool:
 
 
 class BenchActor:
-    """The actor body: a ``WorkerCore`` behind Ray's async actor methods."""
+    """The actor body: a ``BenchWorkerCore`` behind Ray's async actor methods."""
 
     def __init__(self, index: int, target: Target) -> None:
-        self.core = WorkerCore(index, target)
+        self.core = BenchWorkerCore(index, target)
 
     async def info(self) -> WorkerInfo:
         return self.core.info()

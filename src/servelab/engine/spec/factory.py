@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelab.engine.config import EngineConfig
-from servelab.engine.spec.config import SpeculativeConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine.spec.decoder import SpeculativeDecoder
 from servelab.engine.spec.ngram import NgramProposer
 from servelab.engine.spec.policy import DraftLengthPolicy
 from servelab.engine.spec.proposer import Proposer
+from servelab.engine.spec.spec_config import SpeculativeConfig
 
 
 def build_decoder(

@@ -1,4 +1,4 @@
-"""One request's state at the disaggregated router: where it is (``Stage``), its decode
+"""One request's state at the disaggregated router: where it is (``RouterStage``), its decode
 reservation (``Reserve``), the workers it touched and what its transfer recorded."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.server import ipc
-from servelab.server.disagg import protocol
-from servelab.server.disagg.workers import Worker
+from servelab.server.disagg import wire
+from servelab.server.disagg.worker_pool import Worker
 from servelab.server.engine_client import RequestStream
 
 
-class Stage(str, enum.Enum):
+class RouterStage(str, enum.Enum):
     HELD = "held"  # at the router: no decode worker has room
     PREFILL = "prefill"  # on a prefill worker, before its first token
     HANDOFF = "handoff"  # parked on the prefill worker, no decode reservation yet
@@ -31,12 +31,12 @@ class Reserve(str, enum.Enum):
 class RouterRequest:
     add: ipc.AddRequest
     stream: RequestStream | None
-    stage: Stage = Stage.HELD
+    stage: RouterStage = RouterStage.HELD
     reserve: Reserve = Reserve.NONE
     prefill: int | None = None
     decode: int | None = None
     deadline: float = float("inf")
-    parked: protocol.Parked | None = None
+    parked: wire.Parked | None = None
     need_blocks: int = 0
     sent: bool = False  # the prefill worker has let go of the blocks
     aborting: bool = False

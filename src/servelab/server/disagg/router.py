@@ -48,15 +48,15 @@ import msgspec
 
 from servelab.engine.routing import pick_decode, pick_prefill
 from servelab.server import ipc
-from servelab.server.args import ServerArgs
 from servelab.server.core_process import CoreStartupError, EngineDeadError
-from servelab.server.disagg import protocol, shm
-from servelab.server.disagg.metrics import DisaggMetrics
-from servelab.server.disagg.protocol import KVEvents, WorkerReady
-from servelab.server.disagg.requests import Reserve, RouterRequest, Stage
-from servelab.server.disagg.workers import Worker, make_workers
+from servelab.server.disagg import shm, wire
+from servelab.server.disagg.disagg_metrics import DisaggMetrics
+from servelab.server.disagg.requests import Reserve, RouterRequest, RouterStage
+from servelab.server.disagg.wire import KVEvents, WorkerReady
+from servelab.server.disagg.worker_pool import Worker, make_workers
 from servelab.server.engine_client import CALL_TIMEOUT_S, EXIT_TIMEOUT_S, RequestStream
 from servelab.server.metrics import ServerMetrics
+from servelab.server.server_args import ServerArgs
 from servelab.server.timelines import TimelineStore
 from servelab.vocab import FinishReason, RequestTimeline
 
@@ -230,12 +230,12 @@ class DisaggClient:
     @staticmethod
     def _depends_on(r: RouterRequest, w: Worker) -> bool:
         if r.prefill == w.index and not r.sent:
-            return r.stage in (Stage.PREFILL, Stage.HANDOFF, Stage.TRANSFER)
-        return r.decode == w.index and r.stage is not Stage.HELD
+            return r.stage in (RouterStage.PREFILL, RouterStage.HANDOFF, RouterStage.TRANSFER)
+        return r.decode == w.index and r.stage is not RouterStage.HELD
 
     def _worker_lost(self, r: RouterRequest, w: Worker) -> None:
         """``w`` is gone while holding part of ``r``: end ``r``, free its other side."""
-        if r.stage is Stage.TRANSFER:
+        if r.stage is RouterStage.TRANSFER:
             self.dmetrics.transfer_failed("worker_died")
         self._abort_everywhere(r)
         reason = w.dead_reason or f"the {w.name} worker is not accepting requests"
@@ -301,7 +301,7 @@ class DisaggClient:
         r.stream = None
         with contextlib.suppress(ValueError):
             self._awaiting.remove(request_id)
-        if r.stage is Stage.HELD:
+        if r.stage is RouterStage.HELD:
             self._close(r, self._router_timeline(r, FinishReason.ABORT))
             return
         r.aborting = True
@@ -346,7 +346,7 @@ class DisaggClient:
         pick = pick_prefill([x.outstanding for x in live])
         assert pick is not None  # live is not empty
         w = live[pick]
-        r.stage, r.prefill, r.deadline = Stage.PREFILL, w.index, float("inf")
+        r.stage, r.prefill, r.deadline = RouterStage.PREFILL, w.index, float("inf")
         w.outstanding += 1
         w.adds_sent += 1
         if not self._send(w, r.add):
@@ -372,9 +372,9 @@ class DisaggClient:
             self._awaiting.popleft()
             r.reserve, r.decode = Reserve.ASKED, w.index
             w.asked[r.rid] = r.need_blocks
-            if r.stage is Stage.HANDOFF:
-                r.stage, r.deadline = Stage.TRANSFER, self.clock() + self.transfer_timeout
-            msg = protocol.ImportKV(
+            if r.stage is RouterStage.HANDOFF:
+                r.stage, r.deadline = RouterStage.TRANSFER, self.clock() + self.transfer_timeout
+            msg = wire.ImportKV(
                 r.rid,
                 r.add.prompt_token_ids,
                 r.add.sampling,
@@ -384,12 +384,12 @@ class DisaggClient:
             )
             if not self._send(w, msg):
                 self._worker_lost(r, w)
-            elif r.stage is Stage.HELD:
+            elif r.stage is RouterStage.HELD:
                 self._to_prefill(r)
         self._publish()
 
     def _num_held(self) -> int:
-        return sum(1 for rid in self._awaiting if self._reqs[rid].stage is Stage.HELD)
+        return sum(1 for rid in self._awaiting if self._reqs[rid].stage is RouterStage.HELD)
 
     # ---- worker messages ----
 
@@ -441,7 +441,7 @@ class DisaggClient:
             if r.stream is not None:
                 r.stream.push(out)
             return
-        if r.stage is Stage.PREFILL and r.prefill is not None:
+        if r.stage is RouterStage.PREFILL and r.prefill is not None:
             self.workers[r.prefill].outstanding -= 1
         if w.role == "prefill" and r.decode is not None:  # ended at its first token
             self._send(self.workers[r.decode], ipc.Abort([r.rid]))  # free the reservation
@@ -451,7 +451,7 @@ class DisaggClient:
             if r.stream is not None:
                 r.stream.push(out)
             return
-        owner = r.decode if r.stage is Stage.DECODE else r.prefill
+        owner = r.decode if r.stage is RouterStage.DECODE else r.prefill
         if r.aborting and w.index != owner:
             # The other side's copy (e.g. a reservation's) lacks what the client already got.
             out.timeline = self._router_timeline(r, FinishReason.ABORT)
@@ -475,21 +475,21 @@ class DisaggClient:
             r.transfer.update(prefill_worker=w.index, transport=self.args.kv_transport)
             r.transfer["parked"] = p.parked_at
             if r.reserve is Reserve.NONE:
-                r.stage, r.deadline = Stage.HANDOFF, now + self.handoff_timeout
+                r.stage, r.deadline = RouterStage.HANDOFF, now + self.handoff_timeout
             else:
-                r.stage, r.deadline = Stage.TRANSFER, now + self.transfer_timeout
+                r.stage, r.deadline = RouterStage.TRANSFER, now + self.transfer_timeout
         for res in ev.reserved:
             w.asked.pop(res.request_id, None)
             r = self._live_req(res.request_id)
             if r is None:
                 continue
             r.reserve = Reserve.RESERVED
-            if r.stage is Stage.TRANSFER:
+            if r.stage is RouterStage.TRANSFER:
                 r.deadline = max(r.deadline, now + self.transfer_timeout)
             r.transfer.update(decode_worker=w.index, skipped_blocks=res.skip_blocks)
             p = self.workers[r.prefill or 0]
             address = w.ready.kv_address if w.ready else None
-            if not self._send(p, protocol.SendKV(r.rid, address or "", res.skip_blocks, w.index)):
+            if not self._send(p, wire.SendKV(r.rid, address or "", res.skip_blocks, w.index)):
                 self._worker_lost(r, p)
         for ref in ev.refused:
             w.asked.pop(ref.request_id, None)
@@ -499,8 +499,8 @@ class DisaggClient:
             if ref.retry:  # keep its place at the front; its prefill goes on meanwhile
                 w.refused = True
                 r.reserve, r.decode = Reserve.NONE, None
-                if r.stage is Stage.TRANSFER:
-                    r.stage, r.deadline = Stage.HANDOFF, now + self.handoff_timeout
+                if r.stage is RouterStage.TRANSFER:
+                    r.stage, r.deadline = RouterStage.HANDOFF, now + self.handoff_timeout
                 self._awaiting.appendleft(r.rid)
             else:
                 self.dmetrics.transfer_failed("refused")
@@ -533,8 +533,8 @@ class DisaggClient:
                 self._replay(r)
         self._dispatch()
 
-    def _imported(self, r: RouterRequest, imp: protocol.Imported) -> None:
-        r.stage, r.deadline = Stage.DECODE, float("inf")
+    def _imported(self, r: RouterRequest, imp: wire.Imported) -> None:
+        r.stage, r.deadline = RouterStage.DECODE, float("inf")
         t = r.transfer
         t.update(received=imp.received, end=imp.end)
         # The sender's own report (``sent``) comes on the prefill worker's channel and can
@@ -577,7 +577,7 @@ class DisaggClient:
 
     def _timed_out(self, r: RouterRequest) -> None:
         self.dmetrics.transfer_failed("timeout")
-        if r.stage in (Stage.HELD, Stage.HANDOFF):
+        if r.stage in (RouterStage.HELD, RouterStage.HANDOFF):
             what = (
                 f"no decode worker had room for its {r.need_blocks} KV blocks within "
                 f"{self.handoff_timeout:g} s (--kv-handoff-timeout); add decode workers or "
@@ -610,7 +610,7 @@ class DisaggClient:
         r = self._reqs.get(rid)
         if r is None:
             return
-        if r.stage is Stage.PREFILL and r.prefill is not None:
+        if r.stage is RouterStage.PREFILL and r.prefill is not None:
             self.workers[r.prefill].outstanding -= 1
         reason = FinishReason.ABORT if r.aborting else FinishReason.ERROR
         tl = self._router_timeline(r, reason, None if r.aborting else message)

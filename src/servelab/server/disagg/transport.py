@@ -37,8 +37,8 @@ import torch
 import zmq
 
 from servelab.server.disagg import shm
-from servelab.server.disagg.engine import TransferError
-from servelab.server.disagg.protocol import KVHeader, decode_header, encode
+from servelab.server.disagg.wire import KVHeader, decode_header, encode
+from servelab.server.disagg.worker_engine import TransferError
 
 _SEND_HWM = 64  # transfers queued in ZeroMQ per destination; more wait in the sender's backlog
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelab.engine.engine import EngineStepResult, LLMEngine
+from servelab.engine.engine_stats import EngineStats
 from servelab.engine.kv_cache_plain import KVCache
 from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
-from servelab.engine.stats import EngineStats
-from servelab.server.disagg.protocol import (
+from servelab.server.disagg.wire import (
     Imported,
     ImportKV,
     KVHeader,

@@ -24,7 +24,7 @@ import numpy as np
 
 from servelab.bench.arrivals import ARRIVALS, arrival_times
 from servelab.bench.datasets import Dataset, load_dataset
-from servelab.bench.datasets.select import Sampler, Selection
+from servelab.bench.datasets.select import Selection, SessionSampler
 from servelab.bench.datasets.tracetext import TraceText
 from servelab.bench.prompts import PromptFactory, TokenizerLike, lead_number, lead_word
 from servelab.bench.traces import TraceRow, load_trace, scale_trace
@@ -247,7 +247,7 @@ class _Context:
     seed: int
     clipped: dict[str, int] = field(default_factory=lambda: {"inputs": 0, "outputs": 0})
     prefix_cache: dict[tuple[str, int, int], tuple[str, int]] = field(default_factory=dict)
-    samplers: dict[str, Sampler] = field(default_factory=dict)
+    samplers: dict[str, SessionSampler] = field(default_factory=dict)
 
 
 def _chat_wrap(tokenizer: TokenizerLike) -> Callable[[str], str]:
@@ -340,7 +340,7 @@ def _samplers(
         def default_output(out: Any = out) -> int:
             return int(out.sample_int(streams.lengths, 1, length_scale)[0])
 
-        ctx.samplers[cls.name] = Sampler(
+        ctx.samplers[cls.name] = SessionSampler(
             ds,
             Selection(
                 multi_turn=src.conversation == "multi-turn",

@@ -1,8 +1,8 @@
 """A disaggregated worker process: an engine core in the prefill or the decode role.
 
-Started by the router as ``python -m servelab.server.disagg.worker`` with a ``WorkerConfig`` (JSON)
-on stdin. It is the engine core's loop (``server/core.py``, same channels, same StepBatch
-outputs) over a ``DisaggEngine``, plus the hand-off messages of ``protocol.py``:
+Started by the router as ``python -m servelab.server.disagg.worker_process`` with a ``WorkerConfig`` (JSON)
+on stdin. It is the engine core's loop (``server/engine_core.py``, same channels, same StepBatch
+outputs) over a ``DisaggEngine``, plus the hand-off messages of ``wire.py``:
 
 - **prefill**: requests arrive as ``AddRequest``; after the step that samples a request's
   first token the StepBatch carrying that token goes out first, then ``KVEvents.parked``.
@@ -29,10 +29,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from servelab.server import core, ipc
-from servelab.server.disagg import protocol
-from servelab.server.disagg.engine import DisaggEngine, TransferError
-from servelab.server.disagg.protocol import (
+from servelab.server import engine_core, ipc
+from servelab.server.disagg import wire
+from servelab.server.disagg.wire import (
     Failed,
     ImportKV,
     KVEvents,
@@ -41,8 +40,9 @@ from servelab.server.disagg.protocol import (
     WorkerConfig,
     WorkerReady,
 )
+from servelab.server.disagg.worker_engine import DisaggEngine, TransferError
 
-log = logging.getLogger("servelab.server.disagg.worker")
+log = logging.getLogger("servelab.server.disagg.worker_process")
 
 _DEADLINE_POLL_MS = 100  # idle wake-up period while a transfer deadline is pending
 _BACKLOG_POLL_MS = 2  # idle wake-up period while transfers wait for their socket
@@ -50,13 +50,13 @@ _BACKLOG_POLL_MS = 2  # idle wake-up period while transfers wait for their socke
 
 def build_engine(cfg: ipc.CoreConfig) -> DisaggEngine:
     """The default engine factory of a worker: the real model in a DisaggEngine."""
-    return core.build_engine(cfg, DisaggEngine)
+    return engine_core.build_engine(cfg, DisaggEngine)
 
 
-class WorkerCore(core.EngineCore):
+class WorkerCore(engine_core.EngineCore):
     """The engine core's loop plus the hand-off (see the module docstring)."""
 
-    decode_input = staticmethod(protocol.decode_worker_input)
+    decode_input = staticmethod(wire.decode_worker_input)
 
     def __init__(
         self,
@@ -98,7 +98,7 @@ class WorkerCore(core.EngineCore):
     def ready_message(self, cfg: ipc.CoreConfig) -> Any:
         return WorkerReady(
             self.info(cfg),
-            core.stats_dict(self.engine),
+            engine_core.stats_dict(self.engine),
             self.receiver.address if self.receiver is not None else None,
             sorted(os.sched_getaffinity(0)),
         )
@@ -138,7 +138,7 @@ class WorkerCore(core.EngineCore):
         assert self.sender is not None
         sender = self.sender
 
-        def send(header: protocol.KVHeader, blocks: list[Any]) -> int:
+        def send(header: wire.KVHeader, blocks: list[Any]) -> int:
             return sender.send(msg.address, header, blocks)
 
         try:
@@ -196,8 +196,8 @@ class WorkerCore(core.EngineCore):
     def _flush_events(self) -> bool:
         if not self._events:
             return False
-        self._events.stats = core.stats_dict(self.engine)
-        self.outputs.send(protocol.encode(self._events))
+        self._events.stats = engine_core.stats_dict(self.engine)
+        self.outputs.send(wire.encode(self._events))
         self._events = self._new_events()
         return True
 
@@ -224,7 +224,7 @@ def main() -> int:
     def make_core(engine: Any, inputs: Any, outputs: Any, parent_pid: int) -> WorkerCore:
         return WorkerCore(engine, inputs, outputs, parent_pid, wcfg)
 
-    return core.run_core(wcfg.core, make_core)
+    return engine_core.run_core(wcfg.core, make_core)
 
 
 if __name__ == "__main__":

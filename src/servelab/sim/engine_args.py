@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.engine_flags import RENAMED, Flag, config_key, spell, split_flags
 from servelab.units import parse_size_gb
 

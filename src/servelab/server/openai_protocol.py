@@ -17,7 +17,7 @@ import msgspec
 
 from servelab.engine.sampling_params import SamplingParams
 from servelab.server.bounds import json_too_deep, least_tokens
-from servelab.server.errors import APIError
+from servelab.server.openai_errors import APIError
 
 SSE_DONE = b"data: [DONE]\n\n"
 _MAX_SEED = 2**63 - 1

@@ -1,6 +1,6 @@
 """What is simulated: a cost model plus the engine settings and model facts around it.
 
-A :class:`SimTarget` builds replicas for :class:`~servelab.sim.loop.Simulation`: each is
+A :class:`SimTarget` builds replicas for :class:`~servelab.sim.simulation.Simulation`: each is
 the engine's own ``LLMEngine`` over a :class:`SimExecutor` on a virtual clock.
 """
 
@@ -10,10 +10,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
+from servelab.sim.cost_executor import CostModel, PacedExecutor, SimExecutor, VirtualClock
 from servelab.sim.dtypes import Precision
 from servelab.sim.engine_defaults import engine_defaults, sglang_max_running
-from servelab.sim.executor import CostModel, PacedExecutor, SimExecutor, VirtualClock
 from servelab.sim.hardware import Hardware, get_hardware
 from servelab.sim.history import Resend
 from servelab.sim.modelspec import ModelSpec, load_model_spec

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from servelab.engine.plan import BatchPlan, StepOutput
+from servelab.engine.batch_plan import BatchPlan, StepOutput
 from servelab.sim.work import StepWork, work_of_plan
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from servelab.sim.history import Resend
-from servelab.sim.loop import SimRequest
+from servelab.sim.simulation import SimRequest
 from servelab.vocab import RequestTags
 
 _FILLER = 13  # any id: after a unique first block, the chained block hashes differ anyway

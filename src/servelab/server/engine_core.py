@@ -1,6 +1,6 @@
 """The engine-core process: owns the LLMEngine and runs its step loop.
 
-Started by the API process as ``python -m servelab.server.core`` with a CoreConfig (JSON)
+Started by the API process as ``python -m servelab.server.engine_core`` with a CoreConfig (JSON)
 on stdin. Contract:
 - It connects to the API's two ZeroMQ channels, builds the engine, warms it up, then
   sends ``Ready`` (or ``StartupFailed`` and exits 1).
@@ -38,7 +38,7 @@ from servelab.model import kernel_build
 from servelab.server import ipc
 from servelab.server.heap import MALLOC_TRIM, keep_step_buffers
 
-log = logging.getLogger("servelab.server.core")
+log = logging.getLogger("servelab.server.engine_core")
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that the API process is still there
 _STALL_POLL_MS = 10  # retry period when requests are unfinished but none could be scheduled
@@ -56,7 +56,7 @@ def build_engine(cfg: ipc.CoreConfig, engine_cls: type | None = None) -> Any:
     # The core is one Python thread driving torch; a second inter-op pool only competes for CPUs.
     torch.set_num_interop_threads(1)
     keep_step_buffers()
-    from servelab.engine.config import EngineConfig
+    from servelab.engine.engine_config import EngineConfig
     from servelab.model.build import build_engine as build_model_engine
 
     return build_model_engine(

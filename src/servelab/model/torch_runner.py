@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from servelab.engine.plan import BatchPlan, ScheduledSeq, StepOutput
+from servelab.engine.batch_plan import BatchPlan, ScheduledSeq, StepOutput
 from servelab.model import cpu_kernels
 from servelab.model.llama import BATCHED_MAX_QUERY, AttentionGroup, ForwardBatch
 from servelab.model.loader import LoadedModel

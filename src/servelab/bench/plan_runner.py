@@ -21,8 +21,8 @@ from functools import partial
 
 from servelab.bench.client import Outcome, Target, send
 from servelab.bench.http import HttpClient
-from servelab.bench.plan import LoadSpec, PlannedRequest
 from servelab.bench.recount import Recounter
+from servelab.bench.request_plan import LoadSpec, PlannedRequest
 from servelab.vocab import ClientRecord
 
 START_DELAY_S = 0.05  # the first intended send is this far after the run starts
@@ -77,7 +77,7 @@ def _session_taker(
     return take
 
 
-class Runner:
+class PlanRunner:
     """Runs one stage. ``on_send(req)``/``on_record(rec)`` feed the display, the run
     directory and a distributed worker's reports."""
 

@@ -22,7 +22,7 @@ def export_hf_command(
     that transformers and vLLM load as-is. GGUF weights are dequantised to fp32."""
     import logging
 
-    from servelab.model.export import export_hf
+    from servelab.model.hf_export import export_hf
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.server import ipc
-from servelab.server.args import ServerArgs
 from servelab.server.core_process import CoreProcess
-from servelab.server.disagg import protocol
+from servelab.server.disagg import wire
 from servelab.server.disagg.cpus import describe, split_cpus, usable_cpus
-from servelab.server.disagg.protocol import WorkerConfig, WorkerReady
+from servelab.server.disagg.wire import WorkerConfig, WorkerReady
+from servelab.server.server_args import ServerArgs
 
 
 @dataclass
@@ -80,7 +80,7 @@ def make_workers(
     workers = []
     for i, (role, name, cpus) in enumerate(zip(roles, names, plan)):
         proc = CoreProcess(
-            "servelab.server.disagg.worker", protocol.decode_worker_output, f"{name} worker"
+            "servelab.server.disagg.worker_process", wire.decode_worker_output, f"{name} worker"
         )
         core = ipc.CoreConfig(
             model=a.model,
@@ -90,7 +90,7 @@ def make_workers(
             device=a.device,
             torch_threads=cpus.threads,
             log_level=a.log_level,
-            engine_factory=engine_factory or "servelab.server.disagg.worker:build_engine",
+            engine_factory=engine_factory or "servelab.server.disagg.worker_process:build_engine",
         )
         cfg = WorkerConfig(
             core=core,

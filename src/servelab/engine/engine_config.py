@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from servelab.engine.spec.config import SpeculativeConfig
+from servelab.engine.spec.spec_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from servelab.engine.executor import Executor

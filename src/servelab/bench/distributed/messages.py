@@ -1,6 +1,6 @@
 """What the driver and its workers say to each other.
 
-Driver -> worker (calls on a ``WorkerCore``, over a socket or as Ray actor methods):
+Driver -> worker (calls on a ``BenchWorkerCore``, over a socket or as Ray actor methods):
 ``ping`` (clock), ``setup(StageJob)``, ``feed(sessions, end)``, ``start(at)``, ``stop``.
 Worker -> driver: batches of events, in order, ending with one ``DONE`` or ``FAILED``:
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.bench.monitor import ClientHealth
-from servelab.bench.plan import LoadSpec, PlannedRequest
+from servelab.bench.request_plan import LoadSpec, PlannedRequest
 
 SENT = "sent"
 RECORDS = "records"

@@ -1,7 +1,7 @@
-"""A benchmark worker: runs its share of each stage with the ordinary ``Runner``.
+"""A benchmark worker: runs its share of each stage with the ordinary ``PlanRunner``.
 
-``WorkerCore`` is the worker itself, whatever carries its calls: a local child process
-(``python -m servelab.bench.distributed.worker --fd N``, driven over a socket pair by
+``BenchWorkerCore`` is the worker itself, whatever carries its calls: a local child process
+(``python -m servelab.bench.distributed.bench_worker --fd N``, driven over a socket pair by
 ``local.ProcessWorker``) or a Ray actor (``ray_workers``). Per stage the driver calls
 ``setup(job)``, optionally ``feed(...)``, then ``start(at)`` with the common start on
 this worker's clock; the worker keeps its own self-check (``LoopMonitor``) and queues
@@ -28,7 +28,7 @@ from typing import Any
 
 from servelab.bench.client import Target
 from servelab.bench.distributed.clock import boot_id
-from servelab.bench.distributed.protocol import (
+from servelab.bench.distributed.messages import (
     DONE,
     FAILED,
     RECORDS,
@@ -39,11 +39,11 @@ from servelab.bench.distributed.protocol import (
     encode,
     read_message,
 )
+from servelab.bench.event_loop import run_loop
 from servelab.bench.http import HttpClient
-from servelab.bench.loop import run_loop
 from servelab.bench.monitor import LoopMonitor
-from servelab.bench.plan import PlannedRequest
-from servelab.bench.runner import Runner, request_id
+from servelab.bench.plan_runner import PlanRunner, request_id
+from servelab.bench.request_plan import PlannedRequest
 from servelab.vocab import ClientRecord
 
 WORKER_HEADER = "X-Servelab-Worker"
@@ -86,7 +86,7 @@ class SessionFeed:
         return self._queue.popleft()
 
 
-class WorkerCore:
+class BenchWorkerCore:
     """One worker's state across stages (see the module doc). Runs on the caller's loop."""
 
     def __init__(self, index: int, target: Target) -> None:
@@ -179,7 +179,7 @@ class WorkerCore:
     async def _run(self, job: StageJob, at: float) -> None:
         try:
             late = max(0.0, time.monotonic() - at)
-            runner = Runner(
+            runner = PlanRunner(
                 self.http,
                 self.target,
                 job.load,
@@ -221,10 +221,10 @@ async def serve(sock: socket.socket) -> None:
     text)``; stage events go out as ``("events", batch)``.
     """
     reader, writer = await asyncio.open_connection(sock=sock)
-    core: WorkerCore | None = None
+    core: BenchWorkerCore | None = None
     pump: asyncio.Task[None] | None = None
 
-    async def forward(c: WorkerCore) -> None:
+    async def forward(c: BenchWorkerCore) -> None:
         with contextlib.suppress(ConnectionError):  # the driver went away: nothing to tell
             while (batch := await c.next_batch()) is not None:
                 writer.write(encode(("events", batch)))
@@ -233,7 +233,7 @@ async def serve(sock: socket.socket) -> None:
     def call(op: str, args: tuple[Any, ...]) -> Any:
         nonlocal core, pump
         if op == "init":
-            core = WorkerCore(*args)
+            core = BenchWorkerCore(*args)
             return core.info()
         if core is None:
             raise RuntimeError(f"{op!r} before init")

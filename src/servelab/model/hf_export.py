@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from servelab.model.config import ModelConfig
+from servelab.model.model_config import ModelConfig
 from servelab.model.registry import is_gguf, resolve_model
 from servelab.model.tokenizer import Tokenizer
 

@@ -1,7 +1,7 @@
 """The discrete-event loop: clients, a network, a router and engine replicas in virtual time.
 
 Each replica is the engine's own ``LLMEngine`` (its scheduler and KV cache unchanged)
-over a :class:`~servelab.sim.executor.SimExecutor` with its own virtual clock. The loop
+over a :class:`~servelab.sim.cost_executor.SimExecutor` with its own virtual clock. The loop
 always advances whichever comes first: the next client/network event, or the step of
 the busy replica whose clock is furthest behind. So every replica sees requests at the
 moment they reach it, and a router sees the replicas as of that moment.
@@ -32,7 +32,7 @@ from typing import Any
 from servelab.engine.request import RequestOutput
 from servelab.engine.routing import Router, make_router
 from servelab.engine.sampling_params import SamplingParams
-from servelab.sim.executor import SimExecutor, VirtualClock
+from servelab.sim.cost_executor import SimExecutor, VirtualClock
 from servelab.sim.links import Link
 from servelab.vocab import (
     COLOCATED,
