@@ -27,10 +27,11 @@ from typing import Any
 from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
-from servelab.model import cpu_kernels, kernel_build
-from servelab.model.build import build_engine, default_threads
 from servelab.sim.profiled import ProfileSample, ProfileTable
 from servelab.sim.work import StepWork
+
+# The model package (torch, 6 s to import) is imported only by the functions that run the
+# engine, so that `table_from_runs` serves tools that never load a model.
 
 # A shape: the (new tokens, cached context before them) of every sequence in the step.
 Shape = list[tuple[int, int]]
@@ -201,6 +202,8 @@ def profile_engine(
     simulator needs to size its KV pool and context exactly like this engine."""
     import torch
 
+    from servelab.model import cpu_kernels, kernel_build
+
     runner = engine.executor
     bs = engine.config.block_size
     shapes, too_big = fitting_shapes(engine, shapes)
@@ -240,6 +243,8 @@ def profile(
 ) -> ProfileTable:
     """Load ``model`` into the real engine (weights in ``quantization`` mode) and profile
     it over ``grid(grid_kind)``."""
+    from servelab.model.build import build_engine, default_threads
+
     shapes = grid(grid_kind)
     engine = build_engine(
         model,
