@@ -20,7 +20,9 @@ from servelab.analyze.promscrape import ServerEstimates
 from servelab.analyze.stats import confidence_label, spearman
 from servelab.analyze.summary import run_timeslices, stage_summaries
 from servelab.analyze.timeseries import ServerSeries
+from servelab.analyze.timeslices import DEFAULT_SLICE_DURATION, timeslices
 from servelab.rundir import Run
+from servelab.vocab import ClientRecord
 
 # Thresholds, in one place so the docs can quote them.
 MIN_REQUESTS = 10
@@ -40,6 +42,7 @@ CLIENT_LAG_LIMIT = 0.001  # the benchmark's own accuracy target (docs/reference-
 CLIENT_LAG_SHARE = 0.05  # lag that distorts TTFT p50 by this much matters
 NETWORK_SHARE = 0.3
 NETWORK_MIN = 0.020
+OPEN_LOOP_WINDOWS = 12  # the open-loop sending window is cut into at least this many windows
 
 
 @dataclass(kw_only=True)
@@ -277,9 +280,25 @@ def _burst_or_capacity(c: Context) -> tuple[str, dict[str, Any]]:
 
 
 def over_saturated(c: Context) -> Finding | None:
-    """The run never reached a steady state (``analyze.timeslices``): per stage for a sweep."""
-    per_stage = {k: v.get("timeslices") for k, v in stage_summaries(c.run).items()}
-    stages = per_stage or {"": run_timeslices(c.run, c.series)}
+    """The run never reached a steady state (``analyze.timeslices``), judged over its
+    open-loop sending window (``_open_loop_slices``): per stage for a sweep."""
+    m = c.run.manifest
+    load = (m.get("config") or {}).get("load") or m.get("load") or {}
+    stage_loads = {s.get("label"): s.get("load") or load for s in m.get("stages") or []}
+    per_stage = {
+        k: _open_loop_slices(
+            c,
+            [r for r in c.run.records if r.stage == k],
+            v.get("timeslices"),
+            stage_loads.get(k, load),
+        )
+        for k, v in stage_summaries(c.run).items()
+    }
+    stages = per_stage or {
+        "": _open_loop_slices(
+            c, c.run.records, run_timeslices(c.run, c.series), load, c.run.window[0]
+        )
+    }
     over = {
         label: ts
         for label, ts in stages.items()
@@ -301,6 +320,8 @@ def over_saturated(c: Context) -> Finding | None:
         "p_ttft_rising": ttft["p_rising"],
         "p_queue_depth_rising": depth["p_rising"],
     }
+    if ts.get("open_loop_window_s") is not None:
+        ev["open_loop_window_s"] = round(ts["open_loop_window_s"], 1)
     if label:
         ev["stages"] = ", ".join(over)
     where = f" (stage {', '.join(over)})" if label else ""
@@ -319,6 +340,39 @@ def over_saturated(c: Context) -> Finding | None:
         exact=True,
         levers=["capacity"],
     )
+
+
+def _open_loop_slices(
+    c: Context,
+    records: list[ClientRecord],
+    stored: dict[str, Any] | None,
+    load: dict[str, Any],
+    start: float | None = None,
+) -> dict[str, Any] | None:
+    """The time windows over the open-loop sending window: from the first send to the last
+    first turn's. After it, an open loop of multi-turn sessions only sends the later turns
+    of sessions already begun, each as its previous turn is answered: that tail drains the
+    queue whatever the server's capacity, and a trend test over the whole run reads the rise
+    and fall as no trend. ``stored`` (the whole run's) stands where there is no such tail:
+    a closed loop, or no later turn sent after the last first turn.
+
+    The sending window is cut into at least ``OPEN_LOOP_WINDOWS`` windows (shorter than
+    ``--slice-duration`` where it must): a minute of sends in 10 s windows gives the trend
+    test six points, where one slow first window (the queue forms within seconds) is enough
+    to leave a doubling TTFT unproven."""
+    firsts = [r.actual_send for r in records if r.turn == 0]
+    if load.get("rate") is None or load.get("concurrency") is not None or not firsts:
+        return stored
+    end = max(firsts)
+    if not any(r.turn > 0 and r.actual_send > end for r in records):
+        return stored
+    begin = min(firsts) if start is None else start
+    config = c.run.manifest.get("config") or {}
+    slice_s = float(config.get("slice_duration") or DEFAULT_SLICE_DURATION)
+    slice_s = min(slice_s, (end - begin) / OPEN_LOOP_WINDOWS) if end > begin else slice_s
+    ts = timeslices(records, begin, end, slice_duration=slice_s, series=c.series)
+    ts["open_loop_window_s"] = end - begin
+    return ts
 
 
 def itl_prefill_interference(c: Context) -> Finding | None:
