@@ -344,6 +344,7 @@ def _scenario(flags: Mapping[str, Any], load: LoadSpec) -> Scenario:
         sim_seed=flags["sim_seed"],
     )
     info["sim_seed"] = flags["sim_seed"]
+    info["endpoint"] = flags["endpoint"]
     if flags["slo"] is not None:
         override = SLO.parse(flags["slo"])
         slos = {k: v.merged(override) for k, v in slos.items()} if slos else override
@@ -410,6 +411,8 @@ def _simulate_point(
             "trace": info.get("trace"),
             "plan": info.get("plan"),
             "sim_seed": scenario.sim_seed,
+            "seed": info.get("seed"),
+            "endpoint": info.get("endpoint"),
         },
     )
     typer.echo(f"wrote {run_dir}")
