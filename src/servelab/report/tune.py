@@ -1,0 +1,378 @@
+"""`servelab tune` in the terminal and as an HTML page.
+
+Both show the same four parts: the findings the decision rests on, the self-check (the
+replay of the run as it ran against its measured figures), the decision (the chosen
+setting with predicted before -> after per class, the best value of each other knob,
+capacity, rejected and unpredicted candidates) and, after ``--verify``, predicted against
+measured per class with intervals and the significance test. Every HTML section carries
+``data-section`` (``tune-findings``, ``tune-check``, ``tune-decision``, ``tune-verify``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
+from rich.console import Console
+from rich.table import Table
+
+from servelab.analyze.candidates import serve_flags
+from servelab.analyze.decision import Decision, Judged
+from servelab.analyze.prediction import (
+    CHECKED,
+    Prediction,
+    Spread,
+    is_latency,
+    label,
+)
+from servelab.analyze.tuning import Tuning
+from servelab.analyze.verification import AS_RUN, TUNED, Verification
+from servelab.report.html import CSS, esc, figure_div
+
+# Per class, the figures shown before -> after for a decision.
+SHOWN = ("ttft_p50", "ttft_p95", "itl_p99", "tpot_p50", "e2e_p95", "attainment")
+_VERDICT_STYLE = {"ok": "green", "thin": "yellow", "strayed": "red", "unmeasured": "dim"}
+
+
+def value(name: str, x: float | None) -> str:
+    """A figure in the unit people read: ms for latencies."""
+    if x is None:
+        return "-"
+    if is_latency(name):
+        return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.3g} s"
+    if name == "attainment":
+        return f"{x:.0%}"
+    return f"{x:.3g}"
+
+
+def spread_text(name: str, s: Spread | None) -> str:
+    if s is None:
+        return "-"
+    if s.lo == s.hi:
+        return value(name, s.median)
+    return f"{value(name, s.median)} [{value(name, s.lo)}, {value(name, s.hi)}]"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def _where(scope: str, name: str) -> str:
+    return label(name) + ("" if scope == "overall" else f" ({scope})")
+
+
+def check_table(t: Tuning) -> Table | None:
+    if t.check is None:
+        return None
+    tab = Table(
+        title=f"self-check: the run replayed as it ran, {t.seeds} simulator seeds "
+        f"(tolerance {t.check.tolerance:.0%})",
+        title_justify="left",
+    )
+    for col in ("scope", "figure", "measured", "replay [range]", "error", "verdict"):
+        tab.add_column(col, justify="left" if col in ("scope", "figure", "verdict") else "right")
+    for r in t.check.rows:
+        style = _VERDICT_STYLE[r.verdict]
+        tab.add_row(
+            r.scope,
+            label(r.name),
+            value(r.name, r.measured),
+            spread_text(r.name, r.replay),
+            _pct(r.error),
+            f"[{style}]{r.verdict}[/]",
+        )
+    return tab
+
+
+def before_after_table(base: Prediction, j: Judged, names: tuple[str, ...] = SHOWN) -> Table:
+    """Per class and figure: the as-run replay's median -> the candidate's, with the
+    candidate's range over seeds."""
+    tab = Table(title=f"predicted before -> after: {j.candidate.title}", title_justify="left")
+    for col in ("scope", "figure", "as run", "after", "range over seeds"):
+        tab.add_column(col, justify="left" if col in ("scope", "figure") else "right")
+    for scope in base.scopes:
+        for n in names:
+            a, b = base.spread(scope, n), j.prediction.spread(scope, n)
+            if b is None:
+                continue
+            tab.add_row(
+                scope,
+                label(n),
+                value(n, a.median if a else None),
+                value(n, b.median),
+                f"{value(n, b.lo)} - {value(n, b.hi)}",
+            )
+    return tab
+
+
+def render_tuning(t: Tuning, console: Console) -> None:
+    console.rule(f"[bold]tune: {t.run}")
+    if t.findings:
+        console.print("[bold]findings the candidates come from[/]")
+        for f in t.findings:
+            levers = ", ".join(f.levers) or "no lever"
+            console.print(f"  [yellow]> {f.title}[/] [dim]({f.confidence_label}; {levers})[/]")
+    else:
+        console.print("[green]no findings[/]: nothing in this run calls for a change")
+    tab = check_table(t)
+    if tab is not None:
+        console.print(tab)
+    if t.refused:
+        console.print(f"[bold red]no prediction:[/] {t.refused}")
+    d = t.decision
+    if d is not None and t.baseline is not None:
+        _render_decision(t, d, console)
+    if t.verification is not None:
+        _render_verification(t.verification, console)
+    for note in t.notes:
+        console.print(f"[dim]note: {note}[/]")
+    if t.timings:
+        parts = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in t.timings.items())
+        console.print(f"[dim]time: {parts}[/]")
+
+
+def _render_decision(t: Tuning, d: Decision, console: Console) -> None:
+    assert t.baseline is not None
+    console.rule(f"[bold]decision[/] (objective: {d.objective.text})")
+    if d.chosen is None:
+        console.print(
+            "[bold]keep the run's config[/]: no candidate is predicted to improve both the "
+            "objective and its own target (see the rejected ones below)"
+        )
+    else:
+        c = d.chosen.candidate
+        flags = serve_flags(c.engine) if c.engine else ""
+        prio = ", ".join(f"{k}={v}" for k, v in c.priorities.items())
+        console.print(f"[bold green]apply: {c.title}[/]")
+        if flags:
+            console.print(f"  servelab serve {flags}")
+        if prio:
+            console.print(f"  class priorities (lower first): {prio}")
+        console.print(f"  predicted: {d.chosen.reason}")
+        console.print(f"  cost: {c.cost}")
+        console.print(before_after_table(t.baseline, d.chosen))
+    if len(d.ranked) > 1:
+        tab = Table(title="the best value of each knob", title_justify="left")
+        for col in ("setting", "objective", "target", "cost"):
+            tab.add_column(col, justify="left")
+        for j in d.ranked:
+            sc, fig = j.candidate.target
+            tab.add_row(
+                j.candidate.title,
+                _pct(j.objective_gain),
+                f"{_where(sc, fig)} {_pct(j.target_gain)}",
+                j.candidate.cost,
+            )
+        console.print(tab)
+    if d.capacity:
+        console.print("[bold]capacity[/] (more hardware, not a setting of this machine):")
+        for j in d.capacity:
+            console.print(f"  {j.candidate.title}: {j.reason}; cost {j.candidate.cost}")
+    if d.rejected:
+        console.print("[bold]considered and rejected[/]")
+        for r in d.rejected:
+            console.print(f"  [dim]- {r.candidate.title}:[/] {r.reason}")
+    if d.unpredicted:
+        console.print("[bold]not predicted[/]")
+        for u in d.unpredicted:
+            console.print(f"  [dim]- {u.lever}:[/] {u.reason}")
+
+
+def _render_verification(v: Verification, console: Console) -> None:
+    console.rule(f"[bold]verified[/] ({v.repeats} repeat(s) of each config)")
+    tab = Table(title="predicted [range over seeds] vs measured (mean of repeats)")
+    tab.add_column("scope", justify="left")
+    tab.add_column("figure", justify="left")
+    for cfg in (AS_RUN, TUNED):
+        tab.add_column(f"{cfg} predicted", justify="right")
+        tab.add_column(f"{cfg} measured", justify="right")
+    keys = list(dict.fromkeys((r.scope, r.name) for r in v.rows))
+    by = {(r.config, r.scope, r.name): r for r in v.rows}
+    for scope, name in keys:
+        cells = []
+        for cfg in (AS_RUN, TUNED):
+            r = by.get((cfg, scope, name))
+            if r is None:
+                cells += ["-", "-"]
+                continue
+            mark = "" if r.inside is None else (" [green]in[/]" if r.inside else " [yellow]out[/]")
+            cells += [spread_text(name, r.predicted), value(name, r.measured) + mark]
+        tab.add_row(scope, label(name), *cells)
+    console.print(tab)
+    style = {"better": "green", "worse": "red"}.get(v.verdict, "yellow")
+    console.print(f"[{style}]{v.verdict}[/]: {v.sentence}")
+
+
+# --------------------------------------------------------------------------- HTML
+
+
+def _table_html(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>"
+        + "".join(f'<td class="{"l" if i < 2 else ""}">{c}</td>' for i, c in enumerate(r))
+        + "</tr>"
+        for r in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def check_html(t: Tuning) -> str:
+    if t.check is None:
+        return ""
+    rows = [
+        [
+            esc(r.scope),
+            esc(label(r.name)),
+            esc(value(r.name, r.measured)),
+            esc(spread_text(r.name, r.replay)),
+            esc(_pct(r.error)),
+            f'<span class="{ {"ok": "better", "strayed": "worse"}.get(r.verdict, "noise") }">'
+            f"{esc(r.verdict)}</span>",
+        ]
+        for r in t.check.rows
+    ]
+    return (
+        '<section data-section="tune-check"><h2>Self-check: the run replayed as it ran</h2>'
+        f'<p class="note">Median [range] over {t.seeds} simulator seeds against the measured '
+        f"figure; tolerance {t.check.tolerance:.0%}. <i>thin</i>: outside the tolerance but "
+        "inside the run's own 95% interval.</p>"
+        + _table_html(["scope", "figure", "measured", "replay", "error", "verdict"], rows)
+        + "</section>"
+    )
+
+
+def decision_html(t: Tuning) -> str:
+    d = t.decision
+    if d is None or t.baseline is None:
+        return ""
+    parts = [
+        f'<section data-section="tune-decision"><h2>Decision</h2><p>Objective: {esc(d.objective.text)}.</p>'
+    ]
+    if d.chosen is None:
+        parts.append("<p><b>Keep the run's config</b>: no candidate is predicted to pay.</p>")
+    else:
+        c = d.chosen.candidate
+        parts.append(
+            f"<p><b>Apply: {esc(c.title)}</b>. Predicted: {esc(d.chosen.reason)}. "
+            f"Cost: {esc(c.cost)}.</p>"
+        )
+        rows = []
+        for scope in t.baseline.scopes:
+            row = [esc(scope)]
+            for n in SHOWN:
+                a, b = t.baseline.spread(scope, n), d.chosen.prediction.spread(scope, n)
+                row.append(esc(f"{value(n, a.median if a else None)} -> {spread_text(n, b)}"))
+            rows.append(row)
+        parts.append(_table_html(["scope", *(label(n) for n in SHOWN)], rows))
+    if d.rejected or d.unpredicted:
+        items = [f"<li>{esc(r.candidate.title)}: {esc(r.reason)}</li>" for r in d.rejected] + [
+            f"<li>{esc(u.lever)} (not predicted): {esc(u.reason)}</li>" for u in d.unpredicted
+        ]
+        parts.append(
+            "<details><summary>considered and rejected</summary><ul>"
+            + "".join(items)
+            + "</ul></details>"
+        )
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def verification_chart(v: Verification, names: tuple[str, ...] = CHECKED) -> go.Figure:
+    """Per scope and latency figure: predicted (median, range as error bars) beside measured,
+    for both configurations."""
+    fig = go.Figure()
+    keys = [(r.scope, r.name) for r in v.rows if r.config == TUNED and r.name in names]
+    keys = [k for k in keys if is_latency(k[1])]
+    by = {(r.config, r.scope, r.name): r for r in v.rows}
+    xs = [f"{s} {label(n)}" for s, n in keys]
+    colors = {AS_RUN: ("#9aa5b1", "#5f6b77"), TUNED: ("#8fbce6", "#1f77b4")}
+    for cfg in (AS_RUN, TUNED):
+        pred = [by.get((cfg, *k)) for k in keys]
+        med = [(r.predicted.median * 1e3) if r and r.predicted else None for r in pred]
+        fig.add_bar(
+            name=f"{cfg} predicted",
+            x=xs,
+            y=med,
+            marker_color=colors[cfg][0],
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": [
+                    (r.predicted.hi * 1e3 - m) if r and r.predicted and m is not None else 0
+                    for r, m in zip(pred, med)
+                ],
+                "arrayminus": [
+                    (m - r.predicted.lo * 1e3) if r and r.predicted and m is not None else 0
+                    for r, m in zip(pred, med)
+                ],
+            },
+        )
+        fig.add_bar(
+            name=f"{cfg} measured",
+            x=xs,
+            y=[(r.measured * 1e3) if r and r.measured is not None else None for r in pred],
+            marker_color=colors[cfg][1],
+        )
+    fig.update_layout(
+        barmode="group",
+        height=420,
+        template="plotly_white",
+        title={"text": "predicted (range over seeds) vs measured, ms", "font": {"size": 14}},
+        yaxis={"type": "log"},
+    )
+    return fig
+
+
+def verification_html(v: Verification | None) -> str:
+    if v is None:
+        return ""
+    rows = []
+    for r in v.rows:
+        rows.append(
+            [
+                esc(r.config),
+                esc(f"{r.scope} {label(r.name)}"),
+                esc(spread_text(r.name, r.predicted)),
+                esc(value(r.name, r.measured)),
+                esc(_pct(r.error)),
+                esc("-" if r.inside is None else ("inside" if r.inside else "outside")),
+            ]
+        )
+    return (
+        '<section data-section="tune-verify"><h2>Verified: predicted vs measured</h2>'
+        f'<p><span class="{ {"better": "better", "worse": "worse"}.get(v.verdict, "noise") }">'
+        f"{esc(v.verdict)}</span> {esc(v.sentence)}</p>"
+        + figure_div(verification_chart(v))
+        + _table_html(["config", "figure", "predicted", "measured", "error", "range"], rows)
+        + "</section>"
+    )
+
+
+def tuning_html(t: Tuning) -> str:
+    findings = "".join(
+        f'<div class="finding"><b>{esc(f.title)}</b> ({esc(f.confidence_label)}): '
+        f"{esc(f.summary)}</div>"
+        for f in t.findings
+    )
+    refused = f'<div class="warn">No prediction: {esc(t.refused)}</div>' if t.refused else ""
+    return (
+        f'<section data-section="tune-findings"><h2>Findings</h2>{findings or "none"}{refused}</section>'
+        + check_html(t)
+        + decision_html(t)
+        + verification_html(t.verification)
+    )
+
+
+def write_tuning_report(t: Tuning, out: Path) -> Path:
+    doc = (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>servelab tune: {esc(t.run)}</title><style>{CSS}</style>"
+        f"<script>{get_plotlyjs()}</script></head><body>"
+        f"<header><h1>servelab tune: {esc(t.run)}</h1><div>docs/design/tune.md</div></header>"
+        "<main>" + tuning_html(t) + "</main></body></html>"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(doc, encoding="utf-8")
+    return out

@@ -1,0 +1,299 @@
+"""A run as it ran, for the simulator: its own requests and a replica priced by its own steps.
+
+:func:`requests_as_run` rebuilds the requests a run sent through the benchmark's planner
+(``bench.plan``: the manifest's workload, load, seed, endpoint and tokenizer give the same
+prompts, lengths, classes, sessions, shared prefixes, priorities and streaming) and then
+sets what the client really did: an open-loop first turn is sent at its measured send
+(``actual_send``, so the client's own lag is replayed), a later turn of a session waits
+the measured gap after the previous turn's last byte, and a resent history stops matching
+the prefix cache where the run's own cache hit stopped (:mod:`servelab.sim.history`), not
+at a drawn place. A closed loop stays a closed loop at the run's concurrency. Every rebuilt
+request is checked against its record (same id, same output length, and for a first turn
+the same prompt length): a run whose manifest cannot reproduce its requests is refused.
+
+:func:`target_from_run` is one replica with the run's resolved engine config, its KV pool
+(the steps' ``kv_blocks_total``) and a cost model fitted to its own steps
+(``profiler.table_from_runs``: the profiled form, the engine's overhead between steps and
+the step noise).
+
+Only a servelab server (or a simulated run) records steps; any other endpoint is refused
+with what to do instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.engine.config import EngineConfig
+from servelab.rundir import Run
+from servelab.sim.history import Resend
+from servelab.sim.loop import SimRequest
+from servelab.sim.target import SimTarget
+
+
+class NotReplayable(ValueError):
+    """The run cannot be replayed; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class MeasuredResend(Resend):
+    """Where each later turn's resent history stopped matching the prefix cache in the run,
+    by planned request id (``inf``: it matched to the end); unknown ids never diverge."""
+
+    cuts: dict[str, float] = field(default_factory=dict)
+
+    def cut(self, key: str) -> float:
+        # requests_from_plan draws with "<draw key>:<planned request id>"
+        return self.cuts.get(key.rsplit(":", 1)[-1], math.inf)
+
+
+@dataclass
+class AsRun:
+    """The run's requests as the simulated client sends them, and how they are sent."""
+
+    requests: list[SimRequest]
+    max_concurrency: int | None
+    network_delay: float
+    slos: dict[str, Any]  # class -> units.SLO, the workload's
+    info: dict[str, Any]  # workload spec (a dict), load, seed, endpoint, tokenizer, run tag
+
+
+def plan_inputs(run: Run) -> dict[str, Any]:
+    """What the planner needs from the manifest: ``workload`` (spec dict), ``load`` (dict),
+    ``seed``, ``endpoint``, ``tokenizer``, ``run_tag`` and ``max_model_len``."""
+    m = run.manifest
+    config = m.get("config") or {}
+    sim = m.get("sim") or {}
+    load = config.get("load") or m.get("load")
+    workload = run.workload
+    if not isinstance(load, dict) or not isinstance(workload, dict) or "classes" not in workload:
+        raise NotReplayable(
+            f"{run.name}: the manifest does not record the workload spec and load the run "
+            "was planned from, so its requests cannot be rebuilt"
+        )
+    seed = config.get("seed", sim.get("seed"))
+    if seed is None:
+        raise NotReplayable(
+            f"{run.name}: the manifest does not record the plan's seed (a simulated run "
+            "written before the seed was recorded); re-run it"
+        )
+    return {
+        "workload": workload,
+        "load": load,
+        "seed": int(seed),
+        "endpoint": config.get("endpoint") or sim.get("endpoint") or "completions",
+        "tokenizer": m.get("tokenizer") or run.model or "smollm2-135m",
+        "run_tag": config.get("run_tag"),
+        "max_model_len": run.server.get("max_model_len"),
+    }
+
+
+def check_replayable(run: Run) -> None:
+    """Raise :class:`NotReplayable` for a run the simulator cannot replay as it ran."""
+    if not run.steps or not run.timelines:
+        raise NotReplayable(
+            f"{run.name} has no engine step records (steps.jsonl) or server timelines: it was "
+            "not served by servelab, so there is no step cost to fit and no scheduler state "
+            "to check against. Replaying another server's run is not supported yet; bench "
+            "the embedded engine (`servelab bench` without --url) to tune it"
+        )
+    if len(run.stages) > 1:
+        raise NotReplayable(
+            f"{run.name} is a sweep of {len(run.stages)} loads; tune one load at a time "
+            "(a run without --sweep)"
+        )
+    if len({(s.replica, s.role) for s in run.steps}) > 1:
+        raise NotReplayable(
+            f"{run.name} was served by several engines (replicas or disaggregated workers); "
+            "tune a one-engine run"
+        )
+
+
+def _measured_cuts(run: Run, ids: dict[str, str]) -> dict[str, float]:
+    """Planned id -> the answer position where the resent history left the prefix cache."""
+    bs = int(run.engine_config.get("block_size", 16))
+    by_session: dict[str, list[Any]] = {}
+    for r in run.records:
+        if r.session_id is not None and r.ok:
+            by_session.setdefault(r.session_id, []).append(r)
+    cuts: dict[str, float] = {}
+    for recs in by_session.values():
+        recs.sort(key=lambda r: r.turn)
+        for prev, nxt in zip(recs, recs[1:], strict=False):
+            a, b = run.timeline_for(prev), run.timeline_for(nxt)
+            if a is None or b is None or nxt.request_id not in ids:
+                continue
+            hit = b.chunks[0].cached_tokens if b.chunks else b.cached_tokens
+            end = a.prompt_tokens + a.output_tokens - 1  # the last token has no K/V
+            if hit >= end // bs * bs:
+                continue  # matched to the answer's last full block
+            cuts[ids[nxt.request_id]] = float(max(0, hit - a.prompt_tokens))
+    return cuts
+
+
+def requests_as_run(run: Run, tokenizer: Any = None) -> AsRun:
+    """The run's requests, rebuilt and set to what the client did (see the module doc)."""
+    from servelab.bench.plan import LoadSpec, iter_plan
+    from servelab.bench.workload import parse_workload
+    from servelab.sim.workload import requests_from_plan
+
+    check_replayable(run)
+    inputs = plan_inputs(run)
+    spec = parse_workload(inputs["workload"])
+    load = LoadSpec(**inputs["load"])
+    if tokenizer is None:
+        from servelab.model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_model(inputs["tokenizer"])
+    tag = inputs["run_tag"]
+    records = {r.request_id: r for r in run.records}
+    recorded: set[str] = set()
+    plan = []
+    want = len(records)
+    for p in iter_plan(
+        spec,
+        load,
+        inputs["seed"],
+        tokenizer=tokenizer,
+        endpoint=inputs["endpoint"],
+        max_model_len=inputs["max_model_len"],
+    ):
+        rid = f"{tag}-{p.request_id}" if tag else p.request_id
+        if rid in records:
+            plan.append(p)
+            recorded.add(rid)
+            if len(plan) == want:
+                break
+        elif load.closed and len(plan) >= want:
+            break
+    missing = set(records) - recorded
+    if missing:
+        raise NotReplayable(
+            f"{run.name}: the planner, given the manifest's workload, load and seed, does not "
+            f"plan {len(missing)} of the {len(records)} recorded requests (e.g. "
+            f"{sorted(missing)[0]}); the run's requests cannot be rebuilt"
+        )
+    planned_ids = {(f"{tag}-{p.request_id}" if tag else p.request_id): p.request_id for p in plan}
+    resend = MeasuredResend(cuts=_measured_cuts(run, planned_ids))
+    reqs = requests_from_plan(plan, tokenizer, inputs["endpoint"], resend=resend)
+    out = _as_sent(run, reqs, records, tag, load.closed)
+    return AsRun(
+        requests=out,
+        max_concurrency=load.concurrency if load.closed else None,
+        network_delay=_one_way_delay(run),
+        slos=recorded_slos(run) or spec.class_slos(),
+        info={**inputs, "requests": len(out)},
+    )
+
+
+def recorded_slos(run: Run) -> dict[str, Any]:
+    """The class SLOs the run was judged by (``--slo`` merged in), as its manifest says."""
+    from servelab.units import SLO
+
+    m = run.manifest
+    raw = (m.get("config") or {}).get("class_slos") or m.get("slos") or {}
+    return {k: SLO.from_dict(v) for k, v in raw.items() if k != "*" and isinstance(v, dict)}
+
+
+def _as_sent(
+    run: Run, reqs: list[SimRequest], records: dict[str, Any], tag: str | None, closed: bool
+) -> list[SimRequest]:
+    """Check each rebuilt request against its record and give it the measured timing."""
+    rec_of = {r.request_id: records[f"{tag}-{r.request_id}" if tag else r.request_id] for r in reqs}
+    offsets = [
+        rec_of[r.request_id].intended_send - r.send_time
+        for r in reqs
+        if r.after is None and not closed
+    ]
+    start = statistics.median(offsets) if offsets else 0.0
+    wrong = [
+        r.request_id
+        for r in reqs
+        if rec_of[r.request_id].requested_output_tokens not in (None, r.max_tokens)
+        or (
+            r.turn == 0
+            and rec_of[r.request_id].ok
+            and rec_of[r.request_id].input_tokens not in (0, len(r.prompt_token_ids))
+        )
+    ]
+    if wrong:
+        raise NotReplayable(
+            f"{run.name}: {len(wrong)} of {len(reqs)} rebuilt requests differ from what the "
+            f"run sent (e.g. {wrong[0]}: another prompt or output length); the manifest's "
+            "workload, seed or tokenizer do not reproduce the run"
+        )
+    ids = {r.request_id for r in reqs}
+    out = []
+    for r in reqs:
+        rec = rec_of[r.request_id]
+        if r.after is not None:
+            if r.after not in ids:
+                continue
+            prev = rec_of[r.after]
+            done = prev.done if prev.done is not None else rec.actual_send
+            out.append(dataclasses.replace(r, think_time=max(0.0, rec.actual_send - done)))
+        elif closed:
+            out.append(r)
+        else:
+            out.append(dataclasses.replace(r, send_time=max(0.0, rec.actual_send - start)))
+    return out
+
+
+def _one_way_delay(run: Run) -> float:
+    """Median of send -> server arrival over the run's requests (one host, one clock)."""
+    if run.simulated:
+        return float((run.manifest.get("sim") or {}).get("network_delay_s") or 0.0)
+    gaps = [
+        tl.arrival - r.actual_send
+        for r in run.records
+        if (tl := run.timeline_for(r)) is not None and tl.arrival >= r.actual_send
+    ]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def engine_config_of(run: Run) -> EngineConfig:
+    """The run's resolved engine config, with its KV pool as its steps counted it."""
+    fields = EngineConfig.__dataclass_fields__
+    cfg = EngineConfig(**{k: v for k, v in run.engine_config.items() if k in fields})
+    totals = [s.kv_blocks_total for s in run.steps if s.kv_blocks_total]
+    if totals:
+        cfg.num_kv_blocks = max(totals)
+    return cfg
+
+
+def spec_acceptance(run: Run, k: int) -> float | None:
+    """Per-draft acceptance probability that gives the run's accepted/proposed ratio when
+    each of ``k`` drafts is accepted in order (the simulator's model); None if the run did
+    not speculate."""
+    proposed = sum(s.spec_proposed for s in run.steps)
+    if proposed <= 0:
+        return None
+    ratio = sum(s.spec_accepted for s in run.steps) / proposed
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # E[accepted]/k = sum_{i<=k} a^i / k is increasing in a
+        a = (lo + hi) / 2
+        if sum(a**i for i in range(1, k + 1)) / k < ratio:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2
+
+
+def target_from_run(run: Run) -> SimTarget:
+    """One replica priced by the run's own steps, with its engine config and KV pool."""
+    from servelab.sim.profiler import table_from_runs
+    from servelab.sim.target import profile_target
+
+    check_replayable(run)
+    table = table_from_runs([str(run.path)], run.model or "smollm2-135m")
+    target = profile_target(table, engine_config_of(run))
+    spec = target.engine_config.speculative_config
+    if spec:
+        a = spec_acceptance(run, int(spec.get("num_speculative_tokens", 1)))
+        if a is not None:
+            target = dataclasses.replace(target, spec_acceptance=a)
+    return target

@@ -1,0 +1,337 @@
+"""`servelab tune RUN`: replay a run as it ran, predict each candidate setting, decide, verify.
+
+1. **Replay and self-check.** The run's own requests (``sim.asrun``) replay through the
+   simulator with its engine config and a cost model fitted to its steps, under
+   ``seeds`` simulator seeds; the replay's per-class figures must match the measured ones
+   within the tolerance (``analyze.prediction.self_check``), or nothing is predicted.
+2. **Predict.** The findings' levers give candidate settings (``analyze.candidates``); each
+   replays the same requests under the same seeds (in ``jobs`` forked processes: the
+   target and the requests are built once, before the fork).
+3. **Decide** (``analyze.decision``): rank by the objective, one value per knob, the best
+   knobs combined and simulated once more.
+4. **Verify** (``verify=True``): rerun the same planned requests against the embedded
+   server, as-run config and the chosen setting alternating over ``repeats``
+   (``workflows.matrix``), and compare measured with predicted (``analyze.verification``).
+
+Only servelab's own runs (with step records) can be tuned; a run of another server is
+refused with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from servelab.analyze.candidates import Candidate, RunFacts, generate, serve_flags
+from servelab.analyze.decision import TOP, Objective, combine, decide, judge
+from servelab.analyze.diagnose import diagnose
+from servelab.analyze.prediction import TOLERANCE, Figures, Prediction, figures, self_check
+from servelab.analyze.tuning import Tuning
+from servelab.analyze.verification import AS_RUN, TUNED, verify
+from servelab.rundir import Run, load_run
+from servelab.sim.asrun import AsRun, NotReplayable, requests_as_run, target_from_run
+from servelab.sim.loop import Topology
+from servelab.sim.scenario import Scenario, simulate
+from servelab.sim.target import SimTarget
+from servelab.units import SLO
+
+DEFAULT_SEEDS = 5
+DEFAULT_REPEATS = 2
+# What a verify run costs beyond its requests: the benchmark's start, the model's tokenizer,
+# its summary; and the servers' start (once, in parallel). Measured on this machine.
+BENCH_OVERHEAD_S = 8.0
+SERVER_START_S = 25.0
+MEASURED_N_BOOT = 400
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    """What `servelab tune` was asked: see the command's help for each field."""
+
+    run_dir: Path
+    objective: str | None = None
+    tolerance: float = TOLERANCE
+    seeds: int = DEFAULT_SEEDS
+    jobs: int | None = None  # processes for the simulations (None: one per CPU)
+    top: int = TOP
+    verify: bool = False
+    repeats: int = DEFAULT_REPEATS
+    out: Path | None = None  # where --verify writes its runs
+
+
+# Built before the worker processes fork, read by them (large: the requests and the target).
+_SHARED: dict[str, Any] = {}
+
+
+def _scenario(target: SimTarget, asrun: AsRun, cand: Candidate | None, seed: int) -> Scenario:
+    reqs, topo = asrun.requests, Topology()
+    if cand is not None:
+        if cand.engine:
+            target = target.with_engine_args(**cand.engine)
+        if cand.priorities:
+            reqs = [
+                replace(r, priority=cand.priorities.get(r.workload_class, r.priority)) for r in reqs
+            ]
+        if cand.replicas > 1:
+            topo = Topology(replicas=cand.replicas)
+    return Scenario(
+        target,
+        reqs,
+        topo,
+        asrun.network_delay,
+        asrun.max_concurrency,
+        asrun.slos,
+        sim_seed=seed,
+    )
+
+
+def _simulate_one(task: tuple[int, Candidate | None, int]) -> tuple[int, int, Figures, float]:
+    key, cand, seed = task
+    target, asrun = _SHARED["target"], _SHARED["asrun"]
+    res = simulate(_scenario(target, asrun, cand, seed), keep_steps=False)
+    return key, seed, figures(res.records, asrun.slos).values, res.sim_duration
+
+
+class _Simulator:
+    """Runs (candidate, seed) simulations inline or in a forked pool."""
+
+    def __init__(self, target: SimTarget, asrun: AsRun, seeds: int, jobs: int) -> None:
+        _SHARED.update(target=target, asrun=asrun)
+        self.seeds = seeds
+        self.pool: ProcessPoolExecutor | None = None
+        if jobs > 1 and "fork" in mp.get_all_start_methods():
+            self.pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
+
+    def predict(self, cands: Sequence[tuple[str, Candidate | None]]) -> list[Prediction]:
+        tasks = [(k, c, s) for k, (_, c) in enumerate(cands) for s in range(self.seeds)]
+        if self.pool is not None:
+            results = list(self.pool.map(_simulate_one, tasks, chunksize=1))
+        else:
+            results = [_simulate_one(t) for t in tasks]
+        out = [
+            Prediction(label, [{} for _ in range(self.seeds)], [0.0] * self.seeds)
+            for label, _ in cands
+        ]
+        for key, seed, figs, dur in results:
+            out[key].seeds[seed] = figs
+            out[key].durations[seed] = dur
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        _SHARED.clear()
+
+
+def _facts(run: Run, asrun: AsRun, config: dict[str, Any]) -> RunFacts:
+    prio: dict[str, int] = {}
+    for r in asrun.requests:
+        prio.setdefault(r.workload_class, r.priority)
+    return RunFacts(
+        config=config,
+        prompt_tokens=[r.input_tokens for r in run.records if r.ok],
+        priorities=prio,
+        peak_seqs=max((s.decode_seqs + len(s.prefill) for s in run.steps), default=1),
+        speculated=any(s.spec_proposed for s in run.steps),
+    )
+
+
+def _has_slos(slos: dict[str, SLO]) -> bool:
+    return any(getattr(s, k) is not None for s in slos.values() for k in SLO.KEYS)
+
+
+def predict(run: Run, spec: TuneSpec) -> Tuning:
+    """Steps 1-3 of the module doc for a loaded run."""
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    d = diagnose(run)
+    tuning = Tuning(run.name, findings=d.findings, seeds=spec.seeds, timings=timings)
+    # The tokenizer's thread pool must not be running when the simulations fork.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        asrun = requests_as_run(run)
+        target = target_from_run(run)
+        objective = Objective.parse(spec.objective, _has_slos(asrun.slos))
+    except NotReplayable as e:
+        tuning.refused = str(e)
+        return tuning
+    timings["rebuild_s"] = time.perf_counter() - t0
+    tuning.measured = figures(run.records, asrun.slos, n_boot=MEASURED_N_BOOT)
+    sim = _Simulator(target, asrun, spec.seeds, spec.jobs or os.cpu_count() or 1)
+    try:
+        t1 = time.perf_counter()
+        (tuning.baseline,) = sim.predict([(AS_RUN, None)])
+        tuning.check = self_check(tuning.measured, tuning.baseline, spec.tolerance)
+        timings["replay_s"] = time.perf_counter() - t1
+        if not tuning.check.ok:
+            strayed = ", ".join(
+                f"{r.scope} {r.name} ({r.error:+.0%})" for r in tuning.check.strayed
+            )
+            tuning.refused = (
+                f"the replay of the run as it ran strays from the measured figures by more than "
+                f"{spec.tolerance:.0%}: {strayed or 'no figure could be compared'}. Predictions "
+                "from a twin that does not match the run would not be worth reading, so none "
+                "are made"
+            )
+            return tuning
+        t2 = time.perf_counter()
+        config = dataclasses.asdict(target.engine_config)
+        cands, unpredicted = generate(
+            d.findings, _facts(run, asrun, config), (objective.scope, objective.figure)
+        )
+        preds = sim.predict([(c.id, c) for c in cands])
+        judged = [judge(tuning.baseline, c, p, objective) for c, p in zip(cands, preds)]
+        first = decide(judged, objective, unpredicted, top=spec.top)
+        combo = combine(first.ranked)
+        combined = None
+        if combo is not None:
+            (p,) = sim.predict([(combo.id, combo)])
+            combined = judge(tuning.baseline, combo, p, objective)
+            judged.append(combined)
+        tuning.judged = judged
+        tuning.decision = decide(
+            judged[: len(cands)], objective, unpredicted, combined=combined, top=spec.top
+        )
+        timings["predict_s"] = time.perf_counter() - t2
+    finally:
+        sim.close()
+    timings["total_s"] = time.perf_counter() - t0
+    return tuning
+
+
+def run_tune(
+    spec: TuneSpec, console: Console | None = None, servers: dict[str, Any] | None = None
+) -> Tuning:
+    """The whole job for ``spec.run_dir``; ``servers`` (``AS_RUN``/``TUNED`` -> a running
+    server with ``url``, ``command`` and ``engine_args``) replaces the embedded servers that
+    ``--verify`` would start."""
+    console = console or Console()
+    run = load_run(spec.run_dir)
+    with console.status(f"replaying {run.name} and predicting its candidates ..."):
+        tuning = predict(run, spec)
+    if spec.verify:
+        chosen = tuning.decision.chosen if tuning.decision else None
+        if chosen is None:
+            tuning.notes.append("--verify: nothing to verify, no setting is predicted to pay")
+        elif chosen.candidate.hardware:
+            tuning.notes.append("--verify: the choice adds hardware, which one machine cannot try")
+        else:
+            tuning.verification = verify_choice(run, tuning, spec, console, servers)
+    return tuning
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _as_run_engine(run: Run) -> dict[str, Any]:
+    from servelab.sim.asrun import engine_config_of
+
+    cfg = dataclasses.asdict(engine_config_of(run))
+    return {k: v for k, v in cfg.items() if v is not None and k != "kv_cache_memory_gb"}
+
+
+def _bench_options(run: Run, out: Path, workload: str) -> Any:
+    from servelab.bench.plan import LoadSpec
+    from servelab.bench.run import BenchOptions
+    from servelab.sim.asrun import plan_inputs
+
+    inputs = plan_inputs(run)
+    config = run.manifest.get("config") or {}
+    slo = config.get("slo")
+    return BenchOptions(
+        tokenizer=inputs["tokenizer"],
+        workload=workload,
+        load=LoadSpec(**inputs["load"]),
+        slo=SLO.from_dict(slo) if slo else None,
+        out=out,
+        seed=inputs["seed"],
+        endpoint=inputs["endpoint"],
+        sampling=dict(config.get("sampling") or {}),
+        slice_duration=float(config.get("slice_duration") or 10.0),
+        command=["servelab", "tune", str(run.path), "--verify"],
+    )
+
+
+def _workload_file(run: Run, out: Path, name: str, priorities: dict[str, int]) -> str:
+    from servelab.sim.asrun import plan_inputs
+
+    spec = dict(plan_inputs(run)["workload"])
+    if priorities:
+        spec["classes"] = [
+            {**c, "priority": priorities.get(c["name"], c.get("priority", 0))}
+            for c in spec["classes"]
+        ]
+    path = out / "workloads" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(path)
+
+
+def verify_estimate(run: Run, tuning: Tuning, repeats: int, servers_given: bool) -> float:
+    """Seconds the verification will take: each repeat runs the as-run load for about as long
+    as the run did and the tuned one as long as predicted, plus each run's and the servers'
+    start."""
+    as_run = run.window[1] - run.window[0]
+    chosen = tuning.decision.chosen if tuning.decision else None
+    tuned = min(chosen.prediction.durations) if chosen and chosen.prediction.durations else as_run
+    per_repeat = as_run + tuned + 2 * BENCH_OVERHEAD_S
+    return repeats * per_repeat + (0.0 if servers_given else SERVER_START_S)
+
+
+def verify_choice(
+    run: Run,
+    tuning: Tuning,
+    spec: TuneSpec,
+    console: Console,
+    servers: dict[str, Any] | None = None,
+) -> Any:
+    """Step 4 of the module doc; returns ``analyze.verification.Verification``."""
+    from servelab.workflows.matrix import MatrixConfig, MatrixSpec, execute_matrix
+
+    assert tuning.decision is not None and tuning.decision.chosen is not None
+    assert tuning.baseline is not None
+    chosen = tuning.decision.chosen
+    cand = chosen.candidate
+    out = spec.out or run.path.parent / f"{run.name}-tune-verify"
+    out.mkdir(parents=True, exist_ok=True)
+    base = _as_run_engine(run)
+    as_run_args = serve_flags(base)
+    tuned_args = serve_flags({**base, **cand.engine})
+    wl_as_run = _workload_file(run, out, AS_RUN, {})
+    wl_tuned = _workload_file(run, out, TUNED, cand.priorities)
+    est = verify_estimate(run, tuning, spec.repeats, servers is not None)
+    console.print(
+        f"verify: {cand.title} against the as-run config, the run's {len(run.records)} planned "
+        f"requests each, {spec.repeats} repeat(s) in alternating order; this takes about "
+        f"{est / 60:.1f} min ({est:.0f} s). Runs go to {out}."
+    )
+    matrix = MatrixSpec(
+        [MatrixConfig(AS_RUN, as_run_args, wl_as_run), MatrixConfig(TUNED, tuned_args, wl_tuned)],
+        spec.repeats,
+    )
+    t0 = time.perf_counter()
+    res = execute_matrix(matrix, _bench_options(run, out, wl_as_run), console, servers=servers)
+    tuning.timings["verify_s"] = time.perf_counter() - t0
+    tuning.timings["verify_estimate_s"] = est
+    runs = {name: [load_run(p) for p in paths] for name, paths in res.runs.items()}
+    if not runs.get(AS_RUN) or not runs.get(TUNED):
+        raise RuntimeError(f"--verify: a configuration left no run (see {out})")
+    slos = {k: v for k, v in _slos_of(run).items()}
+    return verify({AS_RUN: tuning.baseline, TUNED: chosen.prediction}, runs, cand.target, slos)
+
+
+def _slos_of(run: Run) -> dict[str, SLO]:
+    from servelab.bench.workload import parse_workload
+    from servelab.sim.asrun import plan_inputs, recorded_slos
+
+    return recorded_slos(run) or parse_workload(plan_inputs(run)["workload"]).class_slos()
