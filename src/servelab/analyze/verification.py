@@ -68,8 +68,9 @@ class VerifyRow:
 @dataclass
 class Verification:
     """``key`` tests the candidate's target figure, ``attainment_p`` SLO attainment
-    (None: no SLOs or too few requests); ``key_error`` is the tuned prediction's error on
-    the target figure."""
+    (None: no SLOs or too few requests). ``key_error`` is the tuned prediction's error on
+    the target figure; ``key_error_adjusted`` that of the predicted change applied to the
+    as-run arm's measurement (``_adjusted_error``)."""
 
     repeats: int
     rows: list[VerifyRow]
@@ -78,6 +79,7 @@ class Verification:
     attainment: tuple[float | None, float | None]  # measured as-run, tuned
     attainment_p: float | None
     key_error: float | None
+    key_error_adjusted: float | None
     verdict: str  # "better" | "worse" | "noise"
     sentence: str
     alpha: float = DEFAULT_ALPHA
@@ -98,6 +100,7 @@ class Verification:
             "attainment": list(self.attainment),
             "attainment_p": self.attainment_p,
             "key_prediction_error": self.key_error,
+            "key_prediction_error_drift_adjusted": self.key_error_adjusted,
             "verdict": self.verdict,
             "sentence": self.sentence,
             "alpha": self.alpha,
@@ -137,6 +140,7 @@ def verify(
     names: Sequence[str] = (*CHECKED, "attainment", "goodput"),
 ) -> Verification:
     """``predicted`` and ``runs`` are keyed by ``AS_RUN`` and ``TUNED``."""
+    names = tuple(dict.fromkeys((*names, target[1])))
     rows: list[VerifyRow] = []
     for config in (AS_RUN, TUNED):
         per_run = _measured(runs[config], slos)
@@ -151,7 +155,9 @@ def verify(
     scope, name = target
     metric, stat = split_name(name)
     key = measure(runs[AS_RUN], runs[TUNED], (scope, metric, stat))
-    key_row = next((r for r in rows if (r.config, r.scope, r.name) == (TUNED, scope, name)), None)
+    by = {(r.config, r.scope, r.name): r for r in rows}
+    key_row = by.get((TUNED, scope, name))
+    key_adjusted = _adjusted_error(by.get((AS_RUN, scope, name)), key_row)
     att_p = None
     attainment: tuple[float | None, float | None] = (None, None)
     if slos:
@@ -168,7 +174,8 @@ def verify(
         f"{label(name)}{where}: {_v(name, key.treatment_value)} tuned vs "
         f"{_v(name, key.baseline_value)} as run ({_signed(key.delta)}, {verdict}, {p_txt}); "
         f"predicted {_v(name, key_row.predicted.median if key_row and key_row.predicted else None)}"
-        f" ({_signed(key_row.error if key_row else None)} from the measurement)."
+        f" ({_signed(key_row.error if key_row else None)} from the measurement; "
+        f"{_signed(key_adjusted)} as a change from the as-run arm)."
     )
     if att_p is not None:
         sentence += (
@@ -183,10 +190,25 @@ def verify(
         attainment=attainment,
         attainment_p=att_p,
         key_error=key_row.error if key_row else None,
+        key_error_adjusted=key_adjusted,
         verdict=verdict,
         sentence=sentence,
         alpha=alpha,
     )
+
+
+def _adjusted_error(as_run: VerifyRow | None, tuned: VerifyRow | None) -> float | None:
+    """The error of ``measured as run x predicted tuned / predicted as run`` against the
+    tuned measurement. The verification runs minutes or hours after the run the cost model
+    was fitted to, and this machine's speed drifts by 10-20% over minutes
+    (docs/design/sim.md): the as-run arm, measured beside the tuned one, carries that drift,
+    so the predicted change applied to it is the prediction for the machine as it is now."""
+    if as_run is None or tuned is None or as_run.predicted is None or tuned.predicted is None:
+        return None
+    if as_run.measured is None or not as_run.predicted.median:
+        return None
+    adjusted = as_run.measured * tuned.predicted.median / as_run.predicted.median
+    return rel_error(adjusted, tuned.measured)
 
 
 def _v(name: str, x: float | None) -> str:

@@ -47,11 +47,17 @@ def value(name: str, x: float | None) -> str:
 
 
 def spread_text(name: str, s: Spread | None) -> str:
+    """``median (lo-hi)``, the range in the median's unit."""
     if s is None:
         return "-"
     if s.lo == s.hi:
         return value(name, s.median)
-    return f"{value(name, s.median)} [{value(name, s.lo)}, {value(name, s.hi)}]"
+    if is_latency(name):
+        scale, unit = (1e3, "ms") if s.median < 1 else (1.0, "s")
+        return f"{s.median * scale:.3g} {unit} ({s.lo * scale:.3g}-{s.hi * scale:.3g})"
+    if name == "attainment":
+        return f"{s.median:.0%} ({s.lo:.0%}-{s.hi:.0%})"
+    return f"{s.median:.3g} ({s.lo:.3g}-{s.hi:.3g})"
 
 
 def _pct(x: float | None) -> str:
@@ -70,7 +76,7 @@ def check_table(t: Tuning) -> Table | None:
         f"(tolerance {t.check.tolerance:.0%})",
         title_justify="left",
     )
-    for col in ("scope", "figure", "measured", "replay [range]", "error", "verdict"):
+    for col in ("scope", "figure", "measured", "replay (range)", "error", "verdict"):
         tab.add_column(col, justify="left" if col in ("scope", "figure", "verdict") else "right")
     for r in t.check.rows:
         style = _VERDICT_STYLE[r.verdict]
@@ -181,7 +187,10 @@ def _render_decision(t: Tuning, d: Decision, console: Console) -> None:
 
 def _render_verification(v: Verification, console: Console) -> None:
     console.rule(f"[bold]verified[/] ({v.repeats} repeat(s) of each config)")
-    tab = Table(title="predicted [range over seeds] vs measured (mean of repeats)")
+    tab = Table(
+        title="predicted: median (range over seeds); measured: mean of the repeats",
+        title_justify="left",
+    )
     tab.add_column("scope", justify="left")
     tab.add_column("figure", justify="left")
     for cfg in (AS_RUN, TUNED):

@@ -7,7 +7,8 @@ sets what the client really did: an open-loop first turn is sent at its measured
 (``actual_send``, so the client's own lag is replayed), a later turn of a session waits
 the measured gap after the previous turn's last byte, and a resent history stops matching
 the prefix cache where the run's own cache hit stopped (:mod:`servelab.sim.history`), not
-at a drawn place. A closed loop stays a closed loop at the run's concurrency. Every rebuilt
+at a drawn place. A closed loop stays a closed loop at the run's concurrency: its first wave
+is sent at the measured sends, every later request as a slot frees. Every rebuilt
 request is checked against its record (same id, same output length, and for a first turn
 the same prompt length): a run whose manifest cannot reproduce its requests is refused.
 
@@ -180,7 +181,7 @@ def requests_as_run(run: Run, tokenizer: Any = None) -> AsRun:
     planned_ids = {(f"{tag}-{p.request_id}" if tag else p.request_id): p.request_id for p in plan}
     resend = MeasuredResend(cuts=_measured_cuts(run, planned_ids))
     reqs = requests_from_plan(plan, tokenizer, inputs["endpoint"], resend=resend)
-    out = _as_sent(run, reqs, records, tag, load.closed)
+    out = _as_sent(run, reqs, records, tag, load.concurrency)
     return AsRun(
         requests=out,
         max_concurrency=load.concurrency if load.closed else None,
@@ -200,9 +201,15 @@ def recorded_slos(run: Run) -> dict[str, Any]:
 
 
 def _as_sent(
-    run: Run, reqs: list[SimRequest], records: dict[str, Any], tag: str | None, closed: bool
+    run: Run,
+    reqs: list[SimRequest],
+    records: dict[str, Any],
+    tag: str | None,
+    concurrency: int | None,
 ) -> list[SimRequest]:
-    """Check each rebuilt request against its record and give it the measured timing."""
+    """Check each rebuilt request against its record and give it the measured timing
+    (``concurrency``: a closed loop's)."""
+    closed = concurrency is not None
     rec_of = {r.request_id: records[f"{tag}-{r.request_id}" if tag else r.request_id] for r in reqs}
     offsets = [
         rec_of[r.request_id].intended_send - r.send_time
@@ -227,6 +234,14 @@ def _as_sent(
             "workload, seed or tokenizer do not reproduce the run"
         )
     ids = {r.request_id for r in reqs}
+    first_wave = {r.request_id for r in reqs if r.after is None}
+    if closed:
+        # Only the first wave's sends are the client's own; each later one waits for a slot.
+        first_wave = set(sorted(first_wave, key=lambda i: rec_of[i].actual_send)[:concurrency])
+        start = min((rec_of[i].actual_send for i in first_wave), default=0.0)
+        # The rest queue behind the first wave, in plan order (the loop sends by time, then
+        # by order given).
+        rest = max((rec_of[i].actual_send - start for i in first_wave), default=0.0)
     out = []
     for r in reqs:
         rec = rec_of[r.request_id]
@@ -236,8 +251,8 @@ def _as_sent(
             prev = rec_of[r.after]
             done = prev.done if prev.done is not None else rec.actual_send
             out.append(dataclasses.replace(r, think_time=max(0.0, rec.actual_send - done)))
-        elif closed:
-            out.append(r)
+        elif closed and r.request_id not in first_wave:
+            out.append(dataclasses.replace(r, send_time=rest))
         else:
             out.append(dataclasses.replace(r, send_time=max(0.0, rec.actual_send - start)))
     return out
