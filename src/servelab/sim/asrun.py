@@ -14,8 +14,12 @@ the same prompt length): a run whose manifest cannot reproduce its requests is r
 
 :func:`target_from_run` is one replica with the run's resolved engine config, its KV pool
 (the steps' ``kv_blocks_total``) and a cost model fitted to its own steps
-(``profiler.table_from_runs``: the profiled form, the engine's overhead between steps and
-the step noise).
+(``profiler.table_from_runs``: the profiled form with a non-decreasing token term, the
+engine's overhead between steps and the step noise). The candidates run shapes the run
+never had (64-token chunks after 700 cached tokens, where it only prefilled whole
+prompts); a free token term fitted to one unchunked demo run charged decode batches by a
+sequence term and prefill by attention pairs, and priced such chunks 1.44x what they took
+when run, 1.28x with the monotone term (docs/design/tune.md).
 
 Only a servelab server (or a simulated run) records steps; any other endpoint is refused
 with what to do instead.
@@ -29,11 +33,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelab.engine.config import EngineConfig
+from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import Run
 from servelab.sim.history import Resend
-from servelab.sim.loop import SimRequest
-from servelab.sim.target import SimTarget
+from servelab.sim.simulation import SimRequest
+from servelab.sim.sim_target import SimTarget
 
 
 class NotReplayable(ValueError):
@@ -138,9 +142,9 @@ def _measured_cuts(run: Run, ids: dict[str, str]) -> dict[str, float]:
 
 def requests_as_run(run: Run, tokenizer: Any = None) -> AsRun:
     """The run's requests, rebuilt and set to what the client did (see the module doc)."""
-    from servelab.bench.plan import LoadSpec, iter_plan
+    from servelab.bench.request_plan import LoadSpec, iter_plan
     from servelab.bench.workload import parse_workload
-    from servelab.sim.workload import requests_from_plan
+    from servelab.sim.sim_requests import requests_from_plan
 
     check_replayable(run)
     inputs = plan_inputs(run)
@@ -301,10 +305,10 @@ def spec_acceptance(run: Run, k: int) -> float | None:
 def target_from_run(run: Run) -> SimTarget:
     """One replica priced by the run's own steps, with its engine config and KV pool."""
     from servelab.sim.profiler import table_from_runs
-    from servelab.sim.target import profile_target
+    from servelab.sim.sim_target import profile_target
 
     check_replayable(run)
-    table = table_from_runs([str(run.path)], run.model or "smollm2-135m")
+    table = table_from_runs([str(run.path)], run.model or "smollm2-135m", monotone=True)
     target = profile_target(table, engine_config_of(run))
     spec = target.engine_config.speculative_config
     if spec:

@@ -8,7 +8,10 @@ real engine) or from the steps of real runs. The model fitted to it is::
 
 where ``g`` is piecewise linear in the step's token count with one knot per profiled
 token count (linear interpolation between knots; beyond the last one, a non-negative
-slope). ``g``
+slope); with ``meta["monotone"]`` it is also non-decreasing (fitted as non-negative
+increments from knot to knot), for tables of one run's steps (``servelab tune``), where
+decode steps carry as many tokens as sequences and a free ``g`` trades against the linear
+terms in ways that price unseen shapes wrongly. ``g``
 carries the weight-bound matmuls, whose cost is far from linear at small row counts
 on this CPU (docs/reference-figures.md); the linear terms carry attention, per-sequence work and the
 LM head. Every coefficient is non-negative (non-negative least squares, relative
@@ -130,11 +133,14 @@ class ProfiledCostModel:
         self.table = table
         self.knots = _knots([s.work.tokens for s in table.samples])
         k = len(self.knots)
+        monotone = bool(table.meta.get("monotone"))
         rows = []
         for s in table.samples:
             row = [0.0] * (k + len(LINEAR_TERMS))
             for i, wt in _hat(self.knots, s.work.tokens):
-                row[i] += wt
+                # monotone: g at knot i is the sum of the increments of knots 0..i
+                for j in range(i + 1) if monotone else (i,):
+                    row[j] += wt
             for j, term in enumerate(LINEAR_TERMS):
                 row[k + j] = float(getattr(s.work, term))
             rows.append(row)
@@ -150,7 +156,7 @@ class ProfiledCostModel:
             coef, _ = nnls(a / col * weight[:, None], y * weight, maxiter=50 * a.shape[1])
             coef = coef / col
             weight = 1.0 / np.maximum(a @ coef, 1e-6)
-        self.g = [float(c) for c in coef[:k]]
+        self.g = [float(c) for c in (np.cumsum(coef[:k]) if monotone else coef[:k])]
         self.coef = {t: float(c) for t, c in zip(LINEAR_TERMS, coef[k:])}
         # Beyond the last profiled token count: the larger of the last segment's slope and the
         # average slope over all knots. Noise can flatten or invert the last segment, but past

@@ -256,8 +256,11 @@ def profile(
     return profile_engine(engine, shapes, repeats, progress, grid_kind, model)
 
 
-def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> ProfileTable:
+def table_from_runs(
+    run_dirs: list[str], model: str, device: str = "cpu", monotone: bool = False
+) -> ProfileTable:
     """A profile made of the steps of real runs ("profile on one set of workloads").
+    ``monotone`` fits a non-decreasing token term (``sim.profiled``).
 
     Each recorded step becomes a sample (its rebuilt work and its duration). The overhead
     is fitted to the busy gaps between steps (``replay.busy_gaps``) against the sequences
@@ -278,6 +281,8 @@ def table_from_runs(run_dirs: list[str], model: str, device: str = "cpu") -> Pro
     per_run: list[list[ProfileSample]] = []
     gaps: list[tuple[int, float]] = []
     meta: dict[str, Any] = {"from_runs": list(run_dirs)}
+    if monotone:
+        meta["monotone"] = True
     runs = [load_run(d) for d in run_dirs]
     for run in runs:
         steps = measured_steps(run)

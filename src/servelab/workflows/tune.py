@@ -40,9 +40,9 @@ from servelab.analyze.tuning import Tuning
 from servelab.analyze.verification import AS_RUN, TUNED, verify
 from servelab.rundir import Run, load_run
 from servelab.sim.asrun import AsRun, NotReplayable, requests_as_run, target_from_run
-from servelab.sim.loop import Topology
+from servelab.sim.simulation import Topology
 from servelab.sim.scenario import Scenario, simulate
-from servelab.sim.target import SimTarget
+from servelab.sim.sim_target import SimTarget
 from servelab.units import SLO
 
 DEFAULT_SEEDS = 5
@@ -241,7 +241,7 @@ def _as_run_engine(run: Run) -> dict[str, Any]:
 
 
 def _bench_options(run: Run, out: Path, workload: str) -> Any:
-    from servelab.bench.plan import LoadSpec
+    from servelab.bench.request_plan import LoadSpec
     from servelab.bench.run import BenchOptions
     from servelab.sim.asrun import plan_inputs
 
