@@ -172,6 +172,8 @@ def summarize_case(case: Case, doc: dict[str, Any]) -> dict[str, Any]:
         "replay_within_15pct": within,
         "replay_worst_error": max(errs) if errs else None,
         "replay_strayed": check.get("strayed"),
+        "replay_thin": [f"{r['scope']} {r['figure']}" for r in rows if r["verdict"] == "thin"],
+        "self_check_ok": check.get("ok"),
         "predict_s": t.get("total_s"),
         "candidates": len(doc.get("candidates") or []),
         "chosen": chosen["candidate"]["title"] if chosen else None,
@@ -204,9 +206,12 @@ def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
             print(f"   NO PREDICTION: {r['refused']}")
         print(
             f"   replay: {r['replay_within_15pct']}/{r['replay_figures']} figures within 15%, "
-            f"worst {_fmt(r['replay_worst_error'], True)}; predicted {r['candidates']} "
+            f"worst {_fmt(r['replay_worst_error'], True)}; self-check "
+            f"{'passed' if r['self_check_ok'] else 'FAILED'}; predicted {r['candidates']} "
             f"candidates in {_fmt(r['predict_s'])} s"
         )
+        if r["replay_thin"]:
+            print(f"   thin (not pinned down by the run): {', '.join(r['replay_thin'])}")
         print(f"   chosen: {r['chosen'] or '-'} ({r['chosen_reason'] or 'nothing pays'})")
         if r["verified"]:
             print(
@@ -225,6 +230,7 @@ def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
             r["replay_within_15pct"] == r["replay_figures"] for r in replayed
         ),
         "replays": len(replayed),
+        "self_checks_passed": sum(bool(r["self_check_ok"]) for r in replayed),
         "key_within_20pct": sum(abs(r["key_predicted_error"]) <= KEY_TOLERANCE for r in keyed),
         "key_change_within_20pct": sum(
             abs(r["key_predicted_error_adjusted"] or 1e9) <= KEY_TOLERANCE for r in keyed
@@ -238,7 +244,8 @@ def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
     print()
     print(
         f"replay within 15% on every figure: {totals['replays_within_15pct']} of "
-        f"{totals['replays']} cases\n"
+        f"{totals['replays']} cases; self-check passed (no figure strayed beyond 15% and the "
+        f"run's own interval): {totals['self_checks_passed']} of {totals['replays']}\n"
         f"key-figure prediction within 20% of the verified measurement: "
         f"{totals['key_within_20pct']} of {totals['keyed']} (target: 5 of 6); as a change "
         f"from the as-run arm: {totals['key_change_within_20pct']} of {totals['keyed']}\n"

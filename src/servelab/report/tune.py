@@ -112,6 +112,18 @@ def before_after_table(base: Prediction, j: Judged, names: tuple[str, ...] = SHO
     return tab
 
 
+def per_class(base: Prediction, pred: Prediction, name: str) -> str:
+    """``class before -> after`` of one figure for every class (medians over seeds)."""
+    parts = []
+    for scope in base.scopes:
+        if scope == "overall":
+            continue
+        a, b = base.spread(scope, name), pred.spread(scope, name)
+        if a is not None and b is not None:
+            parts.append(f"{scope} {value(name, a.median)} -> {value(name, b.median)}")
+    return "; ".join(parts) or "-"
+
+
 def render_tuning(t: Tuning, console: Console) -> None:
     console.rule(f"[bold]tune: {t.run}")
     if t.findings:
@@ -159,14 +171,16 @@ def _render_decision(t: Tuning, d: Decision, console: Console) -> None:
         console.print(f"  cost: {c.cost}")
         console.print(before_after_table(t.baseline, d.chosen))
     if len(d.ranked) > 1:
+        obj = d.objective
         tab = Table(title="the best value of each knob", title_justify="left")
-        for col in ("setting", "objective", "target", "cost"):
+        for col in ("setting", "objective", f"{label(obj.figure)} per class", "target", "cost"):
             tab.add_column(col, justify="left")
         for j in d.ranked:
             sc, fig = j.candidate.target
             tab.add_row(
                 j.candidate.title,
                 _pct(j.objective_gain),
+                per_class(t.baseline, j.prediction, obj.figure),
                 f"{_where(sc, fig)} {_pct(j.target_gain)}",
                 j.candidate.cost,
             )

@@ -68,14 +68,18 @@ class AsRun:
 
 
 def plan_inputs(run: Run) -> dict[str, Any]:
-    """What the planner needs from the manifest: ``workload`` (spec dict), ``load`` (dict),
+    """What the planner needs from the manifest: ``workload`` (spec dict, or ``{"trace"}``
+    for a trace replay), ``load`` (dict),
     ``seed``, ``endpoint``, ``tokenizer``, ``run_tag`` and ``max_model_len``."""
     m = run.manifest
     config = m.get("config") or {}
     sim = m.get("sim") or {}
     load = config.get("load") or m.get("load")
     workload = run.workload
-    if not isinstance(load, dict) or not isinstance(workload, dict) or "classes" not in workload:
+    planned = isinstance(workload, dict) and (
+        "classes" in workload or (isinstance(load, dict) and load.get("trace") is not None)
+    )
+    if not isinstance(load, dict) or not planned:
         raise NotReplayable(
             f"{run.name}: the manifest does not record the workload spec and load the run "
             "was planned from, so its requests cannot be rebuilt"
@@ -148,7 +152,7 @@ def requests_as_run(run: Run, tokenizer: Any = None) -> AsRun:
 
     check_replayable(run)
     inputs = plan_inputs(run)
-    spec = parse_workload(inputs["workload"])
+    spec = parse_workload(inputs["workload"]) if "classes" in inputs["workload"] else None
     load = LoadSpec(**inputs["load"])
     if tokenizer is None:
         from servelab.model.tokenizer import Tokenizer
@@ -190,7 +194,7 @@ def requests_as_run(run: Run, tokenizer: Any = None) -> AsRun:
         requests=out,
         max_concurrency=load.concurrency if load.closed else None,
         network_delay=_one_way_delay(run),
-        slos=recorded_slos(run) or spec.class_slos(),
+        slos=recorded_slos(run) or (spec.class_slos() if spec is not None else {}),
         info={**inputs, "requests": len(out)},
     )
 

@@ -49,8 +49,8 @@ DEFAULT_SEEDS = 5
 DEFAULT_REPEATS = 2
 # What a verify run costs beyond its requests: the benchmark's start, the model's tokenizer,
 # its summary; and the servers' start (once, in parallel). Measured on this machine.
-BENCH_OVERHEAD_S = 8.0
-SERVER_START_S = 25.0
+BENCH_OVERHEAD_S = 5.0
+SERVER_START_S = 20.0
 MEASURED_N_BOOT = 400
 
 
@@ -162,6 +162,11 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
         asrun = requests_as_run(run)
         target = target_from_run(run)
         objective = Objective.parse(spec.objective, _has_slos(asrun.slos))
+        if objective.scope not in ("overall", *run.classes):
+            raise ValueError(
+                f"--objective {spec.objective}: the run has no class {objective.scope!r}; "
+                f"its classes: {', '.join(run.classes)}"
+            )
     except NotReplayable as e:
         tuning.refused = str(e)
         return tuning
@@ -240,7 +245,7 @@ def _as_run_engine(run: Run) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if v is not None and k != "kv_cache_memory_gb"}
 
 
-def _bench_options(run: Run, out: Path, workload: str) -> Any:
+def _bench_options(run: Run, out: Path, workload: str | None) -> Any:
     from servelab.bench.request_plan import LoadSpec
     from servelab.bench.run import BenchOptions
     from servelab.sim.asrun import plan_inputs
@@ -262,10 +267,13 @@ def _bench_options(run: Run, out: Path, workload: str) -> Any:
     )
 
 
-def _workload_file(run: Run, out: Path, name: str, priorities: dict[str, int]) -> str:
+def _workload_file(run: Run, out: Path, name: str, priorities: dict[str, int]) -> str | None:
+    """The run's workload spec as a file (None for a trace replay: the load names the trace)."""
     from servelab.sim.asrun import plan_inputs
 
     spec = dict(plan_inputs(run)["workload"])
+    if "classes" not in spec:
+        return None
     if priorities:
         spec["classes"] = [
             {**c, "priority": priorities.get(c["name"], c.get("priority", 0))}
@@ -334,4 +342,7 @@ def _slos_of(run: Run) -> dict[str, SLO]:
     from servelab.bench.workload import parse_workload
     from servelab.sim.asrun import plan_inputs, recorded_slos
 
-    return recorded_slos(run) or parse_workload(plan_inputs(run)["workload"]).class_slos()
+    workload = plan_inputs(run)["workload"]
+    if recorded_slos(run) or "classes" not in workload:
+        return recorded_slos(run)
+    return parse_workload(workload).class_slos()
