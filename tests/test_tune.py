@@ -260,3 +260,12 @@ def test_verify_against_stand_in_servers_reports_measured_vs_predicted(tmp_path)
     assert rows[(AS_RUN, "overall", "ttft_p50")].measured == pytest.approx(0.06, abs=0.03)
     assert rows[(TUNED, "overall", "ttft_p50")].measured == pytest.approx(0.02, abs=0.03)
     assert v.key.p_value is not None and "predicted" in v.sentence
+
+
+def test_the_cost_model_of_one_run_has_a_non_decreasing_token_term(mixed_run):
+    from servelab.sim.asrun import target_from_run
+
+    model = target_from_run(load_run(mixed_run)).cost_model
+    g = model.g  # type: ignore[attr-defined]
+    assert all(b >= a for a, b in zip(g, g[1:]))
+    assert model.table.meta["monotone"] is True  # type: ignore[attr-defined]
