@@ -194,7 +194,7 @@ def requests_as_run(run: Run, tokenizer: Any = None) -> AsRun:
         requests=out,
         max_concurrency=load.concurrency if load.closed else None,
         network_delay=_one_way_delay(run),
-        slos=recorded_slos(run) or (spec.class_slos() if spec is not None else {}),
+        slos=run_slos(run),
         info={**inputs, "requests": len(out)},
     )
 
@@ -206,6 +206,18 @@ def recorded_slos(run: Run) -> dict[str, Any]:
     m = run.manifest
     raw = (m.get("config") or {}).get("class_slos") or m.get("slos") or {}
     return {k: SLO.from_dict(v) for k, v in raw.items() if k != "*" and isinstance(v, dict)}
+
+
+def run_slos(run: Run) -> dict[str, Any]:
+    """The class SLOs the run was judged by: as its manifest recorded them, else the
+    workload spec's (a trace replay without ``--slo`` has none)."""
+    from servelab.bench.workload import parse_workload
+
+    recorded = recorded_slos(run)
+    workload = plan_inputs(run)["workload"]
+    if recorded or "classes" not in workload:
+        return recorded
+    return parse_workload(workload).class_slos()
 
 
 def _as_sent(

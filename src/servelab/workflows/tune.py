@@ -37,9 +37,15 @@ from servelab.analyze.decision import TOP, Objective, combine, decide, judge
 from servelab.analyze.diagnose import diagnose
 from servelab.analyze.prediction import TOLERANCE, Figures, Prediction, figures, self_check
 from servelab.analyze.tuning import Tuning
-from servelab.analyze.verification import AS_RUN, TUNED, verify
+from servelab.analyze.verification import AS_RUN, TUNED, Verification, verify
 from servelab.rundir import Run, load_run
-from servelab.sim.asrun import AsRun, NotReplayable, requests_as_run, target_from_run
+from servelab.sim.asrun import (
+    AsRun,
+    NotReplayable,
+    requests_as_run,
+    run_slos,
+    target_from_run,
+)
 from servelab.sim.simulation import Topology
 from servelab.sim.scenario import Scenario, simulate
 from servelab.sim.sim_target import SimTarget
@@ -302,8 +308,8 @@ def verify_choice(
     spec: TuneSpec,
     console: Console,
     servers: dict[str, Any] | None = None,
-) -> Any:
-    """Step 4 of the module doc; returns ``analyze.verification.Verification``."""
+) -> Verification:
+    """Step 4 of the module doc."""
     from servelab.workflows.matrix import MatrixConfig, MatrixSpec, execute_matrix
 
     assert tuning.decision is not None and tuning.decision.chosen is not None
@@ -334,15 +340,6 @@ def verify_choice(
     runs = {name: [load_run(p) for p in paths] for name, paths in res.runs.items()}
     if not runs.get(AS_RUN) or not runs.get(TUNED):
         raise RuntimeError(f"--verify: a configuration left no run (see {out})")
-    slos = {k: v for k, v in _slos_of(run).items()}
-    return verify({AS_RUN: tuning.baseline, TUNED: chosen.prediction}, runs, cand.target, slos)
-
-
-def _slos_of(run: Run) -> dict[str, SLO]:
-    from servelab.bench.workload import parse_workload
-    from servelab.sim.asrun import plan_inputs, recorded_slos
-
-    workload = plan_inputs(run)["workload"]
-    if recorded_slos(run) or "classes" not in workload:
-        return recorded_slos(run)
-    return parse_workload(workload).class_slos()
+    return verify(
+        {AS_RUN: tuning.baseline, TUNED: chosen.prediction}, runs, cand.target, run_slos(run)
+    )
