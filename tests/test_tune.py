@@ -23,7 +23,7 @@ from servelab.bench.testserver import Schedule, TestServer
 from servelab.cli import app
 from servelab.rundir import load_run
 from servelab.sim.asrun import NotReplayable, requests_as_run
-from servelab.workflows.tune import TuneSpec, predict, verify_choice
+from servelab.workflows.tuning_loop import TuneSpec, predict, verify_choice
 
 runner = CliRunner()
 
@@ -42,7 +42,9 @@ def mixed_run(tmp_path_factory) -> Path:
 
 
 def _finding(fid: str, levers: list[str]) -> Finding:
-    return Finding(fid, fid, "", {}, 0.9, True, levers)
+    return Finding(
+        id=fid, title=fid, summary="", evidence={}, confidence=0.9, exact=True, levers=levers
+    )
 
 
 def _prediction(label: str, **figs: list[float]) -> Prediction:
@@ -144,7 +146,7 @@ def test_the_run_is_rebuilt_as_it_ran_and_replays_within_the_tolerance(mixed_run
     assert {r.request_id for r in asrun.requests} == set(recs)
     for r in asrun.requests:
         assert r.max_tokens == recs[r.request_id].requested_output_tokens
-        if r.turn == 0:
+        if r.tags.turn == 0:
             assert r.send_time == pytest.approx(recs[r.request_id].actual_send - 1000.0)
     t = predict(run, TuneSpec(mixed_run, seeds=2, jobs=1))
     assert t.refused is None, t.refused

@@ -51,9 +51,9 @@ def tune_command(
     """Predict what each finding's levers would do on this run's own requests, choose one setting, and verify it (--verify)."""
     from rich.console import Console
 
-    from servelab.report.tune import render_tuning, write_tuning_report
+    from servelab.report.tuning_view import render_tuning, write_tuning_report
     from servelab.rundir import RunDirError
-    from servelab.workflows.tune import TuneSpec, run_tune
+    from servelab.workflows.tuning_loop import TuneSpec, run_tune
 
     if seeds < 2 or repeats < 1:
         raise fail("--seeds must be >= 2 and --repeats >= 1")

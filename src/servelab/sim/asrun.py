@@ -36,8 +36,8 @@ from typing import Any
 from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import Run
 from servelab.sim.history import Resend
-from servelab.sim.simulation import SimRequest
 from servelab.sim.sim_target import SimTarget
+from servelab.sim.simulation import SimRequest
 
 
 class NotReplayable(ValueError):
@@ -242,7 +242,7 @@ def _as_sent(
         for r in reqs
         if rec_of[r.request_id].requested_output_tokens not in (None, r.max_tokens)
         or (
-            r.turn == 0
+            r.tags.turn == 0
             and rec_of[r.request_id].ok
             and rec_of[r.request_id].input_tokens not in (0, len(r.prompt_token_ids))
         )

@@ -1,7 +1,7 @@
 """`servelab tune` against reality: does the replay match the run, and does the chosen
 setting do, when run for real, what was predicted?
 
-    .venv/bin/python benchmarks/tune_fidelity.py [--cases NAME,...] [--duration 120]
+    .venv/bin/python -m benchmarks.analyze.tune_fidelity [--cases NAME,...] [--duration 120]
         [--repeats 2] [--seeds 5] [--out runs/tune-fidelity-<time>] [--reuse DIR] [--no-verify]
 
 Cases (``--cases``, default all but the two demo ones; ``--list`` prints them): RAG with

@@ -46,9 +46,9 @@ from servelab.sim.asrun import (
     run_slos,
     target_from_run,
 )
-from servelab.sim.simulation import Topology
 from servelab.sim.scenario import Scenario, simulate
 from servelab.sim.sim_target import SimTarget
+from servelab.sim.simulation import Topology
 from servelab.units import SLO
 
 DEFAULT_SEEDS = 5
@@ -86,7 +86,13 @@ def _scenario(target: SimTarget, asrun: AsRun, cand: Candidate | None, seed: int
             target = target.with_engine_args(**cand.engine)
         if cand.priorities:
             reqs = [
-                replace(r, priority=cand.priorities.get(r.workload_class, r.priority)) for r in reqs
+                replace(
+                    r,
+                    tags=replace(
+                        r.tags, priority=cand.priorities.get(r.tags.workload_class, r.tags.priority)
+                    ),
+                )
+                for r in reqs
             ]
         if cand.replicas > 1:
             topo = Topology(replicas=cand.replicas)
@@ -142,7 +148,7 @@ class _Simulator:
 def _facts(run: Run, asrun: AsRun, config: dict[str, Any]) -> RunFacts:
     prio: dict[str, int] = {}
     for r in asrun.requests:
-        prio.setdefault(r.workload_class, r.priority)
+        prio.setdefault(r.tags.workload_class, r.tags.priority)
     return RunFacts(
         config=config,
         prompt_tokens=[r.input_tokens for r in run.records if r.ok],
