@@ -28,8 +28,18 @@ def _register_all() -> None:
             app.command(name)(command)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version."
+    ),
+) -> None:
     """See, measure and tune the two phases of LLM inference."""
 
 

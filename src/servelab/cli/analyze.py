@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from servelab.cli.errors import fail
+from servelab.cli.extras import require_engine
 
 if TYPE_CHECKING:
     from servelab.rundir import Run
@@ -119,6 +120,7 @@ def demo(
     seed: Annotated[int, typer.Option(help="seed of the planned requests")] = 1,
 ) -> None:
     """The main job: four questions (RAG TTFT, chunked prefill, priorities, decode ITL), each answered by one comparison."""
+    require_engine("demo")
     from servelab.workflows.demo import run_demo
 
     try:

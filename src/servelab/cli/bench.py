@@ -17,6 +17,7 @@ import typer
 
 from servelab.cli import load_options as opt
 from servelab.cli.errors import bad_flag, fail, seconds
+from servelab.cli.extras import require_engine
 
 if TYPE_CHECKING:
     from servelab.bench.run import BenchOptions
@@ -323,6 +324,8 @@ def bench(
     """Benchmark an OpenAI-compatible endpoint with a workload-shaped load."""
     from servelab.bench.run import run_bench
 
+    if ctx.params["url"] is None:  # the embedded engine serves the run
+        require_engine("bench")
     try:
         opts = bench_options(ctx.params)
     except ValueError as e:

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from servelab.cli.errors import fail
+from servelab.cli.extras import require_engine
 
 
 def export_hf_command(
@@ -20,6 +21,7 @@ def export_hf_command(
 ) -> None:
     """Write a model as a standard HF directory (config.json, model.safetensors, tokenizer)
     that transformers and vLLM load as-is. GGUF weights are dequantised to fp32."""
+    require_engine("export-hf")
     import logging
 
     from servelab.model.hf_export import export_hf

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import typer
 
+from servelab.cli.extras import require_engine
+
 
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
@@ -24,6 +26,7 @@ def generate(
     ),
 ) -> None:
     """Generate text for one prompt and show its phase timeline."""
+    require_engine("generate")
     from rich.console import Console
 
     from servelab.engine.engine_config import EngineConfig
@@ -64,6 +67,7 @@ def offline_demo(
     ),
 ) -> None:
     """Run a mixed offline batch (chat + a long RAG prompt) and show every request's phases."""
+    require_engine("offline-demo")
     from servelab.workflows.offline import run_offline_demo
 
     run_offline_demo(model, device, max_num_batched_tokens)

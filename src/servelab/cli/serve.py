@@ -8,12 +8,14 @@ from __future__ import annotations
 import typer
 
 from servelab.cli.errors import fail
+from servelab.cli.extras import require_engine
 from servelab.cli.field_options import command_from_fields
 from servelab.server.server_args import ServerArgs
 
 
 def serve(args: ServerArgs) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
+    require_engine("serve")
     from servelab.model.registry import resolve_model
 
     try:

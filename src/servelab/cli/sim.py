@@ -17,6 +17,7 @@ import typer
 
 from servelab.cli import load_options as opt
 from servelab.cli.errors import fail, seconds
+from servelab.cli.extras import require_engine
 
 if TYPE_CHECKING:
     from servelab.bench.request_plan import LoadSpec
@@ -532,6 +533,7 @@ def profile(
     ),
 ) -> None:
     """Measure the real engine's step times on this machine; `servelab sim --profile` replays them."""
+    require_engine("profile")
     from servelab.engine.engine_config import EngineConfig
     from servelab.sim.engine_args import parse_engine_args, split_deployment
     from servelab.sim.profiled import ProfiledCostModel

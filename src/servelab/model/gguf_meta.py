@@ -2,18 +2,38 @@
 
 ``gguf.GGUFReader`` builds a numpy view for every string of the vocabulary and
 takes seconds to open a file; the tokenizer and the config only need the metadata
-section, which this module parses directly (little-endian GGUF v2/v3). Tensor data
-is still read with the ``gguf`` package (see ``gguf_load``).
+section (and, for ``tensor_names``, the tensor directory after it), which this module
+parses directly (little-endian GGUF v2/v3) without the ``gguf`` package: the benchmark's
+tokenizer and the simulator's model shapes need no engine install. Tensor data is still
+read with the ``gguf`` package (see ``gguf_load``).
 """
 
 from __future__ import annotations
 
 import struct
+from enum import IntEnum
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFValueType
+
+class GGUFValueType(IntEnum):
+    """The metadata value types of the GGUF format (the same numbers as ``gguf.GGUFValueType``)."""
+
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
 
 _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -62,8 +82,9 @@ class _Cursor:
         return self.unpack(_SCALARS[vtype])
 
 
-@lru_cache(maxsize=8)
-def _read_cached(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
+def _parse(path: str) -> tuple[_Cursor, int, dict[str, Any]]:
+    """The metadata of ``path``, and the cursor and tensor count where the tensor directory starts."""
+    size = Path(path).stat().st_size
     data = Path(path).read_bytes() if size < (1 << 20) else _read_header(path)
     cur = _Cursor(data)
     if cur.unpack("<I") != 0x46554747:  # b"GGUF" little-endian
@@ -73,13 +94,29 @@ def _read_cached(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     version = cur.unpack("<I")
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version} is not supported (only v2 and v3)")
-    cur.unpack("<Q")  # tensor count
+    n_tensors = cur.unpack("<Q")
     kv_count = cur.unpack("<Q")
     meta: dict[str, Any] = {}
     for _ in range(kv_count):
         key = cur.string()
         meta[key] = cur.value(GGUFValueType(cur.unpack("<I")))
-    return meta
+    return cur, n_tensors, meta
+
+
+@lru_cache(maxsize=8)
+def _read_cached(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
+    return _parse(path)[2]
+
+
+@lru_cache(maxsize=8)
+def _tensor_names_cached(path: str, size: int, mtime_ns: int) -> frozenset[str]:
+    cur, n_tensors, _ = _parse(path)
+    names = set()
+    for _ in range(n_tensors):
+        names.add(cur.string())
+        n_dims = cur.unpack("<I")
+        cur.pos += 8 * n_dims + 4 + 8  # the dimensions, the type, the data offset
+    return frozenset(names)
 
 
 def _read_header(path: str) -> bytes:
@@ -94,3 +131,10 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     st = p.stat()
     return _read_cached(str(p.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def tensor_names(path: str | Path) -> frozenset[str]:
+    """The names of a GGUF file's tensors (from its tensor directory; no data is read)."""
+    p = Path(path)
+    st = p.stat()
+    return _tensor_names_cached(str(p.resolve()), st.st_size, st.st_mtime_ns)

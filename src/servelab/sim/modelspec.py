@@ -168,11 +168,9 @@ def _from_hf_config(d: dict, name: str) -> ModelSpec:
 
 
 def _from_gguf(path: Path) -> ModelSpec:
-    from gguf import GGUFReader
+    from servelab.model.gguf_meta import read_metadata, tensor_names
 
-    from servelab.model.gguf_meta import read_metadata
-
-    names = {t.name for t in GGUFReader(str(path)).tensors}
+    names = set(tensor_names(path))
     return from_model_config(ModelConfig.from_gguf_metadata(read_metadata(path), names), path.stem)
 
 
