@@ -18,7 +18,9 @@ Definitions (docs/design/overview.md "Metrics"; docs/metrics.md says which peer 
   byte; warm-up moves ``start`` later, cool-down moves ``end`` earlier. Latency statistics and
   goodput fractions use the requests *sent* inside the window; rates (requests/s, tokens/s,
   goodput/s) count *events* inside the window (completions, and output tokens by the arrival
-  time of the chunk that carried them) divided by the window's length.
+  time of the chunk that carried them) divided by the window's length. Output tokens/s counts
+  successful requests only (as vLLM and GuideLLM do); ``failed_output_tokens_per_s`` beside it
+  counts what failed, cut and timed-out requests streamed.
 - Percentile point estimates use numpy's default (linear interpolation, as vLLM does), with
   the confidence intervals of ``analyze.stats.describe`` (pooled ITL resampled by request).
 """
@@ -196,7 +198,8 @@ def summarize_group(
     def rate(x: float) -> float | None:
         return x / dur if dur > 0 else None
 
-    out_tokens = sum(_tokens_in_window(r, window) for r in records)
+    out_tokens = sum(_tokens_in_window(r, window) for r in records if r.ok)
+    failed_out = sum(_tokens_in_window(r, window) for r in records if not r.ok)
     in_tokens = sum(r.input_tokens for r in completed)
     latency = {}
     for metric in LATENCY_METRICS:
@@ -215,6 +218,7 @@ def summarize_group(
             "requests_per_s": rate(len(completed)),
             "input_tokens_per_s": rate(in_tokens),
             "output_tokens_per_s": rate(out_tokens),
+            "failed_output_tokens_per_s": rate(failed_out),
             "total_tokens_per_s": rate(in_tokens + out_tokens),
         },
         "goodput": {
@@ -256,12 +260,18 @@ def token_checks(records: Sequence[ClientRecord]) -> dict[str, Any]:
     disagree = [r for r in recount if r.client_output_tokens != r.output_tokens]
     asked = [r for r in records if r.ok and r.requested_output_tokens is not None]
     short = [r for r in asked if r.output_tokens != r.requested_output_tokens]
+    disputed = [r for r in records if r.disputed_usage is not None]
     return {
         "recounted": len(recount),
         "usage_vs_client_disagreements": len(disagree),
         "disagreement_examples": [
             {"request_id": r.request_id, "usage": r.output_tokens, "client": r.client_output_tokens}
             for r in disagree[:5]
+        ],
+        "usage_disputed": len(disputed),
+        "disputed_examples": [
+            {"request_id": r.request_id, "usage": r.disputed_usage, "counted": r.output_tokens}
+            for r in disputed[:5]
         ],
         "output_length_requested": len(asked),
         "output_length_not_honoured": len(short),

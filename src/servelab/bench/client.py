@@ -11,8 +11,12 @@ Measurement rules (docs/metrics.md):
   chunk (vLLM's ``continuous_usage_stats``); otherwise one per chunk, redistributed
   by re-tokenizing the output when the server's total says chunks carried several.
 - ``output_tokens``/``input_tokens`` come from the server's ``usage`` (``token_source
-  = "usage"``); without usage, from the client's re-count (``"client"``), which is
-  also stored in ``client_output_tokens`` for the disagreement check.
+  = "usage"``); without usage, or with one the stream disproves (``bench.usagecheck``:
+  the claim goes to ``disputed_usage``), from the client's re-count (``"client"``), which
+  is also stored in ``client_output_tokens`` for the disagreement check.
+- A 200 stream that ends with ``[DONE]`` and carried no output token is an error
+  (``no_output``); a stream request answered with a whole non-SSE body is one too
+  (``not_streamed``), whatever the body held.
 - Errors, timeouts and cut streams are recorded with what arrived; nothing is dropped.
 """
 
@@ -30,6 +34,7 @@ from servelab.bench.prompts import TokenizerLike
 from servelab.bench.recount import Recounter
 from servelab.bench.request_plan import PlannedRequest
 from servelab.bench.serverfigures import MalformedFigures, figures_from, ignored
+from servelab.bench.usagecheck import usage_plausible
 from servelab.vocab import ClientRecord
 
 _decode = msgspec.json.Decoder().decode
@@ -368,36 +373,46 @@ def _error(res: Any, col: _Collector, stream: bool, timeout: float | None) -> st
         return f"timeout: no complete response within {timeout:g}s"
     if res.error is not None:
         return res.error
+    ctype = res.headers.get("content-type", "")
+    if stream and res.status == 200 and not ctype.startswith("text/event-stream"):
+        answered = ctype.split(";")[0].strip() or "a body without a content type"
+        return f"not_streamed: server did not stream: answered {answered}"
     if col.error is not None:
         return col.error
     if stream and not col.done_marker:
         return "partial: the stream ended without data: [DONE]"
+    if stream and not col.rec.chunk_times:
+        return "no_output: the stream ended with data: [DONE] and no output token"
     return None
 
 
 def _finish_counts(rec: ClientRecord, col: _Collector, tokenizer: TokenizerLike | None) -> None:
     usage = col.usage or {}
-    if "completion_tokens" in usage:
-        rec.output_tokens = int(usage["completion_tokens"])
-        rec.input_tokens = int(usage.get("prompt_tokens", rec.input_tokens))
-        rec.token_source = "usage"
-    else:
-        rec.output_tokens = (
-            rec.client_output_tokens
-            if rec.client_output_tokens is not None
-            else sum(rec.chunk_tokens)
-        )
-        rec.token_source = "client"
     n_chunks = len(rec.chunk_times)
+    disputed = False
+    if "completion_tokens" in usage:
+        claimed = int(usage["completion_tokens"])
+        rec.input_tokens = int(usage.get("prompt_tokens", rec.input_tokens))
+        if usage_plausible(claimed, n_chunks if rec.stream else None, rec.client_output_tokens):
+            rec.output_tokens = claimed
+            rec.token_source = "usage"
+        else:
+            rec.disputed_usage, disputed = claimed, True
+    if "completion_tokens" not in usage or disputed:
+        if rec.client_output_tokens is not None:
+            rec.output_tokens = rec.client_output_tokens
+        else:  # a disputed running usage also set the per-chunk counts: one per chunk instead
+            rec.output_tokens = n_chunks if disputed else sum(rec.chunk_tokens)
+        rec.token_source = "client"
     if (
         rec.stream
         and n_chunks
-        and not col.continuous
+        and (disputed or not col.continuous)
         and rec.output_tokens != sum(rec.chunk_tokens)
     ):
         rec.chunk_tokens = _attribute_tokens(col.texts, rec.output_tokens, tokenizer)
     details = usage.get("completion_tokens_details") or {}
-    if details.get("reasoning_tokens") is not None:
+    if details.get("reasoning_tokens") is not None and not disputed:
         rec.reasoning_tokens = int(details["reasoning_tokens"])
     else:
         rec.reasoning_tokens = sum(rec.chunk_tokens[i] for i in col.reasoning_chunks)

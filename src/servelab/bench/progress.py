@@ -91,3 +91,5 @@ class Progress:
         if self._live is not None:
             self._live.update(self.line(), refresh=True)
             self._live.stop()
+            if not self.console.is_terminal:  # rich ends the line only on a terminal
+                self.console.line()

@@ -10,8 +10,13 @@ or benchmark can compare what the client measured with what really happened.
 Reasoning models (chat): the first ``reasoning`` tokens stream as ``reasoning_content``.
 Fault injection for tests: a role-only first chunk (chat), empty chunks between
 token chunks, several SSE events coalesced into one write, a connection cut after
-``fail_after`` tokens, an HTTP error ``status``. Per request, the JSON header
-``X-Test-Schedule`` overrides any of these fields.
+``fail_after`` tokens, an HTTP error ``status``; and servers that miscount: a stream of
+no token at all (``no_tokens``), a whole JSON answer to a stream request
+(``ignore_stream``), a ``usage`` that claims ``usage_factor`` times the tokens it streamed.
+Per request, the JSON header ``X-Test-Schedule`` overrides any of these fields.
+``POST /tokenize`` answers in vLLM's and SGLang's dialect (``{"prompt"}`` ->
+``{"tokens", "count"}``) and llama.cpp's (``{"content"}`` -> ``{"tokens"}``), one token
+per whitespace-led word (the count its timelines give a prompt); ``/detokenize`` inverts it.
 
 In-process: ``with TestServer(Schedule(...)).running() as url: ...`` (a background
 thread). Out of process (to pin it to a CPU): ``with run_test_server(schedule,
@@ -28,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,6 +78,10 @@ class Schedule:
     # ``metrics`` object with a non-numeric field) or "none".
     report: str = "servelab"
     metrics: str = "ok"  # /metrics: "ok", "missing" (404), "malformed" or "slow" (2 s late)
+    no_tokens: bool = False  # stream: a 200 with usage and [DONE] but no token chunk
+    ignore_stream: bool = False  # answer a stream request with a whole application/json body
+    usage_factor: float = 1.0  # usage claims this many times the completion tokens sent
+    tokenize: bool = True  # serve POST /tokenize and /detokenize
 
     def chunk_offsets(self, n_chunks: int) -> list[float]:
         """When each token chunk is due, in seconds after the request arrived."""
@@ -106,6 +116,7 @@ class TestServer:
     resets: int = 0
     metrics_scrapes: int = 0
     _counter: int = 0
+    _vocab: _WordVocab = field(default_factory=lambda: _WordVocab())
 
     # ------------------------------------------------------------------ routes
 
@@ -119,6 +130,8 @@ class TestServer:
         app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/reset_prefix_cache", self._reset)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/test/requests", self._requests)
         return app
 
@@ -168,6 +181,26 @@ class TestServer:
         self.resets += 1
         return web.json_response({"reset": True})
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if not self.schedule.tokenize:
+            return _error(404, "Not Found")
+        body = msgspec.json.decode(await request.read())
+        if "content" in body:  # llama.cpp
+            return web.json_response({"tokens": self._vocab.encode(str(body["content"]))})
+        if "prompt" not in body:
+            return _error(400, "give 'prompt' (or llama.cpp's 'content')")
+        ids = self._vocab.encode(str(body["prompt"]))
+        return web.json_response(
+            {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        if not self.schedule.tokenize:
+            return _error(404, "Not Found")
+        body = msgspec.json.decode(await request.read())
+        text = self._vocab.decode(list(body.get("tokens", [])))
+        return web.json_response({"prompt": text, "content": text})
+
     async def _timelines(self, request: web.Request) -> web.Response:
         if self.schedule.report != "servelab":  # emulating another server: it has none
             return web.Response(status=404, text="404: Not Found")
@@ -214,7 +247,7 @@ class TestServer:
         headers = {k: v for k, v in request.headers.items() if k.lower() != "authorization"}
         headers["has_authorization"] = str("Authorization" in request.headers)
         self.served[rid] = _Served(tl, body, headers)
-        if not body.get("stream"):
+        if not body.get("stream") or sched.ignore_stream:
             return await self._full(rid, body, n, sched, chat)
         return await self._stream(request, rid, body, n, sched, chat)
 
@@ -233,11 +266,7 @@ class TestServer:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        usage = {
-            "prompt_tokens": tl.prompt_tokens,
-            "completion_tokens": n,
-            "total_tokens": tl.prompt_tokens + n,
-        }
+        usage = _usage(tl.prompt_tokens, round(n * sched.usage_factor))
         return web.json_response(
             {"id": rid, "choices": [choice], "usage": usage, **_figures(tl, sched.report)},
             headers={"X-Request-Id": rid},
@@ -289,7 +318,7 @@ class TestServer:
         if chat and sched.role_chunk:
             await resp.write(event(None, role=True))
         k = sched.tokens_per_chunk
-        n_chunks = math.ceil(n / k)
+        n_chunks = 0 if sched.no_tokens else math.ceil(n / k)
         offsets = sched.chunk_offsets(n_chunks)
         pending: list[bytes] = []
         sent = batched = 0
@@ -298,7 +327,8 @@ class TestServer:
             text = "".join(WORDS[(sent + i) % len(WORDS)] for i in range(m))
             thinking = sent < sched.reasoning
             sent += m
-            usage = _usage(tl.prompt_tokens, sent) if continuous else None
+            claimed = round(sent * sched.usage_factor)
+            usage = _usage(tl.prompt_tokens, claimed) if continuous else None
             pending.append(event(text, "length" if sent == n else None, usage, reasoning=thinking))
             if sched.empty_chunk_every and (j + 1) % sched.empty_chunk_every == 0 and sent < n:
                 pending.append(event(""))
@@ -322,13 +352,17 @@ class TestServer:
             if tl.first_token is None:
                 tl.first_token = now
             tl.token_times.extend([now] * (sent - len(tl.token_times)))
-        tl.finished, tl.output_tokens, tl.finish_reason = time.monotonic(), n, FinishReason.LENGTH
+        tl.finished, tl.output_tokens, tl.finish_reason = (
+            time.monotonic(),
+            sent,
+            FinishReason.LENGTH,
+        )
         if opts.get("include_usage"):
             final = {
                 "id": rid,
                 "object": obj,
                 "choices": [],
-                "usage": _usage(tl.prompt_tokens, n),
+                "usage": _usage(tl.prompt_tokens, round(sent * sched.usage_factor)),
                 **_figures(tl, sched.report),
             }
             await resp.write(b"data: " + msgspec.json.encode(final) + b"\n\n")
@@ -367,6 +401,28 @@ class TestServer:
             loop = box["loop"]
             loop.call_soon_threadsafe(lambda: box["stop"].done() or box["stop"].set_result(None))
             thread.join(10)
+
+
+class _WordVocab:
+    """``/tokenize``'s tokens: each whitespace-led word (``" river"``) is one id, given in
+    order of first sight; trailing whitespace is a token of its own."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        for w in re.findall(r"\s*\S+|\s+$", text):
+            i = self.ids.get(w)
+            if i is None:
+                i = self.ids[w] = len(self.words)
+                self.words.append(w)
+            out.append(i)
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.words[i] for i in ids if 0 <= i < len(self.words))
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:

@@ -21,6 +21,7 @@ from servelab.analyze.diagnose import Diagnosis
 from servelab.analyze.summary import run_summary
 from servelab.report import charts
 from servelab.report.terminal import PART_LABELS
+from servelab.report.windows import rates_text, window_label
 from servelab.rundir import Run
 from servelab.units import fmt_ms
 
@@ -206,7 +207,7 @@ def timeslices_html(summary: dict[str, Any]) -> str:
     if not ts:
         return '<p class="note">This summary has no time windows (recorded before them).</p>'
     sat = ts["saturation"]
-    rates = f"offered {_num(ts['offered_rate'])} req/s, achieved {_num(ts['achieved_rate'])} req/s"
+    rates = rates_text(ts, _num)
     if sat["state"] == "over_saturated":
         growth = sat["ttft_p50_trend"]["slope_per_minute"] * 1e3
         head = (
@@ -219,7 +220,7 @@ def timeslices_html(summary: dict[str, Any]) -> str:
     else:
         head = f"<p>Steady state: cannot tell. {esc(sat['reason'])}; {rates}.</p>"
     rows = "".join(
-        f'<tr><td class="l">{w["start"]:g}-{w["end"]:g} s</td><td>{w["sent"]}</td>'
+        f'<tr><td class="l">{window_label(w)} s</td><td>{w["sent"]}</td>'
         f"<td>{_num(w['offered_rate'])}</td><td>{_num(w['achieved_rate'])}</td>"
         f"<td>{_num(w['queue_depth'])}</td>"
         + "".join(f"<td>{fmt_ms(w[m][p])}</td>" for m, p in _WINDOW_COLS)

@@ -16,6 +16,7 @@ from servelab.analyze.answers import Answer
 from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
+from servelab.report.windows import rates_text, window_label
 from servelab.units import fmt_ms
 
 if TYPE_CHECKING:
@@ -346,11 +347,7 @@ def saturation_line(summary: dict[str, Any]) -> str:
     if not ts:
         return "steady state: not assessed (no time windows in this summary)"
     sat = ts["saturation"]
-    rates = (
-        f"offered {ts['offered_rate']:.3g} req/s, achieved {ts['achieved_rate']:.3g} req/s"
-        if ts["offered_rate"] is not None
-        else "no sending span"
-    )
+    rates = rates_text(ts, lambda x: f"{x:.3g}")
     if sat["state"] == "over_saturated":
         growth = sat["ttft_p50_trend"]["slope_per_minute"] * 1e3
         return (
@@ -393,7 +390,7 @@ def slices_table(summary: dict[str, Any]) -> Table | None:
     for w in ts["slices"]:
         depth = w["queue_depth"]
         t.add_row(
-            f"{w['start']:g}-{w['end']:g}",
+            window_label(w),
             str(w["sent"]),
             f"{w['offered_rate']:.2f}",
             f"{w['achieved_rate']:.2f}",
@@ -450,7 +447,7 @@ def rates_table(summary: dict[str, Any]) -> Table:
             str(rq["failed"]),
             _num(th["requests_per_s"]),
             _num(th["input_tokens_per_s"]),
-            _num(th["output_tokens_per_s"]),
+            _out_rate(th),
             _num(gp["requests_per_s"]),
             "-" if frac is None else f"{frac:.0%}",
         )
@@ -459,6 +456,13 @@ def rates_table(summary: dict[str, Any]) -> Table:
 
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:,.2f}"
+
+
+def _out_rate(th: dict[str, Any]) -> str:
+    """Output tokens/s of successful requests, with what failed requests streamed beside it."""
+    failed = th.get("failed_output_tokens_per_s")
+    extra = f" (+{failed:,.2f} failed)" if failed else ""
+    return _num(th["output_tokens_per_s"]) + extra
 
 
 def stages_table(stages: list[tuple[str | None, dict[str, Any] | None, bool]]) -> Table:
