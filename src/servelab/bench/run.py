@@ -37,6 +37,7 @@ from servelab.bench.progress import Progress
 from servelab.bench.request_plan import ENDPOINTS, LoadSpec, Plan, build_plan, iter_plan
 from servelab.bench.search import find_max_rate, saturated, sweep_stop
 from servelab.bench.server_target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
+from servelab.bench.servertok import SERVER_TOKENIZER, ServerTokenizer
 from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
 from servelab.report.terminal import (
     fit,
@@ -163,6 +164,7 @@ class Bench:
         self.launched: LaunchedServer | None = None
         self.spec: WorkloadSpec | None = None
         self.tokenizer: Any = None
+        self.tokenizer_source: str | None = None  # --tokenizer, --model, server /tokenize, ...
         self.stages: list[Stage] = []
         self.interrupted = False
         self.max_rate: dict[str, Any] | None = None
@@ -217,20 +219,55 @@ class Bench:
         if o.load.trace is None or o.dataset is not None:  # a trace's text may be a dataset's
             self.spec = self._workload()
             self._read_datasets()
+        if o.tokenizer == SERVER_TOKENIZER:
+            return  # asked of the server once it is probed (_server_tokenizer)
         if o.tokenizer is not None:
-            self.tokenizer = _load_tokenizer(o.tokenizer)
+            self.tokenizer, self.tokenizer_source = _load_tokenizer(o.tokenizer), "--tokenizer"
             return
         if o.model is not None:
             # the served model's own tokenizer when --model names one servelab can read
             with contextlib.suppress(ValueError):
-                self.tokenizer = _load_tokenizer(o.model)
+                self.tokenizer, self.tokenizer_source = _load_tokenizer(o.model), "--model"
                 return
-        if o.url is not None or o.model is not None:
+        if o.url is not None:
+            return  # the server's /tokenize where it has one (_server_tokenizer)
+        self._default_tokenizer()
+
+    def _default_tokenizer(self) -> None:
+        if self.o.url is not None or self.o.model is not None:
             self.warnings.append(
                 f"no --tokenizer given: prompt lengths are exact under {DEFAULT_MODEL}'s "
                 "tokenizer, which may not be the target's"
             )
-        self.tokenizer = _load_tokenizer(DEFAULT_MODEL)
+        self.tokenizer, self.tokenizer_source = _load_tokenizer(DEFAULT_MODEL), "default model"
+
+    def _server_tokenizer(self) -> None:
+        """No local tokenizer for the target's model: its own ``/tokenize``, else the default
+        model's (``--tokenizer server`` insists on the server's)."""
+        assert self.info is not None
+        o = self.o
+        tok = None
+        if o.endpoint != "chat":  # a chat template is applied locally; /tokenize has none
+            with self.console.status(f"asking {self.info.url}/tokenize for prompt lengths ..."):
+                tok = ServerTokenizer.probe(self.info.url, self._request_model(), o.api_key)
+        if tok is not None:
+            self.tokenizer, self.tokenizer_source = tok, "server /tokenize"
+        elif o.tokenizer == SERVER_TOKENIZER:
+            why = (
+                "--endpoint chat applies a chat template locally"
+                if o.endpoint == "chat"
+                else (
+                    f"{self.info.url} answers no POST /tokenize (vLLM's, SGLang's or llama.cpp's)"
+                )
+            )
+            raise ValueError(f"--tokenizer server: {why}; give a local --tokenizer")
+        else:
+            self._default_tokenizer()
+        if not o.quiet:
+            self.console.print(
+                f"prompt lengths: tokenizer {getattr(self.tokenizer, 'name', '?')} "
+                f"(source: {self.tokenizer_source})"
+            )
 
     def _workload(self) -> WorkloadSpec:
         """The workload; ``--dataset`` gives every class its text (alone: one plain class)."""
@@ -424,6 +461,14 @@ class Bench:
                 "same one, generated text that re-encodes to other tokens. Token counts come from "
                 "the server's usage where it sent one"
             )
+        if t.get("usage_disputed"):
+            ex = t["disputed_examples"][0]
+            self.warnings.append(
+                f"{where}{t['usage_disputed']} requests: the server's usage claimed output "
+                f"tokens its stream cannot have carried (e.g. {ex['usage']} where the client "
+                f"counted {ex['counted']}); the client's count is used for them (see "
+                'docs/metrics.md, "Token counts")'
+            )
         if t["output_length_not_honoured"]:
             self.warnings.append(
                 f"{where}{t['output_length_not_honoured']} of {t['output_length_requested']} "
@@ -510,6 +555,7 @@ class Bench:
             "server": self.info.to_dict() if self.info else None,
             "model": self._request_model() if self.info else o.model,
             "tokenizer": getattr(self.tokenizer, "name", None),
+            "tokenizer_source": self.tokenizer_source,
             "config": {
                 "endpoint": o.endpoint,
                 "seed": o.seed,
@@ -642,6 +688,8 @@ class Bench:
         try:
             await self._target()
             assert self.info is not None
+            if self.tokenizer is None:
+                self._server_tokenizer()
             target = Target(
                 url=self.info.url,
                 model=self._request_model(),
@@ -649,7 +697,8 @@ class Bench:
                 api_key=o.api_key,
                 strict_openai=o.strict_openai,
                 timeout=o.timeout,
-                tokenizer=self.tokenizer,
+                # the server's /tokenize is not asked to re-count while it serves the run
+                tokenizer=None if isinstance(self.tokenizer, ServerTokenizer) else self.tokenizer,
                 extra_body=o.sampling,
                 request_id_header=self.info.timelines,
             )

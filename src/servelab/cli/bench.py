@@ -91,8 +91,9 @@ Model = Annotated[
 Tokenizer = Annotated[
     str | None,
     typer.Option(
-        help="Tokenizer for exact prompt lengths: a model name, HF dir or .gguf "
-        "(default: the embedded model's).",
+        help="Tokenizer for exact prompt lengths: a model name, HF dir or .gguf, or 'server' "
+        "(the server's POST /tokenize). Default: --model's where servelab can read it, else "
+        "the server's /tokenize (vLLM, SGLang, llama.cpp), else the default model's.",
         rich_help_panel=opt.TARGET,
     ),
 ]
