@@ -161,3 +161,27 @@ def test_a_closed_loop_wave_prints_no_rates_over_its_instant():
         r.actual_send = r.intended_send = 1e-5 * k  # the whole wave at once
     line = saturation_line(summarize(recs, n_boot=50))
     assert "req/s" not in line and "all 32 requests were sent within 0.01 s" in line
+
+
+def test_a_bench_against_an_inflating_server_counts_what_streamed_and_warns(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    with TestServer(Schedule(ttft=0.005, itl=0.001, usage_factor=50)).running() as u:
+        p = subprocess.run(
+            [sys.executable, "-m", "servelab.cli", "bench", "--url", u, "--requests", "4",
+             "--concurrency", "2", "--out", str(out)],
+            capture_output=True, text=True, timeout=120, check=False,
+            env={**os.environ, "COLUMNS": "200"},
+        )  # fmt: skip
+    assert p.returncode in (0, 3), p.stdout + p.stderr  # 3: the client fell behind (busy cores)
+    assert "the server's usage claimed output tokens its stream cannot have carried" in p.stdout
+    m = json.loads((out / "metrics.json").read_text())
+    recs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert m["tokens"]["usage_disputed"] == len(recs) > 0
+    streamed = sum(len(r["chunk_times"]) for r in recs)  # one word a chunk
+    assert sum(r["output_tokens"] for r in recs) == streamed
+    window = m["window"]["duration_s"]
+    assert m["overall"]["throughput"]["output_tokens_per_s"] <= streamed / window * 1.001

@@ -13,8 +13,10 @@
 #
 # VENV: default .venv-peers/vllm (benchmarks/peers/install.sh). WHEEL: a built servelab wheel;
 # default: this source tree (pip builds it). --bench needs the repository's .venv (`make
-# install`: it exports the model) and takes a few minutes on 2 cores (vLLM's start-up).
+# install`: it exports the model to runs/vllm-env/smollm2-hf unless that exists) and takes a
+# few minutes on 2 cores (vLLM's start-up).
 set -euo pipefail
+unset PYTHONPATH  # the venv must see the servelab it installed, never these sources
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 bench=0
