@@ -38,7 +38,8 @@ if [ -d "$what" ]; then  # build the wheel first: the env's pins are for what ge
 fi
 before=$(torch_version)
 # the venv's own versions as constraints (plain name==version lines: pip takes no URLs there)
-"$py" -m pip freeze --all | grep -E '^[A-Za-z0-9_.-]+==' >"$venv/servelab-constraints.txt"
+freeze() { "$py" -m pip freeze --all | grep -E '^[A-Za-z0-9_.-]+==' | LC_ALL=C sort; }
+freeze >"$venv/servelab-constraints.txt"
 cp "$venv/servelab-constraints.txt" "$venv/pre-servelab-freeze.txt"
 echo "== installing servelab core into $venv (torch $before stays)"
 t0=$SECONDS
@@ -48,10 +49,10 @@ if ! "$py" -m pip install -q -c "$venv/servelab-constraints.txt" "$what" >>"$log
 	exit 1
 fi
 after=$(torch_version)
-"$py" -m pip freeze --all | grep -E '^[A-Za-z0-9_.-]+==' >"$venv/post-servelab-freeze.txt"
+freeze >"$venv/post-servelab-freeze.txt"
 changed=$(comm -23 "$venv/pre-servelab-freeze.txt" "$venv/post-servelab-freeze.txt" || true)
 added=$(comm -13 "$venv/pre-servelab-freeze.txt" "$venv/post-servelab-freeze.txt" | tr '\n' ' ')
-echo "installed in $((SECONDS - t0)) s; added: $added"
+echo "installed servelab $("$venv/bin/servelab" --version) in $((SECONDS - t0)) s; added: $added"
 [ "$before" = "$after" ] || { echo "torch changed: $before -> $after" >&2; exit 1; }
 [ -z "$changed" ] || { echo "packages changed or removed: $changed" >&2; exit 1; }
 echo "torch unchanged ($after); no package already there changed"
@@ -75,6 +76,9 @@ for _ in $(seq 600); do
 	sleep 1
 done
 rm -rf "$out"
+rc=0
 "$venv/bin/servelab" bench --url "http://127.0.0.1:$port" --model smollm2-135m --workload chat \
-	--requests 10 --concurrency 2 --out "$out"
+	--requests 10 --concurrency 2 --out "$out" || rc=$?
 echo "torch after the run: $(torch_version) (before: $before)"
+# 3: the run is written, but the client fell behind (vLLM and the client share the cores)
+[ "$rc" = 0 ] || [ "$rc" = 3 ]
