@@ -66,11 +66,14 @@ import subprocess, sys, time
 for args in (["--version"], ["--help"]):
     t0 = time.perf_counter()
     out = subprocess.run([sys.argv[1], *args], capture_output=True, text=True, check=True).stdout
-    print(f"  servelab {args[0]}: {time.perf_counter() - t0:.2f} s wall ({out.splitlines()[0][:40]})")
+    first = next((ln.strip() for ln in out.splitlines() if ln.strip()), "")
+    print(f"  servelab {args[0]}: {time.perf_counter() - t0:.2f} s wall ({first[:40]})")
 PYEOF
 if "$bin/servelab" serve >"$work/serve-core.txt" 2>&1; then die "serve ran without the engine"; fi
 grep -q "pip install 'servelab\[engine\]'" "$work/serve-core.txt" || die "serve did not say which extra to install: $(cat "$work/serve-core.txt")"
 ! grep -q Traceback "$work/serve-core.txt" || die "serve without the engine printed a traceback"
+if "$bin/servelab" bench --requests 1 >"$work/bench-core.txt" 2>&1; then die "bench without --url ran without the engine"; fi
+grep -q "pip install 'servelab\[engine\]'" "$work/bench-core.txt" || die "bench without --url did not say which extra to install"
 
 step "bench against the stand-in server, from the core install"
 "$bin/python" -m servelab.bench.testserver --port 0 --ttft 0.01 --itl 0.002 >"$work/testserver.txt" &

@@ -1,0 +1,73 @@
+"""The core install's promises, checked from the source tree (.ci/wheel-check.sh checks the
+built wheel): no engine package among the core dependencies, engine commands that say which
+extra they need, and GGUF metadata read without the gguf package."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from servelab.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_ONLY = ("torch", "gguf", "safetensors", "transformers", "pyzmq")
+
+
+def _name(req: str) -> str:
+    return req.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
+
+
+def test_the_core_dependencies_hold_no_engine_package():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {_name(r) for r in project["dependencies"]}
+    assert not core & set(ENGINE_ONLY)
+    engine = {_name(r) for r in project["optional-dependencies"]["engine"]}
+    assert {"torch", "gguf", "safetensors", "pyzmq"} <= engine
+    torch = next(r for r in project["optional-dependencies"]["engine"] if _name(r) == "torch")
+    assert ">=" in torch and "==" not in torch  # a range, so it installs beside vLLM's torch
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["serve"],
+        ["generate", "-p", "hi"],
+        ["offline-demo"],
+        ["export-hf", "/tmp/never-written"],
+        ["profile"],
+        ["demo", "--quick"],
+        ["bench", "--requests", "1"],  # no --url: the embedded engine
+    ],
+)
+def test_engine_commands_without_the_engine_say_which_extra(args, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "torch" else real(n, *a)
+    )
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert "pip install 'servelab[engine]'" in r.output and "torch" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_version_flag():
+    from servelab import __version__
+
+    assert CliRunner().invoke(app, ["--version"]).output.strip() == __version__
+
+
+def test_gguf_metadata_and_tensor_names_without_the_gguf_package():
+    from servelab.model.gguf_meta import GGUFValueType, tensor_names
+    from servelab.model.registry import resolve_model
+
+    gguf = pytest.importorskip("gguf")
+    assert {t.name: int(t) for t in GGUFValueType} == {t.name: int(t) for t in gguf.GGUFValueType}
+    try:
+        path = resolve_model("smollm2-135m")
+    except ValueError as e:
+        pytest.skip(f"default model not installed: {e}")
+    assert tensor_names(path) == {t.name for t in gguf.GGUFReader(str(path)).tensors}
