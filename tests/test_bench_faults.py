@@ -15,11 +15,11 @@ from servelab.analyze.summary import summarize
 from servelab.bench.client import Target, send
 from servelab.bench.http import HttpClient
 from servelab.bench.progress import Progress
-from servelab.bench.testing import tiny_tokenizer
+from servelab.bench.testing import one_request, tiny_tokenizer
 from servelab.bench.testserver import Schedule, TestServer
 from servelab.bench.usagecheck import usage_plausible
 from servelab.report.terminal import rates_table, saturation_line, slices_table
-from servelab.vocab import ClientRecord
+from servelab.vocab import ClientRecord, RequestTags
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +41,9 @@ def _send(url, fault: dict, *, max_tokens=16, tok=None, strict=False, endpoint="
             extra_headers={"X-Test-Schedule": json.dumps(fault)},
         )
         try:
-            out = await send(
-                http,
-                target,
-                "r-0",
-                [{"role": "user", "content": "hello there"}] if endpoint == "chat" else "hello",
-                max_tokens,
-                intended_send=0.0,
-                workload_class="c",
-            )
+            prompt = [{"role": "user", "content": "hello there"}] if endpoint == "chat" else "hello"
+            req = one_request("r-0", "hello", max_tokens, tags=RequestTags(workload_class="c"))
+            out = await send(http, target, req, prompt=prompt, intended_send=0.0)
         finally:
             await http.close()
         return out.record

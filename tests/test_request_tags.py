@@ -110,6 +110,7 @@ def test_the_one_constructor_records_every_tag_and_the_send(tmp_path):
         "output_tokens",
         "token_source",
         "client_output_tokens",
+        "disputed_usage",
         "requested_output_tokens",
         "stream",
         "first_byte",

@@ -21,9 +21,9 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
-    from servelab.cli import analyze, bench, export_hf, generate, serve, sim, tune
+    from servelab.cli import analyze, bench, export_hf, generate, runexport, serve, sim, tune
 
-    for module in (generate, export_hf, serve, bench, analyze, sim, tune):
+    for module in (generate, export_hf, serve, bench, analyze, sim, tune, runexport):
         for name, command in module.COMMANDS.items():
             app.command(name)(command)
 

@@ -55,22 +55,42 @@ def compare(
     ],
     json_out: JsonFlag = False,
     alpha: Annotated[float, typer.Option(help="significance level (false discovery rate)")] = 0.05,
+    fail_on: Annotated[
+        str | None,
+        typer.Option(
+            "--fail-on",
+            help="exit 1 when a run regressed beyond a threshold AND significantly, e.g. "
+            "'ttft.p99:+10%,goodput:-5%' (docs/metrics.md, 'Gating a pipeline')",
+        ),
+    ] = None,
 ) -> None:
     """Compare runs metric by metric, marking which differences are significant and which are noise."""
     from rich.console import Console
 
     from servelab.analyze.compare import compare as run_compare
+    from servelab.analyze.gate import gate, parse_rules
     from servelab.report.terminal import render_comparison
 
     if len(run_dirs) < 2:
         raise fail("compare needs at least two run directories (the first is the baseline)")
     if not 0 < alpha < 1:
         raise fail(f"--alpha must be between 0 and 1, got {alpha}")
-    c = run_compare(_load(run_dirs), alpha=alpha)
+    try:
+        rules = parse_rules(fail_on) if fail_on is not None else None
+    except ValueError as e:
+        raise fail(f"--fail-on {e}", "compare") from None
+    runs = _load(run_dirs)
+    c = run_compare(runs, alpha=alpha)
     if json_out:
         typer.echo(json.dumps(c.to_dict(), indent=1, default=str))
     else:
         render_comparison(c, Console())
+    if rules is not None:
+        verdicts = gate(runs, c, rules, alpha=alpha)
+        for v in verdicts:
+            typer.echo(f"{'FAIL' if v.failed else 'pass'} {v.label}: {v.reason}", err=json_out)
+        if any(v.failed for v in verdicts):
+            raise typer.Exit(1)
 
 
 def report(

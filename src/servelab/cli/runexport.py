@@ -1,5 +1,5 @@
 """`servelab export RUN --format csv|parquet`: a run's requests as one table (registered by
-servelab.cli). The table is ``analyze.requests_table``'s."""
+servelab.cli through COMMANDS). The table is ``analyze.requests_table``'s."""
 
 from __future__ import annotations
 
@@ -43,6 +43,4 @@ def export_command(
     typer.echo(f"wrote {len(rows)} requests to {path}")
 
 
-def register(app: typer.Typer) -> None:
-    """Add `servelab export` to the `servelab` app."""
-    app.command("export")(export_command)
+COMMANDS = {"export": export_command}
