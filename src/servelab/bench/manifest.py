@@ -6,27 +6,73 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
 from servelab import __version__
 
+# Flags whose value is a secret: --api-key, --token and any --*-key / --*-token / --*-secret /
+# --*-password (--hf-token); not --tokenizer or --max-num-batched-tokens.
+_SECRET_FLAG = re.compile(r"^--(?:[a-z0-9-]*-)?(?:key|token|secret|password)$", re.IGNORECASE)
+# NAME=value environment assignments whose name says it holds a secret (HF_TOKEN, OPENAI_API_KEY).
+_SECRET_ENV = re.compile(
+    r"^([A-Za-z_][A-Za-z0-9_]*(?:KEY|TOKEN|SECRET|PASSWORD)[A-Za-z0-9_]*)=(.+)$", re.IGNORECASE
+)
+_AUTH = re.compile(r"^(\s*authorization\s*:\s*)(?:(bearer|basic)\s+)?(\S.*)$", re.IGNORECASE)
+HIDDEN = "***"
+
+
+def _scan(argv: list[str]) -> list[tuple[int, str]]:
+    """(argument index, secret value) for every secret in ``argv`` (see ``redact``)."""
+    found: list[tuple[int, str]] = []
+    hide = 0
+    for i, a in enumerate(argv):
+        if hide:
+            if hide == 2 and a.lower() in ("bearer", "basic"):
+                hide = 1
+                continue
+            found.append((i, a))
+            hide = 0
+            continue
+        flag, eq, value = a.partition("=")
+        if _SECRET_FLAG.match(flag):
+            if eq:
+                found.append((i, value))
+            else:
+                hide = 1
+        elif m := _SECRET_ENV.match(a):
+            found.append((i, m.group(2)))
+        elif m := _AUTH.match(a):
+            found.append((i, m.group(3).strip()))
+        elif a.strip().lower() == "authorization:":
+            hide = 2
+    return [(i, v) for i, v in found if v and v != HIDDEN]
+
+
+def secrets_in(argv: list[str]) -> list[str]:
+    """The secret values a command line carries (see ``redact``), longest first."""
+    return sorted({v for _, v in _scan(argv)}, key=len, reverse=True)
+
 
 def redact(argv: list[str]) -> list[str]:
-    """The command line with the value of ``--api-key`` replaced by ``***``."""
-    out, hide = [], False
-    for a in argv:
-        if hide:
-            out.append("***")
-            hide = False
-        elif a == "--api-key":
-            out.append(a)
-            hide = True
-        elif a.startswith("--api-key="):
-            out.append("--api-key=***")
-        else:
-            out.append(a)
+    """The command line with its secrets replaced by ``***``: the value of ``--api-key``,
+    ``--token`` and every ``--*-key``/``--*-token``/``--*-secret``/``--*-password`` flag,
+    of ``NAME=value`` assignments whose name holds KEY, TOKEN, SECRET or PASSWORD, and of an
+    ``Authorization:`` header."""
+    out = list(argv)
+    for i, v in _scan(argv):
+        head, sep, tail = out[i].rpartition(v)
+        out[i] = head + HIDDEN + tail if sep else HIDDEN
     return out
+
+
+def hide_secrets(text: str, secrets: list[str]) -> str:
+    """``text`` with every occurrence of each of ``secrets`` replaced by ``***`` (for a
+    server's log, whose lines may echo its arguments)."""
+    for v in secrets:
+        text = text.replace(v, HIDDEN)
+    return text
 
 
 def versions() -> dict[str, str]:

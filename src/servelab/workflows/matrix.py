@@ -11,6 +11,16 @@ the number of repeats; the workload and load come from the `servelab bench` comm
       # a config may also change the workload (e.g. class priorities):
       prio: {engine_args: "", workload: my-priorities.yaml}
 
+Another server (vLLM, SGLang, llama-server) is launched from a command template
+(``bench.template``) instead of `servelab serve`: each config's flags fill its ``{flags}``,
+``model`` fills ``{model}``, and a config may give a template of its own::
+
+    template: "vllm serve {model} --host {host} --port {port} {flags}"
+    model: /models/llama-8b
+    configs:
+      chunked-512: "--max-num-batched-tokens 512"
+      unchunked: "--no-enable-chunked-prefill"
+
 One server per config is started up front and kept for the session; repeat ``r`` runs
 every config in an order rotated by ``r``, so machine drift spreads over all configs
 instead of biasing whichever ran last. Each run is a normal run directory
@@ -34,6 +44,7 @@ from rich.console import Console
 from servelab.analyze.compare import Comparison, compare
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
 from servelab.bench.server_target import LaunchedServer
+from servelab.bench.template import TemplateServer
 from servelab.engine_flags import read_flags
 from servelab.rundir import Run, load_run, read_json, write_manifest
 
@@ -45,12 +56,15 @@ class MatrixConfig:
     name: str
     engine_args: str = ""
     workload: str | None = None  # None: the command line's workload
+    template: str | None = None  # another server's launch command (None: the matrix's)
 
 
 @dataclass
 class MatrixSpec:
     configs: list[MatrixConfig]
     repeats: int = 1
+    template: str | None = None  # launch every config from this (bench.template)
+    model: str | None = None  # the template's {model} (default: bench --model)
 
     @classmethod
     def parse(cls, data: Any, source: str = "the matrix") -> MatrixSpec:
@@ -58,9 +72,12 @@ class MatrixSpec:
         example = 'configs: {chunked: "--max-num-batched-tokens 512", unchunked: "--no-enable-chunked-prefill"}'
         if not isinstance(data, dict) or "configs" not in data:
             raise ValueError(f"{source} needs a 'configs' mapping, e.g. {example}")
-        unknown = set(data) - {"configs", "repeats"}
+        unknown = set(data) - {"configs", "repeats", "template", "model"}
         if unknown:
-            raise ValueError(f"{source}: unknown key(s) {sorted(unknown)}; use configs and repeats")
+            raise ValueError(
+                f"{source}: unknown key(s) {sorted(unknown)}; use configs, repeats, template "
+                "and model"
+            )
         raw = data["configs"]
         if not isinstance(raw, dict) or len(raw) < 2:
             raise ValueError(f"{source}: give at least two configs to compare, e.g. {example}")
@@ -74,17 +91,24 @@ class MatrixSpec:
                 )
             if v is None or isinstance(v, str):
                 configs.append(MatrixConfig(name, v or ""))
-            elif isinstance(v, dict) and set(v) <= {"engine_args", "workload"}:
-                configs.append(MatrixConfig(name, v.get("engine_args") or "", v.get("workload")))
+            elif isinstance(v, dict) and set(v) <= {"engine_args", "workload", "template"}:
+                configs.append(
+                    MatrixConfig(
+                        name, v.get("engine_args") or "", v.get("workload"), v.get("template")
+                    )
+                )
             else:
                 raise ValueError(
-                    f"{source}: config {name!r} must be a string of `servelab serve` flags or "
-                    "{engine_args: ..., workload: ...}"
+                    f"{source}: config {name!r} must be a string of the server's flags or "
+                    "{engine_args: ..., workload: ..., template: ...}"
                 )
         repeats = data.get("repeats", 1)
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"{source}: repeats must be a whole number >= 1, got {repeats!r}")
-        return cls(configs, repeats)
+        for key in ("template", "model"):
+            if data.get(key) is not None and not isinstance(data[key], str):
+                raise ValueError(f"{source}: {key} must be a string")
+        return cls(configs, repeats, data.get("template"), data.get("model"))
 
     @classmethod
     def load(cls, path: str | Path) -> MatrixSpec:
@@ -123,7 +147,7 @@ def has_records(run_dir: Path) -> bool:
     return path.exists() and path.stat().st_size > 0
 
 
-def record_server(run_dir: Path, server: LaunchedServer) -> None:
+def record_server(run_dir: Path, server: LaunchedServer | TemplateServer) -> None:
     """Write the launched server's flags into the run's manifest: the bench saw only a URL."""
     manifest = read_json(run_dir, "manifest.json")
     if manifest is None:
@@ -133,7 +157,7 @@ def record_server(run_dir: Path, server: LaunchedServer) -> None:
         launched=True,
         command=server.command,
         engine_args=server.engine_args,
-        config=read_flags(server.engine_args),
+        config=server.config if isinstance(server, TemplateServer) else read_flags(server.engine_args),
     )
     manifest["server"] = info
     write_manifest(run_dir, manifest)
@@ -145,21 +169,29 @@ def start_servers(
     model: str = DEFAULT_MODEL,
     api_key: str | None = None,
     console: Console | None = None,
-) -> dict[str, LaunchedServer]:
-    """Start one `servelab serve` per name, all at once, and wait until every one is healthy.
+    templates: dict[str, str | None] | None = None,
+) -> dict[str, LaunchedServer | TemplateServer]:
+    """Start one server per name, all at once, and wait until every one is healthy: the
+    `servelab serve` the name's flags configure, or where ``templates`` gives the name a
+    template, that command with the flags as its ``{flags}`` (``bench.template``).
 
     On failure the ones already started are stopped before the error propagates.
     """
     console = console or Console()
-    servers: dict[str, LaunchedServer] = {}
+    servers: dict[str, LaunchedServer | TemplateServer] = {}
     try:
         for name, args in engine_args.items():
-            servers[name] = LaunchedServer(model, args, out / f"server-{name}.log", api_key)
+            log = out / f"server-{name}.log"
+            template = (templates or {}).get(name)
+            if template:
+                servers[name] = TemplateServer(template, log, model, args)
+            else:
+                servers[name] = LaunchedServer(model, args, log, api_key)
 
         async def wait_all() -> None:
             await asyncio.gather(*(s.wait_healthy() for s in servers.values()))
 
-        with console.status(f"starting {len(servers)} `servelab serve` process(es) ..."):
+        with console.status(f"starting {len(servers)} server process(es) ..."):
             asyncio.run(wait_all())
     except BaseException:
         for srv in servers.values():
@@ -172,7 +204,7 @@ def execute_matrix(
     spec: MatrixSpec,
     base: BenchOptions,
     console: Console | None = None,
-    servers: dict[str, LaunchedServer] | None = None,
+    servers: dict[str, Any] | None = None,
 ) -> MatrixResult:
     """Run every (repeat, config) in interleaved order and compare the configs.
 
@@ -187,14 +219,15 @@ def execute_matrix(
         raise ValueError("--matrix runs one load per config; drop --sweep / --find-max-rate")
     out = base.out or Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-matrix"
     out.mkdir(parents=True, exist_ok=True)
-    model = base.model or DEFAULT_MODEL
+    model = spec.model or base.model or DEFAULT_MODEL
     own = servers is None
     if servers is None:
         args = {
             c.name: " ".join(a for a in (base.engine_args, c.engine_args) if a)
             for c in spec.configs
         }
-        servers = start_servers(args, out, model, base.api_key, console)
+        templates = {c.name: c.template or spec.template for c in spec.configs}
+        servers = start_servers(args, out, model, base.api_key, console, templates)
     result = MatrixResult(out, {c.name: [] for c in spec.configs})
     try:
         plan = spec.order()
