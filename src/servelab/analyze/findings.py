@@ -17,6 +17,7 @@ import numpy as np
 
 from servelab.analyze.attribution import LONG_PROMPT, Attribution, TTFTBreakdown
 from servelab.analyze.promscrape import ServerEstimates
+from servelab.analyze.serversettings import run_settings
 from servelab.analyze.stats import confidence_label, spearman
 from servelab.analyze.summary import run_timeslices, stage_summaries
 from servelab.analyze.timeseries import ServerSeries
@@ -81,13 +82,16 @@ class Context:
     def config(self, key: str, default: Any = None) -> Any:
         """An engine setting: the resolved config a servelab server reported, else the
         label of that name on another server's ``/metrics`` info gauges (vLLM's
-        ``vllm:cache_config_info`` carries ``enable_prefix_caching`` and ``block_size``)."""
+        ``vllm:cache_config_info`` carries ``enable_prefix_caching`` and ``block_size``),
+        else another server's setting from its launch command or the stated server config
+        (``analyze.serversettings``; not its engine's defaults, which the server may not run
+        with)."""
         if key in self.run.engine_config:
             return self.run.engine_config[key]
         for labels in (self.run.server.get("info_metrics") or {}).values():
             if key in labels:
                 return _label_value(labels[key])
-        return default
+        return run_settings(self.run).stated(key, default)
 
 
 def _label_value(v: str) -> Any:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from servelab.analyze.findings import Context, Finding
+from servelab.analyze.serversettings import server_kind as run_server_kind
 
 # KV bytes per token of the default model in fp32 (docs/reference-figures.md): the transfer
 # disaggregation adds per prompt token.
@@ -40,31 +41,11 @@ class Recommendation:
         return asdict(self)
 
 
-# How a server says who it is, as the client sees it: the ``owned_by`` every model in its
-# ``/v1/models`` carries, and the start of ``reported_by`` for the per-request figures its
-# responses carried (bench/serverfigures.py). Checked against each server's source; the
-# versions are in docs/design/analyze.md.
-_RECOGNISED = {
-    "vllm": ("vllm", "vllm"),
-    "sglang": ("sglang", "sglang"),
-    "llamacpp": ("llamacpp", "llama.cpp"),
-}
-
-
 def server_kind(c: Context) -> str:
     """Whose flags a recommendation names: ``servelab``, ``vllm``, ``sglang``, ``llamacpp``
-    (the server's own ``owned_by`` in ``/v1/models``, or the per-request figures its
-    responses carried: vLLM ``metrics``, SGLang ``meta_info``, llama.cpp ``timings``), or
-    ``other`` (neutral wording)."""
-    if c.run.target_kind == "servelab":
-        return "servelab"
-    models = c.run.server.get("models") or []
-    owners = {str(m.get("owned_by", "")).lower() for m in models if isinstance(m, dict)}
-    reported = {str((r.server_timeline or {}).get("reported_by", "")) for r in c.run.records}
-    for kind, (owner, figures) in _RECOGNISED.items():
-        if owner in owners or any(x.startswith(figures) for x in reported):
-            return kind
-    return "other"
+    (``analyze.serversettings.server_kind``: what the server says of itself, the figures its
+    responses carried, or the command it was launched with), or ``other`` (neutral wording)."""
+    return run_server_kind(c.run)
 
 
 # What each engine setting is called where the target has no flag to name.

@@ -12,8 +12,9 @@ that states a setting wins):
    (``server.command`` in the manifest);
 3. the command or flags the user stated (``servelab bench --server-config``, recorded as
    ``server.stated_command``; or given to the command that reads the run);
-4. the engine's published defaults (``DEFAULTS``: only the settings that do not depend on the
-   hardware; vLLM's budget and sequence cap do, and stay unknown unless stated).
+4. the engine's published defaults (``DEFAULTS``: only its switches; the budget and sequence
+   cap depend on the hardware or are left to the simulator's twin, and stay unknown here
+   unless stated, so a recommendation words them as a rule rather than a guess).
 
 ``FLAGS`` is the one table of each engine's spelling of each setting: it parses launch
 commands (2, 3) and renders a candidate setting as that server's flags (``render_flags``),
@@ -111,17 +112,13 @@ DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {
         "page_size 1)",
     ),
     LLAMACPP: (
-        {
-            "enable_chunked_prefill": True,
-            "enable_prefix_caching": True,
-            "max_num_batched_tokens": 2048,
-            "block_size": 1,
-        },
-        "llama.cpp llama-server defaults (common/common.h: n_batch 2048; prompts always "
-        "batched; a slot reuses its cached prompt prefix)",
+        {"enable_chunked_prefill": True, "enable_prefix_caching": True, "block_size": 1},
+        "llama.cpp llama-server defaults (prompts always cut into --batch-size pieces; a "
+        "slot reuses its cached prompt prefix)",
     ),
 }
 
+_DEFAULT_MARK = "default: "
 # /metrics info-gauge labels that state a setting, under their engine-config names.
 _INFO_LABELS = {
     "block_size": "block_size",
@@ -142,6 +139,13 @@ class ServerSettings:
     command: list[str] | None = None
 
     def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    def stated(self, key: str, default: Any = None) -> Any:
+        """The setting where the server, its launch command or the user stated it (not an
+        engine default)."""
+        if self.sources.get(key, "").startswith(_DEFAULT_MARK):
+            return default
         return self.values.get(key, default)
 
     def set_default(self, key: str, value: Any, source: str) -> None:
@@ -268,9 +272,10 @@ def _reported(run: Run, out: ServerSettings) -> None:
                 v = _label(labels[label])
                 if v is not None:
                     out.set_default(key, v, source)
-    length = run.server.get("max_model_len")
-    if isinstance(length, int):
-        out.set_default("max_model_len", length, "the server's /v1/models")
+    models = [m for m in run.server.get("models") or [] if isinstance(m, dict)]
+    for length in [run.server.get("max_model_len")] + [m.get("max_model_len") for m in models]:
+        if isinstance(length, int):
+            out.set_default("max_model_len", length, "the server's /v1/models")
 
 
 def _label(v: str) -> Any:
@@ -316,17 +321,7 @@ def server_settings(run: Run, stated: str | None = None) -> ServerSettings:
     if kind in DEFAULTS:
         values, source = DEFAULTS[kind]
         for k, v in values.items():
-            out.set_default(k, v, source)
-    if kind == VLLM and out.get("enable_chunked_prefill") is False:
-        # vLLM: without chunking a whole prompt is one step, so the budget is at least
-        # the context (EngineArgs._set_default_args)
-        length = out.get("max_model_len")
-        if length is not None and "max_num_batched_tokens" not in out.values:
-            out.set_default(
-                "max_num_batched_tokens",
-                length,
-                "vLLM: at least max_model_len with chunking off (EngineArgs defaults)",
-            )
+            out.set_default(k, v, f"{_DEFAULT_MARK}{source}")
     return out
 
 

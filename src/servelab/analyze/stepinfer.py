@@ -212,34 +212,15 @@ def infer_steps(
         size = prefill_size(r, estimated)
         prefill_of[r.request_id] = size
         cached = max(0, r.input_tokens - size)
-        earliest = _earliest_start(r)
-        pieces: list[tuple[int, int]] = []  # (step index, tokens), last first
-        remaining = size
-        j = k
-        while remaining > 0 and j >= 0 and (j == k or ends[j] > earliest):
-            room = remaining if limit is None else max(0, limit - steps[j].budget_used)
-            if j == k:
-                room = max(room, 1)
-            take = min(remaining, room)
-            if take > 0:
-                pieces.append((j, take))
-                steps[j].budget_used += take
-                remaining -= take
-            if limit is None:
-                break
-            j -= 1
-        hidden: list[int] = []
-        while remaining > 0:  # ran in steps that streamed nothing, before the first token
-            take = min(remaining, limit or remaining)
-            hidden.append(take)
-            remaining -= take
+        pieces, hidden = _place_prefill(steps, ends, k, size, limit, _earliest_start(r) - tol)
         pos = cached
-        for take in reversed(hidden):
+        for j, take in pieces[:-1]:
+            steps[j].seqs.append(SeqWork(r.request_id, take, pos, False))
+            pos += take
+        for take in hidden:
             steps[k].hidden.append([SeqWork(r.request_id, take, pos, False)])
             pos += take
-        for j, take in reversed(pieces):
-            steps[j].seqs.append(SeqWork(r.request_id, take, pos, j == k))
-            pos += take
+        steps[k].seqs.append(SeqWork(r.request_id, pieces[-1][1], pos, True))
     # Idle starts: bounded below by the earliest send among the requests the step started.
     for k, s in enumerate(steps):
         if s.start is not None:
@@ -249,6 +230,53 @@ def infer_steps(
         if sends and min(sends) >= prev_end:
             s.arrival = min(sends)
     return StepInference(steps, tol, prefill_of, _diagnostics(recs, steps, tol, scrapes))
+
+
+def _place_prefill(
+    steps: list[InferredStep],
+    ends: list[float],
+    k: int,
+    size: int,
+    limit: int | None,
+    earliest: float,
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """Where a prompt of ``size`` tokens whose first token came at step ``k`` was computed:
+    ``(step, tokens)`` pieces in step order, and the chunks of steps that streamed nothing
+    before step ``k``. The scheduler serves a prompt from its admission in every step with
+    the room the step has left, so it began at the earliest step (that started after
+    ``earliest``) from which that room does not hold it before step ``k``."""
+    if limit is None:
+        steps[k].budget_used += size
+        return [(k, size)], []
+    lo = k
+    while lo > 0 and (lo == 1 or ends[lo - 2] >= earliest):
+        lo -= 1
+    rooms = {j: max(0, limit - steps[j].budget_used) for j in range(lo, k + 1)}
+    rooms[k] = max(rooms[k], 1)
+    first, before = lo, sum(rooms[j] for j in range(lo, k))
+    while first < k and before >= size:
+        before -= rooms[first]
+        first += 1
+    pieces: list[tuple[int, int]] = []
+    remaining = size
+    for j in range(first, k + 1):
+        take = remaining if j == k else min(remaining, rooms[j])
+        if take > 0:
+            pieces.append((j, take))
+            remaining -= take
+    hidden: list[int] = []
+    last = pieces[-1][1]
+    if last > rooms[k]:
+        # More than the steps it was seen in can hold: whole chunks ran in steps that
+        # streamed nothing, and the first token's step took the rest.
+        n = math.ceil((last - rooms[k]) / limit)
+        visible = max(1, last - n * limit)
+        rest = last - visible
+        hidden = [limit] * (rest // limit) + ([rest % limit] if rest % limit else [])
+        pieces[-1] = (k, visible)
+    for j, take in pieces:
+        steps[j].budget_used += take
+    return pieces, hidden
 
 
 def _earliest_start(r: ClientRecord) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shlex
 import sys
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -30,7 +31,7 @@ from servelab.bench.datasets import Dataset, load_dataset
 from servelab.bench.distributed.clock import timing_error_budget
 from servelab.bench.event_loop import run_loop
 from servelab.bench.http import HttpClient
-from servelab.bench.manifest import machine, versions
+from servelab.bench.manifest import machine, redact, versions
 from servelab.bench.monitor import ClientHealth, LoopMonitor
 from servelab.bench.plan_runner import PlanRunner, StageResult
 from servelab.bench.progress import Progress
@@ -75,6 +76,7 @@ class BenchOptions:
     search_steps: int = 3
     out: Path | None = None
     engine_args: str = ""
+    server_config: str | None = None  # another server's launch command, as the user states it
     seed: int = 0
     endpoint: str = "completions"
     warmup: Trim = field(default_factory=Trim)
@@ -207,6 +209,8 @@ class Bench:
                 )
             url = o.url.rstrip("/")
         self.info = await probe(url, o.api_key)
+        if o.server_config:
+            self.info.stated_command = redact(shlex.split(o.server_config))
         if self.launched is not None:
             self.info.launched = True
             self.info.command = self.launched.command

@@ -43,6 +43,7 @@ class ServerInfo:
     command: list[str] | None = None
     engine_args: str = ""
     info_metrics: dict[str, dict[str, str]] = field(default_factory=dict)
+    stated_command: list[str] | None = None  # bench --server-config, redacted
 
     @property
     def model_id(self) -> str | None:
@@ -82,6 +83,7 @@ class ServerInfo:
             "model": self.model_id,
             "max_model_len": self.max_model_len,
             "info_metrics": self.info_metrics,
+            **({"stated_command": self.stated_command} if self.stated_command else {}),
         }
 
 

@@ -17,6 +17,9 @@ Per request, the JSON header ``X-Test-Schedule`` overrides any of these fields.
 ``POST /tokenize`` answers in vLLM's and SGLang's dialect (``{"prompt"}`` ->
 ``{"tokens", "count"}``) and llama.cpp's (``{"content"}`` -> ``{"tokens"}``), one token
 per whitespace-led word (the count its timelines give a prompt); ``/detokenize`` inverts it.
+With ``steps`` (the fields of ``bench.teststeps.StepPlan``) streams are not timed one by
+one: one loop of engine steps of planted cost serves them all, and ``GET /test/steps``
+returns the steps it ran.
 
 In-process: ``with TestServer(Schedule(...)).running() as url: ...`` (a background
 thread). Out of process (to pin it to a CPU): ``with run_test_server(schedule,
@@ -47,6 +50,7 @@ import msgspec
 from aiohttp import web
 
 from servelab.bench.event_loop import run_loop
+from servelab.bench.teststeps import StepLoop, StepPlan
 from servelab.vocab import FinishReason, RequestTimeline
 
 WORDS = (" the", " of", " and", " to", " in", " a", " is", " that")
@@ -82,6 +86,7 @@ class Schedule:
     ignore_stream: bool = False  # answer a stream request with a whole application/json body
     usage_factor: float = 1.0  # usage claims this many times the completion tokens sent
     tokenize: bool = True  # serve POST /tokenize and /detokenize
+    steps: dict[str, Any] | None = None  # planted engine steps (bench.teststeps.StepPlan)
 
     def chunk_offsets(self, n_chunks: int) -> list[float]:
         """When each token chunk is due, in seconds after the request arrived."""
@@ -117,6 +122,7 @@ class TestServer:
     metrics_scrapes: int = 0
     _counter: int = 0
     _vocab: _WordVocab = field(default_factory=lambda: _WordVocab())
+    _step_loop: StepLoop | None = None
 
     # ------------------------------------------------------------------ routes
 
@@ -133,6 +139,7 @@ class TestServer:
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/test/requests", self._requests)
+        app.router.add_get("/test/steps", self._steps)
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -213,6 +220,17 @@ class TestServer:
         return web.json_response(
             [{"id": k, "body": v.body, "headers": v.headers} for k, v in self.served.items()]
         )
+
+    async def _steps(self, request: web.Request) -> web.Response:
+        return web.json_response(self._step_loop.steps if self._step_loop else [])
+
+    def _planted(self, rid: str, prompt: int, chunks: int, sched: Schedule) -> Any:
+        """The queue of ``rid``'s token times from the planted step loop (None: unplanted)."""
+        if not sched.steps:
+            return None
+        if self._step_loop is None:
+            self._step_loop = StepLoop(StepPlan(**sched.steps))
+        return self._step_loop.join(rid, prompt, chunks)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -320,6 +338,7 @@ class TestServer:
         k = sched.tokens_per_chunk
         n_chunks = 0 if sched.no_tokens else math.ceil(n / k)
         offsets = sched.chunk_offsets(n_chunks)
+        planted = self._planted(rid, tl.prompt_tokens, n_chunks, sched)
         pending: list[bytes] = []
         sent = batched = 0
         for j, off in enumerate(offsets):
@@ -336,7 +355,10 @@ class TestServer:
             if batched < sched.coalesce and sent < n:
                 continue
             batched = 0
-            await _sleep_until(tl.arrival + off)
+            if planted is None:
+                await _sleep_until(tl.arrival + off)
+            else:
+                await planted.get()
             if sched.fail_after is not None and sent > sched.fail_after:
                 tl.finished, tl.finish_reason, tl.error = (
                     time.monotonic(),

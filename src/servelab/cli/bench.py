@@ -114,6 +114,15 @@ EngineArgs = Annotated[
         rich_help_panel=opt.TARGET,
     ),
 ]
+ServerConfig = Annotated[
+    str | None,
+    typer.Option(
+        help="Another server's launch command or flags, e.g. 'vllm serve M "
+        "--no-enable-chunked-prefill': recorded (secrets redacted) so diagnosis and "
+        "calibrate know its settings.",
+        rich_help_panel=opt.TARGET,
+    ),
+]
 StrictOpenai = Annotated[
     bool,
     typer.Option(
@@ -279,6 +288,7 @@ def bench(
     api_key: ApiKey = None,
     endpoint: opt.Endpoint = "completions",
     engine_args: EngineArgs = "",
+    server_config: ServerConfig = None,
     strict_openai: StrictOpenai = False,
     timeout: Timeout = "600",
     workload: opt.Workload = None,
@@ -367,6 +377,7 @@ def bench_options(flags: Mapping[str, Any]) -> BenchOptions:
         search_steps=flags["search_steps"],
         out=Path(flags["out"]) if flags["out"] else None,
         engine_args=flags["engine_args"],
+        server_config=flags["server_config"],
         seed=flags["seed"],
         endpoint=flags["endpoint"],
         warmup=Trim.parse(flags["warmup"]),

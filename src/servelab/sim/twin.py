@@ -292,6 +292,8 @@ def _defaults(kind: str, hardware: str | None) -> tuple[dict[str, Any], str]:
         d = vllm_cpu_defaults() if on_cpu else engine_defaults("vllm", hw)  # type: ignore[arg-type]
     elif kind == SGLANG and not on_cpu:
         d = engine_defaults("sglang", hw)  # type: ignore[arg-type]
+    elif kind == LLAMACPP:
+        return {"max_num_batched_tokens": 2048}, "llama.cpp common/common.h n_batch 2048"
     else:
         return {}, ""
     return d.config, f"{d.source} [{d.hardware_class}]"
@@ -326,8 +328,12 @@ def engine_settings(
     if "num_kv_blocks" not in values:
         values["num_kv_blocks"] = math.ceil(int(values["max_num_seqs"]) * length / block)
         sources["num_kv_blocks"] = "unknown: room for every sequence at full context"
-    if not values.get("enable_chunked_prefill", True) and settings.kind == VLLM:
-        values["max_num_batched_tokens"] = max(int(values["max_num_batched_tokens"]), length)
+    budget = int(values["max_num_batched_tokens"])
+    if not values.get("enable_chunked_prefill", True) and settings.kind == VLLM and budget < length:
+        # vLLM computes an unchunked prompt in one step: its budget is at least the context
+        # (EngineArgs._set_default_args)
+        values["max_num_batched_tokens"] = length
+        sources["max_num_batched_tokens"] = "vLLM: max_model_len when chunking is off"
     config = {k: values[k] for k in _CONFIG_KEYS if k in values}
     if settings.kind == LLAMACPP:
         sources.setdefault("note", "llama.cpp slots approximated by one scheduler")

@@ -1,0 +1,249 @@
+"""The twin of another server: its steps inferred from client timestamps, its settings from
+what it reports, its launch command or what the user states, a step cost fitted to them,
+predictions with ranges, and recommendations in its own flags.
+
+The stand-in server runs planted engine steps (``bench.teststeps``): one loop of steps of a
+known cost serves every stream, and ``/test/steps`` says what ran. It plays another server:
+no timelines, no step records.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import rundirs
+
+from servelab.analyze.diagnose import diagnose
+from servelab.analyze.serversettings import parse_flags, render_flags, server_settings
+from servelab.analyze.stepinfer import infer_steps
+from servelab.rundir import load_run
+from servelab.sim.twin import TwinCalibration, fit_steps, step_work
+
+PLAN = {"base": 0.02, "per_decode": 0.003, "per_prefill_token": 0.0002, "max_seqs": 8}
+
+
+def _planted_run(out: Path, budget: int) -> tuple[Path, list[dict]]:
+    from rich.console import Console
+
+    from servelab.bench.request_plan import LoadSpec
+    from servelab.bench.run import BenchOptions, run_bench
+    from servelab.bench.testserver import Schedule, run_test_server
+
+    sched = Schedule(steps={**PLAN, "budget": budget}, report="none", metrics="missing")
+    with run_test_server(sched) as url:
+        opts = BenchOptions(
+            url=url,
+            model="test-model",
+            workload="chat",
+            load=LoadSpec(concurrency=4, requests=8, length_scale=0.3),
+            out=out,
+            quiet=True,
+            seed=1,
+        )
+        code = run_bench(opts, Console(file=io.StringIO(), width=160))
+        truth = json.load(urllib.request.urlopen(url + "/test/steps"))
+    assert code in (0, 3)  # 3: a loaded machine may mark the client invalid
+    return out, truth
+
+
+@pytest.fixture(scope="module")
+def unchunked(tmp_path_factory):
+    return _planted_run(tmp_path_factory.mktemp("twin") / "unchunked", budget=0)
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    return _planted_run(tmp_path_factory.mktemp("twin") / "chunked", budget=64)
+
+
+def _matched(inf, truth, within=0.005):
+    """(inferred step, true step, the true step before it) for every true step whose tokens
+    the client received within ``within`` seconds of its end."""
+    ends = [s.end for s in inf.steps]
+    out = []
+    for k, t in enumerate(truth):
+        i = bisect.bisect_left(ends, t["end"])
+        if i < len(ends) and ends[i] - t["end"] < within:
+            out.append((inf.steps[i], t, truth[k - 1] if k else None))
+    return out
+
+
+def _check_recovered(inf, truth):
+    matched = _matched(inf, truth)
+    visible = [t for t in truth if t["sampled"]]
+    assert len(matched) >= 0.97 * len(visible)
+    same = [
+        (s.decode_seqs, s.prefill_tokens) == (len(t["decode"]), sum(t["prefill"].values()))
+        for s, t, _ in matched
+    ]
+    assert sum(same) >= 0.95 * len(matched)
+    timed = [
+        abs((s.end - s.start) - (t["end"] - prev["end"]))
+        for s, t, prev in matched
+        if prev is not None and s.start is not None
+    ]
+    assert sum(d < 0.003 for d in timed) >= 0.9 * len(timed)
+
+
+def test_step_inference_recovers_planted_batches_and_step_times(unchunked):
+    path, truth = unchunked
+    run = load_run(path)
+    inf = infer_steps(run.records, budget=None, chunked=False)
+    _check_recovered(inf, truth)
+    assert max(s.decode_seqs for s in inf.steps) == 4  # the closed loop's four streams
+    # The fit gives back the planted prices: a step, a decode, a prefill token.
+    fit = fit_steps(inf)
+    for seqs, prefill, ctx in ((1, 0, 200), (4, 0, 800), (3, 150, 600), (0, 300, 0)):
+        w = step_work([])
+        w.decode_seqs, w.prefill_tokens, w.kv_read = seqs, prefill, ctx
+        planted = PLAN["base"] + PLAN["per_decode"] * seqs + PLAN["per_prefill_token"] * prefill
+        predicted = sum(fit.coef[t] * getattr(w, t) for t in fit.coef if t != "step")
+        assert predicted + fit.coef["step"] == pytest.approx(planted, rel=0.12)
+    assert fit.error["median"] < 0.05
+
+
+def test_chunked_prefill_pieces_and_silent_steps_are_placed(chunked):
+    path, truth = chunked
+    inf = infer_steps(load_run(path).records, budget=64, chunked=True)
+    _check_recovered(inf, truth)
+    chunks = [n for t in truth for n in t["prefill"].values()]
+    assert max(chunks) <= 64 and len(chunks) > len(load_run(path).records)  # prompts were cut
+    # Prefill-only steps that finish no prompt stream nothing; the inference must add as
+    # many steps the client never saw.
+    silent = sum(1 for t in truth if not t["sampled"])
+    assert silent > 0 and abs(sum(len(s.hidden) for s in inf.steps) - silent) <= 1
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "servelab.cli", *args], capture_output=True, text=True, cwd=cwd
+    )
+
+
+def test_calibrate_and_predict_with_ranges_from_the_cli(unchunked, tmp_path):
+    path, _ = unchunked
+    cal_path = tmp_path / "twin.json"
+    res = _cli("calibrate", str(path), "--server-config", "srv --api-key sk-hidden-1",
+               "--out", str(cal_path))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "fit error" in res.stdout and "sk-hidden-1" not in cal_path.read_text()
+    cal = TwinCalibration.load(cal_path)
+    assert cal.engine_sources["max_num_seqs"].startswith("the run")
+    assert cal.fit["error_on_training_steps"]["median"] < 0.05
+    assert len(cal.bootstrap) > 0 and cal.noise is not None
+    out = tmp_path / "sim"
+    res = _cli("sim", "--calibration", str(cal_path), "--workload", "chat", "--concurrency",
+               "4", "--requests", "8", "--length-scale", "0.3", "--seed", "1", "--seeds", "3",
+               "--out", str(out))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    pred = json.loads((out / "prediction.json").read_text())
+    assert pred["seeds"] == [0, 1, 2]
+    measured = json.loads((path / "metrics.json").read_text())["overall"]["latency"]
+    itl = pred["figures"]["itl_p50"]
+    lo, hi = itl["interval"]
+    assert lo <= itl["median"] <= hi
+    assert itl["median"] == pytest.approx(measured["itl"]["p50"], rel=0.25)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["server"]["simulated"]["cost_model"]["kind"] == "twin"
+    res = _cli("sim", "--calibration", str(cal_path), "--hardware", "h100", "--workload", "chat")
+    assert res.returncode != 0 and "twin calibration" in res.stderr
+
+
+# ----------------------------------------------------------------- the server's settings
+
+
+def test_flags_parse_and_render_in_each_servers_spelling():
+    vllm = "vllm serve m --max-num-batched-tokens=512 --no-enable-prefix-caching --max-num-seqs 8"
+    assert parse_flags("vllm", vllm) == {
+        "max_num_batched_tokens": 512,
+        "enable_prefix_caching": False,
+        "max_num_seqs": 8,
+    }
+    sg = ["python", "-m", "sglang.launch_server", "--chunked-prefill-size", "-1",
+          "--disable-radix-cache", "--max-running-requests", "32"]  # fmt: skip
+    assert parse_flags("sglang", sg) == {
+        "enable_chunked_prefill": False,
+        "enable_prefix_caching": False,
+        "max_num_seqs": 32,
+    }
+    assert parse_flags("llamacpp", "llama-server -m x -b 256 -np 4 -c 8192") == {
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 4,
+        "kv_tokens": 8192,
+    }
+    change = {"enable_chunked_prefill": True, "max_num_batched_tokens": 512}
+    assert render_flags("vllm", change) == "--enable-chunked-prefill --max-num-batched-tokens 512"
+    assert render_flags("sglang", change) == "--chunked-prefill-size 512"
+    assert render_flags("sglang", {"enable_chunked_prefill": False}) == "--chunked-prefill-size -1"
+    assert render_flags("llamacpp", {"max_num_seqs": 2}) == "--parallel 2"
+    with pytest.raises(ValueError, match="no launch flag for enable_chunked_prefill"):
+        render_flags("llamacpp", {"enable_chunked_prefill": False})
+    # Rendered flags read back as the same settings.
+    for kind in ("vllm", "sglang"):
+        assert parse_flags(kind, render_flags(kind, change)) == change
+
+
+def _vllm_run(tmp_path, **server):
+    path = rundirs.as_other_target(rundirs.unchunked_stalls(tmp_path / "v"), figures=True)
+    man = json.loads((path / "manifest.json").read_text())
+    man["server"].update(server)
+    (path / "manifest.json").write_text(json.dumps(man))
+    return path
+
+
+def test_settings_come_from_the_server_then_its_command_then_defaults(tmp_path):
+    path = _vllm_run(
+        tmp_path,
+        models=[{"id": "m", "owned_by": "vllm", "max_model_len": 4096}],
+        info_metrics={"vllm:cache_config_info": {"block_size": "128", "num_gpu_blocks": "364"}},
+        stated_command=["vllm", "serve", "m", "--no-enable-chunked-prefill", "--block-size", "16"],
+    )
+    s = server_settings(load_run(path))
+    assert s.kind == "vllm"
+    assert s.values["block_size"] == 128 and "/metrics" in s.sources["block_size"]
+    assert s.values["num_kv_blocks"] == 364 and s.values["max_model_len"] == 4096
+    assert s.values["enable_chunked_prefill"] is False
+    assert "stated" in s.sources["enable_chunked_prefill"]
+    assert s.values["enable_prefix_caching"] is True and s.stated("enable_prefix_caching") is None
+    # Given now, a stated config fills what the run did not record.
+    s = server_settings(load_run(path), "vllm serve m --max-num-seqs 16")
+    assert s.values["max_num_seqs"] == 16
+
+
+def test_a_vllm_run_without_chunking_is_told_to_turn_it_on(tmp_path):
+    # The issue's case: stalls behind long prefills on vLLM started with
+    # --no-enable-chunked-prefill. Told so, the first move is chunking, in vLLM's flags.
+    unknown = diagnose(load_run(_vllm_run(tmp_path / "a")))
+    stated = diagnose(
+        load_run(
+            _vllm_run(
+                tmp_path / "b",
+                stated_command=["vllm", "serve", "m", "--no-enable-chunked-prefill"],
+            )
+        )
+    )
+    launched = diagnose(
+        load_run(
+            _vllm_run(
+                tmp_path / "c",
+                launched=True,
+                command=["vllm", "serve", "m", "--port", "8001", "--no-enable-chunked-prefill"],
+            )
+        )
+    )
+    assert "batch_budget_down" in {r.lever for r in unknown.recommendations}
+    for d in (stated, launched):
+        f = {f.id: f for f in d.findings}["itl_prefill_interference"]
+        assert f.evidence["chunked_prefill"] is False and "chunked_prefill" in f.levers
+        recs = {r.lever: r.action for r in d.recommendations}
+        assert recs["chunked_prefill"] == (
+            "vllm serve --enable-chunked-prefill --max-num-batched-tokens 2048"
+        )
+        assert "batch_budget_down" not in recs
