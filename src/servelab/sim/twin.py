@@ -235,6 +235,7 @@ class TwinCalibration:
     fit: dict[str, Any]
     settings: dict[str, Any] = field(default_factory=dict)
     run: str = ""
+    hardware: str | None = None  # the catalogue entry stated at calibration (None: unknown)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -272,6 +273,30 @@ class TwinCalibration:
                 "bootstrap_draw": draw if draw > 0 and self.bootstrap else 0,
             },
         )
+
+
+def flag_changes(cal: TwinCalibration, flags: str) -> dict[str, Any]:
+    """The engine-config changes the server's own ``flags`` make to the twin (its spelling,
+    ``serversettings.FLAGS``), as ``servelab sim --engine-args`` takes them; vLLM's budget
+    without chunking is the context, as the server itself sets it."""
+    from servelab.analyze.serversettings import parse_flags
+
+    changes = parse_flags(cal.server, flags)
+    if "kv_tokens" in changes:
+        changes["num_kv_blocks"] = int(changes.pop("kv_tokens")) // int(
+            cal.engine_config.get("block_size") or 1
+        )
+    if cal.server == VLLM and "max_num_batched_tokens" not in changes:
+        chunked = changes.get("enable_chunked_prefill")
+        if chunked is False:
+            changes["max_num_batched_tokens"] = max(
+                cal.max_model_len, int(cal.engine_config["max_num_batched_tokens"])
+            )
+        elif chunked and not cal.engine_config.get("enable_chunked_prefill", True):
+            # the run's budget was the context only because it did not chunk
+            default = _defaults(VLLM, cal.hardware)[0]["max_num_batched_tokens"]
+            changes["max_num_batched_tokens"] = default
+    return changes
 
 
 def is_twin_file(path: str | Path) -> bool:
@@ -395,4 +420,5 @@ def calibrate_run(
         },
         settings=settings.to_dict(),
         run=str(run.path),
+        hardware=hardware,
     )
