@@ -247,3 +247,60 @@ def test_a_vllm_run_without_chunking_is_told_to_turn_it_on(tmp_path):
             "vllm serve --enable-chunked-prefill --max-num-batched-tokens 2048"
         )
         assert "batch_budget_down" not in recs
+
+
+def _calibration(**kw):
+    base = {
+        "server": "vllm",
+        "model": "smollm2-135m",
+        "engine_config": {
+            "max_num_batched_tokens": 2048,
+            "max_num_seqs": 128,
+            "enable_chunked_prefill": True,
+            "block_size": 128,
+            "max_model_len": 8192,
+            "num_kv_blocks": 364,
+        },
+        "engine_sources": {},
+        "max_model_len": 8192,
+        "kv_bytes_per_token": 1.0,
+        "cost": {"step": 0.02, "decode_seqs": 0.001, "prefill_tokens": 0.0002},
+        "bootstrap": [{"step": 0.021, "decode_seqs": 0.001, "prefill_tokens": 0.0002}],
+        "noise": None,
+        "api_overhead_s": 0.01,
+        "fit": {},
+        "speed_spread": 0.2,
+    }
+    return TwinCalibration(**{**base, **kw})
+
+
+def test_a_servers_flags_become_the_twins_engine_changes():
+    from servelab.sim.twin import flag_changes
+
+    cal = _calibration()
+    assert flag_changes(cal, "--no-enable-chunked-prefill") == {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 8192,  # vLLM computes an unchunked prompt in one step
+    }
+    assert flag_changes(cal, "--max-num-batched-tokens 256 --no-enable-prefix-caching") == {
+        "max_num_batched_tokens": 256,
+        "enable_prefix_caching": False,
+    }
+    unchunked = _calibration(
+        engine_config={**cal.engine_config, "enable_chunked_prefill": False,
+                       "max_num_batched_tokens": 8192}, hardware="cpu"
+    )  # fmt: skip
+    assert flag_changes(unchunked, "--enable-chunked-prefill") == {
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": 2048,  # the CPU build's default budget, not the context
+    }
+
+
+def test_seed_zero_is_the_fit_and_later_seeds_draw_a_refit_and_a_speed():
+    cal = _calibration()
+    t0, t1, t2 = cal.target(0), cal.target(1), cal.target(2)
+    assert t0.info["speed_factor"] == 1.0 and t0.cost_model.coef["step"] == 0.02
+    assert t1.info["speed_factor"] != 1.0 != t2.info["speed_factor"]
+    assert t1.cost_model.coef["step"] == pytest.approx(0.021 * t1.info["speed_factor"])
+    assert cal.target(1).cost_model.coef == t1.cost_model.coef  # deterministic per seed
+    assert t0.engine_config.block_size == 128 and t0.engine_config.num_kv_blocks == 364

@@ -20,7 +20,9 @@
    case and overall; the training case's own replay is listed apart (in-sample). Writes
    ``results.json`` (with each phase's time) beside the twin (``twin.json``) and the runs.
 
-``--cases smoke`` is the training case and one held-out case (about 5 minutes on a quiet
+``--reuse`` calibrates and predicts again on the real runs already in ``--out`` (seconds):
+for working on the twin against fixed runs. ``--cases smoke`` is the training case and one
+held-out case (about 5 minutes on a quiet
 machine); ``all`` every case below. The figures are this machine's: a 2-core host shared
 with other work drifts by 10-20% over minutes.
 """
@@ -31,6 +33,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -189,6 +192,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--tolerance", type=float, default=0.2)
     ap.add_argument("--health-timeout", type=float, default=900.0)
+    ap.add_argument(
+        "--reuse", action="store_true", help="calibrate and predict again on --out's real runs"
+    )
     args = ap.parse_args()
     out = Path(args.out)
     logs = out / "logs"
@@ -212,7 +218,33 @@ def main() -> None:
         groups.setdefault(c.flags, []).append(c)
     cal_path = out / "twin.json"
     results: list[dict] = []
-    for flags, cases in groups.items():
+
+    def evaluate(case: Case) -> None:
+        slug = case.name.replace(" ", "-").replace("/", "")
+        real = out / f"real-{slug}"
+        if case.train:
+            t1 = time.perf_counter()
+            run([*SERVELAB, "calibrate", str(real), "--hardware", "cpu", "--server-config",
+                 f"vllm serve {weights} {case.flags}".strip(), "--out", str(cal_path)],
+                logs / "calibrate.log")  # fmt: skip
+            timings["calibrate"] = time.perf_counter() - t1
+        pred = out / f"sim-{slug}"
+        shutil.rmtree(pred, ignore_errors=True)  # --reuse predicts again
+        timings[f"predict {case.name}"] = predict(case, cal_path, args.seeds, pred, logs)
+        results.append(
+            {
+                "case": case.name + (" (in-sample)" if case.train else ""),
+                "train": case.train,
+                "flags": case.flags,
+                "rows": compare(pred, real, args.tolerance),
+            }
+        )
+
+    if args.reuse:
+        for case in [TRAIN, *HELD_OUT]:
+            if (out / f"real-{case.name.replace(' ', '-').replace('/', '')}").is_dir():
+                evaluate(case)
+    for flags, cases in {} if args.reuse else groups.items():
         t0 = time.perf_counter()
         name = flags.strip("-").replace(" ", "_") or "default"
         server = TemplateServer(template, logs / f"vllm-{name}.log", str(weights), flags)
@@ -226,25 +258,9 @@ def main() -> None:
                 warm, server.url, weights, out / f"warmup-{name}", logs
             )
             for case in cases:
-                slug = case.name.replace(" ", "-").replace("/", "")
-                real = out / f"real-{slug}"
+                real = out / f"real-{case.name.replace(' ', '-').replace('/', '')}"
                 timings[f"bench {case.name}"] = bench(case, server.url, weights, real, logs)
-                if case.train:
-                    t1 = time.perf_counter()
-                    run([*SERVELAB, "calibrate", str(real), "--hardware", "cpu", "--server-config",
-                         f"vllm serve {weights} {case.flags}".strip(), "--out", str(cal_path)],
-                        logs / "calibrate.log")  # fmt: skip
-                    timings["calibrate"] = time.perf_counter() - t1
-                pred = out / f"sim-{slug}"
-                timings[f"predict {case.name}"] = predict(case, cal_path, args.seeds, pred, logs)
-                results.append(
-                    {
-                        "case": case.name + (" (in-sample)" if case.train else ""),
-                        "train": case.train,
-                        "flags": case.flags,
-                        "rows": compare(pred, real, args.tolerance),
-                    }
-                )
+                evaluate(case)
         finally:
             server.stop()
     timings["total_s"] = time.perf_counter() - t_start

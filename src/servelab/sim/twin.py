@@ -19,9 +19,11 @@ back) is the median of the client's TTFT less the server's queue and prefill whe
 reports them (vLLM ``metrics``), else that fitted column; the simulation puts half of it on
 each way (``Scenario.network_delay``). The step noise is the spread of the single steps
 around the fit (:mod:`servelab.sim.noise`). ``BOOTSTRAP`` refits on rows resampled with
-replacement give the coefficients' uncertainty: simulation seed ``k > 0`` prices steps with
-the ``k``-th of them, so repeating a prediction over seeds spreads it by both the step noise
-and what one run could not pin down.
+replacement give the coefficients' uncertainty, and the spread of the server's speed over
+the run (``speed_spread``: the median step's ratio to the fit in 5 s windows) how far a
+later run may sit from it: simulation seed ``k > 0`` prices steps with the ``k``-th refit
+times a speed factor drawn from that spread, so repeating a prediction over seeds spreads it
+by the step noise, what one run could not pin down and the host's drift.
 
 The scheduler settings are the server's (:mod:`servelab.analyze.serversettings`: what it
 reports, the launch command, what the user stated, published defaults), then the defaults of
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,8 @@ FORMAT = "servelab-twin/1"
 TERMS = ("step", "decode_seqs", "prefill_tokens", "kv_read", "attn_pairs")
 BOOTSTRAP = 32
 TRIM = 5.0  # median absolute deviations of log(measured / fitted) beyond which a row is dropped
+DRIFT_WINDOW_S = 5.0
+DRIFT_MIN_STEPS = 10
 MIN_ROWS = 8
 _CONFIG_KEYS = (
     "max_num_batched_tokens",
@@ -139,6 +144,7 @@ class TwinFit:
     error: dict[str, float]
     rows: int
     trimmed: int
+    speed_spread: float | None = None
 
 
 def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> TwinFit:
@@ -165,11 +171,12 @@ def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> 
         coef = _nnls(a, y)
     fitted = a @ coef
     # The noise and the error are over single steps with a known start, in step order.
-    ratios = [
-        float(y[i] / fitted[i])
+    single = [
+        (t[0].end, float(y[i] / fitted[i]))
         for i, t in enumerate(timed)
         if t[0].start is not None and not t[0].hidden and fitted[i] > 0
     ]
+    ratios = [r for _, r in single]
     err = [abs(r - 1.0) for r in ratios]
     rng = np.random.default_rng(seed)
     boots = []
@@ -188,7 +195,26 @@ def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> 
         },
         rows=len(keep),
         trimmed=int(len(keep) - len(y)),
+        speed_spread=speed_spread(single),
     )
+
+
+def speed_spread(points: list[tuple[float, float]]) -> float | None:
+    """How far the server's speed wandered during the run: the standard deviation of the
+    log of the median measured / fitted ratio in each ``DRIFT_WINDOW_S`` window (of at
+    least ``DRIFT_MIN_STEPS`` steps); None with fewer than three such windows."""
+    import numpy as np
+
+    if not points:
+        return None
+    t0 = points[0][0]
+    windows: dict[int, list[float]] = {}
+    for t, r in points:
+        windows.setdefault(int((t - t0) // DRIFT_WINDOW_S), []).append(r)
+    medians = [float(np.median(v)) for v in windows.values() if len(v) >= DRIFT_MIN_STEPS]
+    if len(medians) < 3:
+        return None
+    return float(np.std(np.log(medians)))
 
 
 def _coef_dict(coef: Any) -> dict[str, float]:
@@ -236,6 +262,7 @@ class TwinCalibration:
     settings: dict[str, Any] = field(default_factory=dict)
     run: str = ""
     hardware: str | None = None  # the catalogue entry stated at calibration (None: unknown)
+    speed_spread: float | None = None  # log sd of the run's speed over time (speed_spread)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -255,8 +282,12 @@ class TwinCalibration:
         """The twin as a simulator target; ``draw`` > 0 prices steps with that bootstrap
         refit (the simulation seed's, so a prediction's spread over seeds carries it)."""
         coef = self.cost
+        speed = 1.0
         if draw > 0 and self.bootstrap:
             coef = self.bootstrap[(draw - 1) % len(self.bootstrap)]
+        if draw > 0 and self.speed_spread:
+            speed = math.exp(random.Random(f"twin-speed:{draw}").gauss(0.0, self.speed_spread))
+            coef = {k: v * speed for k, v in coef.items()}
         cfg = EngineConfig(**self.engine_config)
         return SimTarget(
             cost_model=TwinCostModel(coef, f"twin:{self.server}:{self.model}"),
@@ -271,6 +302,7 @@ class TwinCalibration:
                 "engine_sources": self.engine_sources,
                 "api_overhead_s": self.api_overhead_s,
                 "bootstrap_draw": draw if draw > 0 and self.bootstrap else 0,
+                "speed_factor": speed,
             },
         )
 
@@ -421,4 +453,5 @@ def calibrate_run(
         settings=settings.to_dict(),
         run=str(run.path),
         hardware=hardware,
+        speed_spread=fit.speed_spread,
     )
