@@ -179,8 +179,6 @@ def infer_steps(
     clusters = _cluster(recs, tol)
     steps: list[InferredStep] = []
     first_step: dict[int, int] = {}
-    first_of = {i: r.chunk_times[0] for i, r in enumerate(recs)}
-    last_of = {i: r.chunk_times[-1] for i, r in enumerate(recs)}
     for k, cl in enumerate(clusters):
         step = InferredStep(end=cl[0][0], start=None, arrival=None, spread=cl[-1][0] - cl[0][0])
         for _, i, j in cl:
@@ -194,14 +192,18 @@ def infer_steps(
             step.coalesced |= toks > 1
             step.seqs.append(SeqWork(r.request_id, 1, r.input_tokens + before - 1, True))
         steps.append(step)
-    # Starts: back to back while some request runs through the gap before the step.
+    # Starts: back to back while some request runs through the gap before the step (one
+    # that had its first token by the previous step's end and its last at this one's or later).
+    spans = sorted((r.chunk_times[0], r.chunk_times[-1]) for r in recs)
+    latest, n = -math.inf, 0
     for k in range(1, len(steps)):
         prev, cur = steps[k - 1], steps[k]
-        running = any(first_of[i] <= prev.end and last_of[i] >= cur.end for i in first_of)
-        if running:
+        while n < len(spans) and spans[n][0] <= prev.end:
+            latest = max(latest, spans[n][1])
+            n += 1
+        if latest >= cur.end:
             cur.start = prev.end
-    # Prefill, in order of first tokens: the last chunk in the first-token step, earlier
-    # chunks filled back from there within each step's remaining budget.
+    # Prefill, in order of first tokens (``_place_prefill``).
     limit = budget if (chunked and budget) else None
     for s in steps:
         s.budget_used = len(s.seqs)
