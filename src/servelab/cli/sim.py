@@ -68,7 +68,8 @@ Profile = Annotated[
 CalibrationFile = Annotated[
     str | None,
     typer.Option(
-        help="A `servelab calibrate` file: fitted efficiencies for --hardware.",
+        help="A `servelab calibrate` file: fitted efficiencies for --hardware, or the twin "
+        "of another server (calibrated on its run; no --hardware).",
         rich_help_panel=opt.TARGET,
     ),
 ]
@@ -127,8 +128,19 @@ Link = Annotated[
     ),
 ]
 NetworkDelay = Annotated[
-    str,
-    typer.Option(help="One-way client-server delay, e.g. 2ms.", rich_help_panel=_DEPLOYMENT),
+    str | None,
+    typer.Option(
+        help="One-way client-server delay, e.g. 2ms (default 0; a twin: half its API time).",
+        rich_help_panel=_DEPLOYMENT,
+    ),
+]
+Seeds = Annotated[
+    int,
+    typer.Option(
+        help="Simulate each run under this many simulator seeds (from --sim-seed) and report "
+        "each figure's median and range (prediction.json).",
+        rich_help_panel=opt.OUTPUT,
+    ),
 ]
 Sweep = Annotated[
     list[str] | None,
@@ -206,13 +218,14 @@ def sim(
     router: Router = "round-robin",
     pd: Pd = None,
     link: Link = "nvlink",
-    network_delay: NetworkDelay = "0ms",
+    network_delay: NetworkDelay = None,
     slo: opt.Slo = None,
     find_capacity: FindCapacity = None,
     attainment_target: Attainment = 0.9,
     max_replicas: MaxReplicas = 64,
     out: Out = None,
     no_steps: NoSteps = False,
+    seeds: Seeds = 1,
 ) -> None:
     """Simulate a deployment on the engine's own scheduler with a cost model (what-ifs at GPU scale)."""
     import json
@@ -226,6 +239,8 @@ def sim(
     try:
         if find_capacity is not None and sweep:
             raise ValueError("use --find-capacity or --sweep, not both")
+        if seeds < 1:
+            raise ValueError("--seeds must be >= 1")
         load = opt.load_spec(ctx.params)
         scenario = _scenario(ctx.params, load)
         points = parse_sweep(sweep) if sweep else [{}]
@@ -239,6 +254,11 @@ def sim(
         _capacity(ctx.params, scenario, load, run_dir)
         return
     rows = [_simulate_point(scenario, p, run_dir, len(points) > 1, not no_steps) for p in points]
+    if seeds > 1:
+        for p in points:
+            _intervals(
+                ctx.params, scenario, p, range(sim_seed, sim_seed + seeds), run_dir, len(points) > 1
+            )
     Console().print(sim_table(rows))
     if len(rows) > 1:
         (run_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
@@ -256,15 +276,25 @@ def _note_old_spelling(engine_args: str | None) -> None:
         typer.echo(f"note: key=value is the old spelling; write --engine-args {new!r}", err=True)
 
 
-def _target(flags: Mapping[str, Any]) -> SimTarget:
-    """What to simulate: a measured profile, or hardware x model through the roofline."""
+def _target(flags: Mapping[str, Any], draw: int = 0) -> SimTarget:
+    """What to simulate: another server's twin (``draw`` picks its bootstrap refit and speed),
+    a measured profile, or hardware x model through the roofline."""
     from servelab.engine.engine_config import EngineConfig
     from servelab.sim.calibrate import Calibration
     from servelab.sim.engine_args import parse_engine_args, split_deployment
     from servelab.sim.roofline import Efficiency
     from servelab.sim.sim_target import profile_target, roofline_target
+    from servelab.sim.twin import TwinCalibration, is_twin_file
 
     eng, dep = split_deployment(parse_engine_args(flags["engine_args"]))
+    if flags["calibration"] is not None and is_twin_file(flags["calibration"]):
+        given = ("hardware", "profile", "engine", "dtype", "kv_dtype", "mfu", "mbu")
+        if any(flags[k] is not None for k in (*given, "step_overhead")):
+            raise ValueError(
+                "a twin calibration is the measured server itself: drop --hardware, "
+                "--profile, --engine, --dtype, --kv-dtype and the efficiency overrides"
+            )
+        return TwinCalibration.load(flags["calibration"]).target(draw).with_engine_args(**eng)
     if flags["profile"] is not None:
         if flags["hardware"] is not None or flags["calibration"] is not None:
             raise ValueError("--profile replaces --hardware/--calibration; give one or the other")
@@ -346,6 +376,9 @@ def _scenario(flags: Mapping[str, Any], load: LoadSpec) -> Scenario:
     )
     info["sim_seed"] = flags["sim_seed"]
     info["endpoint"] = flags["endpoint"]
+    delay = seconds("--network-delay", flags["network_delay"])
+    if delay is None:  # a twin's clients sit half its measured API time away
+        delay = float(target.info.get("api_overhead_s") or 0.0) / 2
     if flags["slo"] is not None:
         override = SLO.parse(flags["slo"])
         slos = {k: v.merged(override) for k, v in slos.items()} if slos else override
@@ -353,7 +386,7 @@ def _scenario(flags: Mapping[str, Any], load: LoadSpec) -> Scenario:
         target=target,
         requests=reqs,
         topology=topology,
-        network_delay=seconds("--network-delay", flags["network_delay"]) or 0.0,
+        network_delay=delay,
         max_concurrency=load.concurrency,
         slos=slos,
         info=info,
@@ -379,8 +412,7 @@ def _simulate_point(
     from servelab.sim.run_writer import write_run_dir
     from servelab.sim.scenario import simulate
 
-    label = ",".join(f"{k}={v}" for k, v in point.items()) or scenario.target.label
-    run_dir = out / label.replace("=", "-").replace(",", "_") if in_sweep else out
+    label, run_dir = _point_dir(scenario, point, out, in_sweep)
     try:
         if point:
             scenario = dataclasses.replace(
@@ -418,6 +450,42 @@ def _simulate_point(
     )
     typer.echo(f"wrote {run_dir}")
     return _summary_row(label, res, read_json(run_dir, "metrics.json") or {}, wall)
+
+
+def _point_dir(
+    scenario: Scenario, point: dict[str, Any], out: Path, in_sweep: bool
+) -> tuple[str, Path]:
+    """A sweep point's label and run directory (``out`` itself outside a sweep)."""
+    label = ",".join(f"{k}={v}" for k, v in point.items()) or scenario.target.label
+    return label, out / label.replace("=", "-").replace(",", "_") if in_sweep else out
+
+
+def _intervals(
+    flags: Mapping[str, Any],
+    scenario: Scenario,
+    point: dict[str, Any],
+    seeds: range,
+    out: Path,
+    in_sweep: bool,
+) -> None:
+    """Repeat one simulated run (a sweep point) over more seeds; print and write each
+    figure's range beside the run written for the first seed."""
+    import json
+
+    from rich.console import Console
+
+    from servelab.report.twin import prediction_table
+    from servelab.sim.intervals import predict
+
+    def scenario_for(seed: int) -> Any:
+        target = _target(flags, seed).with_engine_args(**point)
+        return dataclasses.replace(scenario, target=target, sim_seed=seed)
+
+    label, run_dir = _point_dir(scenario, point, out, in_sweep)
+    pred = predict(scenario_for, list(seeds))
+    (run_dir / "prediction.json").write_text(json.dumps(pred.to_dict(), indent=1))
+    title = f"{label}: median and range over {len(pred.seeds)} seeds"
+    Console().print(prediction_table(pred, title))
 
 
 def _summary_row(label: str, res: Any, metrics: dict[str, Any], wall: float) -> dict[str, Any]:

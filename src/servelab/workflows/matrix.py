@@ -157,7 +157,9 @@ def record_server(run_dir: Path, server: LaunchedServer | TemplateServer) -> Non
         launched=True,
         command=server.command,
         engine_args=server.engine_args,
-        config=server.config if isinstance(server, TemplateServer) else read_flags(server.engine_args),
+        config=server.config
+        if isinstance(server, TemplateServer)
+        else read_flags(server.engine_args),
     )
     manifest["server"] = info
     write_manifest(run_dir, manifest)
