@@ -7,17 +7,28 @@
 - ``make_tiny_llama(**config_overrides)``: the same, with config changes (e.g.
   ``attention_bias=True``, ``tie_word_embeddings=False``, ``model_type="qwen2"``).
 - ``smollm2_path``: the real SmolLM2-135M GGUF (skips if its package is missing).
+- ``tiny_tok`` / ``smollm_tok``: the tokenizer of the tiny Llama / of SmolLM2-135M (the
+  latter skips if its package is missing), loaded once per session.
+- ``server`` / ``http``: a fake-engine server of the tiny model (``server_helpers.serving``)
+  and an HTTP client on it, one per test module. ``http`` talks to whatever ``server`` the
+  module has, so a module that serves something else overrides ``server`` alone.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from server_helpers import ServerThread
+
+    from servelab.model.tokenizer import Tokenizer
 
 # Tests interrupt child CLIs with SIGINT and expect Ctrl-C handling (exit 130). A suite
 # started as a background job of a non-interactive shell (`nohup .ci/run &`) inherits SIGINT
@@ -167,3 +178,34 @@ def smollm2_path() -> Path:
         return resolve_model(DEFAULT_MODEL)
     except ValueError as e:
         pytest.skip(f"default model not installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def tiny_tok(tiny_llama_dir: Path) -> Tokenizer:
+    from servelab.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_model(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
+def smollm_tok() -> Tokenizer:
+    from servelab.model.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_model("smollm2-135m")
+    except ValueError as e:
+        pytest.skip(f"default model not installed: {e}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path) -> Iterator[ServerThread]:
+    from server_helpers import serving
+
+    with serving(tiny_llama_dir) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client

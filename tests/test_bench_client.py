@@ -33,16 +33,6 @@ def url():
         yield u
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from servelab.model.tokenizer import Tokenizer
-
-    try:
-        return Tokenizer.from_model("smollm2-135m")
-    except ValueError as e:
-        pytest.skip(f"default model not installed: {e}")
-
-
 async def _timelines(url: str, ids: list[str]) -> dict[str, dict]:
     async with (
         aiohttp.ClientSession() as s,
@@ -126,8 +116,8 @@ def _check_against_server(rec: ClientRecord, tl: dict, tokens_per_chunk: int) ->
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_chunk_times_match_server_writes(url, endpoint, tok):
-    recs, tls, _, outs = _run(url, 6, 9, endpoint=endpoint, tok=tok)
+def test_chunk_times_match_server_writes(url, endpoint, smollm_tok):
+    recs, tls, _, outs = _run(url, 6, 9, endpoint=endpoint, tok=smollm_tok)
     for rec, out in zip(recs, outs):
         assert rec.ok, rec.error
         _check_against_server(rec, tls[rec.request_id], 1)
@@ -138,9 +128,9 @@ def test_chunk_times_match_server_writes(url, endpoint, tok):
         assert len(out.text.split()) == 9
 
 
-def test_role_only_first_chunk_is_not_ttft(url, tok):
+def test_role_only_first_chunk_is_not_ttft(url, smollm_tok):
     # The role chunk goes out at once, TTFT (0.12 s) before the first token.
-    recs, tls, _, _ = _run(url, 3, 4, endpoint="chat", tok=tok)
+    recs, tls, _, _ = _run(url, 3, 4, endpoint="chat", tok=smollm_tok)
     for rec in recs:
         tl = tls[rec.request_id]
         assert rec.first_byte < tl["first_token"] <= rec.chunk_times[0]
@@ -148,11 +138,11 @@ def test_role_only_first_chunk_is_not_ttft(url, tok):
 
 
 @pytest.mark.parametrize("continuous", [True, False])
-def test_multi_token_chunks_are_counted(url, continuous, tok):
+def test_multi_token_chunks_are_counted(url, continuous, smollm_tok):
     # 3 tokens per chunk, as speculative decoding sends them. With the server's running
     # usage the count per chunk is exact; without it, the client re-tokenizes.
     sched = {"tokens_per_chunk": 3}
-    recs, tls, _, _ = _run(url, 3, 10, schedule=sched, strict=not continuous, tok=tok)
+    recs, tls, _, _ = _run(url, 3, 10, schedule=sched, strict=not continuous, tok=smollm_tok)
     for rec in recs:
         assert rec.ok, rec.error
         _check_against_server(rec, tls[rec.request_id], 3)
@@ -161,11 +151,11 @@ def test_multi_token_chunks_are_counted(url, continuous, tok):
         assert rec.tpot == pytest.approx((rec.e2e - rec.ttft) / 9)
 
 
-def test_coalesced_events_and_empty_chunks(url, tok):
+def test_coalesced_events_and_empty_chunks(url, smollm_tok):
     # Two SSE events per socket write, and a content-less chunk after every token chunk:
     # every token chunk is still seen (sharing its write's timestamp), no empty one is.
     sched = {"coalesce": 2, "empty_chunk_every": 1}
-    recs, tls, _, _ = _run(url, 2, 6, schedule=sched, tok=tok)
+    recs, tls, _, _ = _run(url, 2, 6, schedule=sched, tok=smollm_tok)
     for rec in recs:
         assert rec.ok, rec.error
         assert rec.chunk_tokens == [1] * 6
@@ -175,11 +165,11 @@ def test_coalesced_events_and_empty_chunks(url, tok):
             assert rec.chunk_times[i] == rec.chunk_times[i + 1] >= writes[i + 1]
 
 
-def test_errors_timeouts_and_cut_streams_are_recorded(url, tok):
+def test_errors_timeouts_and_cut_streams_are_recorded(url, smollm_tok):
     fast = {"ttft": 0.05, "itl": 0.05, "stall_every": 0}
     err, _, _, _ = _run(url, 1, 5, schedule={**fast, "status": 500})
-    cut, _, _, _ = _run(url, 1, 10, schedule={**fast, "fail_after": 4}, tok=tok)
-    slow, _, _, _ = _run(url, 1, 40, schedule=fast, timeout=0.5, tok=tok)
+    cut, _, _, _ = _run(url, 1, 10, schedule={**fast, "fail_after": 4}, tok=smollm_tok)
+    slow, _, _, _ = _run(url, 1, 40, schedule=fast, timeout=0.5, tok=smollm_tok)
     after, _, _, _ = _run(url, 1, 3, schedule=fast)  # the client still works after all that
     assert err[0].error.startswith("http_500: planted error 500") and not err[0].chunk_times
     assert err[0].status == 500
@@ -206,8 +196,8 @@ def test_request_fields_headers_and_api_key():
     assert strict["stream_options"] == {"include_usage": True}
 
 
-def test_non_streaming_request(url, tok):
-    recs, tls, _, _ = _run(url, 2, 6, stream=False, tok=tok)
+def test_non_streaming_request(url, smollm_tok):
+    recs, tls, _, _ = _run(url, 2, 6, stream=False, tok=smollm_tok)
     for rec in recs:
         assert rec.ok and not rec.stream and rec.output_tokens == 6
         assert len(rec.chunk_times) == 1 and rec.chunk_tokens == [6]

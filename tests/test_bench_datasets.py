@@ -41,16 +41,6 @@ CONVS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from servelab.model.tokenizer import Tokenizer
-
-    try:
-        return Tokenizer.from_model("smollm2-135m")
-    except ValueError as e:
-        pytest.skip(f"default model not installed: {e}")
-
-
-@pytest.fixture(scope="module")
 def server():
     with run_test_server(Schedule(ttft=0.01, itl=0.002)) as url:
         yield url
@@ -226,9 +216,11 @@ def test_bad_rows_name_the_line_and_the_fields_found(tmp_path):
 # ----------------------------------------------------------------------------- selection
 
 
-def test_filters_say_which_removed_how_many(tmp_path, tok):
+def test_filters_say_which_removed_how_many(tmp_path, smollm_tok):
     d = load_dataset(str(_sharegpt(tmp_path / "sg.json")))
-    s = SessionSampler(d, Selection(min_input_len=10_000), 0, tok_count(tok), tok_count(tok), None)
+    s = SessionSampler(
+        d, Selection(min_input_len=10_000), 0, tok_count(smollm_tok), tok_count(smollm_tok), None
+    )
     with pytest.raises(ValueError) as e:
         s.next()
     assert "after filtering 6 records (min_input_len: 6)" in str(e.value)
@@ -244,20 +236,20 @@ def _spec(path: Path, **source) -> object:
     )
 
 
-def test_plans_are_seeded_and_multi_turn_keeps_the_recorded_replies(tmp_path, tok):
+def test_plans_are_seeded_and_multi_turn_keeps_the_recorded_replies(tmp_path, smollm_tok):
     path = _sharegpt(tmp_path / "sg.json")
     spec = _spec(path, conversation="multi-turn")
     load = LoadSpec(concurrency=1, requests=3)
-    a = build_plan(spec, load, 7, tokenizer=tok)
-    b = build_plan(spec, load, 7, tokenizer=tok)
-    c = build_plan(spec, load, 8, tokenizer=tok)
+    a = build_plan(spec, load, 7, tokenizer=smollm_tok)
+    b = build_plan(spec, load, 7, tokenizer=smollm_tok)
+    c = build_plan(spec, load, 8, tokenizer=smollm_tok)
     assert [r.prompt for r in a] == [r.prompt for r in b]
     assert [r.prompt for r in a] != [r.prompt for r in c]
     assert len(a) == 6 and [r.tags.turn for r in a] == [0, 1] * 3
     first = a[0]
     conv = next(x for x in CONVS if x["conversations"][0]["value"] == first.prompt)
     assert first.reply == conv["conversations"][1]["value"]
-    assert first.max_tokens == len(tok.encode(first.reply))
+    assert first.max_tokens == len(smollm_tok.encode(first.reply))
     assert a.info["datasets"]["d"]["kept"] == 3 and a.info["datasets"]["d"]["seed"] is not None
 
 
@@ -357,7 +349,7 @@ def _azure(path: Path, lengths: list[tuple[int, int]]) -> Path:
     return path
 
 
-def test_a_trace_takes_times_and_lengths_and_the_dataset_its_text(tmp_path, tok):
+def test_a_trace_takes_times_and_lengths_and_the_dataset_its_text(tmp_path, smollm_tok):
     long_turns = [
         {
             "id": f"L{i}",
@@ -375,8 +367,8 @@ def test_a_trace_takes_times_and_lengths_and_the_dataset_its_text(tmp_path, tok)
     path = _sharegpt(tmp_path / "sg.json", CONVS + long_turns)
     lengths = [(12, 5), (40, 6), (30, 7), (200, 8), (13, 9)]
     trace = _azure(tmp_path / "t.csv", lengths)
-    plan = build_plan(_spec(path), LoadSpec(trace=str(trace)), 0, tokenizer=tok)
-    assert [len(tok.encode(r.prompt)) for r in plan] == [n for n, _ in lengths]
+    plan = build_plan(_spec(path), LoadSpec(trace=str(trace)), 0, tokenizer=smollm_tok)
+    assert [len(smollm_tok.encode(r.prompt)) for r in plan] == [n for n, _ in lengths]
     assert [r.max_tokens for r in plan] == [m for _, m in lengths]
     assert [r.send_time for r in plan] == pytest.approx([0, 1, 2, 3, 4])
     firsts = [c["conversations"][0]["value"] for c in CONVS + long_turns]
@@ -391,7 +383,7 @@ def test_a_trace_takes_times_and_lengths_and_the_dataset_its_text(tmp_path, tok)
     assert text["dataset"]["format"] == "sharegpt"
 
 
-def test_a_mooncake_trace_refuses_dataset_text(tmp_path, tok):
+def test_a_mooncake_trace_refuses_dataset_text(tmp_path, smollm_tok):
     path = _sharegpt(tmp_path / "sg.json")
     trace = tmp_path / "m.jsonl"
     trace.write_text(
@@ -399,4 +391,4 @@ def test_a_mooncake_trace_refuses_dataset_text(tmp_path, tok):
         + "\n"
     )
     with pytest.raises(ValueError, match="Mooncake"):
-        build_plan(_spec(path), LoadSpec(trace=str(trace)), 0, tokenizer=tok)
+        build_plan(_spec(path), LoadSpec(trace=str(trace)), 0, tokenizer=smollm_tok)

@@ -15,16 +15,6 @@ from servelab.bench.testing import tiny_tokenizer
 from servelab.bench.workload import load_workload, parse_workload
 
 
-@pytest.fixture(scope="module")
-def smollm_tok():
-    from servelab.model.tokenizer import Tokenizer
-
-    try:
-        return Tokenizer.from_model("smollm2-135m")
-    except ValueError as e:
-        pytest.skip(f"default model not installed: {e}")
-
-
 def _sent_text(tok, r, endpoint):
     if endpoint == "chat" and r.tags.turn == 0:
         return tok.apply_chat_template([{"role": "user", "content": r.prompt}])

@@ -31,16 +31,6 @@ def server():
         yield url
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from servelab.model.tokenizer import Tokenizer
-
-    try:
-        return Tokenizer.from_model("smollm2-135m")
-    except ValueError as e:
-        pytest.skip(f"default model not installed: {e}")
-
-
 def bench(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "servelab.cli", "bench", *args],
@@ -62,7 +52,7 @@ def _served(url: str) -> list[dict]:
     return asyncio.run(get())
 
 
-def test_run_directory_from_a_multi_turn_chat_run(server, tok, tmp_path):
+def test_run_directory_from_a_multi_turn_chat_run(server, smollm_tok, tmp_path):
     out = tmp_path / "run"
     p = bench(
         "--url",
@@ -94,7 +84,7 @@ def test_run_directory_from_a_multi_turn_chat_run(server, tok, tmp_path):
         load_workload("agent"),
         LoadSpec(rate=20, requests=5),
         3,
-        tokenizer=tok,
+        tokenizer=smollm_tok,
         endpoint="chat",
         max_model_len=8192,
     )

@@ -4,8 +4,7 @@ over real HTTP, with real KV transfers between the workers.
 Checks: output equal to colocated serving, the hand-off recorded in timelines and metrics,
 the decode side's prefix cache after transfer, backpressure from a full decode pool, exact
 block accounting after completion, aborts, failed transfers and killed workers.
-``faulty_engine`` is the workers' engine factory for the fault tests (the workers import it
-from this directory).
+The fault tests run the workers on ``server_fakes.faulty_engine``.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,7 +23,13 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from test_server_fakes import TESTS_DIR, ServerThread, metrics, storm_leaves_no_trace, wait_idle
+from server_helpers import (
+    ServerThread,
+    metrics,
+    storm_leaves_no_trace,
+    tests_on_pythonpath,
+    wait_idle,
+)
 
 from servelab.analyze.attribution import attribute
 from servelab.engine.engine_config import EngineConfig
@@ -43,50 +47,10 @@ PROMPTS = [
     "A paged KV cache stores keys and values in fixed-size blocks. " * 6,
     "Numbers like 12345 and 3.14159 are split into digits.",
 ]
-SLOW_STEP_S = 0.01  # faulty_engine: decode step time, so requests are in flight when killed
-
-
-def faulty_engine(cfg: Any) -> Any:
-    """Worker engine factory: the real tiny model, with faults chosen by request id.
-
-    ``fail-send-*``: the prefill side's transport refuses; ``lose-*``: the payload is never
-    delivered (the decode side's reservation times out); every decode step takes
-    SLOW_STEP_S, and a prefill step holding a ``slow-*`` request takes 1 s.
-    """
-    from servelab.server.disagg.worker_engine import DisaggEngine, TransferError
-    from servelab.server.engine_core import build_engine
-
-    class Faulty(DisaggEngine):
-        def send_kv(self, request_id: str, skip: int, send: Any, *workers: int) -> Any:
-            if request_id.startswith("fail-send"):
-
-                def send(header: Any, blocks: Any) -> int:
-                    raise TransferError("injected: the link is down")
-
-            elif request_id.startswith("lose"):
-
-                def send(header: Any, blocks: Any) -> int:
-                    return header.nbytes
-
-            return super().send_kv(request_id, skip, send, *workers)
-
-        def step(self) -> Any:
-            if self.role == "decode" and self.scheduler.running:
-                time.sleep(SLOW_STEP_S)
-            if self.role == "prefill" and any(
-                r.request_id.startswith("slow")
-                for r in [*self.scheduler.running, *self.scheduler.waiting]
-            ):
-                time.sleep(1.0)
-            return super().step()
-
-    return build_engine(cfg, Faulty)
 
 
 @contextlib.contextmanager
 def disagg_server(model_dir: Path, **overrides: Any) -> Iterator[ServerThread]:
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, old) if p)
     factory = overrides.pop("engine_factory", None)
     args = ServerArgs(
         model=str(model_dir),
@@ -98,19 +62,11 @@ def disagg_server(model_dir: Path, **overrides: Any) -> Iterator[ServerThread]:
         **overrides,
     )
     server = ServerThread(args, engine_factory=factory)
-    try:
-        yield server.start(timeout=240)
-    finally:
-        server.stop()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_llama_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model(str(tiny_llama_dir))
+    with tests_on_pythonpath():
+        try:
+            yield server.start(timeout=240)
+        finally:
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +81,6 @@ def reference(tiny_llama_dir: Path) -> LLM:
 def server(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[ServerThread]:
     with disagg_server(tiny_llama_dir, kv_transport=request.param) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
 
 
 def complete(http: httpx.Client, prompt: Any, max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -165,8 +115,10 @@ def kill(http: httpx.Client, name: str) -> None:
 # ---- output and records ----
 
 
-def test_greedy_output_equals_colocated(http: httpx.Client, tok: Tokenizer, reference: LLM) -> None:
-    ids = [tok.encode(p, add_special_tokens=True) for p in PROMPTS]
+def test_greedy_output_equals_colocated(
+    http: httpx.Client, tiny_tok: Tokenizer, reference: LLM
+) -> None:
+    ids = [tiny_tok.encode(p, add_special_tokens=True) for p in PROMPTS]
     expected = reference.generate(
         ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     )
@@ -228,12 +180,12 @@ def test_timeline_and_metrics_record_the_transfer(http: httpx.Client) -> None:
 
 
 def test_shared_prefix_hits_the_decode_cache_after_transfer(
-    http: httpx.Client, tok: Tokenizer
+    http: httpx.Client, tiny_tok: Tokenizer
 ) -> None:
     assert http.post("/reset_prefix_cache").json() == {"reset": True}
-    system = tok.encode("Continuous batching mixes prefill chunks with decode steps. " * 8)
-    first = complete(http, system + tok.encode(" First question?"), 4)["servelab"]
-    second = complete(http, system + tok.encode(" Second one!"), 4)["servelab"]
+    system = tiny_tok.encode("Continuous batching mixes prefill chunks with decode steps. " * 8)
+    first = complete(http, system + tiny_tok.encode(" First question?"), 4)["servelab"]
+    second = complete(http, system + tiny_tok.encode(" Second one!"), 4)["servelab"]
     assert first["kv_transfer"]["skipped_blocks"] == 0
     # Every full block of the shared prefix was already on the decode worker: not sent again.
     assert second["kv_transfer"]["skipped_blocks"] == len(system) // 16
@@ -303,13 +255,13 @@ def test_storm_with_random_disconnects_leaves_every_block_free(http: httpx.Clien
 
 
 def test_full_decode_pool_makes_prefill_wait_and_drops_nothing(
-    tiny_llama_dir: Path, tok: Tokenizer, reference: LLM
+    tiny_llama_dir: Path, tiny_tok: Tokenizer, reference: LLM
 ) -> None:
     # 40 blocks of 16 tokens: one 330-token request (21 blocks, 24 with its output) at a time.
     prompts = [
-        tok.encode(f"Request {i}: " + "Paged attention reads blocks of keys and values. " * 40)[
-            :330
-        ]
+        tiny_tok.encode(
+            f"Request {i}: " + "Paged attention reads blocks of keys and values. " * 40
+        )[:330]
         for i in range(5)
     ]
     with (
@@ -343,7 +295,7 @@ def test_failed_and_lost_transfers_fail_cleanly(tiny_llama_dir: Path) -> None:
     with (
         disagg_server(
             tiny_llama_dir,
-            engine_factory="test_disagg_server:faulty_engine",
+            engine_factory="server_fakes:faulty_engine",
             kv_transfer_timeout=1.5,
         ) as srv,
         httpx.Client(base_url=srv.url, timeout=60) as http,
@@ -376,7 +328,7 @@ def test_killed_workers_fail_their_requests_and_the_rest_keep_serving(
     with (
         disagg_server(
             tiny_llama_dir,
-            engine_factory="test_disagg_server:faulty_engine",
+            engine_factory="server_fakes:faulty_engine",
             prefill_workers=2,
             decode_workers=2,
         ) as srv,

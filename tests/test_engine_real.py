@@ -9,41 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from model_helpers import PROMPT_TEXTS, TINY_SP, alone, generate, make_engine
 
-from servelab.engine.engine import LLMEngine
-from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.build import build_engine
 from servelab.model.llm import LLM
 from servelab.model.loader import LoadedModel, load_model
-from servelab.model.torch_runner import TorchModelRunner
 from servelab.vocab import FinishReason
-
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Prefill computes the prompt; decode produces one token per step.",
-    "A paged KV cache stores keys and values in fixed-size blocks. " * 3,
-    "Hello world!",
-    "Continuous batching mixes prefill chunks with decode steps of other requests. " * 2,
-    "Numbers like 12345 and 3.14159 are split into digits.",
-]
-
-
-def make_engine(loaded: LoadedModel, **cfg) -> LLMEngine:
-    cfg.setdefault("block_size", 4)
-    cfg.setdefault("num_kv_blocks", 512)
-    # One thread: tests run beside other work, and oversubscribed threads spin for seconds.
-    runner = TorchModelRunner(loaded, device="cpu", num_threads=1, seed=0)
-    return LLMEngine(runner, EngineConfig(**cfg), tokenizer=loaded.tokenizer)
-
-
-def generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
-    return [r.token_ids for r in LLM.from_engine(engine).generate(prompts, sp)]
-
-
-def alone(loaded: LoadedModel, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
-    return [generate(make_engine(loaded), [p], sp)[0] for p in prompts]
-
 
 # ---- tiny random Llama ----
 
@@ -56,11 +28,8 @@ def tiny(tiny_llama_dir: Path) -> LoadedModel:
 @pytest.fixture(scope="module")
 def tiny_prompts(tiny: LoadedModel) -> list[list[int]]:
     shared = tiny.tokenizer.encode("A paged KV cache stores keys and values in blocks. ")
-    own = [tiny.tokenizer.encode(t) for t in TEXTS]
+    own = [tiny.tokenizer.encode(t) for t in PROMPT_TEXTS]
     return own + [shared + p for p in own[:3]]
-
-
-TINY_SP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_tokenizer import TEXTS
+from model_helpers import ROUND_TRIP_TEXTS
 from typer.testing import CliRunner
 
 from servelab.cli import app
@@ -65,7 +65,7 @@ def test_gguf_tokenizer_equals_tokenizer_json_route(
     ours = Tokenizer.from_model(str(smollm2_path))
     via_json = Tokenizer.from_model(str(smollm2_hf_dir))
     hf = AutoTokenizer.from_pretrained(str(smollm2_hf_dir))
-    for text in TEXTS:
+    for text in ROUND_TRIP_TEXTS:
         ids = ours.encode(text)
         assert ids == via_json.encode(text) == hf.encode(text, add_special_tokens=False), text
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)

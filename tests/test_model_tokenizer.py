@@ -7,19 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from model_helpers import ROUND_TRIP_TEXTS
 
 from servelab.model.registry import resolve_model
 from servelab.model.tokenizer import Tokenizer
-
-TEXTS = [
-    "Hello world!",
-    "  leading spaces,\ttabs and\n\nblank lines  ",
-    "numbers 1234567 and 3.14159",
-    "ünïcødé, 日本語のテキスト, emoji 😀👍🏽",
-    "<|im_start|>user\nhi there<|im_end|>\n",
-    "don't you'll I'M they've",
-    "def f(x):\n    return x ** 2  # code",
-]
 
 
 def test_unknown_model_name_says_what_exists() -> None:
@@ -52,7 +43,7 @@ def test_hf_dir_tokenizer_round_trips(tiny_llama_dir: Path) -> None:
     tok = Tokenizer.from_model(str(tiny_llama_dir))
     assert tok.vocab_size == 400
     assert tok.eos_token_ids == [2]
-    for text in TEXTS:
+    for text in ROUND_TRIP_TEXTS:
         ids = tok.encode(text)
         assert tok.decode(ids, skip_special_tokens=False) == text
     assert tok.encode("<|im_end|>") == [2]
@@ -65,7 +56,7 @@ def test_gguf_tokenizer_basics(smollm2_path: Path) -> None:
     assert tok.eos_token_ids == [2]
     assert tok.encode("<|im_start|>") == [1]
     assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello")  # no BOS for SmolLM2
-    for text in TEXTS:
+    for text in ROUND_TRIP_TEXTS:
         assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
 
 
@@ -90,5 +81,5 @@ def test_gguf_tokenizer_matches_transformers_gguf_conversion(smollm2_path: Path)
 
     ref = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
     tok = Tokenizer.from_model(str(smollm2_path))
-    for text in TEXTS:
+    for text in ROUND_TRIP_TEXTS:
         assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text

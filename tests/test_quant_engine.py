@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_real import TEXTS, TINY_SP, alone, generate, make_engine
-from test_model_gguf import write_gguf
+from gguf_writer import write_gguf
+from model_helpers import PROMPT_TEXTS, TINY_SP, alone, generate, make_engine
 
 from servelab.model import cpu_kernels
 from servelab.model.llama import causal_batch
@@ -33,7 +33,7 @@ def quantised(request: pytest.FixtureRequest, tiny_llama_dir: Path, q4_gguf: Pat
 @pytest.fixture(scope="module")
 def prompts(quantised: LoadedModel) -> list[list[int]]:
     shared = quantised.tokenizer.encode("A paged KV cache stores keys and values in blocks. ")
-    own = [quantised.tokenizer.encode(t) for t in TEXTS]
+    own = [quantised.tokenizer.encode(t) for t in PROMPT_TEXTS]
     return own + [shared + p for p in own[:3]]
 
 
@@ -89,7 +89,7 @@ def test_quantised_logits_match_their_reference(
     """q4_1 computes the function of its GGUF dequantised to fp32 (mode none): to float
     rounding where its inputs stay fp32, and nearly so where the integer-dot kernel rounds
     them to 8 bits; q8_0 nearly fp32's. A wrong block layout or row order would not."""
-    batch = causal_batch([quantised.tokenizer.encode(TEXTS[0])])
+    batch = causal_batch([quantised.tokenizer.encode(PROMPT_TEXTS[0])])
     if quantised.quantization == "q4_1":
         want = load_model(str(q4_gguf), device="cpu").model(batch)
         if not cpu_kernels.int8_dot_available():

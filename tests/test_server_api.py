@@ -1,7 +1,7 @@
 """The API and engine-core processes over real HTTP and IPC, with a model-free engine.
 
 The engine is the real LLMEngine with the tiny model's real tokenizer; only the executor
-is the engine tests' FakeExecutor (see test_server_fakes.fake_engine). So this checks the
+is the engine tests' FakeExecutor (see server_fakes.fake_engine). So this checks the
 HTTP layer, the SSE format, errors, metrics, timelines, aborts and faults quickly; the
 end-to-end tests with weights are in test_server_e2e.py.
 """
@@ -13,7 +13,6 @@ import json
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,28 +22,18 @@ import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server_fakes import ServerThread, metrics, serving, storm_leaves_no_trace, wait_idle
+from server_helpers import (
+    ServerThread,
+    metrics,
+    newest_core_pid,
+    serving,
+    storm_leaves_no_trace,
+    wait_idle,
+)
 
 from servelab.model.tokenizer import Tokenizer
 
 SSE_RE = re.compile(rb"^(data: [^\n]+\n\n)*data: \[DONE\]\n\n$")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[ServerThread]:
-    with serving(tiny_llama_dir) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_llama_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model(str(tiny_llama_dir))
 
 
 def sse_events(body: bytes) -> list[Any]:
@@ -61,22 +50,11 @@ def stream_post(http: httpx.Client, path: str, body: dict[str, Any], **kw: Any) 
     return r
 
 
-def newest_core_pid() -> int:
-    """The engine core of the server started last. Servers run in threads of this process,
-    so their cores are its children; /version shows no process ids."""
-    cores = [
-        p
-        for p in psutil.Process().children()
-        if "servelab.server.engine_core" in " ".join(p.cmdline())
-    ]
-    return max(cores, key=lambda p: p.create_time()).pid
-
-
 # ---- responses ----
 
 
 def test_completion_usage_matches_tokenizer_and_echoes_request_id(
-    http: httpx.Client, tok: Tokenizer
+    http: httpx.Client, tiny_tok: Tokenizer
 ) -> None:
     prompt = "The quick brown fox jumps over the lazy dog."
     r = http.post(
@@ -89,9 +67,9 @@ def test_completion_usage_matches_tokenizer_and_echoes_request_id(
     assert r.headers["X-Request-Id"] == "usage-1" and body["id"] == "cmpl-usage-1"
     assert body["object"] == "text_completion" and body["model"] == "tiny"
     assert body["usage"] == {
-        "prompt_tokens": len(tok.encode(prompt, add_special_tokens=True)),
+        "prompt_tokens": len(tiny_tok.encode(prompt, add_special_tokens=True)),
         "completion_tokens": 7,
-        "total_tokens": len(tok.encode(prompt, add_special_tokens=True)) + 7,
+        "total_tokens": len(tiny_tok.encode(prompt, add_special_tokens=True)) + 7,
     }
     assert body["choices"][0]["finish_reason"] == "length"
     timing = body["servelab"]
@@ -106,8 +84,8 @@ def test_completion_usage_matches_tokenizer_and_echoes_request_id(
     assert r2.headers["X-Request-Id"] == "usage-1-1"
 
 
-def test_token_id_prompt_and_stop_strings(http: httpx.Client, tok: Tokenizer) -> None:
-    ids = tok.encode("Hello world")
+def test_token_id_prompt_and_stop_strings(http: httpx.Client, tiny_tok: Tokenizer) -> None:
+    ids = tiny_tok.encode("Hello world")
     base = {"prompt": ids, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
     full = http.post("/v1/completions", json=base).json()
     assert full["usage"]["prompt_tokens"] == len(ids)
@@ -120,7 +98,7 @@ def test_token_id_prompt_and_stop_strings(http: httpx.Client, tok: Tokenizer) ->
 
 
 def test_stream_sse_format_first_token_usage_and_timeline(
-    http: httpx.Client, tok: Tokenizer
+    http: httpx.Client, tiny_tok: Tokenizer
 ) -> None:
     messages = [{"role": "user", "content": "Hello world! How are you today?"}]
     body = {
@@ -142,7 +120,7 @@ def test_stream_sse_format_first_token_usage_and_timeline(
         len(token_events) - 1
     ) + ["length"]
     assert 1 <= len(token_events) <= 9
-    prompt_tokens = len(tok.encode(tok.apply_chat_template(messages)))
+    prompt_tokens = len(tiny_tok.encode(tiny_tok.apply_chat_template(messages)))
     assert usage_event["choices"] == []
     assert usage_event["usage"] == {
         "prompt_tokens": prompt_tokens,

@@ -5,62 +5,21 @@ Most tests use the tiny random Llama (fast); the ``slow`` ones load SmolLM2-135M
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from test_server_fakes import free_port, storm_leaves_no_trace
+from server_helpers import ServeProcess, serve_process, storm_leaves_no_trace
 
 from servelab.model.tokenizer import Tokenizer
 
 API_KEY = "e2e-key-do-not-log"
-
-
-@dataclass
-class ServeProcess:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-@contextlib.contextmanager
-def serve_process(log: Path, *flags: str, startup_s: float = 240.0) -> Iterator[ServeProcess]:
-    """Run `servelab serve` on a free loopback port until /health answers; always stop it."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "servelab.cli", "serve", "--port", str(port), *flags]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    server = ServeProcess(proc, f"http://127.0.0.1:{port}", log)
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            assert proc.poll() is None, f"servelab serve exited early:\n{server.log_text()}"
-            assert time.monotonic() < deadline, f"not ready in {startup_s} s:\n{server.log_text()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield server
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +44,9 @@ def tiny_openai(tiny_server: ServeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_llama_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model(str(tiny_llama_dir))
-
-
-def test_openai_completions_stream_and_not(tiny_openai: openai.OpenAI, tok: Tokenizer) -> None:
+def test_openai_completions_stream_and_not(tiny_openai: openai.OpenAI, tiny_tok: Tokenizer) -> None:
     prompt = "Continuous batching mixes prefill chunks"
-    n_prompt = len(tok.encode(prompt, add_special_tokens=True))
+    n_prompt = len(tiny_tok.encode(prompt, add_special_tokens=True))
     extra = {"ignore_eos": True}
     full = tiny_openai.completions.create(
         model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body=extra
@@ -116,12 +70,12 @@ def test_openai_completions_stream_and_not(tiny_openai: openai.OpenAI, tok: Toke
     assert "".join(c.choices[0].text for c in chunks[:-1]) == full.choices[0].text
 
 
-def test_openai_chat_stream_and_not(tiny_openai: openai.OpenAI, tok: Tokenizer) -> None:
+def test_openai_chat_stream_and_not(tiny_openai: openai.OpenAI, tiny_tok: Tokenizer) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello world!"},
     ]
-    n_prompt = len(tok.encode(tok.apply_chat_template(messages)))
+    n_prompt = len(tiny_tok.encode(tiny_tok.apply_chat_template(messages)))
     full = tiny_openai.chat.completions.create(
         model="tiny",
         messages=messages,

@@ -1,6 +1,6 @@
-"""Hostile input against the server (issue 22): one regression test per failure found by
-the probe, the auth matrix, stale metrics after engine death, slow clients, and a fuzz of
-oversized requests. Same model-free engine as test_server_api.py (test_server_fakes)."""
+"""Hostile input against the server: one regression test per failure found by probing it,
+the auth matrix, stale metrics after engine death, slow clients, and a fuzz of oversized
+requests. Same model-free engine as test_server_api.py (server_fakes.fake_engine)."""
 
 from __future__ import annotations
 
@@ -20,27 +20,15 @@ import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server_api import newest_core_pid
-from test_server_fakes import ServerThread, metrics, serving
+from server_helpers import ServerThread, metrics, newest_core_pid, serving
 
+from servelab.model.tokenizer import Tokenizer
 from servelab.server.api import ServerState, build_app
 from servelab.server.bounds import json_too_deep, least_tokens, longest_token_chars
 from servelab.server.openai_protocol import MAX_JSON_DEPTH, MAX_MESSAGES
 
 KEY = "hardening-key"
 HEALTH_TIMEOUT_S = 10.0  # generous for a loaded machine: the point is that it answers at all
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[ServerThread]:
-    with serving(tiny_llama_dir) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
 
 
 def error_of(r: httpx.Response) -> dict[str, Any]:
@@ -67,14 +55,11 @@ def test_json_depth_counts_brackets_outside_strings_only() -> None:
     assert not json_too_deep(wide, 4) and json_too_deep(wide, 3)
 
 
-def test_longest_token_bound_is_never_beaten(tiny_llama_dir: Path) -> None:
-    from servelab.model.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_model(str(tiny_llama_dir))
-    longest = longest_token_chars(tok)
+def test_longest_token_bound_is_never_beaten(tiny_tok: Tokenizer) -> None:
+    longest = longest_token_chars(tiny_tok)
     assert longest is not None and longest > 1
     for text in ("a" * 5000, "Hello world! " * 400, "ünïcødé 日本語 😀 " * 300, "#" * 999):
-        assert len(tok.encode(text)) >= least_tokens(len(text), longest)
+        assert len(tiny_tok.encode(text)) >= least_tokens(len(text), longest)
 
 
 # ---- 1. out-of-range integers: 400 naming the field, never 500 ----
@@ -181,7 +166,7 @@ def test_health_answers_while_big_requests_are_processed(http: httpx.Client) -> 
 
 
 def test_memory_returns_after_a_burst_of_huge_prompts(http: httpx.Client) -> None:
-    # The server runs in this process. Tokenising one 15 MB prompt grew it by ~2 GB; the
+    # The server runs in this process. Tokenising one 15 MB prompt would grow it by ~2 GB; the
     # character bound refuses it with only the body and its decoded string in memory.
     # Those bodies are prepared in worker processes, which trim their heap after each one.
     me = psutil.Process()

@@ -61,7 +61,7 @@ def test_plan_with_drafts_accepts_a_prefix_and_adds_one_token():
 @pytest.mark.slow
 def test_server_with_the_simulated_engine_answers_openai_with_simulated_timing():
     import openai
-    from test_server_fakes import ServerThread
+    from server_helpers import ServerThread
 
     server = ServerThread(ServerArgs(model="smollm2-135m", port=0, threads=1, simulate=SPEC))
     try:

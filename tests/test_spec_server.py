@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import httpx
-from test_server_e2e import serve_process
+from server_helpers import serve_process
 
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams

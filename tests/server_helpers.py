@@ -1,11 +1,9 @@
-"""Helpers for the server tests (no tests here): a server in a thread, a model-free engine,
-metrics scraping, and the disconnect storm both test files run.
+"""Helpers for the server tests: a server in a thread or as a child process, metrics
+scraping, and the disconnect storm that several server test files run.
 
-``fake_engine`` is the engine-core factory the API tests pass to ``serve``: the real
-LLMEngine (scheduler, KV cache, detokenizer, timelines) and the real tokenizer of the
-tiny model, over the engine tests' FakeExecutor instead of torch, with a small sleep per
-step so that requests overlap as they do with a model. The core imports it from this
-directory, so ``serving()`` puts it on the core's PYTHONPATH.
+``serving()`` runs the server on ``server_fakes.fake_engine`` (no model weights); its core
+imports that factory from this directory, so ``tests_on_pythonpath()`` puts the directory
+on the children's PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -15,42 +13,26 @@ import contextlib
 import json
 import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from servelab.server.server_args import ServerArgs
 
 TESTS_DIR = str(Path(__file__).parent)
-STEP_SLEEP_S = 0.003
 HANG_UP_MAX_TOKENS = 256
-
-
-def fake_engine(cfg: Any) -> Any:
-    """Engine-core factory: real engine and tokenizer, fake executor (see the module doc)."""
-    from engine_fakes import FakeExecutor
-
-    from servelab.engine.engine import LLMEngine
-    from servelab.engine.engine_config import EngineConfig
-    from servelab.model.tokenizer import Tokenizer
-
-    class SleepyExecutor(FakeExecutor):
-        def execute(self, plan: Any) -> Any:
-            time.sleep(STEP_SLEEP_S)
-            return super().execute(plan)
-
-    tok = Tokenizer.from_model(cfg.model)
-    executor = SleepyExecutor(
-        vocab_size=tok.vocab_size, max_model_len=512, eos_token_ids=tok.eos_token_ids
-    )
-    return LLMEngine(executor, EngineConfig(**cfg.engine), tokenizer=tok)
 
 
 def free_port() -> int:
@@ -105,20 +87,79 @@ class ServerThread:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, **arg_overrides: Any) -> Iterator[ServerThread]:
-    """A fake-engine server for the tiny model's tokenizer on a free loopback port."""
+def tests_on_pythonpath() -> Iterator[None]:
+    """This directory on PYTHONPATH while the block runs, so that child processes can import
+    the engine factories of ``server_fakes``."""
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, old) if p)
-    args = ServerArgs(model=str(model_dir), port=0, served_model_name="tiny", **arg_overrides)
-    server = ServerThread(args, engine_factory="test_server_fakes:fake_engine")
     try:
-        yield server.start()
+        yield
     finally:
-        server.stop()
         if old is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, **arg_overrides: Any) -> Iterator[ServerThread]:
+    """A fake-engine server for the tiny model's tokenizer on a free loopback port."""
+    args = ServerArgs(model=str(model_dir), port=0, served_model_name="tiny", **arg_overrides)
+    server = ServerThread(args, engine_factory="server_fakes:fake_engine")
+    with tests_on_pythonpath():
+        try:
+            yield server.start()
+        finally:
+            server.stop()
+
+
+def newest_core_pid() -> int:
+    """The engine core of the server started last. Servers run in threads of this process,
+    so their cores are its children; /version shows no process ids."""
+    cores = [
+        p
+        for p in psutil.Process().children()
+        if "servelab.server.engine_core" in " ".join(p.cmdline())
+    ]
+    return max(cores, key=lambda p: p.create_time()).pid
+
+
+@dataclass
+class ServeProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def serve_process(log: Path, *flags: str, startup_s: float = 240.0) -> Iterator[ServeProcess]:
+    """Run `servelab serve` on a free loopback port until /health answers; always stop it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "servelab.cli", "serve", "--port", str(port), *flags]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    server = ServeProcess(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            assert proc.poll() is None, f"servelab serve exited early:\n{server.log_text()}"
+            assert time.monotonic() < deadline, f"not ready in {startup_s} s:\n{server.log_text()}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def scrape(text: str) -> dict[str, float]:
