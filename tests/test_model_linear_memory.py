@@ -26,8 +26,8 @@ print(rss[1] - rss[0])
 
 @pytest.mark.skipif(not linear._ONEDNN, reason="the oneDNN route is not taken without oneDNN")
 def test_rss_stays_flat_over_new_prompt_lengths() -> None:
-    # With oneDNN's and ideep's default 1024-entry caches this grew ~1 MB per row count
-    # (+350 MB here); bounded, the last 200 lengths add a few MB.
+    # With oneDNN's and ideep's default 1024-entry caches this grows ~1 MB per row count
+    # (hundreds of MB here); bounded, the last 200 lengths add a few MB.
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True)
     growth_mb = int(out.stdout) / 2**20
     assert growth_mb < 64, growth_mb

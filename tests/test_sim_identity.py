@@ -89,10 +89,9 @@ SCENARIOS: dict[str, tuple[EngineConfig, str | None, LoadSpec, Topology]] = {
     ),
 }
 
-# Taken from the code before the speed work (issue 20, item 4), then retaken once when the
-# roofline began adding the GEMMs' and the attention's times (a cost-model change), and once
-# when client records gained ``disputed_usage`` (None here: without that key the digests were
-# the earlier ones, so no time, count or decision moved).
+# Taken from the code before the speed work; retaken only when the cost model itself changes
+# (as when the roofline began adding the GEMMs' and the attention's times) or a record gains a
+# field (``disputed_usage``: without that key the digests were the earlier ones), never for speed.
 DIGESTS = {
     "agent": "8e5e2638df506a02bdd53c5ff856fc45b0ee99d550ce2fa4be4854711526b856",
     "least-loaded": "1e29efaa3281633ee57639cef33b1b7055f8a0d38d01ec6b80aa0cfa20d84ebe",

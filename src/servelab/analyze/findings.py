@@ -663,7 +663,7 @@ def network_overhead(c: Context) -> Finding | None:
     conf = 0.8 if c.server_exact else 0.5
     if not c.run.valid:
         # This part is the client's TTFT less the server's own figures, so a client that fell
-        # behind lands in it: a client starved of CPU beside vLLM raised it from 6 to 36 ms.
+        # behind lands in it (docs/design/analyze.md: a client starved of CPU inflates it).
         summary += (
             " The benchmark marked the run invalid on client-side timing, so part of it may be"
             " the client's own delay."

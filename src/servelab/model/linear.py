@@ -46,11 +46,10 @@ use_numpy_on_cpu = True  # benchmarks flip this to compare against stock kernels
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # oneDNN keeps a compiled primitive per product shape, and torch's ideep layer a second
 # cache of them, 1024 entries each by default: every new prefill length is a new shape, so a
-# server's RSS grew by ~1 MB per length seen (+24 MB/min, 570 MB in a 20-minute soak). Both
-# are read when the first primitive is made, so setting them here, before any product, is
-# enough. 16 entries hold every shape of a step (a few weights, two post-ops); re-making a
-# primitive for a new length measured no slower. At 64 the core still grew +1.9 MB/min in a
-# soak, as both caches filled: 400 new lengths grew a process 37 MB at 16, 84 MB at 64.
+# server's RSS grows by ~1 MB per length seen. Both are read when the first primitive is
+# made, so setting them here, before any product, is enough. 16 entries hold every shape of
+# a step (a few weights, two post-ops), and re-making a primitive for a new length costs no
+# measurable time; a larger cache only holds more memory (docs/design/server.md, "Soak").
 _PRIMITIVE_CACHE_ENTRIES = "16"
 for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_var, _PRIMITIVE_CACHE_ENTRIES)

@@ -14,7 +14,7 @@ on stdin. Contract:
   the exit and fails the in-flight requests.
 - After work, at most every ``_TRIM_PERIOD_S``, it hands freed heap pages back to the OS
   (``malloc_trim``, 0.1-2 ms): each new prefill row count frees activations and oneDNN
-  primitives of a new size, and glibc kept that heap, +2 MB/min over a 30-minute soak.
+  primitives of a new size, and glibc would keep that heap (docs/design/server.md, "Soak").
 - It exits when told (``Shutdown``) or when the API process is gone.
 """
 

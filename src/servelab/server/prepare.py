@@ -70,13 +70,13 @@ def load_tokenizer(model: str) -> Any:
 def _init_worker(model: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
     # A worker chewing a 10 MB body for half a second shares the CPU with the API process
-    # (and, on a small machine, its one core): at equal priority the scheduler let /health
-    # wait up to 130 ms behind it. At a lower priority the API's loop preempts it on waking.
+    # (and, on a small machine, its one core): at equal priority /health waits behind it
+    # (docs/design/server.md). At a lower priority the API's loop preempts it on waking.
     os.nice(_WORKER_NICENESS)
     if MALLOPT is not None:
         # glibc raises its mmap threshold after the first big free, and then keeps the heap
-        # that later big bodies grow (+30 MB after five 15 MB prompts). A fixed threshold
-        # keeps every buffer of TRIM_BYTES or more in its own mapping, returned on free.
+        # that later big bodies grow. A fixed threshold keeps every buffer of TRIM_BYTES or
+        # more in its own mapping, returned on free.
         MALLOPT(M_MMAP_THRESHOLD, TRIM_BYTES)
     _worker["tokenizer"] = load_tokenizer(model)
 

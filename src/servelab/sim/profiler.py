@@ -6,8 +6,7 @@ context, decodes at some context length, or a mix -- run as a ``BatchPlan`` stra
 the runner, once to warm up and then ``repeats`` times; the median time is kept. Every
 sequence of a shape gets blocks of its own from the engine's KV-cache manager, as in a
 real batch: when sequences shared one block table, their K/V reads hit the CPU caches and
-batched decode at long context measured 15-25% fast (8 sequences at 900 tokens: 81 against
-97-102 ms at 1 thread). Shapes whose contexts the KV pool cannot hold at once are left out
+batched decode at long context came out too fast (docs/design/sim.md). Shapes whose contexts the KV pool cannot hold at once are left out
 of the grid (the engine could not run them either), and the table lists them.
 
 The engine's own work around each step (scheduling, stop rules, detokenization) is
