@@ -1,7 +1,7 @@
 """Engine-core factories the server tests pass to ``serve`` by name (``server_fakes:...``).
 
 The server's core and worker processes import them from this directory, so whoever passes
-one puts this directory on the children's PYTHONPATH (``server_helpers.tests_on_pythonpath``).
+one puts this directory on the children's PYTHONPATH (``server_helpers.with_tests_on_pythonpath``).
 
 - ``fake_engine``: the real LLMEngine (scheduler, KV cache, detokenizer, timelines) and the
   real tokenizer of the tiny model, over the engine tests' FakeExecutor instead of torch,

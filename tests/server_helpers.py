@@ -2,7 +2,7 @@
 scraping, and the disconnect storm that several server test files run.
 
 ``serving()`` runs the server on ``server_fakes.fake_engine`` (no model weights); its core
-imports that factory from this directory, so ``tests_on_pythonpath()`` puts the directory
+imports that factory from this directory, so ``with_tests_on_pythonpath()`` puts the directory
 on the children's PYTHONPATH.
 """
 
@@ -87,7 +87,7 @@ class ServerThread:
 
 
 @contextlib.contextmanager
-def tests_on_pythonpath() -> Iterator[None]:
+def with_tests_on_pythonpath() -> Iterator[None]:
     """This directory on PYTHONPATH while the block runs, so that child processes can import
     the engine factories of ``server_fakes``."""
     old = os.environ.get("PYTHONPATH")
@@ -106,7 +106,7 @@ def serving(model_dir: Path, **arg_overrides: Any) -> Iterator[ServerThread]:
     """A fake-engine server for the tiny model's tokenizer on a free loopback port."""
     args = ServerArgs(model=str(model_dir), port=0, served_model_name="tiny", **arg_overrides)
     server = ServerThread(args, engine_factory="server_fakes:fake_engine")
-    with tests_on_pythonpath():
+    with with_tests_on_pythonpath():
         try:
             yield server.start()
         finally:

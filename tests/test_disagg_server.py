@@ -27,8 +27,8 @@ from server_helpers import (
     ServerThread,
     metrics,
     storm_leaves_no_trace,
-    tests_on_pythonpath,
     wait_idle,
+    with_tests_on_pythonpath,
 )
 
 from servelab.analyze.attribution import attribute
@@ -62,7 +62,7 @@ def disagg_server(model_dir: Path, **overrides: Any) -> Iterator[ServerThread]:
         **overrides,
     )
     server = ServerThread(args, engine_factory=factory)
-    with tests_on_pythonpath():
+    with with_tests_on_pythonpath():
         try:
             yield server.start(timeout=240)
         finally:
