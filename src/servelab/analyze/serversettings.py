@@ -51,7 +51,7 @@ _PROGRAMS = {
 
 
 @dataclass(frozen=True)
-class Flag:
+class ServerFlag:
     """One setting as one server's command line takes it.
 
     ``kind``: ``value`` (``--flag N``), ``bool`` (``--flag`` / ``--no-flag``, vLLM's style),
@@ -65,37 +65,37 @@ class Flag:
     off_value: int | None = None
 
 
-FLAGS: dict[str, tuple[Flag, ...]] = {
+FLAGS: dict[str, tuple[ServerFlag, ...]] = {
     # vllm/engine/arg_utils.py EngineArgs.add_cli_args
     VLLM: (
-        Flag("max_num_batched_tokens", ("--max-num-batched-tokens",)),
-        Flag("max_num_seqs", ("--max-num-seqs",)),
-        Flag("enable_chunked_prefill", ("--enable-chunked-prefill",), "bool"),
-        Flag("enable_prefix_caching", ("--enable-prefix-caching",), "bool"),
-        Flag("block_size", ("--block-size",)),
-        Flag("max_model_len", ("--max-model-len",)),
-        Flag("num_kv_blocks", ("--num-gpu-blocks-override",)),
+        ServerFlag("max_num_batched_tokens", ("--max-num-batched-tokens",)),
+        ServerFlag("max_num_seqs", ("--max-num-seqs",)),
+        ServerFlag("enable_chunked_prefill", ("--enable-chunked-prefill",), "bool"),
+        ServerFlag("enable_prefix_caching", ("--enable-prefix-caching",), "bool"),
+        ServerFlag("block_size", ("--block-size",)),
+        ServerFlag("max_model_len", ("--max-model-len",)),
+        ServerFlag("num_kv_blocks", ("--num-gpu-blocks-override",)),
     ),
     # python/sglang/srt/server_args.py ServerArgs.add_cli_args; a chunk size of -1 turns
     # chunking off
     SGLANG: (
-        Flag(
+        ServerFlag(
             "max_num_batched_tokens",
             ("--chunked-prefill-size",),
             "value_or_off",
             "enable_chunked_prefill",
             -1,
         ),
-        Flag("max_num_seqs", ("--max-running-requests",)),
-        Flag("enable_prefix_caching", ("--disable-radix-cache",), "off"),
-        Flag("block_size", ("--page-size",)),
-        Flag("max_model_len", ("--context-length",)),
+        ServerFlag("max_num_seqs", ("--max-running-requests",)),
+        ServerFlag("enable_prefix_caching", ("--disable-radix-cache",), "off"),
+        ServerFlag("block_size", ("--page-size",)),
+        ServerFlag("max_model_len", ("--context-length",)),
     ),
     # llama.cpp common/arg.cpp: a prompt is always cut into --batch-size pieces (no switch)
     LLAMACPP: (
-        Flag("max_num_batched_tokens", ("--batch-size", "-b")),
-        Flag("max_num_seqs", ("--parallel", "-np")),
-        Flag("kv_tokens", ("--ctx-size", "-c")),
+        ServerFlag("max_num_batched_tokens", ("--batch-size", "-b")),
+        ServerFlag("max_num_seqs", ("--parallel", "-np")),
+        ServerFlag("kv_tokens", ("--ctx-size", "-c")),
     ),
 }
 

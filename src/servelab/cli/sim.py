@@ -474,7 +474,7 @@ def _intervals(
 
     from rich.console import Console
 
-    from servelab.report.twin import prediction_table
+    from servelab.report.twin_tables import prediction_table
     from servelab.sim.intervals import predict
 
     def scenario_for(seed: int) -> Any:
@@ -606,7 +606,7 @@ def _calibrate_twin(
     from rich.console import Console
 
     from servelab.bench.manifest import redact
-    from servelab.report.twin import calibration_table
+    from servelab.report.twin_tables import calibration_table
     from servelab.sim.twin import calibrate_run
 
     stated = shlex.join(redact(shlex.split(server_config))) if server_config else None

@@ -43,7 +43,7 @@ def figures_of(records: Sequence[ClientRecord]) -> dict[str, float | None]:
 
 
 @dataclass
-class Prediction:
+class FigureRanges:
     """Per-seed figures and, per figure, the median and the range over seeds."""
 
     seeds: list[int]
@@ -75,10 +75,10 @@ def predict(
     scenario_for: Callable[[int], Scenario],
     seeds: Sequence[int],
     first: Any = None,
-) -> Prediction:
+) -> FigureRanges:
     """Simulate ``scenario_for(seed)`` for every seed. ``first``: the records of a run
     already simulated for ``seeds[0]`` (the one written to disk), reused as is."""
-    pred = Prediction(list(seeds))
+    pred = FigureRanges(list(seeds))
     for k, seed in enumerate(seeds):
         if k == 0 and first is not None:
             recs = first

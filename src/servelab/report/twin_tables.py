@@ -16,7 +16,7 @@ def _figure(name: str, v: float | None) -> str:
 
 
 def prediction_table(pred: Any, title: str) -> Table:
-    """``sim.intervals.Prediction`` (or its ``to_dict()``): each figure's median and range."""
+    """``sim.intervals.FigureRanges`` (or its ``to_dict()``): each figure's median and range."""
     doc = pred if isinstance(pred, dict) else pred.to_dict()
     table = Table(title=title)
     for col in ("figure", "median", "range"):
