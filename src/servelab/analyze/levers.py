@@ -177,18 +177,33 @@ def _decode_step(c: Context) -> float | None:
     return cost.predict(0, statistics.median(batches))
 
 
+def _chunk_budget(step: float, per_token: float, cap: int) -> int:
+    """The largest multiple of 64 tokens (at least 64, at most ``cap``) whose prefill chunk
+    costs no more than one decode step, so a step that carries it stays within ~2x a decode
+    step."""
+    return int(max(64, min(cap, step / per_token) // 64 * 64))
+
+
 def chunked_prefill(c: Context, f: Finding) -> Recommendation:
     budget = _cfg(c, "max_num_batched_tokens", 2048)
     gain = "long prefills no longer stall running decodes for a whole prompt"
     cost = c.attr.cost
     step = _decode_step(c)
-    if cost is not None and step is not None:
+    why_not = ""
+    if cost is not None and step is not None and cost.prefill_per_token > 0:
+        budget = _chunk_budget(step, cost.prefill_per_token, budget)
         bound = step + cost.prefill_per_token * budget
+        worst = f.evidence["stall_ms_max"] / 1e3
         gain = (
-            f"worst ITL from {f.evidence['stall_ms_max']:.0f} ms to about {bound * 1e3:.0f} ms "
+            f"worst ITL from {worst * 1e3:.0f} ms to about {bound * 1e3:.0f} ms "
             f"(a decode step plus one {budget}-token chunk); "
             f"{f.evidence['share_of_decode_time_lost']:.1%} of decode time recovered"
         )
+        if bound >= worst:
+            why_not = (
+                f"a decode step plus a {budget}-token chunk (~{bound * 1e3:.0f} ms) is no "
+                f"shorter than the worst stall here ({worst * 1e3:.0f} ms)"
+            )
     return Recommendation(
         lever="chunked_prefill",
         title="Turn chunked prefill on",
@@ -203,6 +218,8 @@ def chunked_prefill(c: Context, f: Finding) -> Recommendation:
             "prompts are short (they fit one chunk anyway) or no decodes run beside long prompts "
             "(offline batch jobs that only care about throughput)"
         ),
+        recommended=not why_not,
+        why_not=why_not,
     )
 
 
@@ -213,8 +230,7 @@ def batch_budget_down(c: Context, f: Finding) -> Recommendation:
     target = max(64, budget // 4)
     gain = "shorter prefill chunks beside each decode step, so smaller ITL spikes"
     if cost is not None and step is not None and cost.prefill_per_token > 0:
-        # Keep a step with a chunk within ~2x a decode step.
-        target = int(max(64, min(budget // 2, step / cost.prefill_per_token) // 64 * 64))
+        target = _chunk_budget(step, cost.prefill_per_token, budget // 2)
         gain = (
             f"worst ITL from {f.evidence['stall_ms_max']:.0f} ms to about "
             f"{(step + cost.prefill_per_token * target) * 1e3:.0f} ms"

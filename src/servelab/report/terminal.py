@@ -133,6 +133,11 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
     for r in d.recommendations:
         if not r.recommended:
             console.print(f"[dim]considered, not recommended here: {r.title}: {r.why_not}[/]")
+    if recommended:
+        console.print(
+            "[dim]These gains are first-order estimates. `servelab tune RUN` replays this run's "
+            "own requests under each setting, chooses one, and `--verify` runs it for real.[/]"
+        )
     for n in d.notes:
         console.print(f"[dim]note: {n}")
 
