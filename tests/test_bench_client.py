@@ -21,6 +21,7 @@ from servelab.bench.client import Target, send
 from servelab.bench.http import HttpClient, ResponseParser, SSEParser
 from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
+from servelab.rundir import server_id
 from servelab.vocab import ClientRecord, RequestTags
 
 # Gaps far larger than scheduling noise, so "between write i and write i+1" is a sharp test.
@@ -91,8 +92,10 @@ def _run(
             outs = await asyncio.gather(*(one(i) for i in range(n_req)))
         else:
             outs = [await one(i) for i in range(n_req)]
-        tls = await _timelines(url, [o.record.request_id for o in outs])
-        served = await _served(url)
+        # The server knows each request by the UUID it was sent; key both by the plan's id.
+        ids = {server_id(o.record): o.record.request_id for o in outs}
+        tls = {ids[k]: v for k, v in (await _timelines(url, list(ids))).items()}
+        served = {ids[k]: v for k, v in (await _served(url)).items() if k in ids}
         await http.close()
         return [o.record for o in outs], tls, served, outs
 
@@ -124,7 +127,7 @@ def test_chunk_times_match_server_writes(url, endpoint, smollm_tok):
         assert rec.output_tokens == 9 and rec.token_source == "usage"
         assert rec.client_output_tokens == 9 and rec.chunk_tokens == [1] * 9
         assert len(rec.itls) == 8
-        assert rec.server_timeline["request_id"] == rec.request_id
+        assert rec.server_timeline["request_id"] == rec.sent_request_id == rec.server_request_id
         assert len(out.text.split()) == 9
 
 
@@ -285,11 +288,43 @@ def test_kernel_stamps_are_not_delayed_by_a_busy_client(url):
             ),
             busy(),
         )
-        tls = await _timelines(url, [out.record.request_id])
+        sid = server_id(out.record)
+        tls = await _timelines(url, [sid])
         stamps = http.kernel_stamps
         await http.close()
-        return out.record, tls[out.record.request_id], stamps
+        return out.record, tls[sid], stamps
 
     rec, tl, kernel = asyncio.run(go())
     assert kernel is True and rec.ok
     assert tl["first_token"] <= rec.chunk_times[0] < tl["first_token"] + 0.1
+
+
+def test_the_request_id_reaches_the_server_and_its_own_comes_back(url):
+    import uuid
+
+    recs, tls, served, _ = _run(url, 3, 4)
+    for rec in recs:
+        assert uuid.UUID(rec.sent_request_id).version == 4
+        headers = {k.lower(): v for k, v in served[rec.request_id]["headers"].items()}
+        assert headers["x-request-id"] == rec.sent_request_id
+        # the stand-in answers with the id in its X-Request-Id header and its chunks' id
+        assert rec.server_request_id == rec.response_id == rec.sent_request_id
+        assert tls[rec.request_id]["request_id"] == rec.sent_request_id
+    non_streamed, _, _, _ = _run(url, 1, 3, stream=False)
+    assert non_streamed[0].response_id == non_streamed[0].sent_request_id
+
+
+def test_connection_reuse_and_set_up_are_in_the_records(url):
+    # A closed loop of one stream over 5 requests: one new connection, then 4 kept-alive ones.
+    recs, _, _, _ = _run(url, 5, 3, concurrent=False)
+    assert [r.new_connection for r in recs] == [True, False, False, False, False]
+    first, *rest = recs
+    assert first.dns_time is not None and first.connect_time is not None
+    assert first.tls_time is None  # plain HTTP
+    assert all(r.dns_time is None and r.connect_time is None for r in rest)
+    for r in recs:
+        assert r.actual_send <= r.connected <= r.request_written <= r.chunk_times[0]
+        parts = r.connection_wait + r.send_time + r.server_to_first_token
+        assert parts == pytest.approx(r.ttft)
+    assert first.connection_wait >= first.connect_time
+    assert all(r.connection_wait < first.connection_wait for r in rest)

@@ -19,7 +19,7 @@ from servelab.bench.request_plan import LoadSpec, build_plan
 from servelab.bench.testserver import WORDS, Schedule, run_test_server
 from servelab.bench.workload import load_workload
 from servelab.cli import app
-from servelab.rundir import read_records
+from servelab.rundir import read_records, server_id
 
 SECRET = "sk-test-4f9d2c"
 FAST = Schedule(ttft=0.02, itl=0.004)
@@ -108,7 +108,7 @@ def test_run_directory_from_a_multi_turn_chat_run(server, smollm_tok, tmp_path):
     # later turns carry the conversation: the previous answer is in the messages
     bodies = {s["id"]: s["body"] for s in _served(server)}
     later = next(p_ for p_ in plan if p_.tags.turn == 1)
-    msgs = bodies[by_plan[later.request_id].request_id]["messages"]
+    msgs = bodies[by_plan[later.request_id].sent_request_id]["messages"]
     assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
     previous = plan[later.index - 1]
     assert msgs[0]["content"] == previous.prompt
@@ -116,7 +116,8 @@ def test_run_directory_from_a_multi_turn_chat_run(server, smollm_tok, tmp_path):
 
     # server timelines joined by request id; metrics summarise every record
     tl_ids = {json.loads(line)["request_id"] for line in (out / "server.jsonl").open()}
-    assert {r.request_id for r in recs} <= tl_ids
+    assert {server_id(r) for r in recs} <= tl_ids
+    assert all(server_id(r) == r.sent_request_id for r in recs)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["overall"]["latency"]["ttft"]["n"] == len(recs)
     assert metrics["overall"]["requests"]["sent"] == len(recs)
@@ -369,12 +370,12 @@ def test_find_max_rate_counts_an_over_saturated_stage_as_failing(server, tmp_pat
     assert man["max_rate"]["failed"] == [] and max(steady) == man["max_rate"]["max_rate"]
 
 
-def _uuid_only_server():
-    """A server that answers like llama-cpp-python's: no timelines, and a 400 with an empty
-    body for an X-Request-Id that is not a UUID (its request-id middleware)."""
+def _id_checking_server(refuse):
+    """A server without timelines that answers 400 to a request whose X-Request-Id
+    ``refuse(id)`` names a reason for (its body then carries the reason, or is empty for
+    None: llama-cpp-python's request-id middleware sends an empty 400 to a non-UUID id)."""
     import asyncio
     import threading
-    import uuid
 
     from aiohttp import web
 
@@ -383,11 +384,10 @@ def _uuid_only_server():
     async def completions(request: web.Request) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id")
         seen.append(rid)
-        if rid is not None:
-            try:
-                uuid.UUID(rid)
-            except ValueError:
+        if rid is not None and (why := refuse(rid)) is not False:
+            if why is None:
                 return web.Response(status=400)
+            return web.json_response({"error": {"message": why}}, status=400)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for word in ("a", " b"):
@@ -417,22 +417,68 @@ def _uuid_only_server():
     return f"http://127.0.0.1:{port}", seen, stop
 
 
-def test_servers_without_timelines_get_no_request_id_header(tmp_path):
-    # llama-cpp-python's server refuses servelab's ids; only a server that keys timelines by
-    # them (servelab's, and the test server, see test_bench_client) is sent one.
+def _not_a_uuid(rid: str) -> bool | None:
+    import uuid
+
+    try:
+        uuid.UUID(rid)
+    except ValueError:
+        return None
+    return False
+
+
+def _bench_against(refuse, tmp_path, *flags: str) -> tuple[int, list, list, dict, str]:
     import io
 
     from rich.console import Console
 
     from servelab.bench.run import BenchOptions, run_bench
 
-    url, seen, stop = _uuid_only_server()
+    url, seen, stop = _id_checking_server(refuse)
+    out = io.StringIO()
     try:
         opts = BenchOptions(url=url, model="m", load=LoadSpec(concurrency=2, requests=4),
-                            out=tmp_path / "run", quiet=True)  # fmt: skip
-        code = run_bench(opts, Console(file=io.StringIO(), width=160))
+                            out=tmp_path / "run", quiet=True,
+                            request_id_header="--no-request-id-header" not in flags)  # fmt: skip
+        code = run_bench(opts, Console(file=out, width=300))
     finally:
         stop()
     records = read_records(tmp_path / "run" / "requests.jsonl")
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    return code, records, seen, manifest, out.getvalue()
+
+
+def test_every_server_gets_a_uuid_request_id(tmp_path):
+    # llama-cpp-python's server refuses ids that are not UUIDs; servelab sends a UUID, which it
+    # takes, so the records of a run against any server join that server's own by id.
+    code, records, seen, manifest, _ = _bench_against(_not_a_uuid, tmp_path)
     assert code == 0 and len(records) >= 4 and all(r.ok for r in records)
-    assert len(seen) == len(records) and set(seen) == {None}
+    assert len(seen) == len(records) and None not in seen
+    assert sorted(seen) == sorted(r.sent_request_id for r in records)
+    assert manifest["config"]["request_id_header"] == "a UUID per request"
+    assert not [w for w in manifest["warnings"] if "X-Request-Id" in w]
+
+
+def test_a_server_that_refuses_the_request_id_is_reported_and_the_run_goes_on(tmp_path):
+    def refuse(rid: str) -> str:
+        return f"unexpected header X-Request-Id: {rid}"
+
+    code, records, seen, manifest, printed = _bench_against(refuse, tmp_path)
+    assert code == 0 and len(records) >= 4 and all(r.ok for r in records)
+    assert all(r.sent_request_id is None for r in records)  # each was sent again, without it
+    # the first requests (2 in flight) went with the header, and each again without it
+    assert seen.count(None) == len(records) and 1 <= len(seen) - len(records) <= 2
+    (warning,) = [w for w in manifest["warnings"] if "X-Request-Id" in w]
+    assert "refused the X-Request-Id header (http_400: unexpected header X-Request-Id" in warning
+    assert "went on without it" in warning
+    assert printed.count("refused the X-Request-Id header") == 1
+    assert manifest["config"]["request_id_header"] == "refused by the server: sent without it"
+
+
+def test_no_request_id_header_sends_none(tmp_path):
+    code, records, seen, manifest, _ = _bench_against(
+        _not_a_uuid, tmp_path, "--no-request-id-header"
+    )
+    assert code == 0 and all(r.ok for r in records) and set(seen) == {None}
+    assert all(r.sent_request_id is None for r in records)
+    assert manifest["config"]["request_id_header"] == "off (--no-request-id-header)"

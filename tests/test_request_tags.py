@@ -127,6 +127,15 @@ def test_the_one_constructor_records_every_tag_and_the_send(tmp_path):
         "reasoning_tokens",
         "first_output",
         "cached_tokens",
+        "sent_request_id",
+        "server_request_id",
+        "response_id",
+        "new_connection",
+        "dns_time",
+        "connect_time",
+        "tls_time",
+        "connected",
+        "request_written",
     ]
     assert {k: line[k] for k in RECORDED} == _planned(tags)
 
@@ -161,7 +170,7 @@ def test_the_bench_client_records_the_tags_and_sends_the_priority():
     for p in plan:
         rec = recs[f"t-{p.request_id}"]
         assert _recorded(rec) == _planned(p.tags) and rec.stage == "rate=50"
-        body = bodies[rec.request_id]
+        body = bodies[rec.sent_request_id]
         assert body["stream"] == p.tags.stream and body.get("priority", 0) == p.tags.priority
 
 

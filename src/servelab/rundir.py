@@ -21,7 +21,8 @@ Contract:
   optional. A truncated last line of a ``.jsonl`` file (a crashed run) is skipped and counted
   in ``Run.skipped_lines``; a malformed line elsewhere is an error naming the line.
 - Client records join server timelines by the request id the server reported in
-  ``server_timeline.request_id`` when present, else by the client's own id.
+  ``server_timeline.request_id`` when present, else by the ``X-Request-Id`` it answered,
+  else by the one the client sent, else (runs that sent the plan's id) the client's own id.
 - The manifest is kept as read: fields this version does not know survive a
   ``load_run`` → ``RunDir.write_manifest`` round trip.
 - Readers take the engine config the manifest recorded and never fill it from today's
@@ -50,6 +51,12 @@ _JSONL = ("requests.jsonl", "server.jsonl", "steps.jsonl", "metrics_scrape.jsonl
 
 class RunDirError(ValueError):
     """The path is not a readable run directory; the message says what to do."""
+
+
+def server_id(record: ClientRecord) -> str:
+    """The id a server knows ``record``'s request by (see the join rule above)."""
+    reported = (record.server_timeline or {}).get("request_id")
+    return str(reported or record.server_request_id or record.sent_request_id or record.request_id)
 
 
 # --------------------------------------------------------------------------- writing
@@ -305,10 +312,8 @@ class Run:
         return sorted({r.workload_class for r in self.records})
 
     def timeline_for(self, record: ClientRecord) -> RequestTimeline | None:
-        server_id = (record.server_timeline or {}).get("request_id")
-        if server_id is not None and server_id in self.timelines:
-            return self.timelines[server_id]
-        return self.timelines.get(record.request_id)
+        found = self.timelines.get(server_id(record))
+        return found if found is not None else self.timelines.get(record.request_id)
 
 
 def load_run(path: str | Path) -> Run:

@@ -266,6 +266,20 @@ class ClientRecord:
     reasoning_tokens: int = 0  # output tokens streamed as reasoning (reasoning_content)
     first_output: float | None = None  # first token chunk that is not reasoning
     cached_tokens: int | None = None  # prompt tokens the server served from its prefix cache
+    # The id sent in X-Request-Id (a UUID; None: sent without one), and the ids the server
+    # gave back: its X-Request-Id response header and the response's (chunks') ``id``.
+    sent_request_id: str | None = None
+    server_request_id: str | None = None
+    response_id: str | None = None
+    # How the request reached the server (None in runs recorded before these were): over a
+    # kept-alive connection or a new one, the new one's set-up (seconds of DNS, TCP connect,
+    # TLS), when the connection was ready and when the request's last byte was written.
+    new_connection: bool | None = None
+    dns_time: float | None = None
+    connect_time: float | None = None
+    tls_time: float | None = None
+    connected: float | None = None
+    request_written: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -294,6 +308,28 @@ class ClientRecord:
         if self.first_output is not None:
             return self.first_output - self.actual_send
         return self.ttft if self.reasoning_tokens == 0 else None
+
+    @property
+    def connection_wait(self) -> float | None:
+        """Actual send -> a connection to send on (0 for a kept-alive one; a new one's set-up)."""
+        if self.connected is None:
+            return None
+        return self.connected - self.actual_send
+
+    @property
+    def send_time(self) -> float | None:
+        """Connection ready -> the request's last byte written."""
+        if self.connected is None or self.request_written is None:
+            return None
+        return self.request_written - self.connected
+
+    @property
+    def server_to_first_token(self) -> float | None:
+        """The request's last byte written -> its first token chunk: the client's view of the
+        server's TTFT (with the network both ways)."""
+        if self.request_written is None or not self.chunk_times:
+            return None
+        return self.chunk_times[0] - self.request_written
 
     @property
     def send_lag(self) -> float:

@@ -33,6 +33,7 @@ from servelab.bench.http import HttpClient, StreamResult
 from servelab.bench.prompts import TokenizerLike
 from servelab.bench.recount import Recounter
 from servelab.bench.request_plan import PlannedRequest
+from servelab.bench.requestid import RequestIdHeader
 from servelab.bench.serverfigures import MalformedFigures, figures_from, ignored
 from servelab.bench.usagecheck import usage_plausible
 from servelab.vocab import ClientRecord
@@ -82,7 +83,12 @@ class _Chunk(msgspec.Struct):
     meta_info: Any = None
 
 
+class _Id(msgspec.Struct):
+    id: Any = None
+
+
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_decode_id = msgspec.json.Decoder(_Id).decode  # the first event's only: nothing more per chunk
 _encode = msgspec.json.Encoder().encode
 
 
@@ -99,18 +105,23 @@ class Target:
     tokenizer: TokenizerLike | None = None  # for the client re-count
     extra_body: dict[str, Any] = field(default_factory=dict)
     extra_headers: dict[str, str] = field(default_factory=dict)
-    # X-Request-Id: a servelab server keys its timelines by it, so the records join them.
-    # Other servers get none: llama-cpp-python's refuses any id that is not a UUID (400).
+    # X-Request-Id, a UUID per request (bench/requestid.py), so that every record joins the
+    # server's own logs and, on a servelab server, its timelines.
     request_id_header: bool = True
+    ids: RequestIdHeader = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.ids = RequestIdHeader(self.request_id_header)
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 
-    def headers(self, request_id: str) -> dict[str, str]:
+    def headers(self, sent_id: str | None) -> dict[str, str]:
+        """The request's headers; ``sent_id`` goes in ``X-Request-Id`` (None: no header)."""
         h = {**self.extra_headers, "Content-Type": "application/json"}
-        if self.request_id_header:
-            h["X-Request-Id"] = request_id
+        if sent_id is not None:
+            h["X-Request-Id"] = sent_id
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
@@ -167,11 +178,15 @@ class _Collector:
         self.done_marker = False
         self.error: str | None = None
         self.reasoning_chunks: list[int] = []  # indices of the chunks that carried reasoning
+        self.first_event = True
 
     def on_event(self, t: float, payload: bytes) -> None:
         if payload == b"[DONE]":
             self.done_marker = True
             return
+        if self.first_event:
+            self.first_event = False
+            self._response_id(payload)
         try:
             ev = _decode_chunk(payload)
         except msgspec.DecodeError:
@@ -228,6 +243,15 @@ class _Collector:
         if got is not None:
             self.rec.server_timeline = got
 
+    def _response_id(self, payload: bytes) -> None:
+        """The server's own id for the response (the chunks' ``id``), from its first event."""
+        try:
+            got = _decode_id(payload).id
+        except msgspec.DecodeError:
+            return
+        if isinstance(got, str):
+            self.rec.response_id = got
+
     def _odd_event(self, payload: bytes) -> None:
         """An event that is not a chunk object: an error string, or not JSON at all."""
         try:
@@ -253,6 +277,8 @@ class _Collector:
             self.error = "bad_response: expected a JSON object"
             return
         self.usage = d.get("usage")
+        if isinstance(d.get("id"), str):
+            self.rec.response_id = d["id"]
         if d.get("servelab") is not None:
             self.rec.server_timeline = d["servelab"]
         else:
@@ -287,7 +313,9 @@ async def send(
     prompt after the conversation so far, or chat messages), ``request_id`` the id it is
     sent and recorded under (the plan's by default), ``stage`` the sweep stage it runs in.
     If the caller is cancelled mid-request, the record of what arrived so far goes to
-    ``on_abort`` (error ``aborted: ...``) before the cancellation propagates. The client
+    ``on_abort`` (error ``aborted: ...``) before the cancellation propagates. The request
+    carries a fresh UUID in ``X-Request-Id`` (``target.ids``); a 4xx answer that may be the
+    header's fault is retried once without it (bench/requestid.py). The client
     re-count of the output (with ``target.tokenizer``) runs inline, or, given a
     ``recounter`` (which many streams share), waits its turn there in ``Outcome.counting``
     while the caller goes on: its next request need not wait for a count.
@@ -305,13 +333,20 @@ async def send(
         input_tokens=req.prompt_tokens,
         requested_output_tokens=req.max_tokens if forced else None,
     )
-    col = _Collector(rec, target.endpoint == "chat")
-    handler = col.on_event if stream else col.on_body
-    res = StreamResult()
+    chat = target.endpoint == "chat"
+    ids = target.ids
+    sent_id = rec.sent_request_id = ids.new_id()
+    col, res = _Collector(rec, chat), StreamResult()
     try:
-        await http.post_stream(
-            target.path, body, target.headers(request_id), handler, target.timeout, res
-        )
+        await _post(http, target, body, sent_id, col, res, stream)
+        if sent_id is not None:
+            ids.answered(res.status)
+            if ids.should_retry(res.status):
+                first = _error(res, col, stream, target.timeout) or f"http_{res.status}"
+                _restart(rec)
+                col, res = _Collector(rec, chat), StreamResult()
+                await _post(http, target, body, None, col, res, stream)
+                ids.retried(res.status, first)
     except asyncio.CancelledError:
         if on_abort is not None:
             _fill(rec, res, col, target.tokenizer)
@@ -329,11 +364,34 @@ async def send(
     return Outcome(rec, text, counting)
 
 
+async def _post(
+    http: HttpClient,
+    target: Target,
+    body: bytes,
+    sent_id: str | None,
+    col: _Collector,
+    res: StreamResult,
+    stream: bool,
+) -> None:
+    handler = col.on_event if stream else col.on_body
+    await http.post_stream(target.path, body, target.headers(sent_id), handler, target.timeout, res)
+
+
+def _restart(rec: ClientRecord) -> None:
+    """Forget a refused try: the request is sent again, without ``X-Request-Id``."""
+    rec.sent_request_id = rec.response_id = rec.server_timeline = rec.first_output = None
+    rec.chunk_times, rec.chunk_tokens = [], []
+
+
 def _wire_times(rec: ClientRecord, res: StreamResult) -> None:
     rec.actual_send = res.sent
     rec.first_byte = res.first_byte
     rec.done = res.last_byte
     rec.status = res.status
+    rec.server_request_id = res.headers.get("x-request-id")
+    rec.new_connection = res.new_connection
+    rec.dns_time, rec.connect_time, rec.tls_time = res.dns, res.connect, res.tls
+    rec.connected, rec.request_written = res.connected, res.written
 
 
 def _fill(

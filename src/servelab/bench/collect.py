@@ -21,7 +21,7 @@ import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from servelab.rundir import RunDir
+from servelab.rundir import RunDir, server_id
 from servelab.vocab import ClientRecord
 
 _IDS_PER_CALL = 64
@@ -56,8 +56,7 @@ class TimelineCollector:
 
     def finished(self, rec: ClientRecord) -> None:
         """Queue a finished request's timeline for fetching."""
-        sid = (rec.server_timeline or {}).get("request_id") or rec.request_id
-        self.pending.append(str(sid))
+        self.pending.append(server_id(rec))
 
     def start(self) -> None:
         self._session = aiohttp.ClientSession(

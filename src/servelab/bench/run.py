@@ -36,6 +36,7 @@ from servelab.bench.monitor import ClientHealth, LoopMonitor
 from servelab.bench.plan_runner import PlanRunner, StageResult
 from servelab.bench.progress import Progress
 from servelab.bench.request_plan import ENDPOINTS, LoadSpec, Plan, build_plan, iter_plan
+from servelab.bench.requestid import RequestIdHeader
 from servelab.bench.search import find_max_rate, saturated, sweep_stop
 from servelab.bench.server_target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
 from servelab.bench.servertok import SERVER_TOKENIZER, ServerTokenizer
@@ -83,6 +84,7 @@ class BenchOptions:
     cooldown: Trim = field(default_factory=Trim)
     quiet: bool = False
     strict_openai: bool = False
+    request_id_header: bool = True  # X-Request-Id: a UUID per request (bench/requestid.py)
     timeout: float = 600.0
     command: list[str] = field(default_factory=list)  # argv with the API key redacted
     overwrite: bool = False
@@ -171,6 +173,7 @@ class Bench:
         self.interrupted = False
         self.max_rate: dict[str, Any] | None = None
         self.warnings: list[str] = []
+        self.request_ids: RequestIdHeader | None = None
         self.stamping: str | None = None
         self.pool: WorkerPool | None = None
         self.datasets: dict[tuple[str, str | None, str | None], Dataset] = {}
@@ -412,6 +415,9 @@ class Bench:
         }
         if scraper.note and not any(scraper.note in w for w in self.warnings):
             self.warnings.append(f"{scraper.note} (the run went on)")
+        refusal = target.ids.refusal
+        if refusal is not None and refusal not in self.warnings:
+            self.warnings.append(refusal)
         if stage.result.interrupted:
             self.interrupted = True
         if stage.result.records:
@@ -576,6 +582,7 @@ class Bench:
                 "slice_duration": o.slice_duration,
                 "timeout_s": o.timeout,
                 "strict_openai": o.strict_openai,
+                "request_id_header": self.request_ids.describe() if self.request_ids else None,
                 "sampling": o.sampling,
                 "datasets": self._dataset_pins(),
                 "run_tag": self.run_tag,
@@ -704,8 +711,9 @@ class Bench:
                 # the server's /tokenize is not asked to re-count while it serves the run
                 tokenizer=None if isinstance(self.tokenizer, ServerTokenizer) else self.tokenizer,
                 extra_body=o.sampling,
-                request_id_header=self.info.timelines,
+                request_id_header=o.request_id_header,
             )
+            self.request_ids = target.ids
             http = HttpClient(self.info.url)
             try:
                 if o.distributed:

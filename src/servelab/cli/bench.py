@@ -131,6 +131,15 @@ StrictOpenai = Annotated[
         rich_help_panel=opt.TARGET,
     ),
 ]
+NoRequestIdHeader = Annotated[
+    bool,
+    typer.Option(
+        "--no-request-id-header",
+        help="Send no X-Request-Id (by default each request carries a UUID the server's own "
+        "logs can be joined by; a server that refuses it is detected and reported anyway).",
+        rich_help_panel=opt.TARGET,
+    ),
+]
 Timeout = Annotated[
     str, typer.Option(help="Per-request timeout (seconds, or 10min).", rich_help_panel=opt.TARGET)
 ]
@@ -290,6 +299,7 @@ def bench(
     engine_args: EngineArgs = "",
     server_config: ServerConfig = None,
     strict_openai: StrictOpenai = False,
+    no_request_id_header: NoRequestIdHeader = False,
     timeout: Timeout = "600",
     workload: opt.Workload = None,
     trace: opt.Trace = None,
@@ -384,6 +394,7 @@ def bench_options(flags: Mapping[str, Any]) -> BenchOptions:
         cooldown=Trim.parse(flags["cooldown"]),
         quiet=flags["quiet"],
         strict_openai=flags["strict_openai"],
+        request_id_header=not flags["no_request_id_header"],
         timeout=seconds("--timeout", flags["timeout"]) or 600.0,
         command=redact(["servelab", *sys.argv[1:]]),
         overwrite=flags["overwrite"],

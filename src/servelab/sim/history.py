@@ -75,7 +75,7 @@ def measure(runs: list[Any]) -> dict[str, float] | None:
         for recs in sessions.values():
             recs.sort(key=lambda r: r.turn)
             for prev, nxt in itertools.pairwise(recs):
-                a, b = run.timelines.get(prev.request_id), run.timelines.get(nxt.request_id)
+                a, b = run.timeline_for(prev), run.timeline_for(nxt)
                 if a is None or b is None or b.prompt_tokens < a.prompt_tokens + a.output_tokens:
                     continue  # the history was not carried
                 start = a.prompt_tokens
