@@ -9,7 +9,7 @@ import re
 import pytest
 import rundirs
 
-from servelab.analyze.attribution import TTFT_PARTS, attribute
+from servelab.analyze.attribution import EXACT_PARTS, attribute
 from servelab.analyze.diagnose import diagnose
 from servelab.rundir import RunDirError, load_run
 
@@ -46,7 +46,7 @@ def test_ttft_parts_add_up_exactly(runs):
     for run in runs.values():
         for b in attribute(run).ttft:
             assert b.source == "exact"
-            assert set(b.parts()) == set(TTFT_PARTS)
+            assert set(b.parts()) == set(EXACT_PARTS)
             assert sum(b.parts().values()) == pytest.approx(b.ttft + b.client_lag, abs=1e-9)
             assert min(b.parts().values()) >= -1e-9
 
@@ -446,3 +446,42 @@ def test_a_short_run_queued_behind_unchunked_prefills_is_not_called_capacity_bou
     assert attribute(run).source == "reported"
     d = diagnose(run)
     assert "queue_bound" not in {f.id for f in d.findings}
+
+
+def _with_connection_times(path, wait=0.002, send=0.001):
+    """The run as a client that timed its connections would have recorded it: every request
+    waited ``wait`` for a connection and took ``send`` to write."""
+    lines = (path / "requests.jsonl").read_text().splitlines()
+    out = []
+    for line in lines:
+        r = json.loads(line)
+        r["new_connection"] = False
+        r["connected"] = r["actual_send"] + wait
+        r["request_written"] = r["connected"] + send
+        out.append(json.dumps(r))
+    (path / "requests.jsonl").write_text("\n".join(out) + "\n")
+    return path
+
+
+def test_another_servers_network_part_splits_off_connection_and_sending(tmp_path):
+    exact = load_run(rundirs.burst(tmp_path / "exact"))
+    other = rundirs.as_other_target(rundirs.burst(tmp_path / "b"), figures=True)
+    d = diagnose(load_run(_with_connection_times(other)))
+    assert d.source == "reported"
+    assert d.part_sources["connection"].startswith("exact")
+    assert d.part_sources["sending"].startswith("exact")
+    assert d.part_sources["network_http"].startswith("exact (request written")
+    truth = {b.request_id: b for b in attribute(exact).ttft}
+    for b in d.attribution.ttft:
+        t = truth[b.request_id]
+        assert b.connection == pytest.approx(0.002) and b.sending == pytest.approx(0.001)
+        assert b.network_http == pytest.approx(t.network_http - 0.003, abs=1e-9)
+        assert sum(b.parts().values()) == pytest.approx(b.ttft + b.client_lag, abs=1e-9)
+    assert d.overall.parts["connection"] == pytest.approx(0.002)
+
+
+def test_another_server_without_scrapes_still_gets_the_clients_split(tmp_path):
+    other = rundirs.as_other_target(rundirs.calm(tmp_path / "c"), scrape=False)
+    d = diagnose(load_run(_with_connection_times(other)))
+    assert list(d.overall.parts) == ["client_lag", "connection", "sending"]
+    assert "connection and sending are attributed" in d.notes[0]

@@ -2,12 +2,17 @@
 
 TTFT from the intended send splits into parts that add up exactly:
 
-    ttft_intended = client_lag + network_http + queue + prefill + interference
-                    + preemption + overhead
+    ttft_intended = client_lag + connection + sending + network_http + queue + prefill
+                    + interference + preemption + overhead
 
 - client_lag: intended -> actual send (the client's own lateness).
+- connection, sending (another server only; the client's own clock): actual send -> a
+  connection to send on (a new one's DNS, connect and TLS; ~0 on a kept-alive one), then
+  -> the request's last byte written. A servelab target's exact split leaves them inside
+  network_http, as it always has.
 - network_http: client TTFT minus the server's arrival -> first token (HTTP, parsing,
-  tokenisation, IPC and delivery of the first chunk, both ways).
+  tokenisation, IPC and delivery of the first chunk, both ways), less connection and
+  sending where those are split out.
 - queue: arrival -> first admission.
 - prefill: this request's share of the engine steps that computed its prompt.
 - interference: the rest of those steps (other requests' prefill and decode in the same
@@ -44,6 +49,8 @@ MIN_GAPS_FOR_STALLS = 4
 
 TTFT_PARTS = (
     "client_lag",
+    "connection",
+    "sending",
     "network_http",
     "queue",
     "prefill",
@@ -51,6 +58,10 @@ TTFT_PARTS = (
     "preemption",
     "overhead",
 )
+# The client's own connection and sending times: split out of network_http for other servers
+# only; a servelab target's exact split (EXACT_PARTS) keeps them inside it.
+CLIENT_PARTS = ("connection", "sending")
+EXACT_PARTS = tuple(p for p in TTFT_PARTS if p not in CLIENT_PARTS)
 
 
 @dataclass
@@ -60,6 +71,8 @@ class TTFTBreakdown:
     input_tokens: int
     ttft: float  # actual send -> first token chunk
     client_lag: float
+    connection: float | None = None
+    sending: float | None = None
     network_http: float | None = None
     queue: float | None = None
     prefill: float | None = None
@@ -178,7 +191,7 @@ def attribute(run: Run) -> Attribution:
         elif _summary_usable(rec):
             breakdowns.append(_from_summary(rec))
         else:
-            breakdowns.append(_base(rec))  # client-side figures only
+            breakdowns.append(_client_split(_base(rec), rec))  # client-side figures only
     _fill_queue_depth(run, ok, breakdowns)
     stalls = []
     series = server_series(parse_scrapes(run.scrapes)) if not run.timelines else None
@@ -222,6 +235,16 @@ def _from_summary(rec: ClientRecord) -> TTFTBreakdown:
     b.network_http = b.ttft - (b.queue or 0.0) - b.prefill
     b.cached_tokens = int(s.get("cached_prompt_tokens") or 0)
     b.source = "reported" if "reported_by" in s else "summary"
+    if b.source == "reported":
+        _client_split(b, rec)
+        b.network_http -= (b.connection or 0.0) + (b.sending or 0.0)
+    return b
+
+
+def _client_split(b: TTFTBreakdown, rec: ClientRecord) -> TTFTBreakdown:
+    """Another server's request: the client's own connection and sending times (None in runs
+    recorded before the client kept them)."""
+    b.connection, b.sending = rec.connection_wait, rec.send_time
     return b
 
 

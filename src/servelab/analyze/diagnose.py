@@ -13,7 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from servelab.analyze.attribution import TTFT_PARTS, Attribution, TTFTBreakdown, attribute
+from servelab.analyze.attribution import (
+    CLIENT_PARTS,
+    EXACT_PARTS,
+    TTFT_PARTS,
+    Attribution,
+    TTFTBreakdown,
+    attribute,
+)
 from servelab.analyze.findings import Context, Finding, find_all
 from servelab.analyze.levers import Recommendation, recommend
 from servelab.analyze.promscrape import ServerEstimates, estimate, parse_scrapes
@@ -25,7 +32,7 @@ TAIL_QUANTILE = 90
 
 # How each TTFT part is obtained, per attribution source.
 _PART_SOURCE = {
-    "exact": dict.fromkeys(TTFT_PARTS, "exact"),
+    "exact": dict.fromkeys(EXACT_PARTS, "exact"),
     "summary": {
         "client_lag": "exact",
         "network_http": "exact",
@@ -34,11 +41,18 @@ _PART_SOURCE = {
     },
     "reported": {
         "client_lag": "exact",
-        "network_http": "exact (send -> the server's queue entry, and first-token delivery)",
+        "connection": "exact (the client's clock: a new connection's set-up, ~0 when kept)",
+        "sending": "exact (the client's clock: connection -> the request's last byte written)",
+        "network_http": "exact (request written -> the server's queue entry, and first-token "
+        "delivery)",
         "queue": "exact (the server's per-request figure)",
         "prefill": "exact (the server's per-request figure; includes interference)",
     },
-    "client": {"client_lag": "exact"},
+    "client": {
+        "client_lag": "exact",
+        "connection": "exact (the client's clock: a new connection's set-up, ~0 when kept)",
+        "sending": "exact (the client's clock: connection -> the request's last byte written)",
+    },
 }
 
 
@@ -144,6 +158,13 @@ def diagnose(run: Run) -> Diagnosis:
     notes: list[str] = []
     source = attr.source
     part_sources = dict(_PART_SOURCE.get(source, {}))
+    if not any(b.connection is not None for b in rows):  # a run recorded before the split
+        for part in CLIENT_PARTS:
+            part_sources.pop(part, None)
+        if source == "reported":
+            part_sources["network_http"] = (
+                "exact (send -> the server's queue entry, and first-token delivery)"
+            )
     if source == "reported" and any(b.queue is None for b in rows):
         part_sources.pop("queue")
         part_sources["network_http"] = "exact (includes queueing: the server gave no queue figure)"
@@ -163,6 +184,9 @@ def diagnose(run: Run) -> Diagnosis:
             for k, v in _estimated_parts(est, rows).items():
                 overall.parts[k] = v
                 part_sources[k] = "estimate (/metrics histogram means)"
+            if "network_http" in overall.parts:  # the client's own parts are measured
+                for part in CLIENT_PARTS:
+                    overall.parts["network_http"] -= overall.parts.get(part, 0.0)
             notes.append(
                 "This target is not servelab: per-request figures are client-side only; the "
                 "server split is an estimate from /metrics histogram deltas over the run, and "
@@ -170,8 +194,9 @@ def diagnose(run: Run) -> Diagnosis:
             )
         else:
             notes.append(
-                "No server timelines and no /metrics scrapes: only the client's own lag is "
-                "attributed; the rest of TTFT is one unexplained server+network figure."
+                "No server timelines and no /metrics scrapes: only the client's own lag"
+                + (", connection and sending are" if "connection" in part_sources else " is")
+                + " attributed; the rest of TTFT is one unexplained server+network figure."
             )
     elif source == "reported":
         by = {(r.server_timeline or {}).get("reported_by", "") for r in run.records} - {

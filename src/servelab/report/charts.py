@@ -31,7 +31,11 @@ PHASE_COLORS = {
     "unsplit": "#dadaeb",
 }
 PART_COLORS = dict(
-    zip(TTFT_PARTS, ["#8c564b", "#7f7f7f", "#bdbdbd", "#ff7f0e", "#e377c2", "#9467bd", "#17becf"])
+    zip(
+        TTFT_PARTS,
+        ["#8c564b", "#c49c94", "#c7c7c7", "#7f7f7f", "#bdbdbd", "#ff7f0e", "#e377c2", "#9467bd"]
+        + ["#17becf"],
+    )
 )
 UNSPLIT = "not split: server + network (client view only)"
 UNSPLIT_MIN_SHARE = 0.01  # below this the parts are taken to cover TTFT (rounding, clock skew)

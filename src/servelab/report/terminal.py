@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 PART_LABELS = {
     "client_lag": "client lag (intended -> actual send)",
+    "connection": "waiting for a connection (new: DNS + connect + TLS)",
+    "sending": "sending the request",
     "network_http": "network + HTTP + tokenisation",
     "queue": "server queueing",
     "prefill": "prefill compute",
