@@ -22,6 +22,15 @@ arrived), their differences, and the error of every inter-chunk gap where the cl
     python -m benchmarks.client.client_accuracy            # the full ladder, up to 500 streams
     python -m benchmarks.client.client_accuracy --quick    # a short check
     python -m benchmarks.client.client_accuracy --quick --peers   # and the clients side by side
+
+With ``--join``, the TTFT of every request is joined by its ``X-Request-Id`` with the server's
+own (first token written - request read) at 20 and 200 streams, each stream a closed loop of
+``--rounds`` requests, cold (every stream opens its connection inside the window) and warm (the
+client opens them before it): the per-request error at p50/p99, and the client's split of its
+TTFT into waiting for a connection, sending, and server to first token. Levels alternate and
+repeat (``--repeats``) so that a loaded machine shows as ranges.
+
+    python -m benchmarks.client.client_accuracy --join --repeats 3
 """
 
 from __future__ import annotations
@@ -53,7 +62,8 @@ from servelab.bench.event_loop import run_loop
 from servelab.bench.http import HttpClient
 from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
-from servelab.vocab import RequestTags
+from servelab.rundir import server_id
+from servelab.vocab import ClientRecord, RequestTags
 
 
 @dataclass
@@ -83,7 +93,7 @@ async def _servelab_streams(url: str, lv: Level, tag: str) -> list[tuple[str, fl
         r = out.record
         if not r.ok:
             raise RuntimeError(r.error)
-        return r.request_id, r.actual_send, r.chunk_times
+        return server_id(r), r.actual_send, r.chunk_times
 
     res = await asyncio.gather(*(one(i) for i in range(lv.streams)))
     await http.close()
@@ -152,6 +162,70 @@ async def measure(url: str, lv: Level, client: str, tag: str) -> dict[str, float
         "tokens_per_s": tokens / wall,
         "tokens_per_core_s": tokens / cpu if cpu > 0 else float("inf"),
     }
+
+
+async def _joined(url: str, streams: int, rounds: int, warm: bool) -> dict[str, float]:
+    """Closed-loop streams against the test server; each request's TTFT error joined by id."""
+    lv = Level(streams, 0.015, 20)
+    http = HttpClient(url)
+    target = Target(url, "test-model", extra_headers=_schedule_header(lv))
+    if warm:
+        await http.open_connections(streams)
+
+    async def stream(i: int) -> list[ClientRecord]:
+        out = []
+        for k in range(rounds):
+            req = one_request(f"j{i}-{k}", "hello", lv.tokens, tags=RequestTags(workload_class="x"))
+            o = await send(http, target, req, prompt=req.prompt, intended_send=time.monotonic())
+            if not o.record.ok:
+                raise RuntimeError(o.record.error)
+            out.append(o.record)
+        return out
+
+    recs = [r for rs in await asyncio.gather(*(stream(i) for i in range(streams))) for r in rs]
+    await http.close()
+    tls = await fetch_timelines(url, [server_id(r) for r in recs])
+    rows: dict[str, list[float]] = {"err": [], "conn": [], "send": [], "s2ft_err": []}
+    new_err: list[float] = []
+    for r in recs:
+        tl = tls[server_id(r)]
+        true = tl["first_token"] - tl["arrival"]
+        assert r.ttft is not None and r.server_to_first_token is not None
+        rows["err"].append(r.ttft - true)
+        rows["conn"].append(r.connection_wait or 0.0)
+        rows["send"].append(r.send_time or 0.0)
+        rows["s2ft_err"].append(r.server_to_first_token - true)
+        if r.new_connection:
+            new_err.append(r.ttft - true)
+    out = {"new": float(len(new_err)), "n": float(len(recs))}
+    for k, v in rows.items():
+        a = np.asarray(v) * 1e3
+        out[f"{k}_p50"], out[f"{k}_p99"] = float(np.percentile(a, 50)), float(np.percentile(a, 99))
+    return out
+
+
+def join_table(url: str, repeats: int, rounds: int) -> None:
+    """The TTFT error per request, joined by id, at 20 and 200 streams, cold and warm."""
+    print(
+        f"\nTTFT joined by X-Request-Id with the server's own (closed loop, {rounds} requests a "
+        "stream; ms): error = client TTFT - server TTFT, split = connection wait, sending, and "
+        "server-to-first-token error"
+    )
+    print(
+        f"{'streams':>7} {'conns':>5} {'rep':>3} {'new':>4} {'err p50':>8} {'p99':>7} "
+        f"{'conn p50':>8} {'p99':>7} {'send p50':>8} {'p99':>6} {'s2ft p50':>8} {'p99':>7}"
+    )
+    for rep in range(repeats):
+        for streams in (20, 200):
+            for warm in (False, True):
+                m = run_loop(_joined(url, streams, rounds, warm))
+                print(
+                    f"{streams:7d} {'warm' if warm else 'cold':>5} {rep:3d} {m['new']:4.0f} "
+                    f"{m['err_p50']:8.2f} {m['err_p99']:7.2f} {m['conn_p50']:8.2f} "
+                    f"{m['conn_p99']:7.2f} {m['send_p50']:8.3f} {m['send_p99']:6.3f} "
+                    f"{m['s2ft_err_p50']:8.2f} {m['s2ft_err_p99']:7.2f}",
+                    flush=True,
+                )
 
 
 def compare(reported: list[Reported], tls: dict[str, dict]) -> dict[str, float | int]:
@@ -255,6 +329,11 @@ def main() -> None:
         default=ROOT / ".venv-peers",
         help="where benchmarks/peers/install.sh put the peers' venvs",
     )
+    ap.add_argument(
+        "--join", action="store_true", help="only the per-request TTFT error joined by id"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="--join: rounds of all levels")
+    ap.add_argument("--rounds", type=int, default=3, help="--join: requests per stream")
     ap.add_argument("--peer-streams", default="20,200", help="stream counts for --peers")
     ap.add_argument(
         "--peers-out",
@@ -282,6 +361,9 @@ def main() -> None:
         f"{'err max':>8} {'TTFT err p99':>12} {'us/token':>8} {'tok/s':>8} {'tok/s/core':>10}"
     )
     with run_test_server(sched, cpu=server_cpu if len(cpus) > 1 else None) as url:
+        if args.join:
+            join_table(url, args.repeats, args.rounds)
+            return
         print(header)
         for i, lv in enumerate(levels):
             for client in ("servelab",) + (() if args.no_aiohttp else ("aiohttp",)):

@@ -34,6 +34,7 @@ from servelab.bench.event_loop import run_loop
 from servelab.bench.request_plan import LoadSpec
 from servelab.bench.testing import one_request
 from servelab.bench.testserver import Schedule, run_test_server
+from servelab.rundir import server_id
 from servelab.vocab import RequestTags
 
 
@@ -51,10 +52,10 @@ async def _level(
     stage: DistributedStage = await pool.run_stage(plan, load, run_tag=tag)
     recs = stage.result.records
     failed = [r for r in recs if not r.ok]
-    tls = await fetch_timelines(url, [r.request_id for r in recs if r.ok])
+    tls = await fetch_timelines(url, [server_id(r) for r in recs if r.ok])
     errors = []
     for r in recs:
-        tl = tls.get(r.request_id)
+        tl = tls.get(server_id(r))
         if tl is None or not r.ok or len(tl["token_times"]) != len(r.chunk_times):
             continue
         errors.append(np.asarray(r.chunk_times) - np.asarray(tl["token_times"]))

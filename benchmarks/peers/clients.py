@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from servelab.rundir import read_records
+from servelab.rundir import read_records, server_id
 
 INPUT_TOKENS = 200
 WORKLOAD = Path(__file__).with_name("fixed.yaml")  # servelab's side of the same shape
@@ -183,7 +183,7 @@ def _servelab_cmd(job: Job, tok: Tokenizer, out: Path) -> list[str]:
 
 def _servelab_read(job: Job, out: Path) -> list[Reported]:
     return [
-        Reported(r.request_id, r.ttft, r.itls)
+        Reported(server_id(r), r.ttft, r.itls)
         for r in read_records(out / "run" / "requests.jsonl")
         if r.ok and r.ttft is not None
     ]

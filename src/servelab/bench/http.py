@@ -484,6 +484,16 @@ class HttpClient:
             return res
         return res
 
+    async def open_connections(self, n: int) -> int:
+        """Open up to ``n`` kept-alive connections now (before a measured window, so that its
+        first requests do not pay for set-up); return how many opened."""
+        got = await asyncio.gather(
+            *(self._connect(StreamResult()) for _ in range(n)), return_exceptions=True
+        )
+        conns = [c for c in got if isinstance(c, (_Conn, _SockConn))]
+        self._idle.extend(conns)
+        return len(conns)
+
     def _take_idle(self) -> _Conn | _SockConn | None:
         """A kept-alive connection the server has not closed meanwhile, if any."""
         while self._idle:
