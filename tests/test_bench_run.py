@@ -479,6 +479,7 @@ def test_no_request_id_header_sends_none(tmp_path):
     code, records, seen, manifest, _ = _bench_against(
         _not_a_uuid, tmp_path, "--no-request-id-header"
     )
-    assert code == 0 and all(r.ok for r in records) and set(seen) == {None}
+    assert code == 0, manifest.get("invalid_reason")
+    assert all(r.ok for r in records) and set(seen) == {None}
     assert all(r.sent_request_id is None for r in records)
     assert manifest["config"]["request_id_header"] == "off (--no-request-id-header)"

@@ -661,6 +661,18 @@ def network_overhead(c: Context) -> Finding | None:
         f"({med / ttft_med:.0%} of TTFT p50) in HTTP handling, tokenisation and streaming."
     )
     conf = 0.8 if c.server_exact else 0.5
+    client_side = [
+        x.connection + x.sending for x in c.ok if x.connection is not None and x.sending is not None
+    ]
+    if client_side:
+        # Connection set-up and sending are split out of this part: what is left starts once
+        # the request's last byte was written, so it is the server's until its clock starts.
+        summary += (
+            f" The client's own connection wait and sending took a median "
+            f"{statistics.median(client_side) * 1e3:.1f} ms beside it, so it lies between the "
+            "request written and the server's clock starting (its accept and read queue, HTTP "
+            "parsing, tokenisation) and in delivering the first token."
+        )
     if not c.run.valid:
         # This part is the client's TTFT less the server's own figures, so a client that fell
         # behind lands in it (docs/design/analyze.md: a client starved of CPU inflates it).
