@@ -127,8 +127,13 @@ def bench(server, spec_file, tokenizer_dir, out: Path, load: LoadSpec, **kw) -> 
     return Run(out, code)
 
 
-def served_workers(url: str, tag: str) -> dict[str, str]:
-    """request id -> the X-Servelab-Worker header it reached the server with."""
+def served_workers(url: str, run: Run) -> dict[str, str]:
+    """planned request id -> the X-Servelab-Worker header it reached the server with (the
+    server knows each request by the id the bench sent it, joined back through the records)."""
+    planned = {
+        r.sent_request_id or r.request_id: r.request_id.removeprefix(run.tag + "-")
+        for r in run.records
+    }
     import asyncio
 
     async def get():
@@ -136,9 +141,9 @@ def served_workers(url: str, tag: str) -> dict[str, str]:
             return await r.json()
 
     return {
-        d["id"].removeprefix(tag + "-"): d["headers"].get("X-Servelab-Worker")
+        planned[d["id"]]: d["headers"].get("X-Servelab-Worker")
         for d in asyncio.run(get())
-        if d["id"].startswith(tag + "-")
+        if d["id"] in planned
     }
 
 
@@ -184,7 +189,7 @@ def test_open_loop_sessions_one_schedule_many_workers(
             assert not run.timed or abs(r.send_lag) <= SEND_TOLERANCE_S
 
     # sessions kept whole, on both workers, as the server saw them
-    seen = served_workers(server, run.tag)
+    seen = served_workers(server, run)
     assert set(seen) == set(recs) and set(seen.values()) == {"0", "1"}
     for _, turns in itertools.groupby(plan, key=lambda p: p.tags.session_id or p.request_id):
         assert len({seen[p.request_id] for p in turns}) == 1
@@ -278,7 +283,7 @@ def test_closed_loop_bounded_by_time_is_fed_while_it_runs(
     assert first_turns <= run.stage["start"] + 1.5 + slack
     assert all(w["recorded"] > 0 for w in run.dist["workers"])
     assert run.dist["concurrency"]["max"] <= 4
-    seen = served_workers(server, run.tag)
+    seen = served_workers(server, run)
     for _, turns in itertools.groupby(sorted(recs), key=lambda rid: recs[rid].session_id or rid):
         assert len({seen[rid] for rid in turns}) == 1
 

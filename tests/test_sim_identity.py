@@ -91,18 +91,19 @@ SCENARIOS: dict[str, tuple[EngineConfig, str | None, LoadSpec, Topology]] = {
 
 # Taken from the code before the speed work; retaken only when the cost model itself changes
 # (as when the roofline began adding the GEMMs' and the attention's times) or a record gains a
-# field (``disputed_usage``: without that key the digests were the earlier ones), never for speed.
+# field (``disputed_usage``, the request ids and connection set-up: without those keys the
+# digests were the earlier ones), never for speed.
 DIGESTS = {
-    "agent": "8e5e2638df506a02bdd53c5ff856fc45b0ee99d550ce2fa4be4854711526b856",
-    "least-loaded": "1e29efaa3281633ee57639cef33b1b7055f8a0d38d01ec6b80aa0cfa20d84ebe",
-    "no-chunking": "39ee774fa8600b4c63d47a1ffc8d8dab617a387f3a53ae0cc3dc90f166c5a85c",
-    "pd": "47dba61fbb0fcd70c9890ccb83498502b488cfe40e71e54dbb3a66af671c38be",
-    "preempt": "0892668c3e3b5782492cd11f77e2fbb502d78a1ae94621e5fe0be02bffae479b",
-    "prefix-aware": "1a9a42b0052507fb9e45911d6b6841602737c4aaf8d43924aead9602ce160074",
-    "rag-prefix": "bf340205fec0dba14bf8fc9b7f899b80c6b7524e5aefa8a19c4a85845926ba04",
-    "round-robin": "c728c5be73933d1396ca1e056fa385cc891ddd20d9fc95dbab784236592666b2",
-    "spec": "210d65e431eefc18215d1da6cd8f2c29cf66f17acfabfe03b4fc3e7141eb5118",
-    "trace": "aa3381873ce9c85f13d879f2f7b21669f7692b415720bcae03dd6e80b9a5f706",
+    "agent": "7758d32abeebfc308c111dc94c3a8a5980007545b2872969ca8beb57cc809d7a",
+    "least-loaded": "a5309ba184273423b378d2bf2a93439251b678bdc118a559340abc6ab6bf135d",
+    "no-chunking": "4368029af85f27175a6a49cf7611f722416a8b76eb830698cdb229bb151e905e",
+    "pd": "a7bcc199dedc3dc22eec58fe7a9d67fa07e5978772d08266c37cda9b8d0ce7c5",
+    "preempt": "68fc624ccfe4d5f6be9d1c770402d282fb62422b20c9ff4d96d708fc60a6d164",
+    "prefix-aware": "32a6f64e9a0f7421f8956380c13947a5753b0e0691154fce656d37c16cb23bd8",
+    "rag-prefix": "36c83b3f63c364855d5657506f690a0041a18b1ae128ccdb76d70db6d3343102",
+    "round-robin": "10bce20bc0ffa4a6004f5218baa49bde2da26c60cf34efdd7983b50dfe066bc9",
+    "spec": "b5ff72c8912c8acfc0b106bef5013bce30e6b3aadb807bbe9fa91700ccfb1e5e",
+    "trace": "eeeebb2b7d5cf18b8d9fb87dec7a4d1a1e4c4013cd2bfab35cefedbbd69d0fa0",
 }
 
 
