@@ -1,0 +1,99 @@
+"""Every record's inter-token gaps (ITL) in one flat array, built once per set of records.
+
+A run of an hour holds millions of gaps. ``ClientRecord.itls`` builds a fresh list each
+time it is read; the summary, the time windows, the stall detector, the findings and the
+charts each read every record's gaps, per group and per window. ``Gaps`` computes them
+once, in record order and, within a record, in chunk order: selecting a group's or a
+window's gaps is then a mask over the flat array that keeps that order, so every mean,
+sum and confidence interval taken over them sees the values in the order the per-record
+lists give, and equals what the lists give.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from servelab.rundir import Run
+from servelab.vocab import ClientRecord
+
+_SUM_BLOCK = 1 << 20  # gaps turned into Python floats at a time by ``record_sums``
+
+
+@dataclass(frozen=True)
+class Gaps:
+    """``values[offsets[i]:offsets[i + 1]]`` is ``records[i].itls``; ``arrivals`` holds,
+    for each gap, the arrival of the chunk that closed it (``chunk_times[1:]``)."""
+
+    values: np.ndarray
+    arrivals: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, records: Sequence[ClientRecord]) -> Gaps:
+        chunks = np.fromiter((len(r.chunk_times) for r in records), np.int64, len(records))
+        times = np.fromiter(
+            itertools.chain.from_iterable(r.chunk_times for r in records),
+            np.float64,
+            int(chunks.sum()),
+        )
+        counts = np.maximum(chunks - 1, 0)
+        offsets = np.zeros(len(records) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        # a gap closes at every chunk but each record's first
+        closes = np.ones(times.size, bool)
+        firsts = np.cumsum(chunks) - chunks
+        closes[firsts[chunks > 0]] = False
+        arrivals = times[closes]
+        values = arrivals - times[np.flatnonzero(closes) - 1]
+        return cls(values, arrivals, offsets)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Gaps per record."""
+        return np.diff(self.offsets)
+
+    def of_record(self, i: int) -> list[float]:
+        """``records[i].itls``."""
+        return self.values[self.offsets[i] : self.offsets[i + 1]].tolist()
+
+    def mask(self, rows: np.ndarray) -> np.ndarray:
+        """The gaps of the records a boolean ``rows`` (one per record) selects."""
+        return np.repeat(rows, self.counts)
+
+    def pooled(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The gaps of records ``idx`` (ascending) in order, and for each the position in
+        ``idx`` of its record: ``summary.metric_values(records[idx], "itl")``."""
+        rows = np.zeros(len(self.offsets) - 1, bool)
+        rows[idx] = True
+        groups = np.repeat(np.arange(len(idx)), self.counts[idx])
+        return self.values[self.mask(rows)], groups
+
+    @functools.cached_property
+    def record_sums(self) -> list[float]:
+        """Each record's gaps summed left to right: ``sum(records[i].itls)``, the same
+        float (numpy's sums pair terms up, and round differently)."""
+        out: list[float] = []
+        n = len(self.offsets) - 1
+        i = 0
+        while i < n:
+            base = int(self.offsets[i])
+            j = max(i + 1, int(np.searchsorted(self.offsets, base + _SUM_BLOCK, "right")) - 1)
+            j = min(j, n)
+            block = self.values[base : int(self.offsets[j])].tolist()
+            bounds = (self.offsets[i : j + 1] - base).tolist()
+            out.extend(sum(block[lo:hi]) for lo, hi in itertools.pairwise(bounds))
+            i = j
+        return out
+
+
+def run_gaps(run: Run) -> Gaps:
+    """``Gaps.of(run.records)``, built once per loaded run."""
+    if "gaps" not in run.derived:
+        run.derived["gaps"] = Gaps.of(run.records)
+    gaps: Gaps = run.derived["gaps"]
+    return gaps
