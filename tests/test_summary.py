@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from client_records import client_records
+from hypothesis import given, settings
 
 from servelab.analyze.stats import describe
 from servelab.analyze.summary import (
     bucket_label,
     measured_window,
+    metric_values,
     summarize,
+    summarize_group,
 )
 from servelab.units import SLO, Trim, parse_duration
 from servelab.vocab import ClientRecord
@@ -210,3 +215,146 @@ def test_large_samples_use_woodruff_intervals_that_agree_with_the_bootstrap():
         (lo, hi), (blo, bhi) = big.ci[k], boot[k]
         assert lo <= getattr(big, k) <= hi
         assert (hi - lo) == pytest.approx(bhi - blo, rel=0.35), k
+
+
+# --- read once, select by index: equal to summarising each group's records afresh ------------
+
+
+def _plain_woodruff(v, groups, confidence):
+    """Each percentile selected on its own, the groups relabelled by np.unique."""
+    from statistics import NormalDist
+
+    from servelab.vocab import PERCENTILES
+
+    z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
+    n = v.size
+    g = None if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+
+    def se_of(resid):
+        if g is None:
+            return float(np.sqrt((resid**2).sum() * n / max(n - 1, 1))) / n
+        per = np.bincount(g, weights=resid)
+        k = per.size
+        return float(np.sqrt((per**2).sum() * k / max(k - 1, 1))) / n
+
+    out = {}
+    for p in PERCENTILES:
+        q = p / 100.0
+        xq = np.percentile(v, p)
+        se = se_of((v <= xq).astype(np.float64) - q)
+        lo, hi = max(0.0, q - z * se), min(1.0, q + z * se)
+        out[f"p{p}"] = (float(np.quantile(v, lo)), float(np.quantile(v, hi)))
+    m = float(v.mean())
+    se = se_of(v - m)
+    out["mean"] = (m - z * se, m + z * se)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(2, 3000),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["none", "sorted", "shuffled", "strings"]),
+    st.booleans(),
+)
+def test_woodruff_intervals_equal_the_plain_ones(n, seed, grouping, rounded):
+    from servelab.analyze.stats import _woodruff
+
+    rng = np.random.default_rng(seed)
+    v = rng.lognormal(size=n)
+    if rounded:  # ties
+        v = np.round(v, 1)
+    groups = None
+    if grouping != "none":
+        groups = np.sort(rng.integers(0, max(n // 5, 1), n))
+        if grouping == "shuffled":
+            rng.shuffle(groups)
+        elif grouping == "strings":
+            groups = groups.astype(str)
+    pcts = np.array([np.percentile(v, p) for p in (50, 90, 95, 99)])
+    assert _woodruff(v, groups, 0.95, pcts) == _plain_woodruff(v, groups, 0.95)
+
+
+def _plain_group(records, window, slo_of, **kw):
+    """summarize_group as the definition: every metric read from the group's records."""
+    from servelab.analyze.similarity import cache_hit_rate
+    from servelab.analyze.summary import _error_kinds, _tokens_in_window
+    from servelab.vocab import LATENCY_METRICS
+
+    sent = [r for r in records if window.contains(r.actual_send)]
+    ok = [r for r in sent if r.ok]
+    good = [r for r in sent if slo_of(r).met(r)]
+    completed = [r for r in records if r.ok and window.contains(r.done)]
+    good_completed = [r for r in completed if slo_of(r).met(r)]
+    dur = window.duration
+
+    def rate(x):
+        return x / dur if dur > 0 else None
+
+    out_tokens = sum(_tokens_in_window(r, window) for r in records if r.ok)
+    failed_out = sum(_tokens_in_window(r, window) for r in records if not r.ok)
+    in_tokens = sum(r.input_tokens for r in completed)
+    latency = {m: describe(*metric_values(ok, m), **kw).to_dict() for m in LATENCY_METRICS}
+    return {
+        "requests": {
+            "sent": len(sent),
+            "ok": len(ok),
+            "failed": len(sent) - len(ok),
+            "errors": _error_kinds(sent),
+        },
+        "throughput": {
+            "requests_per_s": rate(len(completed)),
+            "input_tokens_per_s": rate(in_tokens),
+            "output_tokens_per_s": rate(out_tokens),
+            "failed_output_tokens_per_s": rate(failed_out),
+            "total_tokens_per_s": rate(in_tokens + out_tokens),
+        },
+        "goodput": {
+            "requests_per_s": rate(len(good_completed)),
+            "fraction": (len(good) / len(sent)) if sent else None,
+            "met": len(good),
+        },
+        "latency": latency,
+        "reasoning_tokens": sum(r.reasoning_tokens for r in ok),
+        "prefix_cache_hit_rate": cache_hit_rate((r.cached_tokens, r.input_tokens) for r in ok),
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    client_records(max_size=40).filter(bool),
+    st.sampled_from([None, "1", "10%"]),
+    st.sampled_from([None, "5s", "2"]),
+    st.sampled_from([{}, {"chat": "ttft=8s,itl=2s"}, {"rag": "e2e=20s", "chat": "itl=1s"}]),
+    st.sampled_from([0, 50]),
+)
+def test_groups_read_once_equal_each_group_summarised_afresh(recs, warmup, cooldown, slos, n_boot):
+    try:
+        window = measured_window(recs, warmup, cooldown)
+    except ValueError:
+        return
+    slo_map = {k: SLO.parse(v) for k, v in slos.items()}
+    got = summarize(recs, window=window, slos=slo_map, n_boot=n_boot)
+    kw = {"n_boot": n_boot, "seed": 0, "confidence": 0.95}
+
+    def slo_of(r):
+        return slo_map.get(r.workload_class, SLO())
+
+    assert summarize_group(recs, window, slo_map, **kw) == _plain_group(recs, window, slo_of, **kw)
+    want = _plain_group(recs, window, slo_of, **kw)
+    want["prefix_reuse_ideal"] = None
+    assert got["overall"] == want
+    for cls in {r.workload_class for r in recs}:
+        mine = [r for r in recs if r.workload_class == cls]
+        assert got["by_class"][cls] == _plain_group(mine, window, slo_of, **kw) | {
+            "prefix_reuse_ideal": None
+        }
+    for label, g in got["by_input_bucket"].items():
+        mine = [r for r in recs if bucket_label(r.input_tokens) == label]
+        assert g == _plain_group(mine, window, slo_of, **kw)
+    assert got["counts"] == {
+        "records": len(recs),
+        "sent_in_window": sum(window.contains(r.actual_send) for r in recs),
+        "ok": sum(r.ok for r in recs),
+        "failed": sum(not r.ok for r in recs),
+    }

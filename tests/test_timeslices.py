@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import random
 
+import hypothesis.strategies as st
+import numpy as np
 import pytest
 import rundirs
+from client_records import client_records
+from hypothesis import given, settings
 from rich.console import Console
 
 from servelab.analyze.diagnose import diagnose
@@ -169,3 +174,118 @@ def test_terminal_and_report_say_length_dependent():
     assert "Over-saturated" in timeslices_html(over)
     assert "Steady state: offered" in timeslices_html(steady)
     assert saturation_line(steady).startswith("steady state: offered")
+
+
+# --- the windows are binned, not rescanned: equal to a scan of every record per window --------
+
+
+def _plain_timeslices(records, start, end, slice_duration, series=None):
+    """Every window scans every record: the definition the binned version must equal."""
+    from servelab.analyze.stats import describe
+    from servelab.analyze.timeslices import PARTIAL_MIN, _end, _server_depth, saturation
+
+    def pcts(vals):
+        d = describe(vals, n_boot=0)
+        return {"p50": d.p50, "p90": d.p90, "p99": d.p99}
+
+    def step_mean(pts, a, b):
+        total = 0.0
+        for k, (t, v) in enumerate(pts):
+            nxt = pts[k + 1][0] if k + 1 < len(pts) else math.inf
+            lo, hi = max(a, t), min(b, nxt)
+            if hi > lo:
+                total += v * (hi - lo)
+        covered = b - max(a, pts[0][0])
+        return total / covered if covered > 0 else None
+
+    inside = [r for r in records if start <= r.actual_send <= end]
+    sends_end = max((r.actual_send for r in inside), default=start)
+    span = sends_end - start
+    n_full = int(span // slice_duration)
+    edges = [start + k * slice_duration for k in range(n_full + 1)]
+    if span - n_full * slice_duration >= PARTIAL_MIN * slice_duration or n_full == 0:
+        edges.append(sends_end if n_full else max(sends_end, start + 1e-9))
+    server = _server_depth(series)
+    sends = np.array([r.actual_send for r in records])
+    ends = np.array([_end(r) for r in records])
+    slices = []
+    for a, b in zip(edges, edges[1:]):
+        last = b == edges[-1]
+        sent = [r for r in inside if a <= r.actual_send < b or (last and r.actual_send == b)]
+        ok = [r for r in sent if r.ok]
+        completed = sum(r.ok and r.done is not None and a <= r.done < b for r in records)
+        if server:
+            depth = step_mean(server, a, b)
+        else:
+            overlap = np.clip(np.minimum(ends, b) - np.maximum(sends, a), 0.0, None)
+            depth = float(overlap.sum() / (b - a)) if records else None
+        slices.append(
+            {
+                "start": round(a - start, 6),
+                "end": round(b - start, 6),
+                "sent": len(sent),
+                "ok": len(ok),
+                "completed": completed,
+                "offered_rate": sum(a <= r.intended_send < b for r in records) / (b - a),
+                "achieved_rate": completed / (b - a),
+                "queue_depth": depth,
+                "ttft": pcts([x for r in ok if (x := r.ttft) is not None]),
+                "itl": pcts([g for r in ok for g in r.itls]),
+                "e2e": pcts([x for r in ok if (x := r.e2e) is not None]),
+            }
+        )
+    offered_all = sum(start <= r.intended_send <= sends_end for r in records)
+    done_all = sum(r.ok and r.done is not None and start <= r.done <= sends_end for r in records)
+    offered = offered_all / span if span > 0 else None
+    achieved = done_all / span if span > 0 else None
+    return {
+        "slice_duration_s": slice_duration,
+        "depth_source": "server /metrics: waiting + running"
+        if server
+        else "client: requests in flight",
+        "offered_rate": offered,
+        "achieved_rate": achieved,
+        "slices": slices,
+        "saturation": saturation(slices, slice_duration, offered, achieved),
+    }
+
+
+def _window_args(recs, data):
+    sends = [r.actual_send for r in recs] or [T0]
+    start = data.draw(st.sampled_from([min(sends), T0, min(sends) + 7.0]))
+    end = data.draw(st.sampled_from([max(sends), max(sends) - 5.0, start + 40.0]))
+    return start, end, data.draw(st.sampled_from([1.0, 2.5, 10.0, 30.0]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(client_records(dyadic=True), st.data())
+def test_binned_windows_equal_the_scan_of_every_record(recs, data):
+    start, end, dur = _window_args(recs, data)
+    assert timeslices(recs, start, end, dur) == _plain_timeslices(recs, start, end, dur)
+
+
+@settings(max_examples=200, deadline=None)
+@given(client_records(), st.data())
+def test_binned_windows_equal_the_scan_on_any_float_times(recs, data):
+    """Only the client's in-flight depth sums its terms in another order: equal but for
+    the last bits."""
+    start, end, dur = _window_args(recs, data)
+    got, want = timeslices(recs, start, end, dur), _plain_timeslices(recs, start, end, dur)
+    for a, b in zip(got["slices"], want["slices"], strict=True):
+        depth, want_depth = a.pop("queue_depth"), b.pop("queue_depth")
+        assert depth == (want_depth and pytest.approx(want_depth, rel=1e-12))
+        assert a == b
+    for key in ("offered_rate", "achieved_rate", "depth_source"):
+        assert got[key] == want[key]
+
+
+@settings(max_examples=100, deadline=None)
+@given(client_records(dyadic=True), st.data())
+def test_binned_windows_equal_the_scan_with_a_server_series(recs, data):
+    start, end, dur = _window_args(recs, data)
+    n = data.draw(st.integers(2, 60))
+    t = sorted(data.draw(st.lists(st.integers(0, 4000), min_size=n, max_size=n)))
+    waiting = data.draw(st.lists(st.sampled_from([None, 0.0, 3.0, 7.5]), min_size=n, max_size=n))
+    series = ServerSeries([T0 + k / 16 for k in t], {"waiting": waiting, "running": [1.0] * n})
+    got = timeslices(recs, start, end, dur, series=series)
+    assert got == _plain_timeslices(recs, start, end, dur, series=series)

@@ -28,11 +28,15 @@ Definitions (docs/design/overview.md "Metrics"; docs/metrics.md says which peer 
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from servelab.analyze.gaps import Gaps
 from servelab.analyze.similarity import cache_hit_rate
 from servelab.analyze.stats import DEFAULT_CONFIDENCE, DEFAULT_N_BOOT, describe
 from servelab.analyze.timeseries import ServerSeries
@@ -173,6 +177,104 @@ def _tokens_in_window(r: ClientRecord, window: Window) -> float:
     return float(r.output_tokens) if window.contains(r.done) else 0.0
 
 
+class _Columns:
+    """What a summary reads of each record, read once for all its groups: whether it was
+    sent and completed in the window, met its SLO, the output tokens that arrived in the
+    window, each latency metric (NaN where absent) and the ITL gaps."""
+
+    def __init__(
+        self,
+        records: Sequence[ClientRecord],
+        window: Window,
+        slo_of: Callable[[ClientRecord], SLO],
+        gaps: Gaps | None = None,
+    ) -> None:
+        self.records = records
+        n = len(records)
+        self.ok = np.fromiter((r.ok for r in records), bool, n)
+        self.sent = np.fromiter((window.contains(r.actual_send) for r in records), bool, n)
+        self.completed = self.ok & np.fromiter((window.contains(r.done) for r in records), bool, n)
+        self.met = np.fromiter(
+            (
+                slo_of(r).met(r) if sent or done else False
+                for r, sent, done in zip(records, self.sent, self.completed)
+            ),
+            bool,
+            n,
+        )
+        self.tokens = [_tokens_in_window(r, window) for r in records]
+        self.latency = {
+            m: np.fromiter((_nan(getattr(r, m)) for r in records), np.float64, n)
+            for m in LATENCY_METRICS
+            if m != "itl"
+        }
+        self.gaps = gaps if gaps is not None else Gaps.of(records)
+
+    def values(self, idx: np.ndarray, metric: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """``metric_values(records[idx], metric)`` for ascending ``idx``."""
+        if metric == "itl":
+            return self.gaps.pooled(idx)
+        v = self.latency[metric][idx]
+        return v[np.isfinite(v)], None
+
+    def group(
+        self, idx: np.ndarray, *, n_boot: int, seed: int, confidence: float, window: Window
+    ) -> dict[str, Any]:
+        """``summarize_group`` of ``records[idx]`` (``idx`` ascending)."""
+        recs = self.records
+        sent = idx[self.sent[idx]]
+        ok = sent[self.ok[sent]]
+        completed = idx[self.completed[idx]]
+        n_good = int(self.met[sent].sum())
+        n_good_completed = int(self.met[completed].sum())
+        dur = window.duration
+
+        def rate(x: float) -> float | None:
+            return x / dur if dur > 0 else None
+
+        tokens = self.tokens
+        served = self.ok[idx]  # output tokens/s counts successful requests' tokens only
+        out_tokens = sum([tokens[i] for i in idx[served].tolist()])
+        failed_out = sum([tokens[i] for i in idx[~served].tolist()])
+        in_tokens = sum(recs[i].input_tokens for i in completed.tolist())
+        latency = {}
+        for metric in LATENCY_METRICS:
+            vals, grp = self.values(ok, metric)
+            latency[metric] = describe(
+                vals, grp, confidence=confidence, n_boot=n_boot, seed=seed
+            ).to_dict()
+        ok_recs = [recs[i] for i in ok.tolist()]
+        return {
+            "requests": {
+                "sent": len(sent),
+                "ok": len(ok),
+                "failed": len(sent) - len(ok),
+                "errors": _error_kinds(recs[i] for i in sent.tolist()),
+            },
+            "throughput": {
+                "requests_per_s": rate(len(completed)),
+                "input_tokens_per_s": rate(in_tokens),
+                "output_tokens_per_s": rate(out_tokens),
+                "failed_output_tokens_per_s": rate(failed_out),
+                "total_tokens_per_s": rate(in_tokens + out_tokens),
+            },
+            "goodput": {
+                "requests_per_s": rate(n_good_completed),
+                "fraction": (n_good / len(sent)) if len(sent) else None,
+                "met": n_good,
+            },
+            "latency": latency,
+            "reasoning_tokens": sum(r.reasoning_tokens for r in ok_recs),
+            "prefix_cache_hit_rate": cache_hit_rate(
+                (r.cached_tokens, r.input_tokens) for r in ok_recs
+            ),
+        }
+
+
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else x
+
+
 def summarize_group(
     records: Sequence[ClientRecord],
     window: Window,
@@ -187,49 +289,10 @@ def summarize_group(
     ``slo`` is one SLO for all records, ``{workload_class: SLO}``, or a function giving
     each record's SLO.
     """
-    slo_of = _slo_lookup(slo)
-    sent = [r for r in records if window.contains(r.actual_send)]
-    ok = [r for r in sent if r.ok]
-    good = [r for r in sent if slo_of(r).met(r)]
-    completed = [r for r in records if r.ok and window.contains(r.done)]
-    good_completed = [r for r in completed if slo_of(r).met(r)]
-    dur = window.duration
-
-    def rate(x: float) -> float | None:
-        return x / dur if dur > 0 else None
-
-    out_tokens = sum(_tokens_in_window(r, window) for r in records if r.ok)
-    failed_out = sum(_tokens_in_window(r, window) for r in records if not r.ok)
-    in_tokens = sum(r.input_tokens for r in completed)
-    latency = {}
-    for metric in LATENCY_METRICS:
-        vals, grp = metric_values(ok, metric)
-        latency[metric] = describe(
-            vals, grp, confidence=confidence, n_boot=n_boot, seed=seed
-        ).to_dict()
-    return {
-        "requests": {
-            "sent": len(sent),
-            "ok": len(ok),
-            "failed": len(sent) - len(ok),
-            "errors": _error_kinds(sent),
-        },
-        "throughput": {
-            "requests_per_s": rate(len(completed)),
-            "input_tokens_per_s": rate(in_tokens),
-            "output_tokens_per_s": rate(out_tokens),
-            "failed_output_tokens_per_s": rate(failed_out),
-            "total_tokens_per_s": rate(in_tokens + out_tokens),
-        },
-        "goodput": {
-            "requests_per_s": rate(len(good_completed)),
-            "fraction": (len(good) / len(sent)) if sent else None,
-            "met": len(good),
-        },
-        "latency": latency,
-        "reasoning_tokens": sum(r.reasoning_tokens for r in ok),
-        "prefix_cache_hit_rate": cache_hit_rate((r.cached_tokens, r.input_tokens) for r in ok),
-    }
+    cols = _Columns(records, window, _slo_lookup(slo))
+    return cols.group(
+        np.arange(len(records)), n_boot=n_boot, seed=seed, confidence=confidence, window=window
+    )
 
 
 def _slo_lookup(
@@ -327,18 +390,26 @@ def summarize(
     else:
         slo_dump = {"*": (slos or SLO()).to_dict()}
     kw: dict[str, Any] = {"n_boot": n_boot, "seed": seed, "confidence": confidence}
-    by_class: dict[str, list[ClientRecord]] = {}
-    by_bucket: dict[str, list[ClientRecord]] = {}
-    for r in records:
-        by_class.setdefault(r.workload_class, []).append(r)
-        by_bucket.setdefault(bucket_label(r.input_tokens, bucket_edges), []).append(r)
+    gaps = Gaps.of(records)
+    cols = _Columns(records, window, slo_of, gaps)
+    by_class: dict[str, list[int]] = {}
+    by_bucket: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_class.setdefault(r.workload_class, []).append(i)
+        by_bucket.setdefault(bucket_label(r.input_tokens, bucket_edges), []).append(i)
     bucket_order = [bucket_label(e - 1, bucket_edges) for e in bucket_edges] + [
         bucket_label(bucket_edges[-1], bucket_edges)
     ]
-    by_class_summary = {
-        k: summarize_group(v, window, slo_of, **kw) for k, v in sorted(by_class.items())
-    }
-    overall = summarize_group(records, window, slo_of, **kw)
+
+    overall = cols.group(np.arange(len(records)), window=window, **kw)
+
+    def group(idx: list[int]) -> dict[str, Any]:
+        if len(idx) == len(records):  # one class or bucket holds every record
+            return copy.deepcopy(overall)
+        return cols.group(np.asarray(idx, dtype=np.int64), window=window, **kw)
+
+    by_class_summary = {k: group(v) for k, v in sorted(by_class.items())}
+    by_bucket_summary = {k: group(by_bucket[k]) for k in bucket_order if k in by_bucket}
     overall["prefix_reuse_ideal"] = similarity["overall"] if similarity else None
     for k, g in by_class_summary.items():
         g["prefix_reuse_ideal"] = similarity["by_class"].get(k) if similarity else None
@@ -349,20 +420,18 @@ def summarize(
         else None,
         "counts": {
             "records": len(records),
-            "sent_in_window": sum(window.contains(r.actual_send) for r in records),
-            "ok": sum(r.ok for r in records),
-            "failed": sum(not r.ok for r in records),
+            "sent_in_window": int(cols.sent.sum()),
+            "ok": int(cols.ok.sum()),
+            "failed": int((~cols.ok).sum()),
         },
         "tokens": token_checks(records),
         "slos": slo_dump,
         "overall": overall,
         "by_class": by_class_summary,
-        "by_input_bucket": {
-            k: summarize_group(by_bucket[k], window, slo_of, **kw)
-            for k in bucket_order
-            if k in by_bucket
-        },
-        "timeslices": timeslices(records, window.start, window.end, slice_duration, series),
+        "by_input_bucket": by_bucket_summary,
+        "timeslices": timeslices(
+            records, window.start, window.end, slice_duration, series, gaps=gaps
+        ),
     }
 
 

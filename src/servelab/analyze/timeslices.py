@@ -33,6 +33,8 @@ offered one: the surplus is what queued. ``undetermined``: fewer than
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from servelab.analyze.gaps import Gaps
 from servelab.analyze.stats import describe
 from servelab.analyze.timeseries import ServerSeries
 from servelab.vocab import ClientRecord
@@ -129,7 +132,7 @@ def _end(r: ClientRecord) -> float:
     return r.chunk_times[-1] if r.chunk_times else r.actual_send
 
 
-def _pcts(vals: list[float]) -> dict[str, float | None]:
+def _pcts(vals: Sequence[float] | np.ndarray) -> dict[str, float | None]:
     d = describe(vals, n_boot=0)
     return {"p50": d.p50, "p90": d.p90, "p99": d.p99}
 
@@ -146,16 +149,49 @@ def _server_depth(series: ServerSeries | None) -> list[tuple[float, float]] | No
     return out or None
 
 
-def _step_mean(pts: list[tuple[float, float]], a: float, b: float) -> float | None:
-    """Time-weighted mean over [a, b] of a step function (each value holds until the next)."""
-    total = 0.0
-    for k, (t, v) in enumerate(pts):
-        nxt = pts[k + 1][0] if k + 1 < len(pts) else math.inf
-        lo, hi = max(a, t), min(b, nxt)
-        if hi > lo:
-            total += v * (hi - lo)
-    covered = b - max(a, pts[0][0])
-    return total / covered if covered > 0 else None
+def _step_means(pts: list[tuple[float, float]], edges: list[float]) -> list[float | None]:
+    """Per window [edges[k], edges[k + 1]], the time-weighted mean of a step function
+    (each value holds until the next point).
+
+    With the points in time order, only those from the last one at or before a window's
+    start to the last one before its end hold in it: a bisection finds them, and each
+    window sums the same terms in the same order as a scan of every point would."""
+    ts = [t for t, _ in pts]
+    ordered = all(x <= y for x, y in itertools.pairwise(ts))
+    out: list[float | None] = []
+    for a, b in itertools.pairwise(edges):
+        lo, hi = 0, len(pts)
+        if ordered:
+            lo, hi = max(0, bisect.bisect_right(ts, a) - 1), bisect.bisect_left(ts, b)
+        total = 0.0
+        for k in range(lo, hi):
+            nxt = ts[k + 1] if k + 1 < len(ts) else math.inf
+            lo_t, hi_t = max(a, ts[k]), min(b, nxt)
+            if hi_t > lo_t:
+                total += pts[k][1] * (hi_t - lo_t)
+        covered = b - max(a, ts[0])
+        out.append(total / covered if covered > 0 else None)
+    return out
+
+
+def _in_flight_seconds(sends: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Per window [edges[k], edges[k + 1]]: the request-seconds in flight in it, summed
+    over the requests whose [send, end] overlaps it, in record order.
+
+    Each request is paired only with the windows it overlaps (a run of consecutive ones),
+    so the work is the number of such pairs, not requests x windows."""
+    n_win = len(edges) - 1
+    first = np.searchsorted(edges[1:], sends, "right")  # first window ending after the send
+    last = np.searchsorted(edges[:-1], ends, "left") - 1  # last window starting before the end
+    span = np.maximum(last - first + 1, 0)
+    rec = np.repeat(np.arange(len(sends)), span)
+    win = np.repeat(first, span) + (np.arange(rec.size) - np.repeat(np.cumsum(span) - span, span))
+    a, b = edges[win], edges[win + 1]
+    overlap = np.clip(np.minimum(ends[rec], b) - np.maximum(sends[rec], a), 0.0, None)
+    order = np.argsort(win, kind="stable")  # by window, records in order within each
+    bounds = np.searchsorted(win[order], np.arange(n_win + 1))
+    overlap = overlap[order]
+    return np.array([overlap[lo:hi].sum() for lo, hi in itertools.pairwise(bounds)])
 
 
 def timeslices(
@@ -164,6 +200,7 @@ def timeslices(
     end: float,
     slice_duration: float = DEFAULT_SLICE_DURATION,
     series: ServerSeries | None = None,
+    gaps: Gaps | None = None,
 ) -> dict[str, Any]:
     """Per-window figures over [start, end] and the saturation verdict (module doc).
 
@@ -171,51 +208,87 @@ def timeslices(
     "slices": [...], "saturation": {...}}``. Rates are over the sending span; each slice
     has ``start``/``end`` (seconds from ``start``), ``sent``, ``ok``, ``completed``,
     ``offered_rate``, ``achieved_rate``, ``queue_depth`` and ``ttft``/``itl``/``e2e``
-    p50/p90/p99 of the requests sent in it.
+    p50/p90/p99 of the requests sent in it. ``gaps`` is ``Gaps.of(records)`` where the
+    caller has it.
+
+    The records are sorted and binned once; each window's figures then come from its own
+    requests, so the cost grows with the requests and windows, not their product.
     """
     if slice_duration <= 0:
         raise ValueError(f"slice duration must be > 0 s, not {slice_duration:g}")
-    inside = [r for r in records if start <= r.actual_send <= end]
-    sends_end = max((r.actual_send for r in inside), default=start)
+    n = len(records)
+    sends = np.fromiter((r.actual_send for r in records), np.float64, n)
+    inside = (sends >= start) & (sends <= end)
+    sends_end = float(sends[inside].max()) if inside.any() else start
     span = sends_end - start
     n_full = int(span // slice_duration)
-    edges = [start + k * slice_duration for k in range(n_full + 1)]
+    edge_list = [start + k * slice_duration for k in range(n_full + 1)]
     if span - n_full * slice_duration >= PARTIAL_MIN * slice_duration or n_full == 0:
-        edges.append(sends_end if n_full else max(sends_end, start + 1e-9))
+        edge_list.append(sends_end if n_full else max(sends_end, start + 1e-9))
+    edges = np.array(edge_list)
+    n_win = len(edges) - 1
     server = _server_depth(series)
     depth_source = "server" if server else "client"
-    sends = np.array([r.actual_send for r in records])
-    ends = np.array([_end(r) for r in records])
+    ok = np.fromiter((r.ok for r in records), bool, n)
+    intended = np.sort(np.fromiter((r.intended_send for r in records), np.float64, n))
+    done = np.sort(
+        np.fromiter((r.done for r in records if r.ok and r.done is not None), np.float64)
+    )
+    # the window each request was sent in: [a, b), the last one closed at its end
+    win = np.searchsorted(edges, sends, "right") - 1
+    win[(win == n_win) & (sends == edges[-1])] = n_win - 1
+    win[~inside | (win >= n_win)] = -1
+    sent_n = np.bincount(win[win >= 0], minlength=n_win)
+    ok_win = np.where(ok, win, -1)
+    ok_n = np.bincount(ok_win[ok_win >= 0], minlength=n_win)
+    offered_n = np.searchsorted(intended, edges[1:], "left") - np.searchsorted(
+        intended, edges[:-1], "left"
+    )
+    completed_n = np.searchsorted(done, edges[1:], "left") - np.searchsorted(
+        done, edges[:-1], "left"
+    )
+    server_depth = _step_means(server, edge_list) if server else None
+    if server or not n:
+        flight = None
+    else:
+        ends = np.fromiter((_end(r) for r in records), np.float64, n)
+        flight = _in_flight_seconds(sends, ends, edges)
+    ttft = np.fromiter((_nan(r.ttft) for r in records), np.float64, n)
+    e2e = np.fromiter((_nan(r.e2e) for r in records), np.float64, n)
+    gaps = gaps if gaps is not None else Gaps.of(records)
+    gap_win = np.repeat(ok_win, gaps.counts)
+    by_req = _split(ok_win, n_win)
+    by_gap = _split(gap_win, n_win)
     slices: list[dict[str, Any]] = []
-    for a, b in zip(edges, edges[1:]):
-        last = b == edges[-1]
-        sent = [r for r in inside if a <= r.actual_send < b or (last and r.actual_send == b)]
-        ok = [r for r in sent if r.ok]
-        offered_n = sum(a <= r.intended_send < b for r in records)
-        completed = sum(r.ok and r.done is not None and a <= r.done < b for r in records)
-        if server:
-            depth = _step_mean(server, a, b)
+    for k in range(n_win):
+        a, b = edge_list[k], edge_list[k + 1]
+        if server_depth is not None:
+            depth = server_depth[k]
         else:
-            overlap = np.clip(np.minimum(ends, b) - np.maximum(sends, a), 0.0, None)
-            depth = float(overlap.sum() / (b - a)) if records else None
+            depth = float(flight[k] / (b - a)) if flight is not None else None
         dur = b - a
+        mine = by_req[k]
         slices.append(
             {
                 "start": round(a - start, 6),
                 "end": round(b - start, 6),
-                "sent": len(sent),
-                "ok": len(ok),
-                "completed": completed,
-                "offered_rate": offered_n / dur,
-                "achieved_rate": completed / dur,
+                "sent": int(sent_n[k]),
+                "ok": int(ok_n[k]),
+                "completed": int(completed_n[k]),
+                "offered_rate": int(offered_n[k]) / dur,
+                "achieved_rate": int(completed_n[k]) / dur,
                 "queue_depth": depth,
-                "ttft": _pcts([x for r in ok if (x := r.ttft) is not None]),
-                "itl": _pcts([g for r in ok for g in r.itls]),
-                "e2e": _pcts([x for r in ok if (x := r.e2e) is not None]),
+                "ttft": _pcts(_finite(ttft[mine])),
+                "itl": _pcts(gaps.values[by_gap[k]]),
+                "e2e": _pcts(_finite(e2e[mine])),
             }
         )
-    offered_all = sum(start <= r.intended_send <= sends_end for r in records)
-    done_all = sum(r.ok and r.done is not None and start <= r.done <= sends_end for r in records)
+    offered_all = int(np.searchsorted(intended, sends_end, "right")) - int(
+        np.searchsorted(intended, start, "left")
+    )
+    done_all = int(np.searchsorted(done, sends_end, "right")) - int(
+        np.searchsorted(done, start, "left")
+    )
     offered = offered_all / span if span > 0 else None
     achieved = done_all / span if span > 0 else None
     return {
@@ -228,6 +301,21 @@ def timeslices(
         "slices": slices,
         "saturation": saturation(slices, slice_duration, offered, achieved),
     }
+
+
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else x
+
+
+def _finite(v: np.ndarray) -> np.ndarray:
+    return v[np.isfinite(v)]
+
+
+def _split(labels: np.ndarray, n: int) -> list[np.ndarray]:
+    """For each label 0..n-1, the positions holding it, ascending (-1 is no label)."""
+    order = np.argsort(labels, kind="stable")
+    bounds = np.searchsorted(labels[order], np.arange(n + 1) - 0.5)
+    return [order[lo:hi] for lo, hi in itertools.pairwise(bounds)]
 
 
 def saturation(
