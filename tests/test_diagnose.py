@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import random
 import re
+import statistics
+from types import SimpleNamespace
 
+import hypothesis.strategies as st
 import pytest
 import rundirs
+from client_records import client_records
+from hypothesis import given, settings
 
 from servelab.analyze.attribution import EXACT_PARTS, attribute
 from servelab.analyze.diagnose import diagnose
@@ -485,3 +492,69 @@ def test_another_server_without_scrapes_still_gets_the_clients_split(tmp_path):
     d = diagnose(load_run(_with_connection_times(other)))
     assert list(d.overall.parts) == ["client_lag", "connection", "sending"]
     assert "connection and sending are attributed" in d.notes[0]
+
+
+# --- found by bisection and on every gap at once: equal to a scan of every request -----------
+
+
+@settings(max_examples=200, deadline=None)
+@given(client_records(max_size=40))
+def test_stalls_found_on_all_gaps_at_once_equal_a_scan_of_each_request(recs):
+    from servelab.analyze.attribution import (
+        MIN_GAPS_FOR_STALLS,
+        STALL_FACTOR,
+        STALL_MIN_EXCESS,
+        _stall_gaps,
+    )
+    from servelab.analyze.gaps import Gaps
+
+    want = []
+    for i, r in enumerate(recs):
+        gaps = r.itls
+        if not r.ok or len(gaps) < MIN_GAPS_FOR_STALLS:
+            continue
+        med = statistics.median(gaps)
+        at = [
+            k
+            for k, g in enumerate(gaps)
+            if not (g <= STALL_FACTOR * med or g - med <= STALL_MIN_EXCESS)
+        ]
+        if at:
+            want.append((i, gaps, med, at))
+    assert list(_stall_gaps(recs, Gaps.of(recs))) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(client_records(max_size=40), st.lists(st.floats(990.0, 1250.0), min_size=2, max_size=8))
+def test_long_prompts_in_prefill_found_by_bisection_equal_a_scan(recs, times):
+    from servelab.analyze.attribution import LONG_PROMPT, _Windows
+
+    ok = [r for r in recs if r.ok and r.chunk_times]
+    w = _Windows(ok)
+    cut = LONG_PROMPT * max(w.typical_input, 1)
+    for a, b in itertools.pairwise(sorted(times)):
+        plain = [
+            x
+            for x in w.rows[bisect.bisect_right(w.firsts, a) :]
+            if x[0] < b and x[2].input_tokens >= cut
+        ]
+        assert w.long_in_prefill(a, b) == plain
+
+
+@settings(max_examples=200, deadline=None)
+@given(client_records(max_size=40))
+def test_waits_behind_long_prefills_found_by_bisection_equal_a_scan(recs):
+    from servelab.analyze.attribution import LONG_PROMPT
+    from servelab.analyze.findings import _behind_long_prefills
+
+    ok = [r for r in recs if r.ok and r.chunk_times]
+    want: set[str] = set()
+    if ok:
+        cut = LONG_PROMPT * max(statistics.median(r.input_tokens for r in ok), 1)
+        longs = [(r.actual_send, r.chunk_times[0], r) for r in ok if r.input_tokens >= cut]
+        want = {
+            r.request_id
+            for r in ok
+            if any(o is r or (s < r.chunk_times[0] and f > r.actual_send) for s, f, o in longs)
+        }
+    assert _behind_long_prefills(SimpleNamespace(run=SimpleNamespace(records=recs))) == want

@@ -32,9 +32,14 @@ run-level estimates).
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
+from servelab.analyze.gaps import Gaps, run_gaps
 from servelab.analyze.promscrape import parse_scrapes
 from servelab.analyze.stats import FittedStepCost, fit_step_cost
 from servelab.analyze.timeseries import KV_PRESSURE, ServerSeries, server_series
@@ -198,12 +203,15 @@ def attribute(run: Run) -> Attribution:
     if series is not None:
         _reported_queue_reasons(ok, breakdowns, series)
     windows = _Windows(ok)
-    for rec in ok:
+    gaps = run_gaps(run)
+    for i, rec_gaps, med, at in _stall_gaps(run.records, gaps):
+        rec = run.records[i]
         tl = run.timeline_for(rec)
         if tl is not None and run.steps:
-            stalls.extend(_stalls(rec, tl, engines.decode(tl), cost, windows, series))
+            idx = engines.decode(tl)
         else:
-            stalls.extend(_stalls(rec, None, _NO_STEPS, cost, windows, series))
+            tl, idx = None, _NO_STEPS
+        stalls.extend(_stalls(rec, rec_gaps, med, at, tl, idx, cost, windows, series))
     sources = {b.source for b in breakdowns}
     source = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
     return Attribution(ttft=breakdowns, stalls=stalls, cost=cost, source=source)
@@ -389,31 +397,55 @@ def _fill_queue_depth(run: Run, ok: list[ClientRecord], out: list[TTFTBreakdown]
             b.queue_depth = bisect.bisect_left(enters, t) - bisect.bisect_left(leaves, t)
 
 
+def _stall_gaps(
+    records: list[ClientRecord], gaps: Gaps
+) -> Iterator[tuple[int, list[float], float, list[int]]]:
+    """(record index, its gaps, their median, the indices of the gaps that are stalls)
+    for each successful streamed record with a stall, in record order.
+
+    A gap is a stall when it exceeds ``STALL_FACTOR`` x the request's median and the
+    median by ``STALL_MIN_EXCESS``; the test runs on every gap of the run at once."""
+    counts = gaps.counts
+    med = np.full(len(records), np.nan)
+    lists: dict[int, list[float]] = {}
+    for i, r in enumerate(records):
+        if r.ok and counts[i] >= MIN_GAPS_FOR_STALLS:
+            lists[i] = gaps.of_record(i)
+            med[i] = statistics.median(lists[i])
+    per_gap = np.repeat(med, counts)
+    stall = (gaps.values > STALL_FACTOR * per_gap) & (gaps.values - per_gap > STALL_MIN_EXCESS)
+    pos = np.flatnonzero(stall)
+    owner = np.searchsorted(gaps.offsets, pos, "right") - 1
+    local = pos - gaps.offsets[owner]
+    bounds = np.flatnonzero(np.diff(owner, prepend=-1, append=len(records)))
+    for lo, hi in itertools.pairwise(bounds.tolist()):
+        i = int(owner[lo])
+        yield i, lists[i], float(med[i]), local[lo:hi].tolist()
+
+
 def _stalls(
     rec: ClientRecord,
+    gaps: list[float],
+    med: float,
+    at: list[int],
     tl: RequestTimeline | None,
     idx: _StepIndex,
     cost: FittedStepCost | None,
     windows: _Windows,
     series: ServerSeries | None,
 ) -> list[Stall]:
-    gaps = rec.itls
-    if len(gaps) < MIN_GAPS_FOR_STALLS:
-        return []
-    med = statistics.median(gaps)
+    """The stalls of one request: ``gaps[i]`` for ``i`` in ``at``, with their causes."""
     out = []
-    cum = []
-    n = 0
-    for k in rec.chunk_tokens or [1] * len(rec.chunk_times):
-        n += k
-        cum.append(n)
-    matched = tl is not None and len(tl.token_times) == n
+    matched = False
+    cum: list[int] = []
+    if tl is not None:
+        cum = list(itertools.accumulate(rec.chunk_tokens or [1] * len(rec.chunk_times)))
+        matched = len(tl.token_times) == (cum[-1] if cum else 0)
     # Counts disagree (e.g. a stop string trimmed): map client times to server times by
     # the first token's delivery delay instead of by token index.
     offset = rec.chunk_times[0] - tl.first_token if tl is not None and tl.first_token else None
-    for i, g in enumerate(gaps):
-        if g <= STALL_FACTOR * med or g - med <= STALL_MIN_EXCESS:
-            continue
+    for i in at:
+        g = gaps[i]
         stall = Stall(
             request_id=rec.request_id,
             workload_class=rec.workload_class,
@@ -488,12 +520,19 @@ def _server_cause(
     stall.detail = f"{len(steps)} engine step(s) with no prefill or batch growth to explain it"
 
 
+_Window = tuple[float, float, ClientRecord, bool]  # (start, first token, record, reported)
+
+
 class _Windows:
     """Every other request's prefill window as the client saw it: from its send (or, with
-    the server's figures, from its send plus queue time) to its first token."""
+    the server's figures, from its send plus queue time) to its first token.
+
+    Rows are sorted by first token. The long prompts' rows are also kept apart with the
+    longest window among them, so that the windows covering an instant are found by
+    bisecting first tokens instead of scanning every request."""
 
     def __init__(self, ok: list[ClientRecord]):
-        self.rows = []
+        self.rows: list[_Window] = []
         for r in ok:
             s = r.server_timeline or {}
             prefill = s.get("prefill_time") if "reported_by" in s else None
@@ -503,13 +542,24 @@ class _Windows:
         self.firsts = [x[1] for x in self.rows]
         inputs = sorted(r.input_tokens for r in ok)
         self.typical_input = inputs[len(inputs) // 2] if inputs else 0
+        cut = LONG_PROMPT * max(self.typical_input, 1)
+        self.long = [x for x in self.rows if x[2].input_tokens >= cut]
+        self.long_firsts = [x[1] for x in self.long]
+        # A window that starts before b ends before b + the longest window; the margin
+        # covers the rounding of first - start.
+        self.long_reach = max((x[1] - x[0] for x in self.long), default=0.0)
 
-    def first_tokens_in(self, a: float, b: float) -> list[tuple[float, float, ClientRecord, bool]]:
+    def first_tokens_in(self, a: float, b: float) -> list[_Window]:
         lo, hi = bisect.bisect_left(self.firsts, a), bisect.bisect_right(self.firsts, b)
         return self.rows[lo:hi]
 
-    def in_prefill(self, a: float, b: float) -> list[tuple[float, float, ClientRecord, bool]]:
-        return [x for x in self.rows[bisect.bisect_right(self.firsts, a) :] if x[0] < b]
+    def long_in_prefill(self, a: float, b: float) -> list[_Window]:
+        """The long prompts (``LONG_PROMPT`` x the typical input) whose window overlaps
+        (a, b): first token after a, start before b; in first-token order."""
+        lo = bisect.bisect_right(self.long_firsts, a)
+        bound = b + self.long_reach
+        hi = bisect.bisect_right(self.long_firsts, bound + 1e-6 * (1.0 + abs(bound)))
+        return [x for x in self.long[lo:hi] if x[0] < b]
 
 
 # Confidence of each inferred cause (no server steps): a stall that ends as another
@@ -567,11 +617,7 @@ def _estimate_cause(
         )
         stall.evidence["ended_by_first_token_of"] = o.request_id
         return
-    long = [
-        x
-        for x in windows.in_prefill(a, b)
-        if x[2] is not rec and x[2].input_tokens >= LONG_PROMPT * max(windows.typical_input, 1)
-    ]
+    long = [x for x in windows.long_in_prefill(a, b) if x[2] is not rec]
     if long:
         start, first, o, _ = max(long, key=lambda x: x[2].input_tokens)
         _blame_prefill(stall, o, start, first, CONF_PREFILL_OVERLAP)

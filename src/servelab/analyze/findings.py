@@ -8,6 +8,8 @@ server's /metrics, or the client side alone).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.attribution import LONG_PROMPT, Attribution, TTFTBreakdown
+from servelab.analyze.gaps import run_gaps
 from servelab.analyze.promscrape import ServerEstimates
 from servelab.analyze.serversettings import run_settings
 from servelab.analyze.stats import confidence_label, spearman
@@ -134,7 +137,8 @@ def prefill_bound(c: Context) -> Finding | None:
     }
     share = None
     if c.server_exact:
-        top = [x for x in b if x.input_tokens >= np.percentile(inputs, 75)]
+        p75 = np.percentile(inputs, 75)
+        top = [x for x in b if x.input_tokens >= p75]
         share = sum(x.prefill or 0.0 for x in top) / max(sum(x.ttft for x in top), 1e-9)
         ev["prefill_share_of_ttft_longest_quartile"] = round(share, 3)
         if share < PREFILL_SHARE:
@@ -249,12 +253,17 @@ def _behind_long_prefills(c: Context) -> set[str]:
     if not recs:
         return set()
     cut = LONG_PROMPT * max(statistics.median(r.input_tokens for r in recs), 1)
-    longs = [(r.actual_send, r.chunk_times[0], r) for r in recs if r.input_tokens >= cut]
-    return {
-        r.request_id
-        for r in recs
-        if any(o is r or (s < r.chunk_times[0] and f > r.actual_send) for s, f, o in longs)
-    }
+    longs = sorted((r.actual_send, r.chunk_times[0]) for r in recs if r.input_tokens >= cut)
+    starts = [s for s, _ in longs]
+    # a wait [send, first) overlaps a long window (s, f) when s < first and f > send: the
+    # latest end among the windows starting before its first token says whether one does
+    reach = list(itertools.accumulate((f for _, f in longs), max))
+    out = set()
+    for r in recs:
+        k = bisect.bisect_left(starts, r.chunk_times[0])
+        if r.input_tokens >= cut or (k and reach[k - 1] > r.actual_send):
+            out.add(r.request_id)
+    return out
 
 
 def _queue_reason_shares(b: list[TTFTBreakdown]) -> dict[str, float]:
@@ -380,7 +389,9 @@ def _open_loop_slices(
 
 
 def itl_prefill_interference(c: Context) -> Finding | None:
-    gaps_total = sum(sum(r.itls) for r in c.run.records if r.ok)
+    gaps = run_gaps(c.run)
+    ok = [r.ok for r in c.run.records]
+    gaps_total = sum(t for t, keep in zip(gaps.record_sums, ok) if keep)
     if gaps_total <= 0:
         return None
     big = [s for s in c.attr.stalls if s.cause == "prefill" and s.gap >= BIG_STALL * s.median_gap]
@@ -389,7 +400,7 @@ def itl_prefill_interference(c: Context) -> Finding | None:
     if len(big) < 3 or share < STALL_SHARE:
         return None
     exact = all(s.exact for s in big)
-    itls = [g for r in c.run.records if r.ok for g in r.itls]
+    itls = gaps.values[gaps.mask(np.array(ok, bool))]
     ev: dict[str, Any] = {
         "long_prefill_stalls": len(big),
         "share_of_decode_time_lost": round(share, 3),
@@ -596,7 +607,7 @@ def client_bottleneck(c: Context) -> Finding | None:
     lag = np.array([r.send_lag for r in recs])
     p99 = float(np.percentile(lag, 99))
     ttft_p50 = float(np.median([r.ttft for r in recs]))
-    gaps_total = sum(sum(r.itls) for r in recs)
+    gaps_total = sum(t for t, r in zip(run_gaps(c.run).record_sums, c.run.records) if r.chunk_times)
     client_stalls = [s for s in c.attr.stalls if s.cause == "client"]
     stall_share = sum(s.excess for s in client_stalls) / gaps_total if gaps_total > 0 else 0.0
     lag_matters = p99 > CLIENT_LAG_LIMIT and p99 >= CLIENT_LAG_SHARE * ttft_p50
