@@ -10,6 +10,8 @@ import tempfile
 
 import pytest
 import rundirs
+from client_records import client_records
+from hypothesis import given, settings
 from plotly.offline import get_plotlyjs
 
 from servelab.analyze.compare import compare
@@ -179,3 +181,110 @@ def test_report_for_another_server_uses_client_side_phases(tmp_path):
     assert "an estimate from /metrics histogram deltas" in html
     names = {t.name for t in charts.phase_timeline(run, d.attribution.stalls).data}
     assert "prefill chunk" not in names and {charts.PHASE_NAMES["unsplit"], "decoding"} <= names
+
+
+# --- charts bin and sample large runs, and say so; small runs draw as before ------------------
+
+
+def _run_of(recs, steps=()):
+    from pathlib import Path
+
+    from servelab.rundir import Run
+
+    return Run(Path("mem"), {"name": "mem"}, list(recs), {}, sorted(steps, key=lambda s: s.start))
+
+
+def _plain_over_time(run):
+    """latency_over_time's series computed as their definitions read: masks per bin."""
+    import itertools
+
+    import numpy as np
+
+    t0, t1 = run.window
+    edges = charts._bins(t0, t1)
+    mids = (edges[:-1] + edges[1:]) / 2 - t0
+    ok = [r for r in run.records if r.ok and r.ttft is not None]
+    sends = np.array([r.actual_send for r in ok])
+    ttft = np.array([r.ttft for r in ok])
+    series = []
+    for q in (50, 95):
+        ys = []
+        for a, b in itertools.pairwise(edges):
+            sel = ttft[(sends >= a) & (sends < b)]
+            ys.append(float(np.percentile(sel, q)) * 1e3 if len(sel) else None)
+        series.append(ys)
+    gaps_t = np.array([t for r in ok for t in r.chunk_times[1:]])
+    gaps_v = np.array([g for r in ok for g in r.itls])
+    if len(gaps_v):
+        ys = []
+        for a, b in itertools.pairwise(edges):
+            sel = gaps_v[(gaps_t >= a) & (gaps_t < b)]
+            ys.append(float(np.percentile(sel, 99)) * 1e3 if len(sel) else None)
+        series.append(ys)
+    series.append(
+        [
+            sum(1 for r in run.records if r.actual_send <= m + t0 <= (r.done or r.actual_send))
+            for m in mids
+        ]
+    )
+    return series
+
+
+@settings(max_examples=150, deadline=None)
+@given(client_records(max_size=40).filter(bool))
+def test_latency_over_time_bins_equal_masks_per_bin(recs):
+    fig = charts.latency_over_time(_run_of(recs))
+    assert [list(t.y) for t in fig.data] == _plain_over_time(_run_of(recs))
+
+
+def _big_run(n):
+    from servelab.vocab import ClientRecord, StepRecord
+
+    recs = [
+        ClientRecord(
+            f"r{i}",
+            "chat" if i % 3 else "rag",
+            1000.0 + i * 0.01,
+            1000.0 + i * 0.01,
+            input_tokens=100 + i % 700,
+            output_tokens=3,
+            chunk_times=[1000.0 + i * 0.01 + 0.05 + (i % 97) * 1e-3 + k * 0.02 for k in range(3)],
+            chunk_tokens=[1, 1, 1],
+            done=1000.0 + i * 0.01 + 0.2,
+        )
+        for i in range(n)
+    ]
+    steps = [
+        StepRecord(k, 1000.0 + k * 0.004, 1000.0 + k * 0.004 + 0.003, prefill_tokens=k % 50,
+                   decode_seqs=k % 7, num_waiting=k % 11)
+        for k in range(int(n * 0.01 / 0.004))
+    ]  # fmt: skip
+    return _run_of(recs, steps)
+
+
+def test_large_runs_are_sampled_and_binned_and_say_so():
+    run = _big_run(12_000)  # 30,000 steps
+    fig = charts.ttft_vs_input(run)
+    shown = sum(len(t.x) for t in fig.data)
+    assert shown <= charts.MAX_SCATTER_POINTS
+    assert f"showing {shown:,} of 12,000 requests" in fig.layout.title.text
+    slowest = max(run.records, key=lambda r: r.ttft)
+    assert any(slowest.request_id in t.text for t in fig.data)  # the outliers stay
+    over = charts.latency_over_time(run)
+    (depth,) = [t for t in over.data if t.name.startswith("queue depth")]
+    assert len(depth.x) <= charts.MAX_LINE_POINTS and "max per" in depth.name
+    assert "of 30,000 steps" in depth.name and max(depth.y) == 10
+    gantt = charts.phase_timeline(run, [])
+    bars = [t for t in gantt.data if t.name.startswith("engine step")]
+    assert all(len(t.x) <= charts.MAX_STEP_BARS and "max per" in t.name for t in bars)
+    assert max(bars[0].y) == 49 and max(bars[1].y) == 6
+
+
+def test_small_runs_are_drawn_whole(runs):
+    run = runs["stalls"]
+    fig = charts.ttft_vs_input(run)
+    assert sum(len(t.x) for t in fig.data) == sum(r.ttft is not None for r in run.records)
+    assert fig.layout.title.text == "TTFT vs input length"
+    over = charts.latency_over_time(run)
+    (depth,) = [t for t in over.data if t.name.startswith("queue depth")]
+    assert depth.name == "queue depth (waiting)" and len(depth.x) == len(run.steps)

@@ -4,8 +4,8 @@ for display."""
 
 from __future__ import annotations
 
-import itertools
 import random
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ from plotly.subplots import make_subplots
 from servelab.analyze.attribution import TTFT_PARTS, Stall
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis, PartsTable
+from servelab.analyze.gaps import run_gaps
 from servelab.analyze.summary import stage_summaries
 from servelab.rundir import Run
 from servelab.vocab import ClientRecord, RequestTimeline
@@ -41,6 +42,12 @@ UNSPLIT = "not split: server + network (client view only)"
 UNSPLIT_MIN_SHARE = 0.01  # below this the parts are taken to cover TTFT (rounding, clock skew)
 MAX_CDF_POINTS = 1500
 GANTT_SAMPLE = 24
+# Above these, a chart draws a sample or per-bin aggregates (and says so): a browser
+# cannot show more than a few thousand markers or bars on a chart a screen wide.
+MAX_SCATTER_POINTS = 5000
+SCATTER_SLOWEST = 50  # the slowest requests a thinned scatter always keeps
+MAX_LINE_POINTS = 20_000
+MAX_STEP_BARS = 20_000
 
 
 def _layout(fig: go.Figure, title: str, height: int = 440, **kw: Any) -> go.Figure:
@@ -60,26 +67,46 @@ def class_colors(classes: list[str]) -> dict[str, str]:
     return {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(sorted(classes))}
 
 
+def _evenly(n: int, k: int) -> np.ndarray:
+    """``k`` of ``range(n)``, evenly spaced, first and last included."""
+    return np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))
+
+
 def ttft_vs_input(run: Run) -> go.Figure:
+    """One marker per request; above ``MAX_SCATTER_POINTS`` requests, those evenly spaced
+    in send order and the ``SCATTER_SLOWEST`` slowest, as the title says."""
     fig = go.Figure()
     colors = class_colors(run.classes)
+    recs = [r for r in run.records if r.ttft is not None]
+    title = "TTFT vs input length"
+    if len(recs) > MAX_SCATTER_POINTS:
+        ttft = np.array([r.ttft for r in recs])
+        slowest = np.argsort(-ttft, kind="stable")[:SCATTER_SLOWEST]
+        order = np.argsort([r.actual_send for r in recs], kind="stable")
+        even = order[_evenly(len(recs), MAX_SCATTER_POINTS - SCATTER_SLOWEST)]
+        keep = np.union1d(even, slowest)
+        title += (
+            f" (showing {len(keep):,} of {len(recs):,} requests: evenly spaced in send "
+            f"order, and the {SCATTER_SLOWEST} slowest)"
+        )
+        recs = [recs[i] for i in keep.tolist()]
     for cls in run.classes:
-        recs = [r for r in run.records if r.workload_class == cls and r.ttft is not None]
-        ttfts = [r.ttft for r in recs if r.ttft is not None]
+        mine = [r for r in recs if r.workload_class == cls]
+        ttfts = [r.ttft for r in mine if r.ttft is not None]
         fig.add_trace(
             go.Scatter(
-                x=[r.input_tokens for r in recs],
+                x=[r.input_tokens for r in mine],
                 y=[t * 1e3 for t in ttfts],
                 mode="markers",
                 name=cls,
                 marker={"color": colors[cls], "size": 6, "opacity": 0.7},
-                text=[r.request_id for r in recs],
+                text=[r.request_id for r in mine],
                 hovertemplate="%{text}<br>%{x} input tokens<br>TTFT %{y:.1f} ms<extra></extra>",
             )
         )
     return _layout(
         fig,
-        "TTFT vs input length",
+        title,
         xaxis_title="input length (tokens)",
         yaxis_title="TTFT (ms)",
         legend_title="workload class",
@@ -115,7 +142,7 @@ def lengths_sent(run: Run) -> go.Figure:
     return _layout(fig, "Lengths sent", legend_title="workload class", yaxis_title="requests")
 
 
-def _ecdf(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
+def _ecdf(values: Sequence[float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     v = np.sort(np.asarray(values))
     y = np.arange(1, len(v) + 1) / len(v)
     if len(v) > MAX_CDF_POINTS:
@@ -124,11 +151,13 @@ def _ecdf(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
     return v, y
 
 
-def cdf(series: dict[str, list[float]], title: str, x_title: str, legend: str) -> go.Figure:
+def cdf(
+    series: Mapping[str, Sequence[float] | np.ndarray], title: str, x_title: str, legend: str
+) -> go.Figure:
     """Empirical CDFs (values in seconds, drawn in ms), one line per series."""
     fig = go.Figure()
     for i, (name, vals) in enumerate(series.items()):
-        if not vals:
+        if not len(vals):
             continue
         x, y = _ecdf(vals)
         fig.add_trace(
@@ -147,8 +176,11 @@ def cdf(series: dict[str, list[float]], title: str, x_title: str, legend: str) -
 
 
 def itl_cdf(run: Run) -> go.Figure:
+    gaps = run_gaps(run)
     series = {
-        cls: [g for r in run.records if r.ok and r.workload_class == cls for g in r.itls]
+        cls: gaps.values[
+            gaps.mask(np.array([r.ok and r.workload_class == cls for r in run.records], bool))
+        ]
         for cls in run.classes
     }
     return cdf(series, "ITL distribution per class (CDF)", "inter-token latency (ms, log)", "class")
@@ -156,6 +188,36 @@ def itl_cdf(run: Run) -> go.Figure:
 
 def _bins(t0: float, t1: float, n: int = 40) -> np.ndarray:
     return np.linspace(t0, t1, n + 1) if t1 > t0 else np.array([t0, t0 + 1.0])
+
+
+def _binned_percentile(
+    t: np.ndarray, v: np.ndarray, edges: np.ndarray, q: float
+) -> list[float | None]:
+    """Per bin [edges[k], edges[k + 1]): the q-th percentile of the values whose time falls
+    in it, in ms (None for an empty bin). Sorted by time once, each bin is a slice."""
+    order = np.argsort(t, kind="stable")
+    t, v = t[order], v[order]
+    lo = np.searchsorted(t, edges[:-1], "left")
+    hi = np.searchsorted(t, edges[1:], "left")
+    return [
+        float(np.percentile(v[a:b], q)) * 1e3 if b > a else None
+        for a, b in zip(lo.tolist(), hi.tolist())
+    ]
+
+
+def _step_line(
+    t: np.ndarray, v: np.ndarray, limit: int = MAX_LINE_POINTS
+) -> tuple[np.ndarray, np.ndarray, float | None]:
+    """A step series as drawn: itself up to ``limit`` points, else the maximum of each of
+    ``limit`` equal time bins (at the bin's start), and the bin width."""
+    if len(t) <= limit:
+        return t, v, None
+    edges = np.linspace(t.min(), max(t.max(), t.min() + 1e-9), limit + 1)
+    k = np.clip(np.searchsorted(edges, t, "right") - 1, 0, limit - 1)
+    peak = np.full(limit, -np.inf)
+    np.maximum.at(peak, k, v)
+    has = np.isfinite(peak)
+    return edges[:-1][has], peak[has], float(edges[1] - edges[0])
 
 
 def latency_over_time(run: Run) -> go.Figure:
@@ -168,35 +230,35 @@ def latency_over_time(run: Run) -> go.Figure:
     ttft = np.array([r.ttft for r in ok])
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     for q, dash in ((50, "solid"), (95, "dash")):
-        ys = []
-        for a, b in itertools.pairwise(edges):
-            sel = ttft[(sends >= a) & (sends < b)]
-            ys.append(float(np.percentile(sel, q)) * 1e3 if len(sel) else None)
         fig.add_trace(
             go.Scatter(
                 x=mids,
-                y=ys,
+                y=_binned_percentile(sends, ttft, edges, q),
                 name=f"TTFT p{q} (ms)",
                 line={"dash": dash, "color": "#ff7f0e"},
                 connectgaps=False,
             ),
             secondary_y=False,
         )
-    gaps_t = np.array([t for r in ok for t in r.chunk_times[1:]])
-    gaps_v = np.array([g for r in ok for g in r.itls])
-    if len(gaps_v):
-        ys = []
-        for a, b in itertools.pairwise(edges):
-            sel = gaps_v[(gaps_t >= a) & (gaps_t < b)]
-            ys.append(float(np.percentile(sel, 99)) * 1e3 if len(sel) else None)
+    gaps = run_gaps(run)
+    mask = gaps.mask(np.array([r.ok and r.ttft is not None for r in run.records], bool))
+    if mask.any():
         fig.add_trace(
-            go.Scatter(x=mids, y=ys, name="ITL p99 (ms)", line={"color": "#1f77b4"}),
+            go.Scatter(
+                x=mids,
+                y=_binned_percentile(gaps.arrivals[mask], gaps.values[mask], edges, 99),
+                name="ITL p99 (ms)",
+                line={"color": "#1f77b4"},
+            ),
             secondary_y=False,
         )
-    inflight = [
-        sum(1 for r in run.records if r.actual_send <= m + t0 <= (r.done or r.actual_send))
-        for m in mids
-    ]
+    # in flight at t: sent at or before t, done (or sent) at or after it
+    starts = np.array([r.actual_send for r in run.records])
+    ends = np.array([(r.done or r.actual_send) for r in run.records])
+    valid = ends >= starts
+    starts, ends = np.sort(starts[valid]), np.sort(ends[valid])
+    at = mids + t0
+    inflight = (np.searchsorted(starts, at, "right") - np.searchsorted(ends, at, "left")).tolist()
     fig.add_trace(
         go.Scatter(
             x=mids,
@@ -209,12 +271,18 @@ def latency_over_time(run: Run) -> go.Figure:
         secondary_y=True,
     )
     if run.steps:
-        depth = [(s.start - t0, s.num_waiting) for s in run.steps]
+        xs, ys, width = _step_line(
+            np.array([s.start - t0 for s in run.steps]),
+            np.array([s.num_waiting for s in run.steps]),
+        )
+        name = "queue depth (waiting)"
+        if width is not None:
+            name += f" (max per {width:.3g} s of {len(run.steps):,} steps)"
         fig.add_trace(
             go.Scatter(
-                x=[d[0] for d in depth],
-                y=[d[1] for d in depth],
-                name="queue depth (waiting)",
+                x=xs.tolist(),
+                y=ys.tolist(),
+                name=name,
                 line={"color": "#7f7f7f", "shape": "hv"},
             ),
             secondary_y=True,
@@ -408,17 +476,21 @@ def phase_timeline(run: Run, stalls: list[Stall]) -> go.Figure:
         steps = [s for s in run.steps if lo <= s.start - t0 <= hi]
         mids = [(s.start + s.end) / 2 - t0 for s in steps]
         widths = [s.duration for s in steps]
-        lanes = (
+        lanes = [
             ("prefill", "prefill tokens", "prefill<br>tokens", [s.prefill_tokens for s in steps]),
             ("decode", "decode sequences", "decode<br>seqs", [s.decode_seqs for s in steps]),
-        )
+        ]
+        binned = ""
+        if len(steps) > MAX_STEP_BARS:
+            mids, widths, lanes = _step_bins(mids, lanes)
+            binned = f" (max per {widths[0]:.3g} s of {len(steps):,} steps)"
         for row, (phase, what, axis, ys) in enumerate(lanes, start=2):
             fig.add_trace(
                 go.Bar(
                     x=mids,
                     y=ys,
                     width=widths,
-                    name=f"engine step: {what}",
+                    name=f"engine step: {what}{binned}",
                     marker={"color": PHASE_COLORS[phase]},
                 ),
                 row=row,
@@ -434,6 +506,25 @@ def phase_timeline(run: Run, stalls: list[Stall]) -> go.Figure:
         legend_title="phase",
         bargap=0,
     )
+
+
+def _step_bins(
+    mids: list[float], lanes: list[tuple[str, str, str, list[int]]], n: int = MAX_STEP_BARS
+) -> tuple[list[float], list[float], list[tuple[str, str, str, list[int]]]]:
+    """Steps too many to draw one bar each, as ``n`` equal time bins holding each lane's
+    largest value (a bar per bin, as wide as the bin)."""
+    t = np.asarray(mids)
+    edges = np.linspace(t.min(), max(t.max(), t.min() + 1e-9), n + 1)
+    k = np.clip(np.searchsorted(edges, t, "right") - 1, 0, n - 1)
+    has = np.bincount(k, minlength=n) > 0
+    out = []
+    for phase, what, axis, ys in lanes:
+        peak = np.zeros(n, np.int64)
+        np.maximum.at(peak, k, np.asarray(ys, np.int64))
+        out.append((phase, what, axis, peak[has].tolist()))
+    width = float(edges[1] - edges[0])
+    centres = ((edges[:-1] + edges[1:]) / 2)[has].tolist()
+    return centres, [width] * len(centres), out
 
 
 # Phase rows of the timeline. Another server's phases come from its per-request figures

@@ -12,12 +12,14 @@ import html
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
+from servelab.analyze.gaps import run_gaps
 from servelab.analyze.summary import run_summary
 from servelab.report import charts
 from servelab.report.terminal import PART_LABELS
@@ -387,7 +389,7 @@ def comparison_html(
     notes = "".join(f'<p class="note">{esc(n)}</p>' for n in c.notes)
     recs = [[r for run in g for r in run.records if r.ok] for g in groups]
     ttft = {lab: [r.ttft for r in g if r.ttft is not None] for lab, g in zip(c.labels, recs)}
-    itl = {lab: [x for r in g for x in r.itls] for lab, g in zip(c.labels, recs)}
+    itl = {lab: _ok_gaps(g) for lab, g in zip(c.labels, groups)}
     return (
         warn
         + notes
@@ -414,6 +416,15 @@ def comparison_html(
             else ""
         )
     )
+
+
+def _ok_gaps(runs: list[Run]) -> np.ndarray:
+    """The ITL gaps of the successful requests of ``runs``, run after run."""
+    parts = []
+    for run in runs:
+        gaps = run_gaps(run)
+        parts.append(gaps.values[gaps.mask(np.array([r.ok for r in run.records], bool))])
+    return np.concatenate(parts) if parts else np.zeros(0)
 
 
 def build_report(
