@@ -102,3 +102,32 @@ def test_a_cut_last_line_is_skipped_and_a_bad_middle_line_is_an_error(tmp_path):
     (tmp_path / "requests.jsonl").write_text(good + "\n{oops\n" + good + "\n")
     with pytest.raises(RunDirError, match="requests.jsonl:2"):
         load_run(tmp_path)
+
+
+def test_rows_decoded_straight_into_records_equal_from_dict_of_each_row(tmp_path):
+    """Typed decoding, with every line msgspec's types refuse read through from_dict."""
+    from servelab.rundir import read_jsonl, read_rows
+    from servelab.vocab import RequestTimeline, StepRecord
+
+    rows = [
+        {"request_id": "a", "workload_class": "c", "intended_send": 1, "actual_send": 2.5},
+        {"request_id": "b", "workload_class": None, "intended_send": 0.0, "actual_send": 0.0},
+        {"request_id": "c", "workload_class": "c", "intended_send": 0.0, "actual_send": 0.0,
+         "input_tokens": 12.0, "chunk_times": [1, 2.5], "server_timeline": {"x": [1]},
+         "not_a_field": 3},
+    ]  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in rows) + "\n\n" + json.dumps(rows[0])[:25]
+    )
+    want = [ClientRecord.from_dict(r) for r in read_jsonl(tmp_path / "requests.jsonl")[0]]
+    got, cut = read_rows(tmp_path / "requests.jsonl", ClientRecord)
+    assert got == want and cut == 1
+    timeline = {"request_id": "a", "arrival": 1.0, "chunks": [{"step_id": 1, "start": 1.0,
+                "end": 2.0, "tokens": 5}], "finish_reason": "stop", "queue_time": 0.5}  # fmt: skip
+    step = {"step_id": 3, "start": 1.0, "end": 1.5, "prefill": {"a": 5}, "role": "prefill"}
+    for name, row, cls in (("server.jsonl", timeline, RequestTimeline), ("steps.jsonl", step, StepRecord)):  # fmt: skip
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+        assert read_rows(tmp_path / name, cls) == ([cls.from_dict(row)], 0)
+    # a cut line whose first values are already of the wrong type is still a cut line
+    (tmp_path / "requests.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1])[:60])
+    assert read_rows(tmp_path / "requests.jsonl", ClientRecord) == ([want[0]], 1)

@@ -36,7 +36,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -207,10 +207,49 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
     return rows, 0
 
 
+_Row = TypeVar("_Row", ClientRecord, RequestTimeline, StepRecord)
+
+
+def read_rows(path: Path, cls: type[_Row]) -> tuple[list[_Row], int]:
+    """``cls.from_dict`` of each row of a JSONL file, with ``read_jsonl``'s contract (none
+    if the file is missing; a cut-off last line skipped and counted; any other malformed
+    line an error naming it).
+
+    Each line is decoded straight into ``cls`` as the file is read: no dict per row, and no
+    copy of the whole file in memory. A line whose values ``cls``'s types do not admit
+    (an older or hand-written file) is read as a dict and goes through ``from_dict``."""
+    if not path.exists():
+        return [], 0
+    decode = msgspec.json.Decoder(cls).decode
+    rows: list[_Row] = []
+    with path.open("rb") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                rows.append(decode(line))
+                continue
+            except msgspec.ValidationError:
+                try:
+                    row = msgspec.json.decode(line)
+                except msgspec.DecodeError as e:
+                    err = e
+                else:
+                    rows.append(cls.from_dict(row))
+                    continue
+            except msgspec.DecodeError as e:
+                err = e
+            if not any(rest.strip() for rest in f):
+                return rows, 1  # a crash mid-append: the earlier lines are whole
+            raise RunDirError(
+                f"{path}:{i + 1} is not valid JSON ({err}); fix or delete that line"
+            ) from err
+    return rows, 0
+
+
 def read_records(path: str | Path) -> list[ClientRecord]:
     """Records of a ``requests.jsonl``; a cut-off last line (a crash mid-write) is skipped."""
-    rows, _ = read_jsonl(Path(path))
-    return [ClientRecord.from_dict(r) for r in rows]
+    return read_rows(Path(path), ClientRecord)[0]
 
 
 @dataclass
@@ -330,14 +369,14 @@ def load_run(path: str | Path) -> Run:
             "pass the directory that `servelab bench` printed at the end of its run"
         )
     manifest = read_json(p, "manifest.json") or {}
-    req_rows, s1 = read_jsonl(p / "requests.jsonl")
-    if not req_rows:
+    records, s1 = read_rows(p / "requests.jsonl", ClientRecord)
+    if not records:
         raise RunDirError(
             f"{p / 'requests.jsonl'} holds no finished request yet: there is nothing to "
             "analyse; wait for the run to finish requests (or rerun it)"
         )
-    tl_rows, s2 = read_jsonl(p / "server.jsonl")
-    step_rows, s3 = read_jsonl(p / "steps.jsonl")
+    tl_rows, s2 = read_rows(p / "server.jsonl", RequestTimeline)
+    steps, s3 = read_rows(p / "steps.jsonl", StepRecord)
     scrapes, s4 = read_jsonl(p / "metrics_scrape.jsonl")
     metrics = None
     if (p / "metrics.json").exists():
@@ -345,16 +384,13 @@ def load_run(path: str | Path) -> Run:
             metrics = json.loads((p / "metrics.json").read_text(encoding="utf-8"))
         except json.JSONDecodeError:
             metrics = None  # derived data: recomputed from the records when needed
-    timelines = {}
-    for row in tl_rows:
-        tl = RequestTimeline.from_dict(row)
-        timelines[tl.request_id] = tl
+    timelines = {tl.request_id: tl for tl in tl_rows}
     return Run(
         path=p,
         manifest=manifest,
-        records=[ClientRecord.from_dict(r) for r in req_rows],
+        records=records,
         timelines=timelines,
-        steps=sorted((StepRecord.from_dict(s) for s in step_rows), key=lambda s: s.start),
+        steps=sorted(steps, key=lambda s: s.start),
         metrics=metrics,
         scrapes=scrapes,
         skipped_lines=s1 + s2 + s3 + s4,
