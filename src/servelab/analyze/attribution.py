@@ -407,11 +407,9 @@ def _stall_gaps(
     median by ``STALL_MIN_EXCESS``; the test runs on every gap of the run at once."""
     counts = gaps.counts
     med = np.full(len(records), np.nan)
-    lists: dict[int, list[float]] = {}
     for i, r in enumerate(records):
         if r.ok and counts[i] >= MIN_GAPS_FOR_STALLS:
-            lists[i] = gaps.of_record(i)
-            med[i] = statistics.median(lists[i])
+            med[i] = statistics.median(gaps.of_record(i))
     per_gap = np.repeat(med, counts)
     stall = (gaps.values > STALL_FACTOR * per_gap) & (gaps.values - per_gap > STALL_MIN_EXCESS)
     pos = np.flatnonzero(stall)
@@ -420,7 +418,7 @@ def _stall_gaps(
     bounds = np.flatnonzero(np.diff(owner, prepend=-1, append=len(records)))
     for lo, hi in itertools.pairwise(bounds.tolist()):
         i = int(owner[lo])
-        yield i, lists[i], float(med[i]), local[lo:hi].tolist()
+        yield i, gaps.of_record(i), float(med[i]), local[lo:hi].tolist()
 
 
 def _stalls(

@@ -26,11 +26,9 @@ _SUM_BLOCK = 1 << 20  # gaps turned into Python floats at a time by ``record_sum
 
 @dataclass(frozen=True)
 class Gaps:
-    """``values[offsets[i]:offsets[i + 1]]`` is ``records[i].itls``; ``arrivals`` holds,
-    for each gap, the arrival of the chunk that closed it (``chunk_times[1:]``)."""
+    """``values[offsets[i]:offsets[i + 1]]`` is ``records[i].itls``."""
 
     values: np.ndarray
-    arrivals: np.ndarray
     offsets: np.ndarray
 
     @classmethod
@@ -41,16 +39,14 @@ class Gaps:
             np.float64,
             int(chunks.sum()),
         )
-        counts = np.maximum(chunks - 1, 0)
         offsets = np.zeros(len(records) + 1, np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        # a gap closes at every chunk but each record's first
-        closes = np.ones(times.size, bool)
-        firsts = np.cumsum(chunks) - chunks
-        closes[firsts[chunks > 0]] = False
-        arrivals = times[closes]
-        values = arrivals - times[np.flatnonzero(closes) - 1]
-        return cls(values, arrivals, offsets)
+        np.cumsum(np.maximum(chunks - 1, 0), out=offsets[1:])
+        diffs = np.diff(times)
+        # the differences that span two records: into each record's first chunk
+        firsts = (np.cumsum(chunks) - chunks)[chunks > 0]
+        keep = np.ones(diffs.size, bool)
+        keep[firsts[firsts > 0] - 1] = False
+        return cls(diffs[keep], offsets)
 
     @property
     def counts(self) -> np.ndarray:

@@ -4,6 +4,7 @@ for display."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -243,10 +244,13 @@ def latency_over_time(run: Run) -> go.Figure:
     gaps = run_gaps(run)
     mask = gaps.mask(np.array([r.ok and r.ttft is not None for r in run.records], bool))
     if mask.any():
+        arrivals = np.fromiter(
+            itertools.chain.from_iterable(r.chunk_times[1:] for r in ok), np.float64
+        )  # of the chunk that closed each gap
         fig.add_trace(
             go.Scatter(
                 x=mids,
-                y=_binned_percentile(gaps.arrivals[mask], gaps.values[mask], edges, 99),
+                y=_binned_percentile(arrivals, gaps.values[mask], edges, 99),
                 name="ITL p99 (ms)",
                 line={"color": "#1f77b4"},
             ),
