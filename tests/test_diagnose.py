@@ -558,3 +558,17 @@ def test_waits_behind_long_prefills_found_by_bisection_equal_a_scan(recs):
             if any(o is r or (s < r.chunk_times[0] and f > r.actual_send) for s, f, o in longs)
         }
     assert _behind_long_prefills(SimpleNamespace(run=SimpleNamespace(records=recs))) == want
+
+
+def test_stalls_and_breakdowns_serialise_as_asdict_would(runs, tmp_path):
+    from dataclasses import asdict
+
+    other = load_run(rundirs.as_other_target(rundirs.unchunked_stalls(tmp_path / "o")))
+    attrs = [attribute(runs[name]) for name in sorted(PLANTED)] + [attribute(other)]
+    stalls = [s for a in attrs for s in a.stalls]
+    assert {type(v) for s in stalls for v in s.evidence.values()} >= {int, float, list, str}
+    for s in stalls:
+        assert s.to_dict() == asdict(s) | {"excess": s.excess}
+        assert s.to_dict()["evidence"] is not s.evidence
+    for b in (b for a in attrs for b in a.ttft):
+        assert b.to_dict() == asdict(b)
