@@ -22,6 +22,8 @@ from servelab.units import fmt_ms
 if TYPE_CHECKING:
     from servelab.vocab import RequestTimeline
 
+MAX_WINDOW_ROWS = 60  # a terminal table of more time windows than this is not read
+
 PART_LABELS = {
     "client_lag": "client lag (intended -> actual send)",
     "connection": "waiting for a connection (new: DNS + connect + TLS)",
@@ -374,12 +376,24 @@ def print_timeslices(summary: dict[str, Any], console: Console) -> None:
 
 
 def slices_table(summary: dict[str, Any]) -> Table | None:
-    """One row per time window: rates, queue depth and latency percentiles."""
+    """One row per time window: rates, queue depth and latency percentiles; above
+    ``MAX_WINDOW_ROWS`` windows, that many evenly spaced ones (first and last included),
+    as the title says."""
     ts = summary.get("timeslices")
     if not ts or not ts["slices"]:
         return None
+    windows = ts["slices"]
+    shown = ""
+    if len(windows) > MAX_WINDOW_ROWS:
+        step = (len(windows) - 1) / (MAX_WINDOW_ROWS - 1)
+        windows = [windows[round(k * step)] for k in range(MAX_WINDOW_ROWS)]
+        shown = (
+            f"; showing {MAX_WINDOW_ROWS} of {len(ts['slices']):,}, evenly spaced "
+            "(all in --json and the HTML report)"
+        )
     t = Table(
-        title=f"time windows of {ts['slice_duration_s']:g} s (queue depth: {ts['depth_source']})",
+        title=f"time windows of {ts['slice_duration_s']:g} s (queue depth: {ts['depth_source']})"
+        + shown,
         title_justify="left",
     )
     for col in (
@@ -394,7 +408,7 @@ def slices_table(summary: dict[str, Any]) -> Table | None:
         "E2E p50",
     ):
         t.add_column(col, justify="left" if col.startswith("window") else "right")
-    for w in ts["slices"]:
+    for w in windows:
         depth = w["queue_depth"]
         t.add_row(
             window_label(w),
