@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.gaps import Gaps
-from servelab.analyze.stats import describe
 from servelab.analyze.timeseries import ServerSeries
 from servelab.vocab import ClientRecord
 
@@ -132,9 +131,14 @@ def _end(r: ClientRecord) -> float:
     return r.chunk_times[-1] if r.chunk_times else r.actual_send
 
 
-def _pcts(vals: Sequence[float] | np.ndarray) -> dict[str, float | None]:
-    d = describe(vals, n_boot=0)
-    return {"p50": d.p50, "p90": d.p90, "p99": d.p99}
+def _pcts(vals: np.ndarray) -> dict[str, float | None]:
+    """``describe``'s p50, p90 and p99 of the finite values (the same selection, without the
+    rest of ``describe``: a long run has thousands of windows)."""
+    v = vals[np.isfinite(vals)]
+    if not v.size:
+        return {"p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(v, (50, 90, 99)).tolist()
+    return {"p50": p50, "p90": p90, "p99": p99}
 
 
 def _server_depth(series: ServerSeries | None) -> list[tuple[float, float]] | None:
@@ -278,9 +282,9 @@ def timeslices(
                 "offered_rate": int(offered_n[k]) / dur,
                 "achieved_rate": int(completed_n[k]) / dur,
                 "queue_depth": depth,
-                "ttft": _pcts(_finite(ttft[mine])),
+                "ttft": _pcts(ttft[mine]),
                 "itl": _pcts(gaps.values[by_gap[k]]),
-                "e2e": _pcts(_finite(e2e[mine])),
+                "e2e": _pcts(e2e[mine]),
             }
         )
     offered_all = int(np.searchsorted(intended, sends_end, "right")) - int(
@@ -305,10 +309,6 @@ def timeslices(
 
 def _nan(x: float | None) -> float:
     return math.nan if x is None else x
-
-
-def _finite(v: np.ndarray) -> np.ndarray:
-    return v[np.isfinite(v)]
 
 
 def _split(labels: np.ndarray, n: int) -> list[np.ndarray]:
