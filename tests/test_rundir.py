@@ -131,3 +131,15 @@ def test_rows_decoded_straight_into_records_equal_from_dict_of_each_row(tmp_path
     # a cut line whose first values are already of the wrong type is still a cut line
     (tmp_path / "requests.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1])[:60])
     assert read_rows(tmp_path / "requests.jsonl", ClientRecord) == ([want[0]], 1)
+
+
+def test_loading_pauses_the_cyclic_collector_and_restores_it(tmp_path):
+    import gc
+
+    (tmp_path / "requests.jsonl").write_text("")
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        with pytest.raises(RunDirError, match="holds no finished request"):
+            load_run(tmp_path)
+        assert gc.isenabled() is enabled
+    gc.enable()
