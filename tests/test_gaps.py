@@ -32,14 +32,16 @@ def test_pooled_gaps_of_a_group_are_its_metric_values(recs, data):
     assert groups.tolist() == want_groups
 
 
-def test_long_runs_sum_in_blocks(monkeypatch):
+def test_long_runs_are_read_and_summed_in_blocks(monkeypatch):
     import servelab.analyze.gaps as g
     from servelab.vocab import ClientRecord
 
-    monkeypatch.setattr(g, "_SUM_BLOCK", 7)  # blocks end mid-run and between records
+    monkeypatch.setattr(g, "_BLOCK", 7)  # blocks of a record or a few
     rng = np.random.default_rng(0)
     recs = [
         ClientRecord(f"r{i}", "c", 0.0, 0.0, chunk_times=np.cumsum(rng.random(int(n))).tolist())
         for i, n in enumerate(rng.integers(0, 25, size=60))
     ]
-    assert Gaps.of(recs).record_sums == [sum(r.itls) for r in recs]
+    gaps = Gaps.of(recs)
+    assert [gaps.of_record(i) for i in range(len(recs))] == [r.itls for r in recs]
+    assert gaps.record_sums == [sum(r.itls) for r in recs]

@@ -428,9 +428,13 @@ def _stall_gaps(
     for i, r in enumerate(records):
         if r.ok and counts[i] >= MIN_GAPS_FOR_STALLS:
             med[i] = statistics.median(gaps.of_record(i))
-    per_gap = np.repeat(med, counts)
-    stall = (gaps.values > STALL_FACTOR * per_gap) & (gaps.values - per_gap > STALL_MIN_EXCESS)
-    pos = np.flatnonzero(stall)
+    found = []
+    for a, b in gaps.blocks():
+        g = gaps.values[gaps.offsets[a] : gaps.offsets[b]]
+        per_gap = np.repeat(med[a:b], counts[a:b])
+        stall = (g > STALL_FACTOR * per_gap) & (g - per_gap > STALL_MIN_EXCESS)
+        found.append(np.flatnonzero(stall) + gaps.offsets[a])
+    pos = np.concatenate(found) if found else np.zeros(0, np.int64)
     owner = np.searchsorted(gaps.offsets, pos, "right") - 1
     local = pos - gaps.offsets[owner]
     bounds = np.flatnonzero(np.diff(owner, prepend=-1, append=len(records)))

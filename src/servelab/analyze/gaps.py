@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from servelab.rundir import Run
 from servelab.vocab import ClientRecord
 
-_SUM_BLOCK = 1 << 20  # gaps turned into Python floats at a time by ``record_sums``
+_BLOCK = 1 << 20  # values handled at a time: a long run's temporaries stay a few MB
 
 
 @dataclass(frozen=True)
@@ -34,19 +34,24 @@ class Gaps:
     @classmethod
     def of(cls, records: Sequence[ClientRecord]) -> Gaps:
         chunks = np.fromiter((len(r.chunk_times) for r in records), np.int64, len(records))
-        times = np.fromiter(
-            itertools.chain.from_iterable(r.chunk_times for r in records),
-            np.float64,
-            int(chunks.sum()),
-        )
+        starts = np.zeros(len(records) + 1, np.int64)  # of each record's chunks
+        np.cumsum(chunks, out=starts[1:])
         offsets = np.zeros(len(records) + 1, np.int64)
         np.cumsum(np.maximum(chunks - 1, 0), out=offsets[1:])
-        diffs = np.diff(times)
-        # the differences that span two records: into each record's first chunk
-        firsts = (np.cumsum(chunks) - chunks)[chunks > 0]
-        keep = np.ones(diffs.size, bool)
-        keep[firsts[firsts > 0] - 1] = False
-        return cls(diffs[keep], offsets)
+        values = np.empty(int(offsets[-1]), np.float64)
+        for i, j in _blocks(starts, _BLOCK):  # whole records, so no gap spans two blocks
+            times = np.fromiter(
+                itertools.chain.from_iterable(r.chunk_times for r in records[i:j]),
+                np.float64,
+                int(starts[j] - starts[i]),
+            )
+            diffs = np.diff(times)
+            # the differences that span two records: into each record's first chunk
+            firsts = (starts[i:j] - starts[i])[chunks[i:j] > 0]
+            keep = np.ones(diffs.size, bool)
+            keep[firsts[firsts > 0] - 1] = False
+            values[offsets[i] : offsets[j]] = diffs[keep]
+        return cls(values, offsets)
 
     @property
     def counts(self) -> np.ndarray:
@@ -69,22 +74,34 @@ class Gaps:
         groups = np.repeat(np.arange(len(idx)), self.counts[idx])
         return self.values[self.mask(rows)], groups
 
+    def blocks(self) -> Iterator[tuple[int, int]]:
+        """Ranges ``[i, j)`` of records holding about a million gaps each, in order: work
+        on a long run's gaps block by block keeps its temporaries small."""
+        return _blocks(self.offsets, _BLOCK)
+
     @functools.cached_property
     def record_sums(self) -> list[float]:
         """Each record's gaps summed left to right: ``sum(records[i].itls)``, the same
         float (numpy's sums pair terms up, and round differently)."""
         out: list[float] = []
-        n = len(self.offsets) - 1
-        i = 0
-        while i < n:
+        for i, j in self.blocks():
             base = int(self.offsets[i])
-            j = max(i + 1, int(np.searchsorted(self.offsets, base + _SUM_BLOCK, "right")) - 1)
-            j = min(j, n)
             block = self.values[base : int(self.offsets[j])].tolist()
             bounds = (self.offsets[i : j + 1] - base).tolist()
             out.extend(sum(block[lo:hi]) for lo, hi in itertools.pairwise(bounds))
-            i = j
         return out
+
+
+def _blocks(offsets: np.ndarray, size: int) -> Iterator[tuple[int, int]]:
+    """Consecutive ranges ``[i, j)`` of records, each holding about ``size`` of the items
+    that ``offsets`` (cumulative, from 0) counts, and at least one record."""
+    n = len(offsets) - 1
+    i = 0
+    while i < n:
+        j = int(np.searchsorted(offsets, offsets[i] + size, "right")) - 1
+        j = min(max(j, i + 1), n)
+        yield i, j
+        i = j
 
 
 def run_gaps(run: Run) -> Gaps:
