@@ -291,18 +291,18 @@ def test_binned_windows_equal_the_scan_with_a_server_series(recs, data):
     assert got == _plain_timeslices(recs, start, end, dur, series=series)
 
 
-def test_the_terminal_shows_at_most_sixty_windows_and_says_so():
+def test_the_terminal_shows_at_most_120_windows_and_says_so():
     from servelab.analyze.summary import summarize
     from servelab.report.terminal import MAX_WINDOW_ROWS, slices_table
 
-    short = summarize(queue_run(6.4, 500.0, 0), n_boot=0, slice_duration=10.0)
-    assert len(short["timeslices"]["slices"]) == 50
-    assert slices_table(short).row_count == 50
-    long = summarize(queue_run(6.4, 800.0, 0), n_boot=0, slice_duration=10.0)
+    short = summarize(queue_run(6.4, 1000.0, 0), n_boot=0, slice_duration=10.0)
+    assert len(short["timeslices"]["slices"]) == 100
+    assert slices_table(short).row_count == 100
+    long = summarize(queue_run(6.4, 1500.0, 0), n_boot=0, slice_duration=10.0)
     table = slices_table(long)
-    assert table.row_count == MAX_WINDOW_ROWS == 60
-    assert "showing 60 of 80, evenly spaced" in str(table.title)
+    assert table.row_count == MAX_WINDOW_ROWS == 120
+    assert "showing 120 of 150, evenly spaced" in str(table.title)
     console = Console(width=160, record=True)
     console.print(table)
     text = console.export_text()
-    assert "0-10 " in text and "790-799" in text  # the first and the last windows
+    assert "0-10 " in text and "1490-1499" in text  # the first and the last windows

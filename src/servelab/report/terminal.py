@@ -22,7 +22,7 @@ from servelab.units import fmt_ms
 if TYPE_CHECKING:
     from servelab.vocab import RequestTimeline
 
-MAX_WINDOW_ROWS = 60  # a terminal table of more time windows than this is not read
+MAX_WINDOW_ROWS = 120  # a terminal table of more time windows than this is not read
 
 PART_LABELS = {
     "client_lag": "client lag (intended -> actual send)",
