@@ -190,6 +190,7 @@ class _Columns:
         gaps: Gaps | None = None,
     ) -> None:
         self.records = records
+        self.window = window
         n = len(records)
         self.ok = np.fromiter((r.ok for r in records), bool, n)
         self.sent = np.fromiter((window.contains(r.actual_send) for r in records), bool, n)
@@ -218,7 +219,7 @@ class _Columns:
         return v[np.isfinite(v)], None
 
     def group(
-        self, idx: np.ndarray, *, n_boot: int, seed: int, confidence: float, window: Window
+        self, idx: np.ndarray, *, n_boot: int, seed: int, confidence: float
     ) -> dict[str, Any]:
         """``summarize_group`` of ``records[idx]`` (``idx`` ascending)."""
         recs = self.records
@@ -227,7 +228,7 @@ class _Columns:
         completed = idx[self.completed[idx]]
         n_good = int(self.met[sent].sum())
         n_good_completed = int(self.met[completed].sum())
-        dur = window.duration
+        dur = self.window.duration
 
         def rate(x: float) -> float | None:
             return x / dur if dur > 0 else None
@@ -290,9 +291,7 @@ def summarize_group(
     each record's SLO.
     """
     cols = _Columns(records, window, _slo_lookup(slo))
-    return cols.group(
-        np.arange(len(records)), n_boot=n_boot, seed=seed, confidence=confidence, window=window
-    )
+    return cols.group(np.arange(len(records)), n_boot=n_boot, seed=seed, confidence=confidence)
 
 
 def _slo_lookup(
@@ -401,12 +400,12 @@ def summarize(
         bucket_label(bucket_edges[-1], bucket_edges)
     ]
 
-    overall = cols.group(np.arange(len(records)), window=window, **kw)
+    overall = cols.group(np.arange(len(records)), **kw)
 
     def group(idx: list[int]) -> dict[str, Any]:
         if len(idx) == len(records):  # one class or bucket holds every record
             return copy.deepcopy(overall)
-        return cols.group(np.asarray(idx, dtype=np.int64), window=window, **kw)
+        return cols.group(np.asarray(idx, dtype=np.int64), **kw)
 
     by_class_summary = {k: group(v) for k, v in sorted(by_class.items())}
     by_bucket_summary = {k: group(by_bucket[k]) for k in bucket_order if k in by_bucket}
