@@ -39,7 +39,13 @@ def test_long_runs_are_read_and_summed_in_blocks(monkeypatch):
     monkeypatch.setattr(g, "_BLOCK", 7)  # blocks of a record or a few
     rng = np.random.default_rng(0)
     recs = [
-        ClientRecord(f"r{i}", "c", 0.0, 0.0, chunk_times=np.cumsum(rng.random(int(n))).tolist())
+        ClientRecord(
+            request_id=f"r{i}",
+            workload_class="c",
+            intended_send=0.0,
+            actual_send=0.0,
+            chunk_times=np.cumsum(rng.random(int(n))).tolist(),
+        )
         for i, n in enumerate(rng.integers(0, 25, size=60))
     ]
     gaps = Gaps.of(recs)

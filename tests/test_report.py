@@ -191,7 +191,13 @@ def _run_of(recs, steps=()):
 
     from servelab.rundir import Run
 
-    return Run(Path("mem"), {"name": "mem"}, list(recs), {}, sorted(steps, key=lambda s: s.start))
+    return Run(
+        path=Path("mem"),
+        manifest={"name": "mem"},
+        records=list(recs),
+        timelines={},
+        steps=sorted(steps, key=lambda s: s.start),
+    )
 
 
 def _plain_over_time(run):
@@ -242,10 +248,10 @@ def _big_run(n):
 
     recs = [
         ClientRecord(
-            f"r{i}",
-            "chat" if i % 3 else "rag",
-            1000.0 + i * 0.01,
-            1000.0 + i * 0.01,
+            request_id=f"r{i}",
+            workload_class="chat" if i % 3 else "rag",
+            intended_send=1000.0 + i * 0.01,
+            actual_send=1000.0 + i * 0.01,
             input_tokens=100 + i % 700,
             output_tokens=3,
             chunk_times=[1000.0 + i * 0.01 + 0.05 + (i % 97) * 1e-3 + k * 0.02 for k in range(3)],
@@ -255,8 +261,8 @@ def _big_run(n):
         for i in range(n)
     ]
     steps = [
-        StepRecord(k, 1000.0 + k * 0.004, 1000.0 + k * 0.004 + 0.003, prefill_tokens=k % 50,
-                   decode_seqs=k % 7, num_waiting=k % 11)
+        StepRecord(step_id=k, start=1000.0 + k * 0.004, end=1000.0 + k * 0.004 + 0.003,
+                   prefill_tokens=k % 50, decode_seqs=k % 7, num_waiting=k % 11)
         for k in range(int(n * 0.01 / 0.004))
     ]  # fmt: skip
     return _run_of(recs, steps)
