@@ -2,7 +2,7 @@
 conversational trace on a simulated H200 serving Llama-3.1-8B, then `servelab diagnose` and
 `servelab report --html` of the run it wrote, each timed as a subprocess.
 
-    .venv/bin/python benchmarks/analyze_speed.py [--requests 19366,200000] [--out DIR]
+    .venv/bin/python -m benchmarks.analyze.analyze_speed [--requests 19366,200000] [--out DIR]
                                                  [--commands sim,diagnose,report]
 
 Sizes above the trace's 19,366 requests replay it again and again, each copy shifted by the
