@@ -46,6 +46,8 @@ from typing import Any
 
 import yaml
 
+from servelab.workflows.demo import mixed_workload
+
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
 INVALID_RUN = 3  # `servelab bench`: finished, but the client could not keep its timing
 REPLAY_TOLERANCE = 0.15
@@ -65,28 +67,8 @@ RAG_UNIQUE = {
         }
     ],
 }
-# The demo's mixed traffic (workflows.demo.mixed_workload at scale 1): two short chats per
-# long unique RAG prompt.
-DEMO_MIXED = {
-    "name": "demo-mixed",
-    "classes": [
-        {
-            "name": "chat",
-            "weight": 2,
-            "input": {"dist": "uniform", "min": 32, "max": 64},
-            "output": {"dist": "uniform", "min": 32, "max": 48},
-            "slo": {"itl": "500ms"},
-        },
-        {
-            "name": "rag",
-            "text": "question",
-            "input": {"dist": "uniform", "min": 700, "max": 800},
-            "output": {"dist": "fixed", "value": 4},
-            "slo": {"ttft": "6s"},
-        },
-    ],
-}
-WORKLOAD_FILES = {"rag-unique": RAG_UNIQUE, "demo-mixed": DEMO_MIXED}
+# the demo's own mixed traffic: two short chats per long unique RAG prompt
+WORKLOAD_FILES = {"rag-unique": RAG_UNIQUE, "demo-mixed": mixed_workload(1.0)}
 
 
 @dataclass(frozen=True)
