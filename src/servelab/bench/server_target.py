@@ -145,6 +145,15 @@ async def reset_prefix_cache(url: str, api_key: str | None = None) -> tuple[bool
         return False, f"could not ask: {e}"
 
 
+def log_tail(path: Path, n: int = 25) -> str:
+    """The last ``n`` lines of a launched server's log ("" when it cannot be read)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -243,11 +252,7 @@ class LaunchedServer:
             _pin_client(split[0])
 
     def log_tail(self, n: int = 25) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
     async def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S, status: Any = None) -> None:
         """Poll ``/health`` until 200; raise RuntimeError (with the log tail) on failure."""

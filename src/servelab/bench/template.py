@@ -38,7 +38,7 @@ import aiohttp
 
 from servelab.analyze.serversettings import kind_of_command, parse_flags
 from servelab.bench.manifest import hide_secrets, redact, secrets_in
-from servelab.bench.server_target import free_port
+from servelab.bench.server_target import free_port, log_tail
 
 HEALTH_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
@@ -168,11 +168,7 @@ class TemplateServer:
         self._thread.start()
 
     def log_tail(self, n: int = 25) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
     async def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S, status: Any = None) -> None:
         """Poll ``/health`` and ``/v1/models`` until one answers 200. RuntimeError, with the
