@@ -328,3 +328,29 @@ def test_connection_reuse_and_set_up_are_in_the_records(url):
         assert parts == pytest.approx(r.ttft)
     assert first.connection_wait >= first.connect_time
     assert all(r.connection_wait < first.connection_wait for r in rest)
+
+
+def test_a_class_temperature_is_sent_over_the_runs_sampling(smollm_tok):
+    from servelab.bench.client import request_body
+    from servelab.bench.request_plan import LoadSpec, build_plan
+    from servelab.bench.workload import parse_workload
+
+    spec = parse_workload(
+        {
+            "classes": [
+                {"name": "edit", "input": {"dist": "fixed", "value": 8},
+                 "output": {"dist": "fixed", "value": 4}, "temperature": 0.0},
+                {"name": "chat", "input": {"dist": "fixed", "value": 8},
+                 "output": {"dist": "fixed", "value": 4}},
+            ]
+        }
+    )  # fmt: skip
+    plan = build_plan(spec, LoadSpec(concurrency=1, requests=12), seed=0, tokenizer=smollm_tok)
+    target = Target("http://x", "m", extra_body={"temperature": 0.7, "top_p": 0.9})
+    temps = {r.tags.workload_class: request_body(target, r, "p")["temperature"] for r in plan}
+    # The edit class's own 0 wins over --sampling; chat keeps the run's; the rest is kept.
+    assert temps == {"edit": 0.0, "chat": 0.7}
+    assert all(request_body(target, r, "p")["top_p"] == 0.9 for r in plan)
+    # Without either, the server's default: no temperature is sent.
+    chat = next(r for r in plan if r.tags.workload_class == "chat")
+    assert "temperature" not in request_body(Target("http://x", "m"), chat, "p")

@@ -25,8 +25,10 @@ from servelab.sim.sim_target import roofline_target
 from servelab.sim.simulation import SimRequest, Simulation
 from servelab.vocab import ClientRecord, RequestTags
 
-# Every tag but ``priority``, which goes in the request body and is not recorded.
-RECORDED = tuple(f.name for f in dataclasses.fields(RequestTags) if f.name != "priority")
+# Every tag but ``priority`` and ``temperature``, which go in the request body and are not
+# recorded.
+SENT_ONLY = ("priority", "temperature")
+RECORDED = tuple(f.name for f in dataclasses.fields(RequestTags) if f.name not in SENT_ONLY)
 
 # Every tag set away from its default, so a tag the record drops cannot pass unnoticed.
 SPEC = {
@@ -40,6 +42,7 @@ SPEC = {
             "session": {"turns": 2, "think_time": 0},
             "stream": False,
             "priority": 2,
+            "temperature": 0.0,
         },
         {"name": "chat", "input": 10, "output": 3, "priority": 1},
     ],
@@ -62,7 +65,7 @@ def _planned(tags: RequestTags) -> dict:
 
 def test_the_plan_sets_every_tag_away_from_its_default():
     plan = _plan(6)
-    for name in (*RECORDED, "priority"):
+    for name in (*RECORDED, *SENT_ONLY):
         default = getattr(RequestTags(), name)
         assert any(getattr(p.tags, name) != default for p in plan), name
 
@@ -172,6 +175,7 @@ def test_the_bench_client_records_the_tags_and_sends_the_priority():
         assert _recorded(rec) == _planned(p.tags) and rec.stage == "rate=50"
         body = bodies[rec.sent_request_id]
         assert body["stream"] == p.tags.stream and body.get("priority", 0) == p.tags.priority
+        assert body.get("temperature") == p.tags.temperature
 
 
 def test_a_skipped_turn_keeps_the_tags_it_was_planned_with():

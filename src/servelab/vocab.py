@@ -220,8 +220,8 @@ class StepRecord:
 class RequestTags:
     """What one request is, as its workload planned it: its class, its place in a session,
     the shared prefix it starts with, and how it is served. The plan sets them once and they
-    travel unchanged to the request's ClientRecord; ``priority`` is sent (lower is served
-    first) but not recorded."""
+    travel unchanged to the request's ClientRecord; ``priority`` (lower is served first) and
+    ``temperature`` (None: the run's or the server's) are sent but not recorded."""
 
     workload_class: str = "default"
     session_id: str | None = None
@@ -229,6 +229,7 @@ class RequestTags:
     prefix_group: str | None = None
     stream: bool = True
     priority: int = 0
+    temperature: float | None = None
 
 
 @dataclass(kw_only=True)

@@ -162,6 +162,8 @@ def request_body(
         if priority:
             body["priority"] = priority
     body.update(target.extra_body)
+    if req.tags.temperature is not None:  # the class's own, over the run's --sampling
+        body["temperature"] = req.tags.temperature
     return body
 
 

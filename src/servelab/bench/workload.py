@@ -262,6 +262,9 @@ class ClassSpec(BaseModel):
     stream: bool = True
     text: Literal["prose", "code", "question"] = "prose"
     priority: int = 0
+    # Sent as the request's ``temperature`` (a class of code edits at 0 beside sampled chat);
+    # None leaves it to the run's --sampling, then to the server's default.
+    temperature: float | None = Field(None, ge=0)
     slo: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
 
     _slo = field_validator("slo", mode="before")(_slo_dict)
