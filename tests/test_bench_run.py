@@ -483,3 +483,24 @@ def test_no_request_id_header_sends_none(tmp_path):
     assert all(r.ok for r in records) and set(seen) == {None}
     assert all(r.sent_request_id is None for r in records)
     assert manifest["config"]["request_id_header"] == "off (--no-request-id-header)"
+
+
+def test_the_recount_warning_only_where_the_tokenizers_can_differ():
+    """A differing re-count is worth a warning only where the client's tokenizer may not be
+    the server's: a servelab server serving the model the tokenizer is named after, or one
+    answering /tokenize, counts with the client's own."""
+    from rich.console import Console
+
+    from servelab.bench.run import Bench, BenchOptions
+    from servelab.bench.server_target import ServerInfo
+
+    def same(tokenizer: str, timelines: bool, model: str, source: str = "--tokenizer") -> bool:
+        b = Bench(BenchOptions(url="http://x", tokenizer=tokenizer), Console())
+        b.info = ServerInfo("http://x", models=[{"id": model}], timelines=timelines)
+        b.tokenizer_source = source
+        return b._servers_tokenizer()
+
+    assert same("smollm2-135m", True, "smollm2-135m")  # the embedded engine
+    assert not same("smollm2-135m", False, "smollm2-135m")  # another server's own counting
+    assert not same("gpt2", True, "smollm2-135m")  # a servelab server, another model
+    assert same("gpt2", False, "m", source="server /tokenize")

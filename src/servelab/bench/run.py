@@ -9,6 +9,7 @@ check and summary; the run is invalid if any stage's client was the bottleneck.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import secrets
 import shlex
@@ -463,7 +464,9 @@ class Bench:
         assert stage.summary is not None
         t = stage.summary["tokens"]
         where = f"{stage.label}: " if stage.label else ""
-        if t["usage_vs_client_disagreements"]:
+        # With the server's own tokenizer a differing re-count is text that re-encodes to
+        # other tokens, and the server's usage is right: the figures stay in metrics.json.
+        if t["usage_vs_client_disagreements"] and not self._servers_tokenizer():
             self.warnings.append(
                 f"{where}{t['usage_vs_client_disagreements']} of {t['recounted']} requests: the "
                 "server's usage and the client's re-count of output tokens differ (see metrics.json "
@@ -485,6 +488,15 @@ class Bench:
                 "requests did not produce the requested output length: the server ignores "
                 "min_tokens/ignore_eos, so output lengths follow the model"
             )
+
+    def _servers_tokenizer(self) -> bool:
+        """Whether the client re-counts with the tokenizer the server counts with: the
+        server's own ``/tokenize``, or a servelab server serving the model the client's
+        tokenizer is named after (the embedded engine, launched or not)."""
+        if self.tokenizer_source == "server /tokenize":
+            return True
+        i, name = self.info, self.o.tokenizer or self.o.model
+        return i is not None and i.timelines and name is not None and name == i.model_id
 
     def _figures_warning(self, stage: Stage) -> None:
         """One warning for every request whose per-request server figures were unreadable."""
@@ -715,6 +727,11 @@ class Bench:
             )
             self.request_ids = target.ids
             http = HttpClient(self.info.url)
+            # Whatever the calling process holds (a demo or matrix keeps earlier runs loaded)
+            # stays out of the collector's full passes while requests stream: one pass over
+            # a few runs' records held this client's loop for 131 ms in a demo run.
+            gc.collect()
+            gc.freeze()
             try:
                 if o.distributed:
                     self.pool = await self._start_workers(target)
@@ -730,6 +747,7 @@ class Bench:
                             self.warnings.append(why)
                             break
             finally:
+                gc.unfreeze()
                 self.stamping = http.stamping
                 await http.close()
                 if self.pool is not None:
