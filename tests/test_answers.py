@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 from rich.console import Console
-from rundirs import calm
+from rundirs import Engine, Req, calm, chat_requests, write_run
 
-from servelab.analyze.answers import MAX_ITL, Question, answer, during_prefill, measure
+from servelab.analyze.answers import (
+    MAX_ITL,
+    Question,
+    answer,
+    disagg_answer,
+    during_prefill,
+    measure,
+    spec_answer,
+)
 from servelab.report.terminal import render_answers
 from servelab.rundir import load_run
-from servelab.vocab import ClientRecord
+from servelab.vocab import ClientRecord, SpecRecord
+from servelab.workflows import demo
 
 Q = Question(
     id="chunked_prefill",
@@ -164,3 +174,60 @@ def test_longest_itl_per_request_sees_what_chunking_spreads(tmp_path):
     a = answer(q, [off], [on])
     assert a.verdict == "significant" and a.key.counts == m.counts
     assert f"over {m.counts[1]} and {m.counts[0]} such chat streams" in a.answer
+
+
+def _mixed(path, seed: int, eng: Engine):
+    """Chats decoding while rare 3000-token RAG prompts arrive (rundirs.unchunked_stalls's
+    traffic), on the engine given."""
+    reqs = chat_requests(60, 8.0, seed, outputs=(40, 60))
+    rng = random.Random(seed + 1)
+    reqs += [Req(f"d{k}", "rag", 0.4 + 1.6 * k + rng.uniform(0, 0.1), 3000, 4) for k in range(4)]
+    return load_run(write_run(path, reqs, eng, seed=seed))
+
+
+def test_disaggregation_pays_only_where_ttft_does_not_pay_for_it(tmp_path):
+    q = demo.QUESTIONS["disaggregation"]
+    colocated = _mixed(tmp_path / "co", 1, Engine(enable_chunked_prefill=False))
+    # Decodes no longer stalled by the long prompts, TTFT as before: it pays.
+    protected = _mixed(tmp_path / "ok", 1, Engine(max_num_batched_tokens=512))
+    a = disagg_answer(q, [colocated], [protected])
+    assert a.key.delta < -0.3 and a.verdict == "significant"
+    assert a.extra["pays"] and a.answer.startswith("Yes")
+    # More protection from a budget of 128 tokens, which TTFT pays for: it does not pay.
+    dear = disagg_answer(
+        q, [colocated], [_mixed(tmp_path / "dear", 1, Engine(max_num_batched_tokens=128))]
+    )
+    assert dear.cost.delta > 0 and dear.cost.p_value < 0.05
+    assert not dear.extra["pays"] and dear.answer.startswith("No, not on this machine")
+    # The colocated run's contention is stated, from its own stalls.
+    assert dear.extra["phase_contention"]["decode_time_lost_to_prefill"] > 0.1
+
+
+def _spec_run(path, seed: int, slowdown: float, drafts: bool):
+    reqs = chat_requests(30, 3.0, seed, cls="edit", prefix="e")
+    reqs += chat_requests(30, 3.0, seed + 7, cls="chat", prefix="c")
+    eng = Engine(
+        step_overhead=0.004 * slowdown, prefill_cost=0.0001 * slowdown, decode_cost=0.001 * slowdown
+    )
+    run = load_run(write_run(path, reqs, eng, seed=seed))
+    if drafts:  # every edit step verified 4 drafts, 3 accepted; chat proposed and missed
+        for rec in run.records:
+            tl = run.timeline_for(rec)
+            k = 3 if rec.workload_class == "edit" else 0
+            tl.spec = [SpecRecord(step_id=0, proposed=4, accepted=k)]
+    return run
+
+
+def test_spec_answer_says_where_it_pays_and_where_it_does_not(tmp_path):
+    q = dataclasses.replace(
+        demo.QUESTIONS["spec_decode"], key_at="at concurrency 1", cost_at="at concurrency 8"
+    )
+    low = ([_spec_run(tmp_path / "a", 0, 2.0, False)], [_spec_run(tmp_path / "b", 0, 1.0, True)])
+    high = ([_spec_run(tmp_path / "c", 5, 1.0, False)], [_spec_run(tmp_path / "d", 5, 1.0, True)])
+    a = spec_answer(q, low, high)
+    assert a.verdict == "significant" and a.key.delta < -0.3
+    assert a.answer.startswith("Yes for edit at concurrency 1")
+    assert "75% of drafts accepted" in a.answer and "0% of drafts accepted" in a.answer
+    assert "for chat it does not pay" in a.answer
+    assert a.key.label.endswith("at concurrency 1") and a.cost.label.endswith("at concurrency 8")
+    assert a.extra["acceptance"]["edit_low"]["mean_accepted_length"] == 4.0

@@ -94,16 +94,16 @@ SCENARIOS: dict[str, tuple[EngineConfig, str | None, LoadSpec, Topology]] = {
 # field (``disputed_usage``, the request ids and connection set-up: without those keys the
 # digests were the earlier ones), never for speed.
 DIGESTS = {
-    "agent": "7758d32abeebfc308c111dc94c3a8a5980007545b2872969ca8beb57cc809d7a",
-    "least-loaded": "a5309ba184273423b378d2bf2a93439251b678bdc118a559340abc6ab6bf135d",
-    "no-chunking": "4368029af85f27175a6a49cf7611f722416a8b76eb830698cdb229bb151e905e",
-    "pd": "a7bcc199dedc3dc22eec58fe7a9d67fa07e5978772d08266c37cda9b8d0ce7c5",
-    "preempt": "68fc624ccfe4d5f6be9d1c770402d282fb62422b20c9ff4d96d708fc60a6d164",
-    "prefix-aware": "32a6f64e9a0f7421f8956380c13947a5753b0e0691154fce656d37c16cb23bd8",
-    "rag-prefix": "36c83b3f63c364855d5657506f690a0041a18b1ae128ccdb76d70db6d3343102",
-    "round-robin": "10bce20bc0ffa4a6004f5218baa49bde2da26c60cf34efdd7983b50dfe066bc9",
-    "spec": "b5ff72c8912c8acfc0b106bef5013bce30e6b3aadb807bbe9fa91700ccfb1e5e",
-    "trace": "eeeebb2b7d5cf18b8d9fb87dec7a4d1a1e4c4013cd2bfab35cefedbbd69d0fa0",
+    "agent": "4fcabc3eb721c7a248c6576f474b7d98a4d1c5f43d3ea5dbcb54605126795dac",
+    "least-loaded": "dee57f44cd69b569aa8c21efe454f741fb25fbc4746b782cf7bd5d5ed30f2e40",
+    "no-chunking": "3c2ae62ac26a2dcdc49fe53b9d43c773c5eae66a0d76870f9803466c1d146aea",
+    "pd": "726eef2e3ef4d9a5e5413cba27b60c6de471f4d6cc2ae30b72c4990f09c67e5a",
+    "preempt": "354518b50c3d78c56ffe62c4e575ecde45f5b56ec40fd02d9cea76abb3664429",
+    "prefix-aware": "c8f1af64a6aebb061a7eeb87f11fe8706da3e546de3fd01121ecab643c882c42",
+    "rag-prefix": "67373286dd4e894dbcd315878f972e72033ec0a7bd894c48e8d1e76a7ebb4ca0",
+    "round-robin": "f52f82db1b22e0e65913e2d90620ff01168962166f0f473366efae28f1201a9e",
+    "spec": "69e1ea8b1708b1fba69f590040c1df38e1ec2165547e28b98eb4719020f66836",
+    "trace": "aae58dfac0ec6adc93f1ac32d10b86cfdf76ed935a208d74d03a1d7d3c228c83",
 }
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import dataclass
 from datetime import datetime
@@ -36,6 +35,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from servelab.analyze.phase_costs import kv_transfers
 from servelab.analyze.summary import run_summary
 from servelab.bench.request_plan import LoadSpec
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions
@@ -63,40 +63,6 @@ QUICK = Size(rates=[0.3, 1.0], requests=4, length_scale=0.15, repeats=1, stage_s
 FULL = Size(rates=[0.1, 0.2, 0.4], requests=12, length_scale=0.5, repeats=2, stage_seconds=90.0)
 
 
-def transfer_share(run_dir: Path) -> dict[str, float] | None:
-    """KV transfer time against TTFT, from the server timelines of a disaggregated run.
-
-    Per request: ``kv_transfer.seconds / (first_token - arrival)`` (server-side TTFT). The
-    transfer starts after the first token is out, so it is not *inside* TTFT: the share says
-    how large it is beside TTFT; it lands in the first inter-token gap.
-    """
-    path = run_dir / "server.jsonl"
-    if not path.exists():
-        return None
-    shares, seconds, waits, sizes = [], [], [], []
-    for line in path.read_text().splitlines():
-        tl = json.loads(line)
-        kv = tl.get("kv_transfer") or {}
-        if "seconds" not in kv or tl.get("first_token") is None:
-            continue
-        ttft = tl["first_token"] - tl["arrival"]
-        seconds.append(kv["seconds"])
-        waits.append(kv.get("handoff_wait", 0.0))
-        sizes.append(kv.get("bytes", 0))
-        if ttft > 0:
-            shares.append(kv["seconds"] / ttft)
-    if not seconds:
-        return None
-    return {
-        "transfers": len(seconds),
-        "transfer_ms_p50": 1e3 * statistics.median(seconds),
-        "transfer_ms_max": 1e3 * max(seconds),
-        "handoff_wait_ms_p50": 1e3 * statistics.median(waits),
-        "mb_p50": statistics.median(sizes) / 1e6,
-        "share_of_ttft_p50": statistics.median(shares) if shares else float("nan"),
-    }
-
-
 def row(run_dir: Path) -> dict[str, Any]:
     run = load_run(run_dir)
     s = run_summary(run)["overall"]
@@ -113,7 +79,7 @@ def row(run_dir: Path) -> dict[str, Any]:
         "goodput_fraction": s["goodput"]["fraction"],
         "out_tok_s": s["throughput"]["output_tokens_per_s"],
     }
-    share = transfer_share(run_dir)
+    share = kv_transfers([run])
     if share:
         out["kv"] = share
     return out

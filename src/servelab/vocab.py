@@ -103,6 +103,9 @@ class RequestTimeline:
     replica: int = 0  # the engine that admitted and prefilled it: (role, replica)
     role: str = COLOCATED
     decode_replica: int | None = None  # disaggregated: the decode engine that took it over
+    # disaggregated: the KV hand-off as the router timed it (``seconds``, ``bytes``,
+    # ``handoff_wait``: first token out -> transfer start, ...); None when colocated.
+    kv_transfer: dict[str, Any] | None = None
 
     # Derived phase durations (seconds). Defined here once.
     @property

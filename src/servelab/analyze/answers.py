@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from servelab.analyze.attribution import attribute
 from servelab.analyze.compare import DEFAULT_ALPHA, permutation_pvalues
+from servelab.analyze.phase_costs import acceptance, kv_transfers
 from servelab.analyze.stats import describe
 from servelab.analyze.summary import metric_values, run_summary
 from servelab.rundir import Run
@@ -28,7 +30,18 @@ _LABELS = {MAX_ITL: "longest ITL per request"}
 # An extra sequence adding under this share of a one-sequence step: weight reads dominate
 # the step (they are shared by the batch), as on a GPU at small batch sizes.
 BANDWIDTH_BOUND_SHARE = 0.25
-QUESTION_IDS = ("rag_ttft", "chunked_prefill", "priorities", "decode_itl")
+QUESTION_IDS = (
+    "rag_ttft",
+    "chunked_prefill",
+    "priorities",
+    "decode_itl",
+    "spec_decode",
+    "disaggregation",
+)
+# Disaggregation starts to pay where phase contention is sustained (the levers' rule):
+# interference at least this share of TTFT and prefill stalls this share of decode time.
+SUSTAINED_INTERFERENCE = 0.25
+SUSTAINED_DECODE_LOST = 0.10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +56,10 @@ class Question:
     # The key metric's population, where the question is about some of the scope's requests
     # only: those decoding when a request of this class finished its prefill (``during_prefill``).
     during: str | None = None
+    # Where the key and the cost were measured, where the two differ (other loads): "at
+    # concurrency 1"; part of each metric's label.
+    key_at: str | None = None
+    cost_at: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -60,13 +77,15 @@ class Measured:
     p_value: float | None
     counts: tuple[int, int] = (0, 0)  # requests (runs, for a rate) measured on each side
     during: str | None = None  # the population filter (Question.during)
+    at: str | None = None  # the load it was measured at, where the question names one
 
     @property
     def label(self) -> str:
         where = "" if self.scope == "overall" else f" ({self.scope})"
         if self.during:
             where = f" ({self.scope} decoding during a {self.during} prefill)"
-        return f"{_LABELS.get(self.metric, self.metric)} {self.stat}{where}"
+        at = f" {self.at}" if self.at else ""
+        return f"{_LABELS.get(self.metric, self.metric)} {self.stat}{where}{at}"
 
 
 @dataclass(kw_only=True)
@@ -161,9 +180,11 @@ def measure(
     spec: tuple[str, str, str],
     seed: int = 0,
     during: str | None = None,
+    at: str | None = None,
 ) -> Measured:
     """``spec`` on both groups; a rate (``throughput``/``goodput``) is the mean over runs.
-    ``during`` (a class) keeps only the scope's requests decoding during its prefills."""
+    ``during`` (a class) keeps only the scope's requests decoding during its prefills;
+    ``at`` names the load, for the label."""
     scope, metric, stat = spec
     if metric in ("throughput", "goodput"):
         a, b = (_mean_rate(g, metric, stat) for g in (base, treat))
@@ -179,6 +200,7 @@ def measure(
             delta=_delta(a, b),
             p_value=None,
             counts=n,
+            at=at,
         )
     va = metric_values(_records(base, scope, during), metric)
     vb = metric_values(_records(treat, scope, during), metric)
@@ -199,6 +221,7 @@ def measure(
         p_value=p,
         counts=n,
         during=during,
+        at=at,
     )
 
 
@@ -316,3 +339,124 @@ def _decode_answer(
         f"step), {bound}."
     )
     return text, {"per_extra_sequence_s": per_seq, "share_of_step": share}
+
+
+def _versus(m: Measured, treatment: str, baseline: str) -> str:
+    """'<metric> X <treatment> vs Y <baseline> (change, p = ...)'."""
+    p = "" if m.p_value is None else f", p = {m.p_value:.2g}"
+    return (
+        f"{m.label} {fmt(m, m.treatment_value)} {treatment} vs {fmt(m, m.baseline_value)} "
+        f"{baseline} ({_change(m)}{p})"
+    )
+
+
+def _significant(m: Measured, alpha: float) -> bool:
+    return m.p_value is not None and m.p_value <= alpha
+
+
+def spec_answer(
+    q: Question,
+    low: tuple[list[Run], list[Run]],
+    high: tuple[list[Run], list[Run]],
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+) -> Answer:
+    """Speculation off vs on at a low and a high load: the key metric (the copy-heavy class
+    at the low load, ``q.key_at``) where it should pay, the cost (the unpredictable class at
+    the high load, ``q.cost_at``) where it should not, each with its own test, and the
+    acceptance of each class at each load (``phase_costs.acceptance``)."""
+    key = measure(*low, q.metric, seed, at=q.key_at)
+    cost = measure(*high, q.cost, seed, at=q.cost_at)
+    edit, chat = q.metric[0], q.cost[0]
+    # The other two cells, for the sentence: the copying class batched, the other alone.
+    edit_hi = measure(*high, (edit, *q.metric[1:]), seed, at=q.cost_at)
+    acc = {
+        f"{c}_{lvl}": a.to_dict()
+        for lvl, treat in (("low", low[1]), ("high", high[1]))
+        for c in (edit, chat)
+        if (a := acceptance(treat, c)) is not None
+    }
+
+    def rate(cell: str) -> str:
+        a = acc.get(cell)
+        return "no drafts" if a is None else f"{a['acceptance_rate']:.0%} of drafts accepted"
+
+    verdict = "significant" if _significant(key, alpha) else "noise"
+    if verdict == "significant" and (key.delta or 0) < 0:
+        head = f"Yes for {edit} {q.key_at}: {_versus(key, 'with n-gram', 'without')}, {rate(f'{edit}_low')}."
+    elif verdict == "significant":
+        head = f"No, it is worse even for {edit} {q.key_at}: {_versus(key, 'with', 'without')}."
+    else:
+        head = (
+            f"Not shown for {edit} {q.key_at}: {_versus(key, 'with', 'without')}, within the noise."
+        )
+    at = q.cost_at or "batched"
+    batched = f" {at[0].upper()}{at[1:]}, {edit} gets {_change(edit_hi)} ({rate(f'{edit}_high')})"
+    if _significant(cost, alpha) and (cost.delta or 0) > 0:
+        tail = (
+            f"; {chat} pays: {_versus(cost, 'with', 'without')}, {rate(f'{chat}_high')}: "
+            f"speculate only for traffic that copies its input."
+        )
+    elif _significant(cost, alpha):
+        tail = f"; {chat} gains too: {_versus(cost, 'with', 'without')}, {rate(f'{chat}_high')}."
+    else:
+        tail = (
+            f"; for {chat} it does not pay: {_versus(cost, 'with', 'without')}, "
+            f"{rate(f'{chat}_high')}, no significant change."
+        )
+    extra = {"acceptance": acc, "key_at_high_load": asdict(edit_hi) | {"metric": edit_hi.label}}
+    return Answer(
+        question=q, key=key, cost=cost, verdict=verdict, answer=head + batched + tail, extra=extra
+    )
+
+
+def phase_contention(runs: list[Run]) -> dict[str, float]:
+    """How much prefill and decode got in each other's way in colocated runs: interference's
+    share of TTFT, and the excess of prefill-caused stalls as a share of all decode time."""
+    interference = ttft = lost = gaps = 0.0
+    for run in runs:
+        attr = attribute(run)
+        interference += sum(b.interference or 0.0 for b in attr.ttft)
+        ttft += sum(b.ttft for b in attr.ttft)
+        lost += sum(s.excess for s in attr.stalls if s.cause == "prefill")
+        gaps += sum(sum(r.itls) for r in run.records if r.ok)
+    return {
+        "interference_share_of_ttft": interference / ttft if ttft else 0.0,
+        "decode_time_lost_to_prefill": lost / gaps if gaps else 0.0,
+    }
+
+
+def disagg_answer(
+    q: Question, base: list[Run], treat: list[Run], alpha: float = DEFAULT_ALPHA, seed: int = 0
+) -> Answer:
+    """Colocated vs disaggregated: it pays (pre-registered) only where the key metric (the
+    decode streams a prefill could stall) is significantly lower and the cost (TTFT) not
+    significantly higher. The sentence adds the KV hand-off per request and the colocated
+    run's phase contention beside the level where splitting starts to pay."""
+    key = measure(base, treat, q.metric, seed, q.during)
+    cost = measure(base, treat, q.cost, seed)
+    better = _significant(key, alpha) and (key.delta or 0) < 0
+    dearer = _significant(cost, alpha) and (cost.delta or 0) > 0
+    pays = better and not dearer
+    kv = kv_transfers(treat)
+    contention = phase_contention(base)
+    head = "Yes" if pays else "No, not on this machine"
+    text = (
+        f"{head}: {_versus(key, 'split', 'colocated')}, over {key.counts[1]} and "
+        f"{key.counts[0]} streams; {_versus(cost, 'split', 'colocated')}."
+    )
+    if kv is not None:
+        text += (
+            f" Each hand-off moved {kv['mb_p50']:.1f} MB of KV in {kv['transfer_ms_p50']:.0f} ms "
+            f"(p50, {kv['share_of_ttft_p50']:.0%} of TTFT, paid in the first gap)."
+        )
+    i, lost = contention["interference_share_of_ttft"], contention["decode_time_lost_to_prefill"]
+    text += (
+        f" Colocated, interference was {i:.0%} of TTFT and prefill stalls {lost:.0%} of decode "
+        f"time; splitting pays once that is sustained (>= {SUSTAINED_INTERFERENCE:.0%} and "
+        f">= {SUSTAINED_DECODE_LOST:.0%}) and each role has compute of its own, not one "
+        "shared core."
+    )
+    verdict = "significant" if _significant(key, alpha) else "noise"
+    extra = {"pays": pays, "kv_transfer": kv, "phase_contention": contention}
+    return Answer(question=q, key=key, cost=cost, verdict=verdict, answer=text, extra=extra)
