@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# DEMO_ARGS passes flags on, e.g. `make demo DEMO_ARGS="--seed 6"`.
 demo: $(STAMP)
-	$(BIN)/servelab demo
+	$(BIN)/servelab demo $(DEMO_ARGS)
 
 # ruff (rules in pyproject.toml), the import-linter layer contracts, mypy on the torch-free
 # packages. The same checks run from .pre-commit-config.yaml.

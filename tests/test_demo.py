@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from rich.console import Console
 from rundirs import StandIn
 
 from servelab.analyze.answers import QUESTION_IDS
@@ -18,12 +20,12 @@ from servelab.workflows import demo, matrix
 
 _KEYS = {
     "id", "question", "metric", "baseline", "treatment", "baseline_value", "treatment_value",
-    "delta", "p_value", "verdict", "cost", "answer",
+    "delta", "p_value", "verdict", "cost", "answer", "where_the_time_went",
 }  # fmt: skip
 
 
 def check_demo_json(path) -> dict:
-    """demo.json against its schema: four questions, each with every field typed."""
+    """demo.json against its schema: six questions, each with every field typed."""
     doc = json.loads(path.read_text())
     assert isinstance(doc["wall_s"], float) and doc["wall_s"] > 0
     assert [q["id"] for q in doc["questions"]] == list(QUESTION_IDS)
@@ -39,6 +41,10 @@ def check_demo_json(path) -> dict:
         assert isinstance(q["answer"], str) and q["answer"].endswith(".")
         assert q["question"].endswith("?")
         assert {"metric", "baseline_value", "treatment_value", "delta"} <= set(q["cost"])
+        split = q["where_the_time_went"]
+        assert split["title"] and len(split["bars"]) >= 2
+        for _label, parts in split["bars"]:
+            assert set(parts) <= set(split["parts"]) and all(v >= 0 for v in parts.values())
     return doc
 
 
@@ -46,7 +52,8 @@ def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):
     StandIn.started = []
     monkeypatch.setattr(matrix, "LaunchedServer", StandIn)
     fast = dataclasses.replace(demo.QUICK, levels=(1, 2, 3))
-    res = demo.run_demo(out=tmp_path / "d", size=fast)
+    console = Console(width=80, record=True, file=io.StringIO())
+    res = demo.run_demo(out=tmp_path / "d", size=fast, console=console)
     # Every server started once, up front, with the demo's configs.
     assert StandIn.started == list(demo.SERVERS.values())
     assert [a.question.id for a in res.answers] == list(QUESTION_IDS)
@@ -55,6 +62,16 @@ def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):
     assert res.comparisons["chunked_prefill"].labels == ["unchunked", "chunked"]
     assert res.comparisons["priorities"].labels == ["fcfs", "priority"]
     assert res.comparisons["decode_itl"].labels == ["c1", "c2", "c3"]
+    assert res.comparisons["spec_decode"].labels == ["off-c1", "ngram-c1", "off-c4", "ngram-c4"]
+    # Disaggregation's baseline is the chunked engine's run of the same matrix.
+    assert res.comparisons["disaggregation"].labels == ["chunked", "disagg"]
+    assert res.groups["disaggregation"][0] is res.groups["chunked_prefill"][1]
+    spec = res.groups["spec_decode"][1][0]
+    assert {c["name"]: c["temperature"] for c in spec.workload["classes"]} == {
+        "edit": 0.0,
+        "chat": 1.0,
+    }
+    assert res.answers[4].key.label.endswith("at concurrency 1")
     # The answer and its chart name the levels that ran, not the full demo's.
     itl = res.answers[3].question
     assert (itl.baseline, itl.treatment) == ("concurrency 1", "concurrency 3")
@@ -68,9 +85,18 @@ def test_demo_orchestration_over_stand_ins(monkeypatch, tmp_path):
     html = res.report.read_text()
     # The answers come first; the comparisons fold away.
     assert html.index('data-section="answers"') < html.index("<details")
-    assert html.count('data-question="') == 4
-    # The answers' small charts have no plotly toolbar over their titles.
-    assert html.count('"displayModeBar": false') == 4
+    assert html.count('data-question="') == 6
+    # Each answer's chart of where the time went, without a plotly toolbar over its title.
+    assert html.count('"displayModeBar": false') == 6
+    # The terminal reads as answers: one line per sub-run, then the six, in 60 lines.
+    text = console.export_text()
+    lines = text.splitlines()
+    assert len(lines) <= 60, text
+    assert max(len(line) for line in lines) <= 80
+    assert sum("TTFT p50" in line for line in lines) == 2 + 3 + 2 + 4 + 3  # one per sub-run
+    assert all(f"{qid} (" in text.split("the answers")[-1] for qid in QUESTION_IDS)
+    assert "latency (measured window" not in text  # the tables went to each bench.txt
+    assert (tmp_path / "d" / "rag_ttft" / "cached-r0" / "bench.txt").read_text()
 
 
 def _has_model() -> bool:
@@ -92,8 +118,7 @@ def test_demo_quick_end_to_end(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "report:" in proc.stdout
-    for step in ("step 1", "step 2.1", "step 2.4", "step 3", "step 4", "the answers"):
-        assert step in proc.stdout
+    assert "one line per sub-run" in proc.stdout and "the answers" in proc.stdout
     check_demo_json(out / "demo.json")
     for qid in QUESTION_IDS:
         assert qid in proc.stdout.split("the answers")[-1]

@@ -138,13 +138,17 @@ def demo(
         Path | None, typer.Option(help="output directory (default: runs/<time>-demo)")
     ] = None,
     seed: Annotated[int, typer.Option(help="seed of the planned requests")] = 1,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", help="every sub-run's tables and each question's findings"),
+    ] = False,
 ) -> None:
-    """The main job: four questions (RAG TTFT, chunked prefill, priorities, decode ITL), each answered by one comparison."""
+    """The main job: six questions (RAG TTFT, chunked prefill, priorities, decode ITL, speculative decoding, disaggregation), each answered by one comparison."""
     require_engine("demo")
     from servelab.workflows.demo import run_demo
 
     try:
-        result = run_demo(quick=quick, out=out, seed=seed)
+        result = run_demo(quick=quick, out=out, seed=seed, verbose=verbose)
     except (ValueError, RuntimeError) as e:
         raise fail(str(e)) from None
     if result.interrupted:

@@ -1,6 +1,7 @@
-"""The demo's HTML report: it opens with the four answers (one sentence, one small chart
-each), then folds the full comparisons and one run's sections per question into
-collapsed ``<details>``.
+"""The demo's HTML report: it opens with the answers (one sentence each, and a chart of
+where the time went: the key figure's parts, stacked, for each configuration compared),
+then folds the full comparisons and one run's sections per question into collapsed
+``<details>``.
 """
 
 from __future__ import annotations
@@ -13,54 +14,75 @@ from plotly.offline import get_plotlyjs
 from servelab.analyze.answers import Answer
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
+from servelab.analyze.timesplit import TimeSplit
 from servelab.report.html import CSS, comparison_html, esc, figure_div, run_sections
 from servelab.rundir import Run
 
 _VERDICT_CSS = {"significant": "better", "noise": "noise"}
 
 
-def answer_chart(a: Answer) -> go.Figure:
-    """Baseline vs treatment on the key metric, with the 95% CIs as error bars."""
-    k = a.key
-    vals = [(k.baseline_value or 0) * 1e3, (k.treatment_value or 0) * 1e3]
-    cis = [k.baseline_ci, k.treatment_ci]
-    fig = go.Figure(
-        go.Bar(
-            x=[a.question.baseline, a.question.treatment],
-            y=vals,
-            marker_color=["#9aa5b1", "#1f77b4"],
-            error_y={
-                "type": "data",
-                "symmetric": False,
-                "array": [(c[1] * 1e3 - v) if c else 0 for c, v in zip(cis, vals)],
-                "arrayminus": [(v - c[0] * 1e3) if c else 0 for c, v in zip(cis, vals)],
-            },
+# Parts in a fixed colour each, so a part reads the same on every card.
+_PART_COLOURS = {
+    "queue": "#d62728",
+    "prefill": "#1f77b4",
+    "interference": "#ff7f0e",
+    "preemption": "#8c564b",
+    "overhead": "#9467bd",
+    "network_http": "#7f7f7f",
+    "client_lag": "#bcbd22",
+    "stall: prefill": "#ff7f0e",
+}
+_OTHER_COLOURS = ["#2ca02c", "#17becf", "#e377c2", "#aec7e8", "#98df8a", "#c5b0d5", "#c49c94"]
+
+
+def split_chart(split: TimeSplit) -> go.Figure:
+    """Where the time went: one horizontal bar per configuration (baseline on top), its
+    parts stacked in ms; the bar's total is the figure the split adds up to."""
+    labels = [label for label, _ in split.bars]
+    fig = go.Figure()
+    others = iter(_OTHER_COLOURS)
+    for part in split.parts:
+        colour = _PART_COLOURS.get(part) or next(others, "#c7c7c7")
+        fig.add_trace(
+            go.Bar(
+                y=labels,
+                x=[parts.get(part, 0.0) * 1e3 for _, parts in split.bars],
+                name=part,
+                orientation="h",
+                marker_color=colour,
+                hovertemplate=f"{part}: %{{x:.0f}} ms<extra></extra>",
+            )
         )
-    )
     fig.update_layout(
-        height=220,
-        margin={"l": 50, "r": 10, "t": 30, "b": 30},
-        title={"text": f"{k.label} (ms)", "font": {"size": 13}},
+        barmode="stack",
+        height=90 + 34 * len(labels),
+        margin={"l": 10, "r": 10, "t": 28, "b": 20},
+        title={"text": f"{split.title} (ms)", "font": {"size": 12}},
         template="plotly_white",
+        yaxis={"autorange": "reversed", "automargin": True},
+        legend={"orientation": "h", "font": {"size": 10}, "y": -0.25},
     )
     return fig
 
 
-def answers_html(answers: list[Answer], wall_s: float) -> str:
+def answers_html(answers: list[Answer], splits: dict[str, TimeSplit], wall_s: float) -> str:
     cards = []
     for a in answers:
         cls = _VERDICT_CSS[a.verdict]
+        split = splits.get(a.question.id)
+        chart = figure_div(split_chart(split), modebar=False) if split else ""
         cards.append(
             f'<div class="card" data-question="{esc(a.question.id)}"><h3>{esc(a.question.question)}</h3>'
             f'<p><span class="{cls}">{esc(a.verdict)}</span> {esc(a.answer)}</p>'
-            + figure_div(answer_chart(a), modebar=False)  # two bars: nothing to zoom
+            + chart  # a few bars: nothing to zoom
             + "</div>"
         )
     return (
         '<section id="answers" data-section="answers"><h2>The answers</h2>'
         f'<p class="note">Each question is one comparison (baseline: without the optimisation); '
         "the verdict is a two-sided permutation test on the named metric, alpha 0.05; "
-        f"brackets are 95% bootstrap CIs. The demo took {wall_s:.0f} s.</p>"
+        "brackets are 95% bootstrap CIs. Each chart splits the question's figure into where "
+        f"its time went, per configuration. The demo took {wall_s:.0f} s.</p>"
         '<div class="cards">' + "".join(cards) + "</div></section>"
     )
 
@@ -70,6 +92,7 @@ def write_demo_report(
     comparisons: dict[str, Comparison],
     groups: dict[str, list[list[Run]]],
     diagnoses: dict[str, Diagnosis],
+    splits: dict[str, TimeSplit],
     out: Path,
     wall_s: float,
 ) -> Path:
@@ -78,7 +101,8 @@ def write_demo_report(
         qid = a.question.id
         keep = {a.question.metric, a.question.cost}
         body = comparison_html(comparisons[qid], groups[qid], keep=keep)
-        run = groups[qid][-1][0]
+        name = diagnoses[qid].run_name
+        run = next(r for g in groups[qid] for r in g if r.name == name)
         body += f"<h3>One run: {esc(run.name)}</h3>" + run_sections(run, diagnoses[qid], f"{qid}-")
         details.append(
             f'<details data-section="details-{esc(qid)}"><summary><b>{esc(qid)}</b>: the full '
@@ -88,15 +112,15 @@ def write_demo_report(
         ".cards{display:grid;grid-template-columns:1fr 1fr;gap:12px}"
         ".card{background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px 14px}"
         ".card h3{font-size:15px}.card p{font-size:13px;margin:4px 0}"
-        ".card .chart{min-height:220px} details{margin:10px 0}"
+        ".card .chart{min-height:0} details{margin:10px 0}"
     )
     doc = (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>servelab demo</title><style>{css}</style>"
         f"<script>{get_plotlyjs()}</script></head><body>"
-        "<header><h1>servelab demo: four questions</h1><div>how to read it: "
+        f"<header><h1>servelab demo: {len(answers)} questions</h1><div>how to read it: "
         "docs/reading-the-report.md</div></header><main>"
-        + answers_html(answers, wall_s)
+        + answers_html(answers, splits, wall_s)
         + '<section data-section="details"><h2>The details</h2>'
         + "".join(details)
         + "</section></main></body></html>"

@@ -16,10 +16,12 @@ from servelab.analyze.answers import Answer
 from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
+from servelab.analyze.summary import run_summary
 from servelab.report.windows import rates_text, window_label
 from servelab.units import fmt_ms
 
 if TYPE_CHECKING:
+    from servelab.rundir import Run
     from servelab.vocab import RequestTimeline
 
 MAX_WINDOW_ROWS = 120  # a terminal table of more time windows than this is not read
@@ -579,3 +581,24 @@ def render_answers(answers: list[Answer], console: Console) -> None:
     for a in answers:
         style = _ANSWER_STYLE[a.verdict]
         console.print(f"[bold]{a.question.id}[/] [{style}]({a.verdict})[/]: {a.answer}")
+
+
+def run_line(label: str, run: Run | None, code: int) -> str:
+    """One sub-run of a job in one line: its label, requests, time, TTFT and ITL medians
+    (E2E where nothing streamed), and INVALID with the reason where the run was invalid."""
+    if run is None:
+        return f"{label:<29} [red]no request finished[/] (exit {code})"
+    s = run_summary(run)
+    o = s["overall"]
+    lat = o["latency"]
+    n = o["requests"]
+    head = f"{label:<29}{n['ok']:>3}/{n['sent']:<3}{s['window']['duration_s']:6.1f} s"
+    if lat["ttft"].get("p50") is not None:
+        head += f"  TTFT p50 {fmt_ms(lat['ttft']['p50'], 0)} ms"
+        if lat["itl"].get("p50") is not None:
+            head += f"  ITL p50 {fmt_ms(lat['itl']['p50'], 0)} ms"
+    elif lat["e2e"].get("p50") is not None:
+        head += f"  E2E p50 {fmt_ms(lat['e2e']['p50'], 0)} ms"
+    if not run.valid:
+        head += f"  [bold red]INVALID[/]: {run.manifest.get('invalid_reason')}"
+    return head

@@ -1,4 +1,4 @@
-"""`servelab demo`: the main job, four questions answered on the embedded engine.
+"""`servelab demo`: the main job, six questions answered on the embedded engine.
 
 1. start the embedded engine: one `servelab serve` per configuration the questions need;
 2. answer each question with one comparison (interleaved repeats, ``workflows.matrix``):
@@ -10,18 +10,27 @@
    - priorities: interactive chat plus long non-streamed batch jobs on a 2-sequence
      engine, FCFS vs the batch class at a lower priority; chat TTFT p95, batch E2E beside it;
    - decode_itl: codegen at concurrency 1, 2, 4, 8; ITL p50 and throughput vs batch size;
-3. print the findings of one run per question and each answer in one sentence;
-4. write ``demo.json`` and one HTML report that opens with the answers.
+   - spec_decode: code edits (greedy, the answer re-types the file) beside sampled chat,
+     n-gram speculation off vs on, at concurrency 1 and 8; edit TPOT p50 at 1, chat TPOT
+     p50 at 8 beside it, and each class's acceptance;
+   - disaggregation: chunked_prefill's traffic on one prefill and one decode worker vs the
+     colocated chunked engine (the same interleaved matrix); the same key metric, TTFT
+     beside it, the KV hand-off per request and the colocated run's phase contention;
+3. one line per sub-run while it works (each bench's tables in its run directory's
+   ``bench.txt``; ``verbose`` prints them, and each question's findings), then the answers;
+4. write ``demo.json`` and one HTML report that opens with the answers, each with a chart
+   of where the time went (``analyze.timesplit``).
 
 Sizes are chosen so that each effect, where real, is several times its noise at the
 sample size a 2-core CPU gets in the time: the full demo aims at under 10 minutes,
-``--quick`` (CI) at a couple. All servers start once and are stopped at the end.
+``--quick`` (CI) at a few. All servers start once and are stopped at the end.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -29,35 +38,58 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from servelab.analyze.answers import MAX_ITL, Answer, Question, answer
+from servelab.analyze.answers import (
+    MAX_ITL,
+    Answer,
+    Question,
+    answer,
+    disagg_answer,
+    spec_answer,
+)
 from servelab.analyze.compare import Comparison, compare
 from servelab.analyze.diagnose import Diagnosis, diagnose
+from servelab.analyze.timesplit import (
+    TimeSplit,
+    stall_split,
+    step_split,
+    token_split,
+    ttft_split,
+)
 from servelab.bench.request_plan import LoadSpec
-from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
+from servelab.bench.run import DEFAULT_MODEL, BenchOptions
 from servelab.report.demo_report import write_demo_report
-from servelab.report.terminal import render_answers
+from servelab.report.terminal import render_answers, run_line
 from servelab.rundir import Run, load_run
 from servelab.workflows.matrix import (
     MatrixConfig,
     MatrixSpec,
+    bench_logged,
     execute_matrix,
     has_records,
     record_server,
     start_servers,
 )
 
-# A 1 GB KV pool holds every load below and keeps four servers' memory modest.
+# A 1 GB KV pool holds every load below and keeps the servers' memory modest.
 KV = "--kv-cache-memory 1G"
+CHUNKED = "--max-num-batched-tokens 256"
+# Prompt lookup proposing up to 8 tokens (the engine adapts the length to what is accepted).
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 8}'
 SERVERS = {
     # The default engine: a 256-token chunk budget is ~1/6 of a RAG prompt, so a prefill
     # shares steps with decodes instead of stalling them.
-    "cached": f"--max-num-batched-tokens 256 {KV}",
-    "uncached": f"--max-num-batched-tokens 256 --no-enable-prefix-caching {KV}",
+    "cached": f"{CHUNKED} {KV}",
+    "uncached": f"{CHUNKED} --no-enable-prefix-caching {KV}",
     "unchunked": f"--no-enable-chunked-prefill {KV}",
     # Two sequences at most: a closed loop of six keeps four waiting, which is where a
     # priority acts (the scheduler admits by priority; it preempts only for KV blocks).
-    "two-seqs": f"--max-num-batched-tokens 256 --max-num-seqs 2 {KV}",
+    "two-seqs": f"{CHUNKED} --max-num-seqs 2 {KV}",
+    "ngram": f"{CHUNKED} --speculative-config '{NGRAM}' {KV}",
+    # One prefill and one decode worker: on this machine's server core they time-share it,
+    # the budget the colocated engine has (docs/disaggregation.md).
+    "disagg": f"--disaggregated --prefill-workers 1 --decode-workers 1 {KV}",
 }
 INTERRUPTED = 130
 # A permutation test relabels whole requests: one request at concurrency 1 is one cluster,
@@ -106,6 +138,31 @@ QUESTIONS = {
         baseline="concurrency 1",
         treatment="concurrency 8",
         treatment_effect="at concurrency 8",
+    ),
+    "spec_decode": Question(
+        id="spec_decode",
+        question="Speculative decoding: when does n-gram speculation pay, and what does it cost?",
+        metric=("edit", "tpot", "mean"),
+        cost=("chat", "tpot", "mean"),
+        baseline="no speculation",
+        treatment="n-gram, up to 8 drafts",
+        treatment_effect="with n-gram",
+        key_at="at concurrency 1",
+        cost_at="at concurrency 8",
+    ),
+    "disaggregation": Question(
+        id="disaggregation",
+        question=(
+            "Disaggregation: does splitting prefill and decode pay on this machine, and at what "
+            "cost?"
+        ),
+        # Every chat stream, not chunked_prefill's population: split, a prompt's prefill
+        # ends on another worker, often after the streams it overlapped have finished.
+        metric=("chat", MAX_ITL, "mean"),
+        cost=("overall", "ttft", "p50"),
+        baseline="colocated, chunked",
+        treatment="1 prefill + 1 decode worker",
+        treatment_effect="split",
     ),
 }
 
@@ -204,6 +261,36 @@ def codegen_workload(scale: float) -> dict[str, Any]:
     }
 
 
+def spec_workload(scale: float) -> dict[str, Any]:
+    """Q5: code edits answered greedily (the answer re-types much of a shared file, which
+    prompt lookup predicts) beside open chat sampled at temperature 1 (little to predict);
+    equal output lengths, so each class's TPOT compares like with like."""
+    out = {"dist": "fixed", "value": round(128 * scale)}
+    code_file = {"dist": "uniform", "min": round(192 * scale), "max": round(384 * scale)}
+    return {
+        "name": "demo-spec",
+        "classes": [
+            {
+                "name": "edit",
+                "text": "code",
+                "input": {"dist": "uniform", "min": 16, "max": 32},
+                "output": out,
+                "prefix": [
+                    {"name": "file", "count": 4, "tokens": code_file, "reuse": 1.0, "text": "code"}
+                ],
+                "temperature": 0.0,
+            },
+            {
+                "name": "chat",
+                "text": "question",
+                "input": {"dist": "uniform", "min": 64, "max": 128},
+                "output": out,
+                "temperature": 1.0,
+            },
+        ],
+    }
+
+
 @dataclass(frozen=True)
 class DemoSize:
     """How much to run: requests per run (closed loop at ``concurrency``), repeats per config."""
@@ -215,6 +302,8 @@ class DemoSize:
     per_level: int  # decode_itl: requests per level = per_level x concurrency, >= 4
     repeats: int
     budget: str
+    # spec_decode: (concurrency, requests) at the low load (the key) and the high (the cost)
+    spec_loads: tuple[tuple[int, int], tuple[int, int]] = ((1, 16), (8, 32))
 
 
 FULL = DemoSize(
@@ -237,7 +326,8 @@ QUICK = DemoSize(
     levels=(1, 2, 4),
     per_level=1,
     repeats=1,
-    budget="a couple of minutes",
+    budget="a few minutes",
+    spec_loads=((1, 4), (4, 8)),
 )
 
 
@@ -249,6 +339,7 @@ class DemoResult:
     comparisons: dict[str, Comparison]
     groups: dict[str, list[list[Run]]]
     diagnoses: dict[str, Diagnosis]
+    splits: dict[str, TimeSplit]
     wall_s: float
     interrupted: bool = False
 
@@ -271,15 +362,66 @@ def _opts(out: Path, name: str, workload: str, requests: int, conc: int, seed: i
     )
 
 
+# (run directory, workload, [(config, server, workload override)], requests, concurrency):
+# one interleaved matrix each, baseline first.
+Plan = tuple[str, str, list[tuple[str, str, str | None]], int, int]
+# Each question's configurations (the runs it compares), baseline first.
+CONFIGS = {
+    "rag_ttft": ["uncached", "cached"],
+    "chunked_prefill": ["unchunked", "chunked"],
+    "priorities": ["fcfs", "priority"],
+    "spec_decode": ["off-c{lo}", "ngram-c{lo}", "off-c{hi}", "ngram-c{hi}"],
+    "disaggregation": ["chunked", "disagg"],
+}
+
+
+def _plans(out: Path, size: DemoSize) -> list[Plan]:
+    s = size.scale
+    spec = _write_workload(out, spec_workload(s))
+    plans: list[Plan] = [
+        (
+            "rag_ttft",
+            _write_workload(out, rag_workload(s)),
+            [("uncached", "uncached", None), ("cached", "cached", None)],
+            size.requests["rag_ttft"],
+            size.concurrency["rag_ttft"],
+        ),
+        (
+            # disaggregation's runs share this matrix: its baseline is the chunked engine.
+            "chunked_prefill",
+            _write_workload(out, mixed_workload(s)),
+            [("unchunked", "unchunked", None), ("chunked", "cached", None)]
+            + [("disagg", "disagg", None)],
+            size.requests["chunked_prefill"],
+            size.concurrency["chunked_prefill"],
+        ),
+        (
+            "priorities",
+            _write_workload(out, priority_workload(s, 0)),
+            [
+                ("fcfs", "two-seqs", None),
+                ("priority", "two-seqs", _write_workload(out, priority_workload(s, 1))),
+            ],
+            size.requests["priorities"],
+            size.concurrency["priorities"],
+        ),
+    ]
+    for conc, n in size.spec_loads:
+        configs = [(f"off-c{conc}", "cached", None), (f"ngram-c{conc}", "ngram", None)]
+        plans.append((f"spec_decode/c{conc}", spec, configs, n, conc))
+    return plans
+
+
 def run_demo(
     quick: bool = False,
     out: Path | None = None,
     console: Console | None = None,
     size: DemoSize | None = None,
     seed: int = 1,
+    verbose: bool = False,
 ) -> DemoResult:
     """Run the whole demo (``size`` overrides FULL/QUICK); raises RuntimeError when a
-    server cannot start."""
+    server cannot start. ``verbose`` prints every bench's tables and the findings."""
     console = console or Console()
     size = size or (QUICK if quick else FULL)
     out = out or Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-demo{'-quick' if quick else ''}"
@@ -287,79 +429,148 @@ def run_demo(
     t0 = time.monotonic()
     console.rule("[bold]servelab demo" + (" --quick" if quick else ""))
     console.print(
-        "Four questions, each answered by one comparison: RAG TTFT and prefix caching, "
-        "chunked prefill under mixed traffic, interactive vs batch priorities, what sets ITL; "
-        f"expect {size.budget}. Everything lands in {out}."
+        "Six questions, each answered by one comparison: RAG TTFT and prefix caching, "
+        "chunked prefill under mixed traffic, interactive vs batch priorities, what sets ITL, "
+        f"speculative decoding, disaggregation; expect {size.budget}. Everything lands in {out}."
     )
-    console.rule("step 1: start the embedded engine")
     servers = start_servers(SERVERS, out, console=console)
     console.print(f"{len(servers)} engines ready in {time.monotonic() - t0:.0f} s")
-    groups: dict[str, list[list[Run]]] = {}
+    plans = _plans(out, size)
+    code = _write_workload(out, codegen_workload(size.scale))
+    total = sum(len(c) for _, _, c, _, _ in plans) * size.repeats + len(size.levels)
+    runs: dict[str, list[Run]] = {}
     interrupted = False
-    s = size.scale
-    fcfs = _write_workload(out, priority_workload(s, 0))
-    # (question, workload, [(config, server, workload override)]): baseline first.
-    plans = [
-        (
-            "rag_ttft",
-            _write_workload(out, rag_workload(s)),
-            [("uncached", "uncached", None), ("cached", "cached", None)],
-        ),
-        (
-            "chunked_prefill",
-            _write_workload(out, mixed_workload(s)),
-            [("unchunked", "unchunked", None), ("chunked", "cached", None)],
-        ),
-        (
-            "priorities",
-            fcfs,
-            [
-                ("fcfs", "two-seqs", None),
-                ("priority", "two-seqs", _write_workload(out, priority_workload(s, 1))),
-            ],
-        ),
-    ]
-    code = _write_workload(out, codegen_workload(s))
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=verbose,
+    )
+    task = progress.add_task("sub-runs", total=total)
+
+    def on_run(run_dir: Path, exit_code: int) -> None:
+        run = load_run(run_dir) if has_records(run_dir) else None
+        label = f"{run_dir.parent.relative_to(out)} {run_dir.name}"
+        progress.console.print(run_line(label, run, exit_code))
+        progress.advance(task)
+
+    if not verbose:
+        console.rule("one line per sub-run (its tables: bench.txt in its directory)")
     try:
-        for i, (qid, workload, configs) in enumerate(plans, 1):
-            console.rule(f"step 2.{i}: {QUESTIONS[qid].question}")
-            spec = MatrixSpec([MatrixConfig(c, SERVERS[k], w) for c, k, w in configs], size.repeats)
-            res = execute_matrix(
-                spec,
-                _opts(out, qid, workload, size.requests[qid], size.concurrency[qid], seed),
-                console,
-                servers={c: servers[k] for c, k, _ in configs},
-            )
-            groups[qid] = res.groups
-            interrupted = INTERRUPTED in res.exit_codes.values()
-            if interrupted:
-                break
-        if not interrupted:
-            console.rule("step 2.4: " + QUESTIONS["decode_itl"].question)
-            groups["decode_itl"], interrupted = _levels(out, code, size, servers, console, seed)
+        with progress:
+            for where, workload, configs, n, conc in plans:
+                if verbose:
+                    console.rule(f"[bold]{where}")
+                spec = MatrixSpec(
+                    [MatrixConfig(c, SERVERS[k], w) for c, k, w in configs], size.repeats
+                )
+                res = execute_matrix(
+                    spec,
+                    _opts(out, where, workload, n, conc, seed),
+                    console,
+                    servers={c: servers[k] for c, k, _ in configs},
+                    on_run=None if verbose else on_run,
+                )
+                runs.update(
+                    {c: [load_run(p) for p in paths] for c, paths in res.runs.items() if paths}
+                )
+                interrupted = INTERRUPTED in res.exit_codes.values()
+                if interrupted:
+                    break
+            if not interrupted:
+                if verbose:
+                    console.rule("[bold]decode_itl")
+                levels, interrupted = _levels(
+                    out, code, size, servers, console, seed, None if verbose else on_run
+                )
+                runs.update(levels)
     finally:
-        with console.status("stopping the engine ..."):
+        with console.status("stopping the engines ..."):
             for srv in servers.values():
                 srv.stop()
-    return _conclude(out, groups, interrupted, console, t0, seed, size)
+    return _conclude(out, _groups(runs, size), interrupted, console, t0, seed, size, verbose)
+
+
+def _groups(runs: dict[str, list[Run]], size: DemoSize) -> dict[str, list[list[Run]]]:
+    """Each question's groups of runs, baseline first, for the questions whose runs all ran
+    (decode_itl: the levels that ran, at least two)."""
+    (lo, _), (hi, _) = size.spec_loads
+    groups = {}
+    for qid, names in CONFIGS.items():
+        names = [n.format(lo=lo, hi=hi) for n in names]
+        if all(n in runs for n in names):
+            groups[qid] = [runs[n] for n in names]
+    levels = [runs[f"c{c}"] for c in size.levels if f"c{c}" in runs]
+    if len(levels) >= 2:
+        groups["decode_itl"] = levels
+    return {q: groups[q] for q in QUESTIONS if q in groups}
 
 
 def _levels(
-    out: Path, workload: str, size: DemoSize, servers: dict[str, Any], console: Console, seed: int
-) -> tuple[list[list[Run]], bool]:
+    out: Path,
+    workload: str,
+    size: DemoSize,
+    servers: dict[str, Any],
+    console: Console,
+    seed: int,
+    on_run: Callable[[Path, int], None] | None,
+) -> tuple[dict[str, list[Run]], bool]:
     """decode_itl: one run per concurrency level on the default engine, lowest first."""
-    runs: list[list[Run]] = []
+    runs: dict[str, list[Run]] = {}
     for c in size.levels:
         n = max(size.per_level * c, MIN_LEVEL_REQUESTS)
         opts = _opts(out / "decode_itl", f"c{c}", workload, n, c, seed)
-        code = run_bench(opts, console)
+        code = bench_logged(opts, console, on_run)
         run_dir = out / "decode_itl" / f"c{c}"
         if has_records(run_dir):
             record_server(run_dir, servers["cached"])
-            runs.append([load_run(run_dir)])
+            runs[f"c{c}"] = [load_run(run_dir)]
+        if on_run is not None:
+            on_run(run_dir, code)
         if code == INTERRUPTED:
             return runs, True
     return runs, False
+
+
+def _labels(gs: list[list[Run]]) -> list[str]:
+    return [g[0].name.rsplit("-r", 1)[0] for g in gs]
+
+
+def _answer(qid: str, gs: list[list[Run]], size: DemoSize, seed: int) -> Answer:
+    q = QUESTIONS[qid]
+    if qid == "spec_decode":
+        (lo, _), (hi, _) = size.spec_loads
+        q = replace(q, key_at=f"at concurrency {lo}", cost_at=f"at concurrency {hi}")
+        return spec_answer(q, (gs[0], gs[1]), (gs[2], gs[3]), seed=seed)
+    if qid == "disaggregation":
+        return disagg_answer(q, gs[0], gs[1], seed=seed)
+    levels = None
+    if qid == "decode_itl":  # the levels run (--quick stops at 4, an interrupt earlier)
+        levels = (size.levels[0], size.levels[len(gs) - 1])
+        q = replace(
+            q,
+            baseline=f"concurrency {levels[0]}",
+            treatment=f"concurrency {levels[1]}",
+            treatment_effect=f"at concurrency {levels[1]}",
+        )
+    return answer(q, gs[0], gs[-1], seed=seed, levels=levels)
+
+
+def _split(qid: str, gs: list[list[Run]]) -> TimeSplit:
+    """Where the time went, for the question's card (``analyze.timesplit``)."""
+    q = QUESTIONS[qid]
+    named = list(zip(_labels(gs), gs, strict=True))
+    if qid == "decode_itl":
+        return step_split(named)
+    if qid == "spec_decode":
+        edit, chat = q.metric[0], q.cost[0]
+        return token_split(named, [edit, edit, chat, chat])
+    if q.metric[1] == MAX_ITL:
+        return stall_split(named, q.metric[0], q.during)
+    return ttft_split(named, q.metric[0])
 
 
 def _conclude(
@@ -370,54 +581,56 @@ def _conclude(
     t0: float,
     seed: int,
     size: DemoSize,
+    verbose: bool,
 ) -> DemoResult:
-    console.rule("step 3: findings and answers")
     answers: list[Answer] = []
     comparisons: dict[str, Comparison] = {}
     diagnoses: dict[str, Diagnosis] = {}
+    splits: dict[str, TimeSplit] = {}
     with console.status("comparing and diagnosing ..."):
         for qid, gs in groups.items():
-            if len(gs) < 2:
-                continue
-            q = QUESTIONS[qid]
-            labels = [g[0].name.rsplit("-r", 1)[0] for g in gs]
-            comparisons[qid] = compare(gs, labels, seed=seed)
-            levels = None
-            if qid == "decode_itl":  # the levels run (--quick stops at 4, an interrupt earlier)
-                levels = (size.levels[0], size.levels[len(gs) - 1])
-                q = replace(
-                    q,
-                    baseline=f"concurrency {levels[0]}",
-                    treatment=f"concurrency {levels[1]}",
-                    treatment_effect=f"at concurrency {levels[1]}",
-                )
-            answers.append(answer(q, gs[0], gs[-1], seed=seed, levels=levels))
+            comparisons[qid] = compare(gs, _labels(gs), seed=seed)
+            answers.append(_answer(qid, gs, size, seed))
+            splits[qid] = _split(qid, gs)
             # The treatment's first run is the one a reader opens to see why.
-            diagnoses[qid] = diagnose(gs[-1][0])
-    for qid, d in diagnoses.items():
-        console.print(f"[bold]{qid}[/] ({groups[qid][-1][0].name}):")
-        if not d.findings:
-            console.print("  [green]no findings[/]")
-        for f in d.findings:
-            console.print(f"  [yellow]> {f.title}[/] [dim]({f.confidence_label})[/]: {f.summary}")
+            diagnoses[qid] = diagnose(gs[1 if qid == "spec_decode" else -1][0])
+    if verbose:
+        console.rule("findings")
+        for qid, d in diagnoses.items():
+            console.print(f"[bold]{qid}[/] ({groups[qid][-1][0].name}):")
+            if not d.findings:
+                console.print("  [green]no findings[/]")
+            for f in d.findings:
+                console.print(
+                    f"  [yellow]> {f.title}[/] [dim]({f.confidence_label})[/]: {f.summary}"
+                )
     wall = time.monotonic() - t0
     (out / "demo.json").write_text(
         json.dumps(
-            {"questions": [a.to_dict() for a in answers], "wall_s": wall, "seed": seed},
+            {
+                "questions": [
+                    a.to_dict() | {"where_the_time_went": splits[a.question.id].to_dict()}
+                    for a in answers
+                ],
+                "wall_s": wall,
+                "seed": seed,
+            },
             indent=1,
             default=str,
         )
     )
     report = None
     if answers:
-        console.rule("step 4: the HTML report")
         with console.status("writing the report ..."):
             report = write_demo_report(
-                answers, comparisons, groups, diagnoses, out / "report.html", wall
+                answers, comparisons, groups, diagnoses, splits, out / "report.html", wall
             )
-        console.print(f"[bold]report: {report.resolve()}[/]")
-    console.print(f"demo.json and run directories under {out.resolve()} ({wall:.0f} s in all)")
+    render_answers(answers, console)
     if interrupted:
         console.print("[yellow]interrupted: the answers cover what ran[/]")
-    render_answers(answers, console)
-    return DemoResult(out, report, answers, comparisons, groups, diagnoses, wall, interrupted)
+    if report is not None:
+        console.print(f"[bold]report: {report.resolve()}[/]")
+    console.print(f"demo.json and the run directories: {out.resolve()} ({wall:.0f} s in all)")
+    return DemoResult(
+        out, report, answers, comparisons, groups, diagnoses, splits, wall, interrupted
+    )

@@ -31,8 +31,10 @@ instead of biasing whichever ran last. Each run is a normal run directory
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -165,6 +167,20 @@ def record_server(run_dir: Path, server: LaunchedServer | TemplateServer) -> Non
     write_manifest(run_dir, manifest)
 
 
+def bench_logged(
+    opts: BenchOptions, console: Console, on_run: Callable[[Path, int], None] | None
+) -> int:
+    """``run_bench``, its output to ``console``, or with ``on_run`` to ``bench.txt`` in the run
+    directory (the caller prints its own line per run)."""
+    if on_run is None:
+        return run_bench(opts, console)
+    buf = io.StringIO()
+    code = run_bench(opts, Console(file=buf, width=100, force_terminal=False))
+    if opts.out is not None and opts.out.is_dir():
+        (opts.out / "bench.txt").write_text(buf.getvalue())
+    return code
+
+
 def start_servers(
     engine_args: dict[str, str],
     out: Path,
@@ -207,12 +223,14 @@ def execute_matrix(
     base: BenchOptions,
     console: Console | None = None,
     servers: dict[str, Any] | None = None,
+    on_run: Callable[[Path, int], None] | None = None,
 ) -> MatrixResult:
     """Run every (repeat, config) in interleaved order and compare the configs.
 
     ``servers`` (config name -> a healthy server started with that config's flags) lets a
     caller reuse servers it already started; otherwise they are started here and stopped
-    at the end.
+    at the end. With ``on_run``, each bench's own output goes to ``bench.txt`` in its run
+    directory instead of ``console``, and ``on_run(run_dir, exit code)`` is called after it.
     """
     console = console or Console()
     if base.url is not None:
@@ -235,9 +253,10 @@ def execute_matrix(
         plan = spec.order()
         for k, (rep, c) in enumerate(plan, 1):
             run_dir = out / f"{c.name}-r{rep}"
-            console.rule(
-                f"[bold]matrix {k}/{len(plan)}: {c.name} (repeat {rep + 1}/{spec.repeats})"
-            )
+            if on_run is None:
+                console.rule(
+                    f"[bold]matrix {k}/{len(plan)}: {c.name} (repeat {rep + 1}/{spec.repeats})"
+                )
             opts = replace(
                 base,
                 url=servers[c.name].url,
@@ -247,8 +266,10 @@ def execute_matrix(
                 workload=c.workload or base.workload,
                 out=run_dir,
             )
-            result.exit_codes[run_dir.name] = run_bench(opts, console)
+            result.exit_codes[run_dir.name] = bench_logged(opts, console, on_run)
             record_server(run_dir, servers[c.name])
+            if on_run is not None:
+                on_run(run_dir, result.exit_codes[run_dir.name])
             if (run_dir / "requests.jsonl").exists() and (
                 run_dir / "requests.jsonl"
             ).stat().st_size:
