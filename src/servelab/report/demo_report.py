@@ -11,6 +11,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
+from servelab.analyze import timesplit
 from servelab.analyze.answers import Answer
 from servelab.analyze.compare import Comparison
 from servelab.analyze.diagnose import Diagnosis
@@ -31,8 +32,20 @@ _PART_COLOURS = {
     "network_http": "#7f7f7f",
     "client_lag": "#bcbd22",
     "stall: prefill": "#ff7f0e",
+    "stall: client": "#bcbd22",
+    "stall: server": "#aec7e8",
+    "stall: batch_growth": "#9467bd",
+    "stall: preemption": "#8c564b",
+    "stall: unknown": "#c7c7c7",
+    timesplit.TYPICAL_GAP: "#2ca02c",
+    timesplit.BELOW_THRESHOLD: "#17becf",
+    timesplit.STEP_ONE: "#2ca02c",
+    timesplit.STEP_ADDED: "#17becf",
+    timesplit.PLAIN_STEPS: "#2ca02c",
+    timesplit.SPEC_STEPS: "#e377c2",
+    timesplit.BETWEEN_STEPS: "#17becf",
 }
-_OTHER_COLOURS = ["#2ca02c", "#17becf", "#e377c2", "#aec7e8", "#98df8a", "#c5b0d5", "#c49c94"]
+_OTHER_COLOURS = ["#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d"]
 
 
 def split_chart(split: TimeSplit) -> go.Figure:
@@ -53,16 +66,36 @@ def split_chart(split: TimeSplit) -> go.Figure:
                 hovertemplate=f"{part}: %{{x:.0f}} ms<extra></extra>",
             )
         )
+    rows = _legend_rows(split.parts)
     fig.update_layout(
         barmode="stack",
-        height=90 + 34 * len(labels),
-        margin={"l": 10, "r": 10, "t": 28, "b": 20},
+        height=80 + 34 * len(labels) + _LEGEND_ROW_PX * rows,
+        margin={"l": 10, "r": 10, "t": 28, "b": 24 + _LEGEND_ROW_PX * rows},
         title={"text": f"{split.title} (ms)", "font": {"size": 12}},
         template="plotly_white",
         yaxis={"autorange": "reversed", "automargin": True},
-        legend={"orientation": "h", "font": {"size": 10}, "y": -0.25},
-    )
+        # Anchored to the figure's bottom edge, not the plot's: below the axis however few
+        # bars there are.
+        legend={"orientation": "h", "font": {"size": 10}, "yref": "container", "y": 0,
+                "yanchor": "bottom"},
+    )  # fmt: skip
     return fig
+
+
+_LEGEND_ROW_PX = 20
+_CARD_PX = 480  # a card's chart width at the report's usual width (two cards a row)
+
+
+def _legend_rows(parts: list[str]) -> int:
+    """Rows a horizontal legend of these names takes in a card (about 6 px a character
+    and 40 for the swatch and gap): the figure grows by as many."""
+    rows, used = 1, 0
+    for name in parts:
+        w = 40 + 6 * len(name)
+        if used and used + w > _CARD_PX:
+            rows, used = rows + 1, 0
+        used += w
+    return rows
 
 
 def answers_html(answers: list[Answer], splits: dict[str, TimeSplit], wall_s: float) -> str:
