@@ -8,7 +8,9 @@ plan seeds with matching step-noise seeds, and the demo's own verdict logic
 often the verdict is "significant" (the power, where the effect is real), the median
 effect, the simulated wall time of both sides, and how many requests the key metric
 measured (a question with a population filter, ``Question.during``, keeps some only):
-the demo takes the smallest size whose power is high and whose time fits.
+the demo takes the smallest size whose power is high and whose time fits. spec_decode and
+disaggregation are not here: the simulator prices neither drafts nor two workers sharing a
+core, so they were sized on real runs (docs/reading-the-report.md).
 
     python -m benchmarks.analyze.demo_power --profile demo-profile.json --seeds 20
 """
