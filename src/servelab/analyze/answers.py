@@ -186,29 +186,19 @@ def measure(
     ``during`` (a class) keeps only the scope's requests decoding during its prefills;
     ``at`` names the load, for the label."""
     scope, metric, stat = spec
+    ci_a = ci_b = p = None
     if metric in ("throughput", "goodput"):
         a, b = (_mean_rate(g, metric, stat) for g in (base, treat))
         n = (len(base), len(treat))
-        return Measured(
-            scope=scope,
-            metric=metric,
-            stat=stat,
-            baseline_value=a,
-            treatment_value=b,
-            baseline_ci=None,
-            treatment_ci=None,
-            delta=_delta(a, b),
-            p_value=None,
-            counts=n,
-            at=at,
-        )
-    va = metric_values(_records(base, scope, during), metric)
-    vb = metric_values(_records(treat, scope, during), metric)
-    sa, sb = describe(*va, n_boot=400, seed=seed), describe(*vb, n_boot=400, seed=seed)
-    a, b = getattr(sa, stat), getattr(sb, stat)
-    p = permutation_pvalues(va, vb, seed=seed).get(stat)
-    ci_a, ci_b = sa.ci.get(stat), sb.ci.get(stat)
-    n = (_requests(va), _requests(vb))
+        during = None  # a rate is the whole run's
+    else:
+        va = metric_values(_records(base, scope, during), metric)
+        vb = metric_values(_records(treat, scope, during), metric)
+        sa, sb = describe(*va, n_boot=400, seed=seed), describe(*vb, n_boot=400, seed=seed)
+        a, b = getattr(sa, stat), getattr(sb, stat)
+        p = permutation_pvalues(va, vb, seed=seed).get(stat)
+        ci_a, ci_b = sa.ci.get(stat), sb.ci.get(stat)
+        n = (_requests(va), _requests(vb))
     return Measured(
         scope=scope,
         metric=metric,
