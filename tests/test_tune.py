@@ -180,17 +180,23 @@ def test_the_self_check_refuses_a_replay_that_does_not_match(mixed_run, tmp_path
     assert all(r.scope + " " + r.name in t.refused for r in t.check.strayed[:1])
 
 
-def test_a_run_without_step_records_is_out_of_scope(mixed_run, tmp_path):
-    foreign = tmp_path / "foreign"
-    foreign.mkdir()
+def test_a_run_without_step_records_replays_on_its_twin_if_it_streamed(mixed_run, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
     for name in ("manifest.json", "requests.jsonl", "metrics.json"):
-        (foreign / name).write_bytes((mixed_run / name).read_bytes())
-    with pytest.raises(NotReplayable, match="not served by servelab"):
-        requests_as_run(load_run(foreign))
-    r = runner.invoke(app, ["tune", str(foreign)])
+        (bare / name).write_bytes((mixed_run / name).read_bytes())
+    r = runner.invoke(app, ["tune", str(bare), "--seeds", "2", "--jobs", "1"])
     assert r.exit_code == 0, r.output
-    said = " ".join(r.output.split())
-    assert "no prediction" in said and "not supported yet" in said
+    assert "replayed on the twin of this servelab server" in " ".join(r.output.split())
+    # Without streams there are no chunk arrivals to infer its steps from.
+    lines = []
+    for line in (bare / "requests.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        rec.update(stream=False, chunk_times=[], chunk_tokens=[])
+        lines.append(json.dumps(rec))
+    (bare / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(NotReplayable, match="no streamed requests"):
+        requests_as_run(load_run(bare))
 
 
 def test_cli_tune_prints_the_decision_and_writes_json_and_html(mixed_run, tmp_path):

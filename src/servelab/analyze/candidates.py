@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.findings import Finding
-from servelab.analyze.levers import _cli_flag
+from servelab.analyze.levers import _LAUNCH, _cli_flag
+from servelab.analyze.serversettings import SERVELAB, render_flags
 
 KNOBS = (
     "chunking",
@@ -166,6 +167,53 @@ def serve_flags(engine: dict[str, Any]) -> str:
         else:
             parts.append(_cli_flag(k, v))
     return " ".join(parts)
+
+
+def server_changes(engine: dict[str, Any]) -> dict[str, Any]:
+    """A candidate's engine changes as a launch command sets them: the KV pool by its block
+    count (which says it exactly), no unset values."""
+    return {k: v for k, v in engine.items() if v is not None and k != "kv_cache_memory_gb"}
+
+
+def launch_action(kind: str, engine: dict[str, Any]) -> str:
+    """The command that applies ``engine``: `servelab serve` flags, or the ``kind`` server's
+    own (``vllm serve --max-num-batched-tokens 512``, ``serversettings.render_flags``)."""
+    if kind == SERVELAB:
+        return f"servelab serve {serve_flags(engine)}"
+    return f"{_LAUNCH[kind][0]} {render_flags(kind, server_changes(engine))}"
+
+
+PRIORITIES_ELSEWHERE = (
+    "class priorities are not predicted for another server: its priority scheduling (vLLM "
+    "--scheduling-policy priority, SGLang --enable-priority-scheduling) is not modelled by "
+    "the twin"
+)
+
+
+def for_server(
+    kind: str, cands: list[Candidate], skipped: list[Unpredicted]
+) -> tuple[list[Candidate], list[Unpredicted]]:
+    """The candidates a ``kind`` server can be launched with, each in its own flags; the
+    others join the unpredicted with the reason (a setting it has no flag for, class
+    priorities). A servelab run keeps every candidate."""
+    if kind == SERVELAB:
+        return cands, skipped
+    keep: list[Candidate] = []
+    out = list(skipped)
+    said: set[tuple[str, str]] = set()
+    for c in cands:
+        reason = PRIORITIES_ELSEWHERE if c.priorities else None
+        if reason is None and c.engine:
+            try:
+                render_flags(kind, server_changes(c.engine))
+            except ValueError as e:
+                reason = str(e)
+        if reason is None:
+            keep.append(c)
+        elif (c.lever, reason) not in said:
+            said.add((c.lever, reason))
+            out.append(Unpredicted(c.lever, c.findings, reason))
+    return keep, out
 
 
 def budget_grid(prompt_tokens: Sequence[int], current: int | None) -> list[int]:

@@ -233,16 +233,20 @@ def parse_flags(kind: str, argv: list[str] | str) -> dict[str, Any]:
 def render_flags(kind: str, changes: dict[str, Any]) -> str:
     """Engine-config settings as ``kind``'s command-line flags (a template's ``{flags}``).
 
-    ValueError names any setting that server has no flag for (llama.cpp cannot turn
-    prompt batching off; SGLang's radix cache is turned on by leaving out its flag)."""
+    A setting the server has no flag for is written as nothing where the server always runs
+    that way (llama.cpp always cuts prompts into batches), else named in a ValueError
+    (llama.cpp cannot turn prompt batching off; SGLang's radix cache is turned on by
+    leaving out its flag)."""
     table = {f.key: f for f in FLAGS.get(kind, ())}
     switches = {f.switch: f for f in FLAGS.get(kind, ()) if f.switch}
+    fixed = DEFAULTS.get(kind, ({}, ""))[0]
     parts: list[str] = []
     missing: list[str] = []
     for key, v in changes.items():
         f = table.get(key) or switches.get(key)
         if f is None:
-            missing.append(key)
+            if key not in fixed or fixed[key] != v:
+                missing.append(key)
         elif f.kind == "bool":
             parts.append(f.flags[0] if v else f"--no-{f.flags[0][2:]}")
         elif f.kind == "off":

@@ -124,18 +124,41 @@ def _cached_from_series(
     return {r.request_id: min(r.input_tokens - 1, int(r.input_tokens * share)) for r in repeats}
 
 
-def prefill_size(rec: ClientRecord, estimated_cached: dict[str, int]) -> int:
-    """Prompt tokens the server computed for ``rec`` (module doc: which figure wins)."""
+def estimated_cached(
+    records: list[ClientRecord], scrapes: list[dict[str, Any]] | None
+) -> dict[str, int]:
+    """Cached prompt tokens per request where the server reports none for any request: the
+    run's ``/metrics`` prefix-cache hits shared out (``_cached_from_series``); else empty."""
+    if any(
+        r.cached_tokens is not None or "cached_prompt_tokens" in (r.server_timeline or {})
+        for r in records
+    ):
+        return {}
+    return _cached_from_series(records, scrapes)
+
+
+def cached_size(rec: ClientRecord, estimated: dict[str, int]) -> int | None:
+    """Prompt tokens the server served ``rec`` from its prefix cache: what it reported
+    (llama.cpp's computed count, the record's ``cached_tokens``, SGLang's figure), else the
+    estimate (``estimated_cached``); None when nothing says."""
     figs = rec.server_timeline or {}
     computed = figs.get("prompt_tokens_computed")
     if isinstance(computed, int) and computed > 0:
-        return computed
+        return max(0, rec.input_tokens - computed)
     cached = rec.cached_tokens
     if cached is None:
         cached = figs.get("cached_prompt_tokens")
     if cached is None:
-        cached = estimated_cached.get(rec.request_id, 0)
-    return max(1, rec.input_tokens - int(cached))
+        cached = estimated.get(rec.request_id)
+    return None if cached is None else int(cached)
+
+
+def prefill_size(rec: ClientRecord, estimated_cached: dict[str, int]) -> int:
+    """Prompt tokens the server computed for ``rec`` (module doc: which figure wins)."""
+    computed = (rec.server_timeline or {}).get("prompt_tokens_computed")
+    if isinstance(computed, int) and computed > 0:
+        return computed
+    return max(1, rec.input_tokens - (cached_size(rec, estimated_cached) or 0))
 
 
 def _cluster(records: list[ClientRecord], tol: float) -> list[list[tuple[float, int, int]]]:
@@ -168,14 +191,7 @@ def infer_steps(
     budget per step (None: unknown, no limit); ``chunked``: whether it chunks prefills."""
     recs = [r for r in records if r.stream and r.chunk_times and r.input_tokens > 0]
     tol = _tolerance(recs) if tolerance is None else tolerance
-    estimated = (
-        {}
-        if any(
-            r.cached_tokens is not None or "cached_prompt_tokens" in (r.server_timeline or {})
-            for r in recs
-        )
-        else _cached_from_series(recs, scrapes)
-    )
+    estimated = estimated_cached(recs, scrapes)
     clusters = _cluster(recs, tol)
     steps: list[InferredStep] = []
     first_step: dict[int, int] = {}
@@ -307,6 +323,7 @@ def _diagnostics(
         "hidden_steps": sum(len(s.hidden) for s in steps),
         "spread_p99_s": float(np.percentile([s.spread for s in steps], 99)) if steps else 0.0,
         "mean_batch": float(np.mean(batch)) if batch else 0.0,
+        "max_batch": max(batch, default=0),
     }
     # The server's own count of running requests against the streams seen in each step,
     # at each /metrics scrape inside the run: a check on the clustering.

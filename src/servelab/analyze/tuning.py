@@ -1,5 +1,7 @@
 """What `servelab tune` found for one run: the record the workflow fills and the report reads.
 
+``server`` is whose flags the run's server takes; ``twin`` (another server's run) the twin
+calibrated on it that the replay and the predictions ran on, each setting with its source.
 ``refused`` says why no quantitative prediction was made (a run that cannot be replayed, or
 a replay that strays from the run); the findings, the self-check and the candidates'
 predictions are kept as far as they got.
@@ -30,6 +32,8 @@ class Tuning:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
     notes: list[str] = field(default_factory=list)
     verification: Verification | None = None
+    server: str = "servelab"  # whose flags the run's server takes (analyze.serversettings)
+    twin: dict[str, Any] | None = None  # another server's run: the twin it replays on
 
     @property
     def predicted(self) -> bool:
@@ -51,4 +55,6 @@ class Tuning:
             "timings_s": self.timings,
             "notes": self.notes,
             "verification": self.verification.to_dict() if self.verification else None,
+            "server": self.server,
+            "twin": self.twin,
         }

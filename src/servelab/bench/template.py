@@ -119,7 +119,8 @@ class TemplateServer:
     """A server started from a template on a free loopback port (see the module doc).
 
     ``flags`` fill ``{flags}`` and are this configuration's ``engine_args``; ``config`` is
-    what the whole command sets, in engine-config names (``analyze.serversettings``)."""
+    what the whole command sets, in engine-config names (``analyze.serversettings``);
+    ``command`` and ``template`` are redacted."""
 
     def __init__(
         self,
@@ -136,6 +137,8 @@ class TemplateServer:
         argv = render(template, model, self.port, flags, host)
         extra_env, program = _split_env(argv)
         self.command = redact(argv)
+        # the template with the rendered command's secrets hidden (for manifests)
+        self.template = hide_secrets(template, secrets_in(argv))
         kind = kind_of_command(program)
         self.config: dict[str, Any] = parse_flags(kind, program) if kind else {}
         self.log_path = log_path

@@ -13,7 +13,11 @@ from servelab.cli.errors import fail
 
 def tune_command(
     run_dir: Annotated[
-        Path, typer.Argument(help="a run directory of the embedded engine (`servelab bench`)")
+        Path,
+        typer.Argument(
+            help="a `servelab bench` run directory: of the embedded engine, or of another "
+            "server (vLLM, SGLang, llama.cpp), replayed on its twin"
+        ),
     ],
     objective: Annotated[
         str | None,
@@ -27,10 +31,33 @@ def tune_command(
         bool,
         typer.Option(
             "--verify",
-            help="rerun the run's planned requests on the embedded engine with the chosen "
-            "setting and as run (alternating repeats) and report measured vs predicted",
+            help="rerun the run's planned requests with the chosen setting and as run "
+            "(alternating repeats) and report measured vs predicted: on the embedded engine, "
+            "or another server relaunched from --server-template",
         ),
     ] = False,
+    server_template: Annotated[
+        str | None,
+        typer.Option(
+            help="--verify on another server's run: its launch command with {port} and "
+            "{flags} (also {model}, {host}), e.g. 'vllm serve {model} --port {port} {flags}'; "
+            "default: the template the run was launched from, if servelab recorded one"
+        ),
+    ] = None,
+    server_model: Annotated[
+        str | None,
+        typer.Option(help="--server-template's {model} (default: the run's tokenizer)"),
+    ] = None,
+    health_timeout: Annotated[
+        float, typer.Option(help="--verify: seconds a relaunched server has to come up")
+    ] = 900.0,
+    hardware: Annotated[
+        str | None,
+        typer.Option(
+            help="another server's run: the hardware it ran on (as `servelab calibrate --hardware`), "
+            "for its engine's defaults there (default: its CPU build's)"
+        ),
+    ] = None,
     repeats: Annotated[int, typer.Option(help="--verify: runs of each config")] = 2,
     tolerance: Annotated[
         float,
@@ -58,7 +85,18 @@ def tune_command(
     if seeds < 2 or repeats < 1:
         raise fail("--seeds must be >= 2 and --repeats >= 1")
     spec = TuneSpec(
-        run_dir, objective, tolerance, seeds, jobs, verify=verify, repeats=repeats, out=out
+        run_dir,
+        objective,
+        tolerance,
+        seeds,
+        jobs,
+        verify=verify,
+        repeats=repeats,
+        out=out,
+        server_template=server_template,
+        hardware=hardware,
+        server_model=server_model,
+        health_timeout=health_timeout,
     )
     console = Console(quiet=json_out)
     try:

@@ -11,13 +11,14 @@ measured per class with intervals and the significance test. Every HTML section 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from rich.console import Console
 from rich.table import Table
 
-from servelab.analyze.candidates import serve_flags
+from servelab.analyze.candidates import launch_action
 from servelab.analyze.decision import Decision, Judged
 from servelab.analyze.prediction import (
     CHECKED,
@@ -66,6 +67,24 @@ def _pct(x: float | None) -> str:
 
 def _where(scope: str, name: str) -> str:
     return label(name) + ("" if scope == "overall" else f" ({scope})")
+
+
+def twin_text(twin: dict[str, Any]) -> str:
+    """What a foreign run replays on: the twin's server, fit and each setting's source."""
+    err = (twin.get("fit_error") or {}).get("median")
+    spread = twin.get("speed_spread")
+    lines = [
+        f"replayed on the twin of this {twin['server']} server, calibrated on the run: "
+        f"{twin.get('steps')} steps inferred from the streams, step fit error median "
+        + (f"{err:.0%}" if err is not None else "-")
+        + f", API {twin['api_overhead_s'] * 1e3:.0f} ms a request, speed spread "
+        + (f"{spread:.2f}" if spread is not None else "-")
+        + f"; seed k > 0 runs on bootstrap refit k of {twin.get('bootstrap')}",
+        "  settings (source):",
+    ]
+    for k, v in twin["engine_config"].items():
+        lines.append(f"    {k} = {v} ({twin['engine_sources'].get(k) or '-'})")
+    return "\n".join(lines)
 
 
 def check_table(t: Tuning) -> Table | None:
@@ -133,6 +152,8 @@ def render_tuning(t: Tuning, console: Console) -> None:
             console.print(f"  [yellow]> {f.title}[/] [dim]({f.confidence_label}; {levers})[/]")
     else:
         console.print("[green]no findings[/]: nothing in this run calls for a change")
+    if t.twin is not None:
+        console.print(twin_text(t.twin))
     tab = check_table(t)
     if tab is not None:
         console.print(tab)
@@ -160,11 +181,10 @@ def _render_decision(t: Tuning, d: Decision, console: Console) -> None:
         )
     else:
         c = d.chosen.candidate
-        flags = serve_flags(c.engine) if c.engine else ""
         prio = ", ".join(f"{k}={v}" for k, v in c.priorities.items())
         console.print(f"[bold green]apply: {c.title}[/]")
-        if flags:
-            console.print(f"  servelab serve {flags}")
+        if c.engine:
+            console.print(f"  {launch_action(t.server, c.engine)}")
         if prio:
             console.print(f"  class priorities (lower first): {prio}")
         console.print(f"  predicted: {d.chosen.reason}")
@@ -256,9 +276,11 @@ def check_html(t: Tuning) -> str:
         ]
         for r in t.check.rows
     ]
+    twin = f'<pre class="note">{esc(twin_text(t.twin))}</pre>' if t.twin is not None else ""
     return (
         '<section data-section="tune-check"><h2>Self-check: the run replayed as it ran</h2>'
-        f'<p class="note">Median [range] over {t.seeds} simulator seeds against the measured '
+        + twin
+        + f'<p class="note">Median [range] over {t.seeds} simulator seeds against the measured '
         f"figure; tolerance {t.check.tolerance:.0%}. <i>thin</i>: outside the tolerance but "
         "inside the run's own 95% interval.</p>"
         + _table_html(["scope", "figure", "measured", "replay", "error", "verdict"], rows)
@@ -281,6 +303,8 @@ def decision_html(t: Tuning) -> str:
             f"<p><b>Apply: {esc(c.title)}</b>. Predicted: {esc(d.chosen.reason)}. "
             f"Cost: {esc(c.cost)}.</p>"
         )
+        if c.engine:
+            parts.append(f"<p><code>{esc(launch_action(t.server, c.engine))}</code></p>")
         rows = []
         for scope in t.baseline.scopes:
             row = [esc(scope)]

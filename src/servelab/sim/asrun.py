@@ -21,8 +21,15 @@ prompts); a free token term fitted to one unchunked demo run charged decode batc
 sequence term and prefill by attention pairs, and priced such chunks 1.44x what they took
 when run, 1.28x with the monotone term (docs/design/tune.md).
 
-Only a servelab server (or a simulated run) records steps; any other endpoint is refused
-with what to do instead.
+A run of another server (vLLM, SGLang, llama.cpp: no step records, no timelines) replays
+on its twin instead (:func:`replay_target`, ``sim.twin.calibrate_run``): steps inferred from
+the client's chunk arrivals, a step cost fitted to them, the server's settings as it reported
+them, its launch command or what the user stated. Simulator seed ``k`` runs on the twin's
+``k``-th draw (bootstrap refit and speed), so a prediction's range over seeds carries what
+one run could not pin down. What the timelines would give comes from the client records:
+the one-way delay is half the twin's API time per request, and where a resent history left
+the prefix cache from the cached tokens the server reported per request (else the run's
+``/metrics`` prefix hits shared out, as the twin's step inference assumed them).
 """
 
 from __future__ import annotations
@@ -33,11 +40,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from servelab.analyze.serversettings import SERVELAB
 from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import Run
 from servelab.sim.history import Resend
 from servelab.sim.sim_target import SimTarget
 from servelab.sim.simulation import SimRequest
+from servelab.sim.twin import TwinCalibration, calibrate_run, engine_changes
 
 
 class NotReplayable(ValueError):
@@ -101,14 +110,22 @@ def plan_inputs(run: Run) -> dict[str, Any]:
     }
 
 
+def is_foreign(run: Run) -> bool:
+    """Whether ``run`` replays on a twin: no engine step records (another server's run)."""
+    return not run.steps
+
+
 def check_replayable(run: Run) -> None:
     """Raise :class:`NotReplayable` for a run the simulator cannot replay as it ran."""
-    if not run.steps or not run.timelines:
+    if run.steps and not run.timelines:
         raise NotReplayable(
-            f"{run.name} has no engine step records (steps.jsonl) or server timelines: it was "
-            "not served by servelab, so there is no step cost to fit and no scheduler state "
-            "to check against. Replaying another server's run is not supported yet; bench "
-            "the embedded engine (`servelab bench` without --url) to tune it"
+            f"{run.name} has engine step records but no server timelines (steps.jsonl without "
+            "server.jsonl); re-run it with timelines"
+        )
+    if is_foreign(run) and not any(r.stream and r.chunk_times for r in run.records):
+        raise NotReplayable(
+            f"{run.name} has no engine step records and no streamed requests: the twin infers "
+            "another server's steps from its streams' chunk arrivals; bench it streaming"
         )
     if len(run.stages) > 1:
         raise NotReplayable(
@@ -122,9 +139,32 @@ def check_replayable(run: Run) -> None:
         )
 
 
-def _measured_cuts(run: Run, ids: dict[str, str]) -> dict[str, float]:
+def _prefix_hits(run: Run) -> dict[str, tuple[int, int, int]]:
+    """Request id -> (prompt tokens, output tokens, prompt tokens served from the prefix
+    cache): from the timelines, or for another server's run from its records (what the
+    server reported per request, else the ``/metrics`` hits shared out)."""
+    out = {}
+    if is_foreign(run):
+        from servelab.analyze.stepinfer import cached_size, estimated_cached
+
+        est = estimated_cached(run.records, run.scrapes)
+        for r in run.records:
+            hit = cached_size(r, est) if r.ok else None
+            if hit is not None:
+                out[r.request_id] = (r.input_tokens, r.output_tokens, hit)
+        return out
+    for r in run.records:
+        tl = run.timeline_for(r)
+        if tl is not None:
+            hit = tl.chunks[0].cached_tokens if tl.chunks else tl.cached_tokens
+            out[r.request_id] = (tl.prompt_tokens, tl.output_tokens, hit)
+    return out
+
+
+def _measured_cuts(run: Run, ids: dict[str, str], block_size: int) -> dict[str, float]:
     """Planned id -> the answer position where the resent history left the prefix cache."""
-    bs = int(run.engine_config.get("block_size", 16))
+    bs = block_size
+    hits = _prefix_hits(run)
     by_session: dict[str, list[Any]] = {}
     for r in run.records:
         if r.session_id is not None and r.ok:
@@ -133,24 +173,26 @@ def _measured_cuts(run: Run, ids: dict[str, str]) -> dict[str, float]:
     for recs in by_session.values():
         recs.sort(key=lambda r: r.turn)
         for prev, nxt in zip(recs, recs[1:], strict=False):
-            a, b = run.timeline_for(prev), run.timeline_for(nxt)
+            a, b = hits.get(prev.request_id), hits.get(nxt.request_id)
             if a is None or b is None or nxt.request_id not in ids:
                 continue
-            hit = b.chunks[0].cached_tokens if b.chunks else b.cached_tokens
-            end = a.prompt_tokens + a.output_tokens - 1  # the last token has no K/V
+            prompt, output, hit = a[0], a[1], b[2]
+            end = prompt + output - 1  # the last token has no K/V
             if hit >= end // bs * bs:
                 continue  # matched to the answer's last full block
-            cuts[ids[nxt.request_id]] = float(max(0, hit - a.prompt_tokens))
+            cuts[ids[nxt.request_id]] = float(max(0, hit - prompt))
     return cuts
 
 
-def requests_as_run(run: Run, tokenizer: Any = None) -> AsRun:
-    """The run's requests, rebuilt and set to what the client did (see the module doc)."""
+def requests_as_run(run: Run, tokenizer: Any = None, replica: Replica | None = None) -> AsRun:
+    """The run's requests, rebuilt and set to what the client did (see the module doc).
+    ``replica``: what the run replays on (``replay_target``; built here when not given)."""
     from servelab.bench.request_plan import LoadSpec, iter_plan
     from servelab.bench.workload import parse_workload
     from servelab.sim.sim_requests import requests_from_plan
 
     check_replayable(run)
+    replica = replica or replay_target(run)
     inputs = plan_inputs(run)
     spec = parse_workload(inputs["workload"]) if "classes" in inputs["workload"] else None
     load = LoadSpec(**inputs["load"])
@@ -187,13 +229,14 @@ def requests_as_run(run: Run, tokenizer: Any = None) -> AsRun:
             f"{sorted(missing)[0]}); the run's requests cannot be rebuilt"
         )
     planned_ids = {(f"{tag}-{p.request_id}" if tag else p.request_id): p.request_id for p in plan}
-    resend = MeasuredResend(cuts=_measured_cuts(run, planned_ids))
+    bs = replica.target.engine_config.block_size
+    resend = MeasuredResend(cuts=_measured_cuts(run, planned_ids, bs))
     reqs = requests_from_plan(plan, tokenizer, inputs["endpoint"], resend=resend)
     out = _as_sent(run, reqs, records, tag, load.concurrency)
     return AsRun(
         requests=out,
         max_concurrency=load.concurrency if load.closed else None,
-        network_delay=_one_way_delay(run),
+        network_delay=replica.network_delay if replica.twin else _one_way_delay(run),
         slos=run_slos(run),
         info={**inputs, "requests": len(out)},
     )
@@ -316,6 +359,52 @@ def spec_acceptance(run: Run, k: int) -> float | None:
         else:
             hi = a
     return (lo + hi) / 2
+
+
+@dataclass
+class Replica:
+    """What a run replays on: one replica priced by its own steps, or (``twin`` set) the
+    twin calibrated on it. :meth:`at` is the simulator target for one seed with a
+    candidate's engine-config changes."""
+
+    target: SimTarget  # seed 0: the run's own cost model, or the twin's point fit
+    twin: TwinCalibration | None = None
+
+    @property
+    def kind(self) -> str:
+        """Whose flags the server takes (``analyze.serversettings``: servelab, vllm, ...)."""
+        return self.twin.server if self.twin is not None else "servelab"
+
+    @property
+    def network_delay(self) -> float:
+        """The twin's one-way delay: half the API's own time per request, as ``servelab
+        sim --calibration`` puts it."""
+        return self.twin.api_overhead_s / 2 if self.twin is not None else 0.0
+
+    def at(self, seed: int, changes: dict[str, Any] | None = None) -> SimTarget:
+        """Seed ``seed``'s target: the twin's draw ``seed`` (its bootstrap refit and speed);
+        ``changes`` in engine-config names, as the server's own flags would set them
+        (``sim.twin.engine_changes``)."""
+        if self.twin is None:
+            return self.target.with_engine_args(**changes) if changes else self.target
+        target = self.twin.target(seed)
+        if changes and self.twin.server != SERVELAB:
+            changes = engine_changes(self.twin, changes)
+        return target.with_engine_args(**changes) if changes else target
+
+
+def replay_target(run: Run, hardware: str | None = None) -> Replica:
+    """What ``run`` replays on: its own steps' cost model, or for another server's run the
+    twin calibrated on it (``hardware``: the catalogue entry it ran on, for the engine's
+    hardware defaults; the CPU build's when not given)."""
+    check_replayable(run)
+    if not is_foreign(run):
+        return Replica(target_from_run(run))
+    try:
+        cal = calibrate_run(run, hardware=hardware)
+    except ValueError as e:
+        raise NotReplayable(f"{run.name}: the twin cannot be fitted to this run: {e}") from None
+    return Replica(cal.target(0), cal)
 
 
 def target_from_run(run: Run) -> SimTarget:

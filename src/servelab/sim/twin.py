@@ -331,6 +331,16 @@ def flag_changes(cal: TwinCalibration, flags: str) -> dict[str, Any]:
     return changes
 
 
+def engine_changes(cal: TwinCalibration, changes: dict[str, Any]) -> dict[str, Any]:
+    """Engine-config ``changes`` as the twin takes them: written in the server's own flags
+    and read back (``flag_changes``), so each means what it means to that server (vLLM
+    without chunking computes a prompt in one step). ValueError for a setting the server
+    has no flag for."""
+    from servelab.analyze.serversettings import render_flags
+
+    return flag_changes(cal, render_flags(cal.server, changes))
+
+
 def is_twin_file(path: str | Path) -> bool:
     """Whether ``path`` holds a twin calibration (not the roofline's)."""
     try:

@@ -46,7 +46,7 @@ from rich.console import Console
 from servelab.analyze.compare import Comparison, compare
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
 from servelab.bench.server_target import LaunchedServer
-from servelab.bench.template import TemplateServer
+from servelab.bench.template import HEALTH_TIMEOUT_S, TemplateServer
 from servelab.engine_flags import read_flags
 from servelab.rundir import Run, load_run, read_json, write_manifest
 
@@ -163,6 +163,8 @@ def record_server(run_dir: Path, server: LaunchedServer | TemplateServer) -> Non
         if isinstance(server, TemplateServer)
         else read_flags(server.engine_args),
     )
+    if isinstance(server, TemplateServer):
+        info["template"] = server.template  # redacted: `tune --verify` relaunches from it
     manifest["server"] = info
     write_manifest(run_dir, manifest)
 
@@ -188,10 +190,12 @@ def start_servers(
     api_key: str | None = None,
     console: Console | None = None,
     templates: dict[str, str | None] | None = None,
+    health_timeout: float = HEALTH_TIMEOUT_S,
 ) -> dict[str, LaunchedServer | TemplateServer]:
-    """Start one server per name, all at once, and wait until every one is healthy: the
-    `servelab serve` the name's flags configure, or where ``templates`` gives the name a
-    template, that command with the flags as its ``{flags}`` (``bench.template``).
+    """Start one server per name, all at once, and wait until every one is healthy (within
+    ``health_timeout`` seconds): the `servelab serve` the name's flags configure, or where
+    ``templates`` gives the name a template, that command with the flags as its ``{flags}``
+    (``bench.template``).
 
     On failure the ones already started are stopped before the error propagates.
     """
@@ -207,7 +211,7 @@ def start_servers(
                 servers[name] = LaunchedServer(model, args, log, api_key)
 
         async def wait_all() -> None:
-            await asyncio.gather(*(s.wait_healthy() for s in servers.values()))
+            await asyncio.gather(*(s.wait_healthy(health_timeout) for s in servers.values()))
 
         with console.status(f"starting {len(servers)} server process(es) ..."):
             asyncio.run(wait_all())

@@ -1,20 +1,20 @@
 """`servelab tune RUN`: replay a run as it ran, predict each candidate setting, decide, verify.
 
 1. **Replay and self-check.** The run's own requests (``sim.asrun``) replay through the
-   simulator with its engine config and a cost model fitted to its steps, under
-   ``seeds`` simulator seeds; the replay's per-class figures must match the measured ones
+   simulator with its engine config and a cost model fitted to its steps -- for another
+   server's run (vLLM, SGLang, llama.cpp), the twin calibrated on it, seed ``k`` on the
+   twin's ``k``-th draw -- under ``seeds`` simulator seeds; the replay's per-class figures must match the measured ones
    within the tolerance (``analyze.prediction.self_check``), or nothing is predicted.
-2. **Predict.** The findings' levers give candidate settings (``analyze.candidates``); each
-   replays the same requests under the same seeds (in ``jobs`` forked processes: the
+2. **Predict.** The findings' levers give candidate settings (``analyze.candidates``; for
+   another server only those its own flags can set); each replays the same requests under the same seeds (in ``jobs`` forked processes: the
    target and the requests are built once, before the fork).
 3. **Decide** (``analyze.decision``): rank by the objective, one value per knob, the best
    knobs combined and simulated once more.
 4. **Verify** (``verify=True``): rerun the same planned requests against the embedded
-   server, as-run config and the chosen setting alternating over ``repeats``
-   (``workflows.matrix``), and compare measured with predicted (``analyze.verification``).
-
-Only servelab's own runs (with step records) can be tuned; a run of another server is
-refused with the reason.
+   server -- another server relaunched from its command template, as-run flags and those
+   plus the chosen setting's in its own spelling -- as-run config and the chosen setting
+   alternating over ``repeats`` (``workflows.matrix``), and compare measured with
+   predicted (``analyze.verification``).
 """
 
 from __future__ import annotations
@@ -32,22 +32,32 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from servelab.analyze.candidates import Candidate, RunFacts, generate, serve_flags
+from servelab.analyze.candidates import (
+    Candidate,
+    RunFacts,
+    for_server,
+    generate,
+    serve_flags,
+    server_changes,
+)
 from servelab.analyze.decision import TOP, Objective, combine, decide, judge
 from servelab.analyze.diagnose import diagnose
 from servelab.analyze.prediction import TOLERANCE, Figures, Prediction, figures, self_check
+from servelab.analyze.serversettings import SERVELAB, render_flags, server_kind
 from servelab.analyze.tuning import Tuning
 from servelab.analyze.verification import AS_RUN, TUNED, Verification, verify
+from servelab.bench.template import HEALTH_TIMEOUT_S
 from servelab.rundir import Run, load_run
 from servelab.sim.asrun import (
     AsRun,
     NotReplayable,
+    Replica,
+    is_foreign,
+    replay_target,
     requests_as_run,
     run_slos,
-    target_from_run,
 )
 from servelab.sim.scenario import Scenario, simulate
-from servelab.sim.sim_target import SimTarget
 from servelab.sim.simulation import Topology
 from servelab.units import SLO
 
@@ -73,17 +83,20 @@ class TuneSpec:
     verify: bool = False
     repeats: int = DEFAULT_REPEATS
     out: Path | None = None  # where --verify writes its runs
+    server_template: str | None = None  # another server's launch command (bench.template)
+    hardware: str | None = None  # what another server ran on (its engine's defaults)
+    server_model: str | None = None  # the template's {model} (default: the run's tokenizer)
+    health_timeout: float = HEALTH_TIMEOUT_S  # --verify: seconds for a server to come up
 
 
 # Built before the worker processes fork, read by them (large: the requests and the target).
 _SHARED: dict[str, Any] = {}
 
 
-def _scenario(target: SimTarget, asrun: AsRun, cand: Candidate | None, seed: int) -> Scenario:
+def _scenario(replica: Replica, asrun: AsRun, cand: Candidate | None, seed: int) -> Scenario:
     reqs, topo = asrun.requests, Topology()
+    target = replica.at(seed, cand.engine if cand is not None else None)
     if cand is not None:
-        if cand.engine:
-            target = target.with_engine_args(**cand.engine)
         if cand.priorities:
             reqs = [
                 replace(
@@ -109,16 +122,16 @@ def _scenario(target: SimTarget, asrun: AsRun, cand: Candidate | None, seed: int
 
 def _simulate_one(task: tuple[int, Candidate | None, int]) -> tuple[int, int, Figures, float]:
     key, cand, seed = task
-    target, asrun = _SHARED["target"], _SHARED["asrun"]
-    res = simulate(_scenario(target, asrun, cand, seed), keep_steps=False)
+    replica, asrun = _SHARED["replica"], _SHARED["asrun"]
+    res = simulate(_scenario(replica, asrun, cand, seed), keep_steps=False)
     return key, seed, figures(res.records, asrun.slos).values, res.sim_duration
 
 
 class _Simulator:
     """Runs (candidate, seed) simulations inline or in a forked pool."""
 
-    def __init__(self, target: SimTarget, asrun: AsRun, seeds: int, jobs: int) -> None:
-        _SHARED.update(target=target, asrun=asrun)
+    def __init__(self, replica: Replica, asrun: AsRun, seeds: int, jobs: int) -> None:
+        _SHARED.update(replica=replica, asrun=asrun)
         self.seeds = seeds
         self.pool: ProcessPoolExecutor | None = None
         if jobs > 1 and "fork" in mp.get_all_start_methods():
@@ -145,17 +158,41 @@ class _Simulator:
         _SHARED.clear()
 
 
-def _facts(run: Run, asrun: AsRun, config: dict[str, Any]) -> RunFacts:
+def _facts(run: Run, asrun: AsRun, replica: Replica) -> RunFacts:
     prio: dict[str, int] = {}
     for r in asrun.requests:
         prio.setdefault(r.tags.workload_class, r.tags.priority)
+    if replica.twin is not None:
+        # the steps inferred from the streams: the most streams one of them served
+        peak = int(replica.twin.fit.get("inference", {}).get("max_batch") or 1)
+    else:
+        peak = max((s.decode_seqs + len(s.prefill) for s in run.steps), default=1)
     return RunFacts(
-        config=config,
+        config=dataclasses.asdict(replica.target.engine_config),
         prompt_tokens=[r.input_tokens for r in run.records if r.ok],
         priorities=prio,
-        peak_seqs=max((s.decode_seqs + len(s.prefill) for s in run.steps), default=1),
+        peak_seqs=max(1, peak),
         speculated=any(s.spec_proposed for s in run.steps),
     )
+
+
+def _twin_summary(replica: Replica) -> dict[str, Any]:
+    """What the report says about the twin a foreign run replays on: the server, each
+    setting with its source, the fit, the API's time per request, the speed's spread."""
+    cal = replica.twin
+    assert cal is not None
+    return {
+        "server": cal.server,
+        "engine_config": cal.engine_config,
+        "engine_sources": cal.engine_sources,
+        "settings": cal.settings,
+        "cost": cal.cost,
+        "fit_error": cal.fit.get("error_on_training_steps"),
+        "steps": cal.fit.get("inference", {}).get("steps"),
+        "api_overhead_s": cal.api_overhead_s,
+        "speed_spread": cal.speed_spread,
+        "bootstrap": len(cal.bootstrap),
+    }
 
 
 def _has_slos(slos: dict[str, SLO]) -> bool:
@@ -171,8 +208,11 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
     # The tokenizer's thread pool must not be running when the simulations fork.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        asrun = requests_as_run(run)
-        target = target_from_run(run)
+        replica = replay_target(run, spec.hardware)
+        tuning.server = replica.kind
+        if replica.twin is not None:
+            tuning.twin = _twin_summary(replica)
+        asrun = requests_as_run(run, replica=replica)
         objective = Objective.parse(spec.objective, _has_slos(asrun.slos))
         if objective.scope not in ("overall", *run.classes):
             raise ValueError(
@@ -184,7 +224,7 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
         return tuning
     timings["rebuild_s"] = time.perf_counter() - t0
     tuning.measured = figures(run.records, asrun.slos, n_boot=MEASURED_N_BOOT)
-    sim = _Simulator(target, asrun, spec.seeds, spec.jobs or os.cpu_count() or 1)
+    sim = _Simulator(replica, asrun, spec.seeds, spec.jobs or os.cpu_count() or 1)
     try:
         t1 = time.perf_counter()
         (tuning.baseline,) = sim.predict([(AS_RUN, None)])
@@ -202,10 +242,10 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
             )
             return tuning
         t2 = time.perf_counter()
-        config = dataclasses.asdict(target.engine_config)
         cands, unpredicted = generate(
-            d.findings, _facts(run, asrun, config), (objective.scope, objective.figure)
+            d.findings, _facts(run, asrun, replica), (objective.scope, objective.figure)
         )
+        cands, unpredicted = for_server(replica.kind, cands, unpredicted)
         preds = sim.predict([(c.id, c) for c in cands])
         judged = [judge(tuning.baseline, c, p, objective) for c, p in zip(cands, preds)]
         first = decide(judged, objective, unpredicted, top=spec.top)
@@ -234,6 +274,8 @@ def run_tune(
     ``--verify`` would start."""
     console = console or Console()
     run = load_run(spec.run_dir)
+    if spec.verify and servers is None and is_foreign(run) and server_kind(run) != SERVELAB:
+        server_template(run, spec.server_template)  # no template: say so before predicting
     with console.status(f"replaying {run.name} and predicting its candidates ..."):
         tuning = predict(run, spec)
     if spec.verify:
@@ -248,6 +290,49 @@ def run_tune(
 
 
 # --------------------------------------------------------------------------- verify
+
+
+def server_template(run: Run, given: str | None) -> str:
+    """The launch template ``--verify`` relaunches another server's run from: ``given``
+    (``--server-template``), else the one the run's manifest recorded when servelab launched
+    it from a template. ValueError saying to pass one when neither holds."""
+    if given:
+        return given
+    recorded = run.server.get("template") if run.server.get("launched") else None
+    if isinstance(recorded, str) and recorded:
+        if "***" in recorded:
+            raise ValueError(
+                f"--verify: the template {run.name} was launched from carried a secret, which "
+                "its manifest keeps redacted; pass the template again with --server-template"
+            )
+        return recorded
+    raise ValueError(
+        f"--verify relaunches the server of {run.name} (another server than servelab) from a "
+        "command template, and the run records none: pass --server-template, e.g. "
+        "--server-template 'vllm serve {model} --host {host} --port {port} {flags}'"
+    )
+
+
+def as_run_flags(run: Run, settings: dict[str, Any]) -> str:
+    """The flags another server ran with, in its own spelling: what filled its template's
+    ``{flags}`` when servelab launched it, else the settings its launch command or the user
+    stated (``settings``: ``ServerSettings.to_dict()``), rendered by ``render_flags``."""
+    launched = run.server.get("engine_args") if run.server.get("launched") else None
+    if isinstance(launched, str):
+        return launched
+    kind, values, sources = settings["kind"], settings["values"], settings["sources"]
+    stated = {
+        k: v
+        for k, v in values.items()
+        if sources.get(k, "").startswith(("the launch command", "the stated"))
+    }
+    flags = []
+    for k, v in stated.items():
+        try:
+            flags.append(render_flags(kind, {k: v}))
+        except ValueError:
+            continue  # not a launch flag of this server (the template holds the rest)
+    return " ".join(f for f in flags if f)
 
 
 def _as_run_engine(run: Run) -> dict[str, Any]:
@@ -316,7 +401,8 @@ def verify_choice(
     servers: dict[str, Any] | None = None,
 ) -> Verification:
     """Step 4 of the module doc."""
-    from servelab.workflows.matrix import MatrixConfig, MatrixSpec, execute_matrix
+    from servelab.sim.asrun import plan_inputs
+    from servelab.workflows.matrix import MatrixConfig, MatrixSpec, execute_matrix, start_servers
 
     assert tuning.decision is not None and tuning.decision.chosen is not None
     assert tuning.baseline is not None
@@ -324,9 +410,16 @@ def verify_choice(
     cand = chosen.candidate
     out = spec.out or run.path.parent / f"{run.name}-tune-verify"
     out.mkdir(parents=True, exist_ok=True)
-    base = _as_run_engine(run)
-    as_run_args = serve_flags(base)
-    tuned_args = serve_flags({**base, **cand.engine})
+    template = None
+    if tuning.twin is not None and tuning.server != SERVELAB:
+        template = server_template(run, spec.server_template)
+        as_run_args = as_run_flags(run, tuning.twin["settings"])
+        changes = render_flags(tuning.server, server_changes(cand.engine))
+        tuned_args = " ".join(a for a in (as_run_args, changes) if a)  # the last flag wins
+    else:
+        base = _as_run_engine(run)
+        as_run_args = serve_flags(base)
+        tuned_args = serve_flags({**base, **cand.engine})
     wl_as_run = _workload_file(run, out, AS_RUN, {})
     wl_tuned = _workload_file(run, out, TUNED, cand.priorities)
     est = verify_estimate(run, tuning, spec.repeats, servers is not None)
@@ -340,7 +433,26 @@ def verify_choice(
         spec.repeats,
     )
     t0 = time.perf_counter()
-    res = execute_matrix(matrix, _bench_options(run, out, wl_as_run), console, servers=servers)
+    own = None
+    if template is not None and servers is None:
+        console.print(
+            f"  as run: {{flags}} = {as_run_args!r}\n  tuned:  {{flags}} = {tuned_args!r}"
+        )
+        model = spec.server_model or plan_inputs(run)["tokenizer"]
+        own = start_servers(
+            {AS_RUN: as_run_args, TUNED: tuned_args},
+            out,
+            model,
+            console=console,
+            templates={AS_RUN: template, TUNED: template},
+            health_timeout=spec.health_timeout,
+        )
+        servers = own
+    try:
+        res = execute_matrix(matrix, _bench_options(run, out, wl_as_run), console, servers=servers)
+    finally:
+        for srv in (own or {}).values():
+            srv.stop()
     tuning.timings["verify_s"] = time.perf_counter() - t0
     tuning.timings["verify_estimate_s"] = est
     runs = {name: [load_run(p) for p in paths] for name, paths in res.runs.items()}

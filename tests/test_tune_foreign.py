@@ -1,0 +1,234 @@
+"""`servelab tune` on another server's run: replayed on the twin calibrated on it, candidates
+in that server's own flags, and `--verify` by relaunching it from a command template.
+
+The server is a stand-in for vLLM (``tests/standin_vllm.py``: the bench's test server with
+planted engine steps, configured by vLLM's scheduler flags): no step records, no timelines,
+only what the client saw, as with a real vLLM. Prompts are counted by a word-level tokenizer,
+as the test server counts them, so the planned requests rebuild exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from servelab.analyze.candidates import RunFacts, for_server, generate, launch_action
+from servelab.analyze.decision import Objective, decide, judge
+from servelab.analyze.findings import Finding
+from servelab.bench.request_plan import LoadSpec
+from servelab.bench.run import BenchOptions, run_bench
+from servelab.bench.template import TemplateServer
+from servelab.cli import app
+from servelab.rundir import load_run
+from servelab.sim.asrun import is_foreign
+from servelab.workflows.matrix import record_server
+from servelab.workflows.tuning_loop import TuneSpec, predict, verify_choice
+
+runner = CliRunner()
+STANDIN = Path(__file__).with_name("standin_vllm.py")
+TEMPLATE = f"{shlex.quote(sys.executable)} {STANDIN} --host {{host}} --port {{port}} {{flags}}"
+AS_RUN_FLAGS = "--no-enable-chunked-prefill --no-enable-prefix-caching"
+LOOSE = 0.3  # the self-check's tolerance on these eight-request runs (see the first test)
+
+
+def _word_tokenizer(d: Path) -> Path:
+    """One token per whitespace-separated word: the test server's own count."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d.mkdir(parents=True, exist_ok=True)
+    words = ["[UNK]", "the", "of", "and", "to", "in", "a", "is", "that"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "config.json").write_text("{}")
+    return d
+
+
+@pytest.fixture(scope="module")
+def foreign_run(tmp_path_factory) -> Path:
+    """Mixed chat and RAG traffic on the stand-in vLLM without chunked prefill, launched
+    from the template (recorded in the manifest, as the matrix records it)."""
+    root = tmp_path_factory.mktemp("foreign")
+    tok = _word_tokenizer(root / "tok")
+    out = root / "mixed"
+    server = TemplateServer(TEMPLATE, root / "server.log", "test-model", AS_RUN_FLAGS)
+    try:
+        asyncio.run(server.wait_healthy(timeout=30))
+        opts = BenchOptions(
+            url=server.url,
+            model="test-model",
+            tokenizer=str(tok),
+            workload="mixed",
+            load=LoadSpec(concurrency=4, requests=8, length_scale=1.0),
+            out=out,
+            quiet=True,
+            seed=1,
+            server_config=f"vllm serve test-model {AS_RUN_FLAGS}",
+        )
+        code = run_bench(opts, Console(file=io.StringIO(), width=160))
+        record_server(out, server)
+    finally:
+        server.stop()
+    assert code in (0, 3)  # 3: a loaded machine may mark the client invalid
+    return out
+
+
+def _copy(src: Path, dst: Path, **server: object) -> Path:
+    shutil.copytree(src, dst)
+    man = json.loads((dst / "manifest.json").read_text())
+    man["server"].update(server)
+    (dst / "manifest.json").write_text(json.dumps(man))
+    return dst
+
+
+def test_a_foreign_run_is_predicted_through_its_twin_in_its_own_flags(foreign_run):
+    run = load_run(foreign_run)
+    assert is_foreign(run) and not run.timelines
+    # Eight requests at four at once: whether a prompt's prefill shares a step with another
+    # request's decode turns on milliseconds, so a class's tail moves by 20% between runs.
+    t = predict(run, TuneSpec(foreign_run, seeds=3, jobs=1, tolerance=LOOSE))
+    assert t.refused is None, t.refused
+    assert t.check is not None and t.check.ok
+    assert t.server == "vllm" and t.twin is not None
+    assert t.twin["engine_config"]["enable_chunked_prefill"] is False
+    assert t.twin["engine_sources"]["enable_chunked_prefill"] == "the launch command"
+    # Only what vLLM's flags can set is predicted; class priorities are not.
+    ids = {j.candidate.id for j in t.judged}
+    assert "chunk-256" in ids and not any(j.candidate.priorities for j in t.judged)
+    assert t.decision is not None
+    chunk = next(j.candidate for j in t.judged if j.candidate.id == "chunk-256")
+    assert launch_action(t.server, chunk.engine) == (
+        "vllm serve --enable-chunked-prefill --max-num-batched-tokens 256"
+    )
+    # Each seed after the first ran on its own draw of the twin: the replay has a range.
+    seeds = [s["overall"]["ttft_p95"] for s in t.baseline.seeds] if t.baseline else []
+    assert len(set(seeds)) > 1
+    r = runner.invoke(app, ["tune", str(foreign_run), "--seeds", "3", "--jobs", "1"])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "twin of this vllm server" in said
+    assert "apply:" not in said or "vllm serve --" in said
+
+
+def test_candidates_are_kept_to_what_the_servers_own_flags_set():
+    findings = [
+        Finding(id=f, title=f, summary="", evidence={}, confidence=0.9, exact=True, levers=[lever])
+        for f, lever in (
+            ("queue_bound", "priorities"),
+            ("itl_prefill_interference", "chunked_prefill"),
+            ("kv_pressure", "kv_memory"),
+        )
+    ]
+    facts = RunFacts(
+        config={"enable_chunked_prefill": False, "max_num_batched_tokens": 8192,
+                "num_kv_blocks": 100, "kv_cache_memory_gb": 1.0},
+        prompt_tokens=[300, 900], priorities={"chat": 0, "rag": 1}, peak_seqs=4,
+    )  # fmt: skip
+    cands, skipped = generate(findings, facts, ("overall", "goodput"))
+    assert any(c.priorities for c in cands) and any(c.knob == "kv_memory" for c in cands)
+    assert for_server("servelab", cands, skipped) == (cands, skipped)
+    kept, why = for_server("vllm", cands, skipped)
+    assert not any(c.priorities for c in kept)
+    assert "priority scheduling" in {u.lever: u.reason for u in why}["priorities"]
+    # vLLM sets the KV pool by its block count; llama.cpp has neither that flag nor a switch
+    # for chunking.
+    kv = next(c for c in kept if c.knob == "kv_memory")
+    assert launch_action("vllm", kv.engine) == "vllm serve --num-gpu-blocks-override 150"
+    kept, why = for_server("llamacpp", cands, skipped)
+    assert {c.knob for c in kept} == {"chunking"}
+    assert all(c.engine["max_num_batched_tokens"] for c in kept)
+    assert "no launch flag for num_kv_blocks" in " ".join(u.reason for u in why)
+    chunk = next(c for c in kept if c.id == "chunk-512")
+    assert launch_action("sglang", chunk.engine) == (
+        "python -m sglang.launch_server --chunked-prefill-size 512"
+    )
+
+
+def test_the_self_check_refuses_a_twin_told_the_wrong_settings(foreign_run, tmp_path):
+    # Stated as one sequence at a time, the twin serialises what the server ran four at once.
+    wrong = _copy(
+        foreign_run,
+        tmp_path / "wrong",
+        stated_command=["vllm", "serve", "test-model", "--max-num-seqs", "1"],
+    )
+    t = predict(load_run(wrong), TuneSpec(wrong, seeds=2, jobs=1))
+    assert t.twin is not None and t.twin["engine_config"]["max_num_seqs"] == 1
+    assert t.refused is not None and "strays" in t.refused
+    assert t.decision is None and t.check is not None and t.check.strayed
+
+
+def _force_chunk_256(run, spec):
+    """Predict, then make chunked prefill at 256 tokens the choice whatever was decided."""
+    t = predict(run, spec)
+    assert t.refused is None and t.baseline is not None, t.refused
+    j = next(j for j in t.judged if j.candidate.id == "chunk-256")
+    obj = Objective.parse(None, has_slos=True)
+    t.decision = decide([], obj)
+    t.decision.chosen = judge(t.baseline, j.candidate, j.prediction, obj)
+    return t
+
+
+def test_verify_relaunches_the_server_from_its_template_as_run_and_tuned(foreign_run, tmp_path):
+    run = load_run(foreign_run)
+    spec = TuneSpec(
+        foreign_run, seeds=2, jobs=1, verify=True, repeats=1, out=tmp_path / "v", tolerance=LOOSE
+    )
+    t = _force_chunk_256(run, spec)
+    console = Console(record=True, width=200)
+    v = verify_choice(run, t, spec, console)
+    said = " ".join(console.export_text().split())
+    assert "--max-num-batched-tokens 256'" in said and "this takes about" in said
+    tuned = json.loads((tmp_path / "v" / "tuned-r0" / "manifest.json").read_text())["server"]
+    assert tuned["engine_args"] == f"{AS_RUN_FLAGS} --enable-chunked-prefill " + (
+        "--max-num-batched-tokens 256"
+    )
+    as_run = json.loads((tmp_path / "v" / "as-run-r0" / "manifest.json").read_text())["server"]
+    assert as_run["engine_args"] == AS_RUN_FLAGS
+    rows = {(r.config, r.scope, r.name): r for r in v.rows}
+    for cfg in ("as-run", "tuned"):
+        r = rows[(cfg, "overall", "max_itl_mean")]
+        assert r.measured is not None and r.predicted is not None
+        # The stand-in runs the twin's own kind of steps: measured near predicted.
+        assert r.error is not None and abs(r.error) < 0.35
+    # Chunking the RAG prompts shortens the longest stalls, measured as predicted.
+    assert rows[("tuned", "overall", "max_itl_mean")].measured < 0.8 * (
+        rows[("as-run", "overall", "max_itl_mean")].measured
+    )
+
+
+def _alive(marker: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmd:
+            out.append(int(pid))
+    return out
+
+
+def test_verify_without_a_template_or_with_one_that_never_comes_up(foreign_run, tmp_path):
+    bare = _copy(foreign_run, tmp_path / "bare", launched=False, template=None)
+    r = runner.invoke(app, ["tune", str(bare), "--verify", "--seeds", "2", "--jobs", "1"])
+    assert r.exit_code == 2 and "--server-template" in " ".join(r.output.split())
+    marker = f"never-healthy-{os.getpid()}"
+    hangs = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(120)' {marker} {{port}}"
+    spec = TuneSpec(
+        bare, seeds=2, jobs=1, verify=True, repeats=1, out=tmp_path / "v",
+        server_template=f"{hangs} {{flags}}", health_timeout=1.0, tolerance=LOOSE,
+    )  # fmt: skip
+    t = _force_chunk_256(load_run(bare), spec)
+    with pytest.raises(RuntimeError, match="not healthy"):
+        verify_choice(load_run(bare), t, spec, Console(file=io.StringIO()))
+    assert _alive(marker) == []
