@@ -32,7 +32,7 @@ from servelab.cli import app
 from servelab.rundir import load_run
 from servelab.sim.asrun import is_foreign
 from servelab.workflows.matrix import record_server
-from servelab.workflows.tuning_loop import TuneSpec, predict, verify_choice
+from servelab.workflows.tuning_loop import TuneSpec, predict, server_template, verify_choice
 
 runner = CliRunner()
 STANDIN = Path(__file__).with_name("standin_vllm.py")
@@ -127,6 +127,7 @@ def test_candidates_are_kept_to_what_the_servers_own_flags_set():
             ("queue_bound", "priorities"),
             ("itl_prefill_interference", "chunked_prefill"),
             ("kv_pressure", "kv_memory"),
+            ("prefill_bound", "disaggregation"),
         )
     ]
     facts = RunFacts(
@@ -140,6 +141,7 @@ def test_candidates_are_kept_to_what_the_servers_own_flags_set():
     kept, why = for_server("vllm", cands, skipped)
     assert not any(c.priorities for c in kept)
     assert "priority scheduling" in {u.lever: u.reason for u in why}["priorities"]
+    assert "another server" in {u.lever: u.reason for u in why}["disaggregation"]
     # vLLM sets the KV pool by its block count; llama.cpp has neither that flag nor a switch
     # for chunking.
     kv = next(c for c in kept if c.knob == "kv_memory")
@@ -232,3 +234,15 @@ def test_verify_without_a_template_or_with_one_that_never_comes_up(foreign_run, 
     with pytest.raises(RuntimeError, match="not healthy"):
         verify_choice(load_run(bare), t, spec, Console(file=io.StringIO()))
     assert _alive(marker) == []
+
+
+def test_a_template_with_a_secret_is_recorded_redacted_and_not_relaunched(foreign_run, tmp_path):
+    secret = "sk-tune-secret-42"
+    server = TemplateServer(f"{TEMPLATE} --api-key {secret}", tmp_path / "log", "m", "")
+    server.stop()
+    assert secret not in server.template and "--api-key ***" in server.template
+    assert secret not in (tmp_path / "log").read_text()
+    recorded = _copy(foreign_run, tmp_path / "r", template=server.template)
+    with pytest.raises(ValueError, match="redacted; pass the template again"):
+        server_template(load_run(recorded), None)
+    assert server_template(load_run(recorded), "given {port}") == "given {port}"

@@ -190,16 +190,29 @@ PRIORITIES_ELSEWHERE = (
 )
 
 
+DISAGGREGATION_ELSEWHERE = (
+    "not predicted for another server: its twin is one engine fitted to this run's steps, "
+    "and a disaggregated deployment's prefill and decode workers are other processes (on a "
+    "CPU host, sharing its cores) whose costs no run of this one measured"
+)
+
+
 def for_server(
     kind: str, cands: list[Candidate], skipped: list[Unpredicted]
 ) -> tuple[list[Candidate], list[Unpredicted]]:
     """The candidates a ``kind`` server can be launched with, each in its own flags; the
     others join the unpredicted with the reason (a setting it has no flag for, class
-    priorities). A servelab run keeps every candidate."""
+    priorities), and disaggregation says why it is not predicted for that server. A
+    servelab run keeps every candidate."""
     if kind == SERVELAB:
         return cands, skipped
     keep: list[Candidate] = []
-    out = list(skipped)
+    out = [
+        Unpredicted(u.lever, u.findings, DISAGGREGATION_ELSEWHERE)
+        if u.lever == "disaggregation"
+        else u
+        for u in skipped
+    ]
     said: set[tuple[str, str]] = set()
     for c in cands:
         reason = PRIORITIES_ELSEWHERE if c.priorities else None
