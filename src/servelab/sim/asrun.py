@@ -161,9 +161,9 @@ def _prefix_hits(run: Run) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def _measured_cuts(run: Run, ids: dict[str, str], block_size: int) -> dict[str, float]:
-    """Planned id -> the answer position where the resent history left the prefix cache."""
-    bs = block_size
+def _measured_cuts(run: Run, ids: dict[str, str], bs: int) -> dict[str, float]:
+    """Planned id -> the answer position where the resent history left the prefix cache
+    (``bs``: the KV block size)."""
     hits = _prefix_hits(run)
     by_session: dict[str, list[Any]] = {}
     for r in run.records:
@@ -236,7 +236,7 @@ def requests_as_run(run: Run, tokenizer: Any = None, replica: Replica | None = N
     return AsRun(
         requests=out,
         max_concurrency=load.concurrency if load.closed else None,
-        network_delay=replica.network_delay if replica.twin else _one_way_delay(run),
+        network_delay=_one_way_delay(run, replica),
         slos=run_slos(run),
         info={**inputs, "requests": len(out)},
     )
@@ -321,8 +321,11 @@ def _as_sent(
     return out
 
 
-def _one_way_delay(run: Run) -> float:
-    """Median of send -> server arrival over the run's requests (one host, one clock)."""
+def _one_way_delay(run: Run, replica: Replica) -> float:
+    """Median of send -> server arrival over the run's requests (one host, one clock); on a
+    twin, half the API's own time per request."""
+    if replica.twin is not None:
+        return replica.twin.api_overhead_s / 2
     if run.simulated:
         return float((run.manifest.get("sim") or {}).get("network_delay_s") or 0.0)
     gaps = [
@@ -374,12 +377,6 @@ class Replica:
     def kind(self) -> str:
         """Whose flags the server takes (``analyze.serversettings``: servelab, vllm, ...)."""
         return self.twin.server if self.twin is not None else "servelab"
-
-    @property
-    def network_delay(self) -> float:
-        """The twin's one-way delay: half the API's own time per request, as ``servelab
-        sim --calibration`` puts it."""
-        return self.twin.api_overhead_s / 2 if self.twin is not None else 0.0
 
     def at(self, seed: int, changes: dict[str, Any] | None = None) -> SimTarget:
         """Seed ``seed``'s target: the twin's draw ``seed`` (its bootstrap refit and speed);
