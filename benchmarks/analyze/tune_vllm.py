@@ -2,7 +2,7 @@
 
     python -m benchmarks.analyze.tune_vllm [--out runs/tune-vllm] [--flags "--no-enable-chunked-prefill"]
         [--workload mixed] [--load "--concurrency 4 --requests 16"] [--repeats 1] [--seeds 5]
-        [--objective FIGURE[@CLASS]] [--reuse] [--vllm-python PATH] [--weights DIR]
+        [--objective FIGURE[@CLASS]] [--tolerance 0.15] [--reuse] [--vllm-python PATH] [--weights DIR]
 
 1. vLLM serves SmolLM2-135M (weights from ``servelab export-hf``) on CPU 1, launched from
    the command template of ``benchmarks.sim.twin_vllm`` with ``--flags`` (default: chunked
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--objective", default=None)
+    ap.add_argument("--tolerance", type=float, default=0.15, help="the self-check's")
     ap.add_argument("--vllm-python", default=VLLM_PYTHON)
     ap.add_argument("--weights", default=None, help="HF weights dir (default: exported)")
     ap.add_argument("--health-timeout", type=float, default=900.0)
@@ -87,6 +88,7 @@ def main() -> None:
     spec = TuneSpec(
         run_dir,
         objective=args.objective,
+        tolerance=args.tolerance,
         seeds=args.seeds,
         jobs=1,
         verify=True,
@@ -98,7 +100,8 @@ def main() -> None:
     )
     print(f"$ servelab tune {run_dir} --verify --repeats {args.repeats} --seeds {args.seeds} "
           f"--server-template {shlex.quote(template)} --server-model {weights}"
-          + (f" --objective {args.objective}" if args.objective else ""))  # fmt: skip
+          + (f" --objective {args.objective}" if args.objective else "")
+          + f" --tolerance {args.tolerance}")  # fmt: skip
     t0 = time.perf_counter()
     console = Console(width=140)
     tuning = run_tune(spec, console)

@@ -412,7 +412,8 @@ def verify_choice(
     out.mkdir(parents=True, exist_ok=True)
     template = None
     if tuning.twin is not None and tuning.server != SERVELAB:
-        template = server_template(run, spec.server_template)
+        if servers is None:
+            template = server_template(run, spec.server_template)
         as_run_args = as_run_flags(run, tuning.twin["settings"])
         changes = render_flags(tuning.server, server_changes(cand.engine))
         tuned_args = " ".join(a for a in (as_run_args, changes) if a)  # the last flag wins
