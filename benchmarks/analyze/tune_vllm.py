@@ -1,14 +1,15 @@
 """`servelab tune --verify` on live vLLM (CPU build): predicted through the twin, verified by relaunching vLLM.
 
     python -m benchmarks.analyze.tune_vllm [--out runs/tune-vllm] [--flags "--no-enable-chunked-prefill"]
-        [--workload mixed] [--load "--concurrency 4 --requests 16"] [--repeats 1] [--seeds 5]
+        [--workload demo-mixed] [--load "--concurrency 4 --requests 32"] [--repeats 2] [--seeds 5]
         [--objective FIGURE[@CLASS]] [--tolerance 0.15] [--reuse] [--vllm-python PATH] [--weights DIR]
 
 1. vLLM serves SmolLM2-135M (weights from ``servelab export-hf``) on CPU 1, launched from
    the command template of ``benchmarks.sim.twin_vllm`` with ``--flags`` (default: chunked
    prefill off), warmed with four requests; the benchmark client runs on CPU 0. The run
-   (``--workload`` at length scale 0.5, ``--load``) records its launch in its manifest
-   (``workflows.matrix.record_server``: the template, the command, the flags).
+   (``--workload`` at length scale 0.5, ``--load``; by default the demo's mixed traffic,
+   short chats decoding while 700-800-token RAG prompts arrive) records its launch in its
+   manifest (``workflows.matrix.record_server``: the template, the command, the flags).
 2. ``servelab tune`` replays the run on the twin calibrated on it (the self-check), predicts
    the candidates its findings call for in vLLM's own flags, decides, and with ``--verify``
    relaunches vLLM from ``--server-template`` twice -- the run's flags, and those plus the
@@ -18,8 +19,8 @@
    ``tune.html`` beside the runs.
 
 ``--reuse`` tunes the run already in ``--out`` again (its bench is skipped), e.g. with
-another ``--objective``. About 6 minutes with ``--repeats 1`` on a quiet machine: three vLLM
-starts (one, then two at once), a warm-up, three benchmark runs.
+another ``--objective``. About 6 minutes on a quiet machine: three vLLM starts (one, then
+two at once), a warm-up, five benchmark runs.
 """
 
 from __future__ import annotations
@@ -32,22 +33,28 @@ import shlex
 import time
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 
 from benchmarks.sim.twin_vllm import SERVED, SERVELAB, TEMPLATE, VLLM_PYTHON, Case, bench, run
 from servelab.bench.template import TemplateServer
 from servelab.report.tuning_view import render_tuning, write_tuning_report
+from servelab.workflows.demo import mixed_workload
 from servelab.workflows.matrix import record_server
 from servelab.workflows.tuning_loop import TuneSpec, run_tune
+
+# The demo's mixed traffic (short chats decoding while 700-800-token RAG prompts arrive) at
+# twice its lengths, since the bench runs at length scale 0.5.
+DEMO_MIXED = "demo-mixed"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="runs/tune-vllm")
     ap.add_argument("--flags", default="--no-enable-chunked-prefill", help="vLLM's, as run")
-    ap.add_argument("--workload", default="mixed")
-    ap.add_argument("--load", default="--concurrency 4 --requests 16")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--workload", default=DEMO_MIXED, help=f"a preset, a file, or {DEMO_MIXED}")
+    ap.add_argument("--load", default="--concurrency 4 --requests 32")
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--objective", default=None)
     ap.add_argument("--tolerance", type=float, default=0.15, help="the self-check's")
@@ -68,6 +75,10 @@ def main() -> None:
         )
     template = TEMPLATE.format(cpu=1, python=args.vllm_python, served=SERVED)
     run_dir = out / "run"
+    workload = args.workload
+    if workload == DEMO_MIXED:
+        workload = str(out / f"{DEMO_MIXED}.yaml")
+        Path(workload).write_text(yaml.safe_dump(mixed_workload(2.0), sort_keys=False))
     if not args.reuse:
         t0 = time.perf_counter()
         server = TemplateServer(template, logs / "vllm-as-run.log", str(weights), args.flags)
@@ -76,7 +87,7 @@ def main() -> None:
             timings["start_vllm_s"] = time.perf_counter() - t0
             warm = Case("warm-up", "chat", "--concurrency 4 --requests 4", args.flags)
             timings["warm_up_s"] = bench(warm, server.url, weights, out / "warmup", logs)
-            case = Case("run", args.workload, args.load, args.flags)
+            case = Case("run", workload, args.load, args.flags)
             timings["bench_s"] = bench(case, server.url, weights, run_dir, logs)
             record_server(run_dir, server)
         finally:
