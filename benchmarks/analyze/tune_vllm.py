@@ -73,7 +73,11 @@ def main() -> None:
         timings["export_s"] = run(
             [*SERVELAB, "export-hf", "--model", SERVED, str(weights)], logs / "export.log"
         )
-    template = TEMPLATE.format(cpu=1, python=args.vllm_python, served=SERVED)
+    # Dev mode serves POST /reset_prefix_cache, which the bench calls before each run: the
+    # verification's later repeats must not find the earlier ones' prompts cached.
+    template = "VLLM_SERVER_DEV_MODE=1 " + TEMPLATE.format(
+        cpu=1, python=args.vllm_python, served=SERVED
+    )
     run_dir = out / "run"
     workload = args.workload
     if workload == DEMO_MIXED:

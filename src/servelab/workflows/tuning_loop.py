@@ -382,6 +382,27 @@ def _workload_file(run: Run, out: Path, name: str, priorities: dict[str, int]) -
     return str(path)
 
 
+def _unflushed(runs: dict[str, list[Run]]) -> list[str]:
+    """A note for each config whose later repeats ran on a prefix cache the server would not
+    flush (vLLM answers ``POST /reset_prefix_cache`` only with ``VLLM_SERVER_DEV_MODE=1``):
+    they were served the earlier repeats' prompts from its cache."""
+    notes = []
+    for name, rs in runs.items():
+        said = {
+            str(st.get("prefix_cache"))
+            for r in rs[1:]
+            for st in r.manifest.get("stages") or []
+            if st.get("prefix_cache") not in (None, "", "flushed")
+        }
+        if said:
+            notes.append(
+                f"--verify: {name}'s prefix cache was not flushed before its later repeats "
+                f"({'; '.join(sorted(said))}), so they found the earlier repeats' prompts "
+                "cached; for vLLM, set VLLM_SERVER_DEV_MODE=1 in the template"
+            )
+    return notes
+
+
 def verify_estimate(run: Run, tuning: Tuning, repeats: int, servers_given: bool) -> float:
     """Seconds the verification will take: each repeat runs the as-run load for about as long
     as the run did and the tuned one as long as predicted, plus each run's and the servers'
@@ -459,6 +480,7 @@ def verify_choice(
     runs = {name: [load_run(p) for p in paths] for name, paths in res.runs.items()}
     if not runs.get(AS_RUN) or not runs.get(TUNED):
         raise RuntimeError(f"--verify: a configuration left no run (see {out})")
+    tuning.notes += _unflushed(runs)
     return verify(
         {AS_RUN: tuning.baseline, TUNED: chosen.prediction}, runs, cand.target, run_slos(run)
     )
