@@ -56,7 +56,7 @@ def render(
     if "{port}" not in template:
         raise ValueError(
             f"the server template {template!r} has no {{port}}: write it where the server "
-            "takes its port, e.g. 'vllm serve {model} --port {port} {flags}'"
+            "takes its port, e.g. 'vllm serve {model} --host {host} --port {port} {flags}'"
         )
     unknown = sorted(set(re.findall(r"\{[a-z_]+\}", template)) - set(PLACEHOLDERS))
     if unknown:

@@ -40,7 +40,8 @@ def tune_command(
         str | None,
         typer.Option(
             help="--verify on another server's run: its launch command with {port} and "
-            "{flags} (also {model}, {host}), e.g. 'vllm serve {model} --port {port} {flags}'; "
+            "{flags} (also {model}, {host}), e.g. "
+            "'vllm serve {model} --host {host} --port {port} {flags}'; "
             "default: the template the run was launched from, if servelab recorded one"
         ),
     ] = None,
