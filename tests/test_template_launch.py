@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from servelab.bench.manifest import redact, secrets_in
+from servelab.bench.manifest import redact, redact_args, secrets_in
 from servelab.bench.template import TemplateServer, _group_members, render
 
 PY = shlex.quote(sys.executable)
@@ -168,3 +168,17 @@ def test_matrix_launches_templates_and_records_their_redacted_commands(tmp_path)
     assert not [
         p for p in os.listdir(res.out) if p.endswith(".log") and not p.startswith("server-")
     ]
+
+
+def test_flags_are_recorded_without_their_secrets(tmp_path):
+    flags = "--max-num-seqs 4 --api-key sk-flag-secret --hf-token=hf_x1"
+    out = redact_args(flags)
+    assert "sk-flag-secret" not in out and "hf_x1" not in out
+    assert "--max-num-seqs 4" in out and out.count("***") == 2
+    plain = '--max-num-batched-tokens 256 --speculative-config \'{"method": "ngram"}\''
+    assert redact_args(plain) == plain  # quoting kept where there is nothing to hide
+    srv = TemplateServer(STAND_IN, tmp_path / "s.log", flags=flags)
+    try:
+        assert "sk-flag-secret" not in srv.engine_args + json.dumps(srv.command)
+    finally:
+        srv.stop()

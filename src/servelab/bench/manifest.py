@@ -7,6 +7,7 @@ import contextlib
 import os
 import platform
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,13 @@ def redact(argv: list[str]) -> list[str]:
         head, sep, tail = out[i].rpartition(v)
         out[i] = head + HIDDEN + tail if sep else HIDDEN
     return out
+
+
+def redact_args(args: str) -> str:
+    """A flags string with its secrets replaced by ``***`` (``redact``), for manifests;
+    unchanged, quoting and all, where it holds none."""
+    argv = shlex.split(args or "")
+    return shlex.join(redact(argv)) if secrets_in(argv) else args
 
 
 def hide_secrets(text: str, secrets: list[str]) -> str:

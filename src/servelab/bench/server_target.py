@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from servelab.analyze.promscrape import info_metrics
+from servelab.bench.manifest import redact, redact_args
 from servelab.engine_flags import read_flags
 
 HEALTH_TIMEOUT_S = 900.0  # loading and dequantising a model on 2 cores takes a while
@@ -211,7 +212,7 @@ class LaunchedServer:
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.engine_args = engine_args
+        self.engine_args = redact_args(engine_args)  # recorded in manifests
         extra = shlex.split(engine_args or "")
         for flag in ("--port", "--host", "--model"):
             if any(a == flag or a.startswith(flag + "=") for a in extra):
@@ -222,7 +223,7 @@ class LaunchedServer:
         split = split_cpus() if pin else None
         self._pinned = split is not None
         pin_prefix = ["taskset", "-c", ",".join(map(str, sorted(split[1])))] if split else []
-        self.command = [
+        argv = [
             *pin_prefix,
             sys.executable,
             "-m",
@@ -236,13 +237,14 @@ class LaunchedServer:
             str(self.port),
             *extra,
         ]
+        self.command = redact(argv)  # recorded in manifests
         self.log_path = log_path
         env = dict(os.environ)
         if api_key:
             env["SERVELAB_API_KEY"] = api_key
         self._log = open(log_path, "ab")  # noqa: SIM115 -- closed in stop()
         self.proc = subprocess.Popen(
-            self.command,
+            argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -37,7 +37,7 @@ from typing import IO, Any
 import aiohttp
 
 from servelab.analyze.serversettings import kind_of_command, parse_flags
-from servelab.bench.manifest import hide_secrets, redact, secrets_in
+from servelab.bench.manifest import hide_secrets, redact, redact_args, secrets_in
 from servelab.bench.server_target import free_port, log_tail
 
 HEALTH_TIMEOUT_S = 900.0
@@ -120,7 +120,7 @@ class TemplateServer:
 
     ``flags`` fill ``{flags}`` and are this configuration's ``engine_args``; ``config`` is
     what the whole command sets, in engine-config names (``analyze.serversettings``);
-    ``command`` and ``template`` are redacted."""
+    ``command``, ``template`` and ``engine_args`` are redacted."""
 
     def __init__(
         self,
@@ -133,7 +133,7 @@ class TemplateServer:
     ) -> None:
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self.engine_args = flags
+        self.engine_args = redact_args(flags)  # recorded in manifests
         argv = render(template, model, self.port, flags, host)
         extra_env, program = _split_env(argv)
         self.command = redact(argv)
