@@ -38,7 +38,6 @@ runner = CliRunner()
 STANDIN = Path(__file__).with_name("standin_vllm.py")
 TEMPLATE = f"{shlex.quote(sys.executable)} {STANDIN} --host {{host}} --port {{port}} {{flags}}"
 AS_RUN_FLAGS = "--no-enable-chunked-prefill --no-enable-prefix-caching"
-LOOSE = 0.3  # the self-check's tolerance on these eight-request runs (see the first test)
 # The verify tests are about the relaunch, not the self-check: on a loaded machine the
 # eight-request run itself strays from its replay, and they must still get a prediction.
 ANY = 0.99
@@ -98,10 +97,12 @@ def test_a_foreign_run_is_predicted_through_its_twin_in_its_own_flags(foreign_ru
     run = load_run(foreign_run)
     assert is_foreign(run) and not run.timelines
     # Eight requests at four at once: whether a prompt's prefill shares a step with another
-    # request's decode turns on milliseconds, so a class's tail moves by 20% between runs.
-    t = predict(run, TuneSpec(foreign_run, seeds=3, jobs=1, tolerance=LOOSE))
+    # request's decode turns on milliseconds, so a class's tail moves by 20% between runs,
+    # and more on a loaded machine. This test is about the prediction's shape, so the
+    # self-check passes at any tolerance here (its refusal has a test of its own).
+    t = predict(run, TuneSpec(foreign_run, seeds=3, jobs=1, tolerance=ANY))
     assert t.refused is None, t.refused
-    assert t.check is not None and t.check.ok
+    assert t.check is not None and t.check.ok and t.check.rows
     assert t.server == "vllm" and t.twin is not None
     assert t.twin["engine_config"]["enable_chunked_prefill"] is False
     assert t.twin["engine_sources"]["enable_chunked_prefill"] == "the launch command"
