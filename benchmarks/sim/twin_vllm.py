@@ -1,7 +1,7 @@
 """A twin of live vLLM (CPU build): calibrate on one run, predict held-out runs, run them for real.
 
     python -m benchmarks.sim.twin_vllm [--out runs/twin-vllm] [--cases smoke|all|NAME,...]
-        [--vllm-python /work/main/.venv-peers/vllm/bin/python] [--weights DIR] [--seeds 8]
+        [--vllm-python .venv-peers/vllm/bin/python] [--weights DIR] [--seeds 8]
 
 1. vLLM serves SmolLM2-135M (weights from ``servelab export-hf``) on CPU 1, launched from a
    command template (``bench.template``: its own process group, its log, the command in the
@@ -40,12 +40,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.common import ROOT
 from servelab.bench.template import TemplateServer
 from servelab.sim.intervals import FIGURES
 from servelab.sim.twin import TwinCalibration, flag_changes
 
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
-VLLM_PYTHON = "/work/main/.venv-peers/vllm/bin/python"
+VLLM_PYTHON = str(ROOT / ".venv-peers" / "vllm" / "bin" / "python")  # install.sh's default
 SERVED = "smollm2-135m"
 TEMPLATE = (
     "env -u PYTHONPATH OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 taskset -c {cpu} {python} "
