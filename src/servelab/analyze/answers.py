@@ -15,6 +15,7 @@ from typing import Any
 
 from servelab.analyze.attribution import attribute
 from servelab.analyze.compare import DEFAULT_ALPHA, permutation_pvalues
+from servelab.analyze.levers import SUSTAINED_DECODE_LOST, SUSTAINED_INTERFERENCE
 from servelab.analyze.phase_costs import acceptance, kv_transfers
 from servelab.analyze.stats import describe
 from servelab.analyze.summary import metric_values, run_summary
@@ -38,10 +39,6 @@ QUESTION_IDS = (
     "spec_decode",
     "disaggregation",
 )
-# Disaggregation starts to pay where phase contention is sustained (the levers' rule):
-# interference at least this share of TTFT and prefill stalls this share of decode time.
-SUSTAINED_INTERFERENCE = 0.25
-SUSTAINED_DECODE_LOST = 0.10
 
 
 @dataclass(frozen=True, kw_only=True)

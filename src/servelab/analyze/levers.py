@@ -20,6 +20,10 @@ from servelab.analyze.serversettings import server_kind as run_server_kind
 # KV bytes per token of the default model in fp32 (docs/reference-figures.md): the transfer
 # disaggregation adds per prompt token.
 DEFAULT_KV_BYTES_PER_TOKEN = 46 * 1024
+# Disaggregation pays only where phase contention is sustained: interference at least this
+# share of TTFT and prefill stalls at least this share of decode time.
+SUSTAINED_INTERFERENCE = 0.25
+SUSTAINED_DECODE_LOST = 0.10
 
 
 @dataclass(kw_only=True)
@@ -437,7 +441,8 @@ def disaggregation(c: Context, f: Finding) -> Recommendation:
     interf = sum(x.interference or 0.0 for x in c.ok)
     ttft = sum(x.ttft for x in c.ok)
     share = interf / ttft if ttft > 0 else 0.0
-    sustained = share >= 0.25 and f.evidence.get("share_of_decode_time_lost", 0.0) >= 0.10
+    lost = f.evidence.get("share_of_decode_time_lost", 0.0)
+    sustained = share >= SUSTAINED_INTERFERENCE and lost >= SUSTAINED_DECODE_LOST
     sim = c.run.server.get("simulated")
     kv_bytes = (
         c.run.server.get("kv_bytes_per_token")
