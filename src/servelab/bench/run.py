@@ -728,8 +728,8 @@ class Bench:
             self.request_ids = target.ids
             http = HttpClient(self.info.url)
             # Whatever the calling process holds (a demo or matrix keeps earlier runs loaded)
-            # stays out of the collector's full passes while requests stream: one pass over
-            # a few runs' records held this client's loop for 131 ms in a demo run.
+            # stays out of the collector's full passes while requests stream: a demo sub-run
+            # saw its loop held 131 ms at 4% client CPU, most likely by such a pass.
             gc.collect()
             gc.freeze()
             try:

@@ -11,8 +11,8 @@
      engine, FCFS vs the batch class at a lower priority; chat TTFT p95, batch E2E beside it;
    - decode_itl: codegen at concurrency 1, 2, 4, 8; ITL p50 and throughput vs batch size;
    - spec_decode: code edits (greedy, the answer re-types the file) beside sampled chat,
-     n-gram speculation off vs on, at concurrency 1 and 8; edit TPOT p50 at 1, chat TPOT
-     p50 at 8 beside it, and each class's acceptance;
+     n-gram speculation off vs on, at concurrency 1 and 8; edit TPOT mean at 1, chat TPOT
+     mean at 8 beside it, and each class's acceptance;
    - disaggregation: chunked_prefill's traffic on one prefill and one decode worker vs the
      colocated chunked engine (the same interleaved matrix); the same key metric, TTFT
      beside it, the KV hand-off per request and the colocated run's phase contention;
@@ -474,9 +474,8 @@ def run_demo(
                     servers={c: servers[k] for c, k, _ in configs},
                     on_run=None if verbose else on_run,
                 )
-                runs.update(
-                    {c: [load_run(p) for p in paths] for c, paths in res.runs.items() if paths}
-                )
+                ran = [c for c, paths in res.runs.items() if paths]  # res.groups' order
+                runs.update(zip(ran, res.groups, strict=True))
                 interrupted = INTERRUPTED in res.exit_codes.values()
                 if interrupted:
                     break
