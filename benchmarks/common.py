@@ -3,7 +3,7 @@
 - ``ROOT``, the repository root;
 - timing: ``best_time``, the best of some repeats after a warm-up (``sync`` on CUDA);
 - the machine's limits, measured: ``read_bandwidth`` (streaming read GB/s) and
-  ``gemm_rate`` (fp32 FLOP/s over one layer's products, ``layer_shapes``);
+  ``gemm_rate`` (fp32 or bf16 FLOP/s over one layer's products, ``layer_shapes``);
 - the model's costs, counted by the simulator's ``ModelSpec``: ``prefill_flops``,
   ``decode_flops`` and ``decode_bytes`` (the weights a decode step streams, in the datatypes
   the loaded model holds them in);
@@ -95,16 +95,20 @@ def layer_shapes(spec: ModelSpec) -> list[tuple[str, int, int]]:
     ]
 
 
-def gemm_rate(spec: ModelSpec, rows: int, device: torch.device, repeat: int) -> float:
-    """Best fp32 FLOP/s over one layer's products (``layer_shapes``) at ``rows`` rows: the
-    faster of ``F.linear`` and, on CPU, oneDNN's linear on weights packed ahead of time
-    (``benchmarks.engine.kernel_speed --gemm`` compares every backend)."""
+def gemm_rate(
+    spec: ModelSpec, rows: int, device: torch.device, repeat: int, dtype: str = "float32"
+) -> float:
+    """Best FLOP/s (fp32, or ``dtype="bfloat16"``) over one layer's products
+    (``layer_shapes``) at ``rows`` rows: the faster of ``F.linear`` and, on CPU, oneDNN's
+    linear on weights packed ahead of time (``benchmarks.engine.kernel_speed --gemm``
+    compares every backend)."""
     import torch
     import torch.nn.functional as F
 
+    dt = getattr(torch, dtype)
     shapes = [(o, i) for _, o, i in layer_shapes(spec)]
-    mats = [torch.randn(o, i, device=device) for o, i in shapes]
-    xs = {i: torch.randn(rows, i, device=device) for _, i in shapes}
+    mats = [torch.randn(o, i, device=device, dtype=dt) for o, i in shapes]
+    xs = {i: torch.randn(rows, i, device=device, dtype=dt) for _, i in shapes}
     flops = sum(2 * rows * o * i for o, i in shapes)
     t = best_time(lambda: [F.linear(xs[m.shape[1]], m) for m in mats], repeat, device)
     if device.type == "cpu" and torch.backends.mkldnn.is_available():

@@ -121,6 +121,16 @@ def test_isa_can_be_forced_to_avx2_and_refuses_unknown_names(monkeypatch) -> Non
     assert kernel_build.isa() == "avx512"
     monkeypatch.setenv("SERVELAB_CPU_ISA", "avx512")
     assert kernel_build.isa() == "avx512"
+    # bf16 dots need AVX512-BF16 with BW and VL beside VNNI; forced down, VNNI stays.
+    zen4 = "flags : avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16"
+    monkeypatch.setattr(kernel_build, "_cpu_flags", lambda: zen4)
+    monkeypatch.delenv("SERVELAB_CPU_ISA")
+    assert kernel_build.isa() == "avx512bf16"
+    monkeypatch.setenv("SERVELAB_CPU_ISA", "avx512vnni")
+    assert kernel_build.isa() == "avx512vnni"
+    monkeypatch.setattr(kernel_build, "_cpu_flags", lambda: zen4.replace(" avx512vl", ""))
+    monkeypatch.delenv("SERVELAB_CPU_ISA")
+    assert kernel_build.isa() == "avx512vnni"
     monkeypatch.setenv("SERVELAB_CPU_ISA", "sse9")
     with pytest.raises(RuntimeError, match="SERVELAB_CPU_ISA='sse9'"):
         kernel_build.isa()

@@ -1,5 +1,5 @@
-"""The engine on quantised weights: every scheduling choice leaves the greedy tokens of a
-quantised model unchanged (batching invariance holds for q8_0 and q4_1 too), and bad
+"""The engine on quantised and bf16 weights: every scheduling choice leaves the greedy tokens
+of such a model unchanged (batching invariance holds for bf16, q8_0 and q4_1 too), and bad
 requests for a mode say what is available."""
 
 from __future__ import annotations
@@ -24,7 +24,15 @@ def q4_gguf(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return write_gguf(tiny_llama_dir, tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf", q4_1=True)
 
 
-@pytest.fixture(scope="module", params=["q8_0", "q4_1"])
+BF16 = pytest.param(
+    "bf16",
+    marks=pytest.mark.skipif(
+        not cpu_kernels.bf16_dot_available(), reason="bf16 dots need AVX512-BF16"
+    ),
+)
+
+
+@pytest.fixture(scope="module", params=[BF16, "q8_0", "q4_1"])
 def quantised(request: pytest.FixtureRequest, tiny_llama_dir: Path, q4_gguf: Path) -> LoadedModel:
     path = q4_gguf if request.param == "q4_1" else tiny_llama_dir
     return load_model(str(path), device="cpu", quantization=request.param)
@@ -44,6 +52,11 @@ def unbatched(quantised: LoadedModel, prompts: list[list[int]]) -> list[list[int
 
 def test_weights_stay_quantised(quantised: LoadedModel) -> None:
     layer = quantised.model.layers[0]
+    if quantised.quantization == "bf16":  # every product, the LM head's too, in bf16
+        for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w, quantised.model.lm_head):
+            assert isinstance(w, QuantWeight) and w.kind == "bf16x16"
+            assert w.blocks.dtype == torch.bfloat16
+        return
     # Interleaved for integer dots where the CPU has them (AVX512-VNNI).
     kind = quantised.quantization + ("x16" if cpu_kernels.int8_dot_available() else "")
     for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
@@ -88,7 +101,8 @@ def test_quantised_logits_match_their_reference(
 ) -> None:
     """q4_1 computes the function of its GGUF dequantised to fp32 (mode none): to float
     rounding where its inputs stay fp32, and nearly so where the integer-dot kernel rounds
-    them to 8 bits; q8_0 nearly fp32's. A wrong block layout or row order would not."""
+    them to 8 bits; q8_0 and bf16 nearly fp32's. A wrong block layout or row order would
+    not."""
     batch = causal_batch([quantised.tokenizer.encode(PROMPT_TEXTS[0])])
     if quantised.quantization == "q4_1":
         want = load_model(str(q4_gguf), device="cpu").model(batch)
@@ -108,7 +122,7 @@ def test_modes_without_their_data_say_what_is_available(tiny_llama_dir: Path) ->
     fp32_gguf = write_gguf(tiny_llama_dir, tiny_llama_dir.parent / "tiny-fp32.gguf")
     with pytest.raises(ValueError, match="not all Q4_1 .others: F32.*available: none"):
         load_model(str(fp32_gguf), device="cpu", quantization="q4_1")
-    with pytest.raises(ValueError, match="use none, q8_0, q4_1"):
+    with pytest.raises(ValueError, match="use none, bf16, q8_0, q4_1"):
         load_model(str(tiny_llama_dir), device="cpu", quantization="int4")
 
 
@@ -121,9 +135,16 @@ def test_no_kernels_refuses_quantised_modes(
     assert load_model(str(tiny_llama_dir), device="cpu").quantization == "none"
 
 
+def test_bf16_needs_the_bf16_kernel(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "bf16_dot_available", lambda: False)
+    with pytest.raises(ValueError, match="bf16 runs on servelab's AVX512-BF16 kernels"):
+        load_model(str(tiny_llama_dir), device="cpu", quantization="bf16")
+
+
 def test_cli_offers_only_the_modes_that_pass_their_quality_bar() -> None:
     from servelab.server.server_args import ServerArgs
 
     ServerArgs(quantization="q4_1").validate()
-    with pytest.raises(ValueError, match="--quantization 'q8_0': use none, q4_1"):
+    ServerArgs(quantization="bf16").validate()
+    with pytest.raises(ValueError, match="--quantization 'q8_0': use none, bf16, q4_1"):
         ServerArgs(quantization="q8_0").validate()

@@ -9,7 +9,14 @@ from gguf.quants import quantize as gguf_quantize
 
 from servelab.model import cpu_kernels
 from servelab.model.linear import linear
-from servelab.model.quant import QuantWeight, deinterleave, f32_rows, interleave, interleave_f32
+from servelab.model.quant import (
+    QuantWeight,
+    deinterleave,
+    f32_rows,
+    interleave,
+    interleave_bf16,
+    interleave_f32,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built here")
 
@@ -161,3 +168,52 @@ def test_interleaved_fp32_matches_matmul(n: int, k: int, threads: int) -> None:
 def test_fp32_interleaving_needs_rows_in_sixteens() -> None:
     with pytest.raises(ValueError, match="16k rows, not 40"):
         interleave_f32(torch.zeros(40, 8))
+
+
+def _bf16_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The bf16 kernel's arithmetic, written out: inputs rounded to bf16 (nearest even), then
+    for each pair of columns in order, fp32 sums of the odd column's product, then the even
+    one's (VDPBF16PS's order; a bf16 x bf16 product is exact in fp32)."""
+    xb, wf = x.to(torch.bfloat16).float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for j in range(0, x.shape[1], 2):
+        acc = acc + xb[:, j + 1 : j + 2] * wf[:, j + 1]
+        acc = acc + xb[:, j : j + 1] * wf[:, j]
+    return acc
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_dot_available(), reason="bf16 dots need AVX512-BF16")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (64, 1536), (48, 6), (32, 100), (16, 34)])
+def test_interleaved_bf16_equals_its_plain_arithmetic(n: int, k: int, threads: int) -> None:
+    """bf16x16: the values reordered (rows read back exactly), and the product equals the
+    plain arithmetic above bit for bit at every row count, tile and token block (to 300 rows),
+    with a bias or into a residual; each row's result is independent of the rows beside it."""
+    cpu_kernels.set_num_threads(threads)
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    wx = interleave_bf16(QuantWeight("bf16", w, k))
+    assert wx.kind == "bf16x16" and wx.interleaved and wx.n == n and wx.blocks.dtype == w.dtype
+    assert torch.equal(f32_rows(wx), w.float()) and torch.equal(
+        cpu_kernels.dequantize(wx), w.float()
+    )
+    rows = torch.tensor([n - 1, 0, 17 % n, 17 % n])
+    assert torch.equal(f32_rows(wx, rows), w.float()[rows])
+    b = torch.randn(n, generator=g)
+    for m in (1, 2, 7, 8, 9, 25, 33, 257, 300) if k < 200 else (1, 9, 33, 257):
+        x = torch.randn(m, k, generator=g)
+        want = _bf16_plain(x, w)
+        assert torch.equal(linear(x, wx), want)
+        assert torch.equal(linear(x, wx, b), want + b)
+        res = torch.randn(m, n, generator=g)
+        assert torch.equal(linear(x, wx, residual=res.clone()), res + want)
+        if m in (9, 33):
+            alone = torch.cat([linear(x[i : i + 1], wx) for i in range(m)])
+            assert torch.equal(linear(x, wx), alone)
+
+
+def test_bf16_interleaving_needs_rows_in_sixteens_and_even_columns() -> None:
+    with pytest.raises(ValueError, match="16k rows and even columns, not bf16 40 x 8"):
+        interleave_bf16(QuantWeight("bf16", torch.zeros(40, 8, dtype=torch.bfloat16), 8))
+    with pytest.raises(ValueError, match="not bf16 32 x 7"):
+        interleave_bf16(QuantWeight("bf16", torch.zeros(32, 7, dtype=torch.bfloat16), 7))

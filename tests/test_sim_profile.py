@@ -84,7 +84,7 @@ def test_profile_then_simulate_agrees_with_a_real_run(engine, tmp_path):
     assert table.meta["kv_bytes_per_token"] == 46080  # fp32 SmolLM2: 2 * 30 * 3 * 64 * 4
     assert table.meta["overhead"]["steps"] > 0
     assert table.meta["quantization"] == "none"  # the engine fixture's fp32 weights
-    assert table.meta["cpu_kernels"] in ("avx2", "avx512", "avx512vnni", "")
+    assert table.meta["cpu_kernels"] in ("avx2", "avx512", "avx512vnni", "avx512bf16", "")
     model = ProfiledCostModel(table)
     prefill_all, decode_one = table.samples[0].time, table.samples[-1].time
     assert prefill_all > decode_one  # 256 prompt tokens cost more than one decode token

@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m"  # the model every command uses when none is named
-# The weight modes `serve`/`generate` offer: fp32, or the GGUF's own Q4_1 blocks. q8_0 exists
-# in the model layer but misses its quality bar (docs/design/model.md), so it is not offered.
-QUANTIZATION_MODES = ("none", "q4_1")
+# The weight modes `serve`/`generate` offer: fp32, bf16 (on AVX512-BF16 CPUs), or the GGUF's
+# own Q4_1 blocks. q8_0 exists in the model layer but misses its quality bar
+# (docs/design/model.md), so it is not offered.
+QUANTIZATION_MODES = ("none", "bf16", "q4_1")
 
 
 def check_quantization(mode: str) -> None:

@@ -21,8 +21,9 @@ def generate(
     quantization: str = typer.Option(
         "none",
         "--quantization",
-        help="Weights: none (fp32) or q4_1 (the GGUF's own Q4_1 blocks, kept quantised and "
-        "run on servelab's AVX2 CPU kernels).",
+        help="Weights: none (fp32), bf16 (linear weights and their inputs in bf16, fp32 sums; CPUs "
+        "with AVX512-BF16) or q4_1 (the GGUF's own Q4_1 blocks, kept quantised and run on "
+        "servelab's CPU kernels).",
     ),
 ) -> None:
     """Generate text for one prompt and show its phase timeline."""

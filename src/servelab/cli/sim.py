@@ -641,7 +641,7 @@ def profile(
     quantization: str = typer.Option(
         "none",
         "--quantization",
-        help="Weights as `servelab serve --quantization` runs them: none (fp32) or q4_1.",
+        help="Weights as `servelab serve --quantization` runs them: none (fp32), bf16 or q4_1.",
     ),
 ) -> None:
     """Measure the real engine's step times on this machine; `servelab sim --profile` replays them."""

@@ -14,7 +14,9 @@ Contract:
   time into an L2 tile from 12 rows on; kinds ``q4_1x16`` and ``q8_0x16`` by integer dots on
   inputs rounded to 8 bits per block of 32, any row count, where ``int8_dot_available()``;
   kind ``f32x16``, fp32 interleaved by 16 rows, at any row count where
-  ``fp32_interleave_available()``); ``dequantize(w)`` its fp32 matrix.
+  ``fp32_interleave_available()``; kind ``bf16x16``, bf16 interleaved by 16 rows, by
+  AVX512-BF16 dot products on inputs rounded to bf16, fp32 sums, at any row count where
+  ``bf16_dot_available()``); ``dequantize(w)`` its fp32 matrix.
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
   ``prefill_attention(...)``: the same for prefill chunks, 32 tokens a tile (AVX-512 builds
@@ -72,6 +74,7 @@ def _load() -> ctypes.CDLL | None:
     lib.sl_dequantize.argtypes = [p, p, i64, i64, i32, i32]
     lib.sl_int8_dot.argtypes = []
     lib.sl_f32_interleaved.argtypes = []
+    lib.sl_bf16_dot.argtypes = []
     lib.sl_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p]
     lib.sl_paged_attention.argtypes += [i64, i64, i64, i64, ctypes.c_float, i32]
     lib.sl_paged_attention.restype = None
@@ -96,6 +99,11 @@ def available() -> bool:
 def int8_dot_available() -> bool:
     """Whether the built kernels take ``q4_1x16`` weights (AVX512-VNNI integer dots)."""
     return available() and bool(_lib.sl_int8_dot())
+
+
+def bf16_dot_available() -> bool:
+    """Whether the built kernels take ``bf16x16`` weights (AVX512-BF16 dot products)."""
+    return available() and bool(_lib.sl_bf16_dot())
 
 
 def fp32_interleave_available() -> bool:
@@ -152,6 +160,8 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     """The fp32 matrix [w.n, w.k] of quantised weights."""
     if w.kind == "f32x16":
         return f32_rows(w).clone()
+    if w.kind == "bf16x16":
+        return f32_rows(w)
     out = torch.empty((w.n, w.k), dtype=torch.float32)
     _lib.sl_dequantize(w.blocks.data_ptr(), out.data_ptr(), w.n, w.k, w.kind_id, _threads)
     return out

@@ -4,12 +4,15 @@ Contract:
 - ``expected()``: whether the kernels should be usable here (x86-64 with AVX2, FMA and F16C, a C
   compiler, ``SERVELAB_CPU_KERNELS`` not ``0``). Cheap: no compilation. ``servelab``'s
   ``__init__`` uses it to pick the OpenMP wait policy before torch loads.
-- ``isa()``: the instruction set the library is built for: ``"avx512vnni"`` where the CPU
-  has AVX-512F and AVX512-VNNI, ``"avx512"`` with AVX-512F alone, else ``"avx2"``;
+- ``isa()``: the instruction set the library is built for: ``"avx512bf16"`` where the CPU
+  also has AVX512-BF16 (and -BW, -VL), ``"avx512vnni"`` where it has AVX-512F and AVX512-VNNI,
+  ``"avx512"`` with AVX-512F alone, else ``"avx2"``;
   ``SERVELAB_CPU_ISA`` forces a narrower one (the tests run them all). The AVX-512 build
   (``-DSL_AVX512``) widens the fp32 tiles and the dequantisation of quantised blocks to 16
   lanes; the VNNI build (``-DSL_VNNI``) adds integer-dot products for Q4_1 and Q8_0
-  weights interleaved by 16 rows (kinds 3 and 4); everything else is the same AVX2 code.
+  weights interleaved by 16 rows (kinds 3 and 4); the BF16 build (``-DSL_BF16``) adds bf16
+  products of bf16 weights interleaved by 16 rows (kind 6, ``--quantization bf16``);
+  everything else is the same AVX2 code.
 - ``build()``: the path of the compiled library, compiling it once per source version and
   instruction set into ``$SERVELAB_CACHE_DIR/kernels`` (default ``~/.cache/servelab/kernels``).
   Raises RuntimeError with the compiler's message when that fails, or for an unknown
@@ -31,6 +34,10 @@ _ISA_FLAGS = {
     "avx2": [],
     "avx512": ["-mavx512f", "-DSL_AVX512"],
     "avx512vnni": ["-mavx512f", "-DSL_AVX512", "-mavx512vnni", "-DSL_VNNI"],
+    "avx512bf16": [
+        *["-mavx512f", "-DSL_AVX512", "-mavx512vnni", "-DSL_VNNI"],
+        *["-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DSL_BF16"],
+    ],
 }
 
 
@@ -54,7 +61,10 @@ def _best_isa() -> str:
     flags = _cpu_flags()
     if " avx512f" not in flags:
         return "avx2"
-    return "avx512vnni" if " avx512_vnni" in flags else "avx512"
+    if " avx512_vnni" not in flags:
+        return "avx512"
+    bf16 = all(f in flags for f in (" avx512_bf16", " avx512bw", " avx512vl"))
+    return "avx512bf16" if bf16 else "avx512vnni"
 
 
 def isa() -> str:

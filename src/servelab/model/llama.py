@@ -23,7 +23,13 @@ from torch import nn
 from servelab.model import cpu_kernels, ops
 from servelab.model.linear import linear
 from servelab.model.model_config import ModelConfig
-from servelab.model.quant import QuantWeight, f32_rows, interleave, interleave_f32
+from servelab.model.quant import (
+    QuantWeight,
+    f32_rows,
+    interleave,
+    interleave_bf16,
+    interleave_f32,
+)
 from servelab.model.rope import rope_table
 
 
@@ -100,9 +106,11 @@ Weight = torch.Tensor | QuantWeight
 
 def _weight(t: Weight, interleave_fp32: bool) -> nn.Parameter | QuantWeight:
     """A fused weight as the model holds it: rows interleaved by 16 where the CPU kernels
-    take that layout (``quant.interleave`` for integer dots, ``quant.interleave_f32`` for
-    fp32 when ``interleave_fp32``)."""
+    take that layout (``quant.interleave`` for integer dots, ``quant.interleave_bf16`` for
+    bf16, ``quant.interleave_f32`` for fp32 when ``interleave_fp32``)."""
     if isinstance(t, QuantWeight):
+        if t.kind == "bf16":  # the loader checked that the bf16 kernel is built
+            return interleave_bf16(t)
         if t.n % 16 == 0 and cpu_kernels.int8_dot_available():
             return interleave(t)
         return QuantWeight(t.kind, t.blocks.contiguous(), t.k)
@@ -266,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
         embed, head = weights["model.embed_tokens.weight"], weights.get("lm_head.weight")
         self.embed: nn.Parameter | QuantWeight
         self.lm_head: nn.Parameter | QuantWeight
-        # A quantised head (q4_1's own blocks, q8_0's) is its own weight even when tied.
+        # A quantised head (q4_1's own blocks, q8_0's, bf16) is its own weight even when tied.
         if not isinstance(head, QuantWeight) and (cfg.tie_word_embeddings or head is None):
             self.embed = _weight(embed, pack)
             self.lm_head = self.embed

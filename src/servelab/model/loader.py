@@ -4,8 +4,9 @@ Contract: ``load_model(name_or_path, device=None, quantization="none")`` returns
 ``LoadedModel`` with the config, the torch module (fp32, on ``device``: CUDA when present,
 else CPU) and the tokenizer. A GGUF file is dequantised once into the weight cache
 (``weight_cache``) and then loaded from there like any HF directory. ``quantization``
-``q8_0`` or ``q4_1`` keeps the linear weights quantised (``servelab.model.quant``); those
-run on servelab's CPU kernels only, so they need a CPU device and the kernels built.
+``bf16``, ``q8_0`` or ``q4_1`` keeps the linear weights in that form (``servelab.model.quant``);
+those run on servelab's CPU kernels only, so they need a CPU device and the kernels built
+(for ``bf16``, the AVX512-BF16 build).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def _check_quantization(mode: str, dev: torch.device) -> None:
         raise ValueError(
             f"--quantization {mode} needs servelab's CPU kernels (x86-64 with AVX2, FMA and "
             "F16C, a C compiler, SERVELAB_CPU_KERNELS not 0); use --quantization none here"
+        )
+    if mode == "bf16" and not cpu_kernels.bf16_dot_available():
+        raise ValueError(
+            "--quantization bf16 runs on servelab's AVX512-BF16 kernels, and this CPU or "
+            "build has none (SERVELAB_CPU_ISA may narrow it); use --quantization none here"
         )
 
 

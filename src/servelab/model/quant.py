@@ -1,7 +1,8 @@
 """Quantised linear weights: GGUF blocks kept as they are in memory.
 
 Contract:
-- ``MODES`` = ("none", "q8_0", "q4_1"); ``check_mode(mode)`` raises ValueError for others.
+- ``MODES`` = ("none", "bf16", "q8_0", "q4_1"); ``check_mode(mode)`` raises ValueError for
+  others.
 - ``QuantWeight(kind, blocks, k)``: an [n, k] weight matrix as ``blocks`` (uint8 [n,
   k / 32 * bytes per block], one row of blocks per output row, GGUF's byte layout, see
   ``csrc/cpu_kernels.c``). Row permutations and concatenations are done on ``blocks``:
@@ -10,7 +11,8 @@ Contract:
   (and the LM head, ``lm_head.weight`` even when tied) replaced by a ``QuantWeight``:
   ``q8_0`` quantises the fp32 weights (cached beside the fp32 weight cache for a GGUF);
   ``q4_1`` takes the GGUF's own Q4_1 blocks, and its LM head's own blocks when they are
-  Q8_0 or Q4_1. Norms and the embedding table stay fp32.
+  Q8_0 or Q4_1; ``bf16`` rounds every linear weight and the LM head to bf16 (kind
+  ``bf16``: ``blocks`` a bfloat16 [n, k] tensor). Norms and the embedding table stay fp32.
 - ``interleave(w)``: a Q4_1 or Q8_0 weight of a multiple of 16 rows as kind ``q4_1x16`` or
   ``q8_0x16``: the same bytes reordered for the integer-dot kernels (16 rows' blocks side by
   side, see ``csrc/cpu_kernels.c``, kinds 3 and 4); ``deinterleave`` undoes it. Rows of an
@@ -20,9 +22,13 @@ Contract:
   rows, their k columns side by side (the fp32 kernel's layout, kind 5). ``f32_rows(w,
   rows)`` reads rows of it back (all of them when ``rows`` is None): the embedding lookup
   of a tied LM head.
+- ``interleave_bf16(w)``: a ``bf16`` weight (n a multiple of 16, k even) as kind ``bf16x16``,
+  whose ``blocks`` (bfloat16 [n, k]) hold [n / 16][k / 2][16][2]: for each group of 16 rows
+  and each pair of columns, the 16 rows' two values side by side (the bf16 kernel's layout,
+  kind 6). ``f32_rows`` reads its rows back as fp32 too.
 
 Why: a decode step streams every weight once, so its floor is the weight bytes over the
-memory bandwidth; Q8_0 is 34/128 of fp32's bytes and Q4_1 20/128.
+memory bandwidth; bf16 is half of fp32's bytes, Q8_0 34/128 and Q4_1 20/128.
 """
 
 from __future__ import annotations
@@ -34,10 +40,10 @@ import numpy as np
 import torch
 
 # q8_0 is the model layer's and the benchmarks'; the CLI offers vocab.QUANTIZATION_MODES.
-MODES = ("none", "q8_0", "q4_1")
+MODES = ("none", "bf16", "q8_0", "q4_1")
 
 # The C kernels' kind numbers.
-_KIND_IDS = {"q8_0": 1, "q4_1": 2, "q4_1x16": 3, "q8_0x16": 4, "f32x16": 5}
+_KIND_IDS = {"q8_0": 1, "q4_1": 2, "q4_1x16": 3, "q8_0x16": 4, "f32x16": 5, "bf16x16": 6}
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Interleaved kinds: (GGUF kind, scale bytes, quant bytes) of a block.
 _INTERLEAVED = {"q4_1x16": ("q4_1", 4, 16), "q8_0x16": ("q8_0", 2, 32)}
@@ -61,7 +67,7 @@ class QuantWeight:
     def interleaved(self) -> bool:
         """Rows reordered in groups of 16 (``interleave``, ``interleave_f32``): the kernels
         take these at every row count."""
-        return self.kind in _INTERLEAVED or self.kind == "f32x16"
+        return self.kind in _INTERLEAVED or self.kind in ("f32x16", "bf16x16")
 
 
 def interleave_f32(t: torch.Tensor) -> QuantWeight:
@@ -72,8 +78,25 @@ def interleave_f32(t: torch.Tensor) -> QuantWeight:
     return QuantWeight("f32x16", t.view(n // 16, 16, k).transpose(1, 2).reshape(n, k), k)
 
 
+def interleave_bf16(w: QuantWeight) -> QuantWeight:
+    """See the module docstring; ValueError for another kind, rows not a multiple of 16 or
+    an odd number of columns."""
+    n, k = w.blocks.shape
+    if w.kind != "bf16" or n % 16 or k % 2:
+        raise ValueError(f"interleave_bf16 takes bf16 weights of 16k rows and even columns, "
+                         f"not {w.kind} {n} x {k}")  # fmt: skip
+    pairs = w.blocks.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+    return QuantWeight("bf16x16", pairs.reshape(n, k).contiguous(), k)
+
+
 def f32_rows(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows ``rows`` (a long tensor; all when None) of an ``f32x16`` weight, as [len, k]."""
+    """Rows ``rows`` (a long tensor; all when None) of an ``f32x16`` or ``bf16x16``
+    weight, as fp32 [len, k]."""
+    if w.kind == "bf16x16":
+        pairs = w.blocks.view(w.n // 16, w.k // 2, 16, 2)
+        if rows is None:
+            return pairs.permute(0, 2, 1, 3).reshape(w.n, w.k).float()
+        return pairs[rows // 16, :, rows % 16].reshape(-1, w.k).float()
     groups = w.blocks.view(w.n // 16, w.k, 16)
     if rows is None:
         return groups.transpose(1, 2).reshape(w.n, w.k)
@@ -194,6 +217,13 @@ def quantize(
     check_mode(mode)
     if mode == "none":
         return dict(weights)
+    if mode == "bf16":
+        out_bf16: dict[str, torch.Tensor | QuantWeight] = dict(weights)
+        head = weights[_head_name(weights)]
+        for name, t in [*((n, weights[n]) for n in weights if is_linear(n)),
+                        ("lm_head.weight", head)]:  # fmt: skip
+            out_bf16[name] = QuantWeight("bf16", t.to(torch.bfloat16), t.shape[1])
+        return out_bf16
     if mode == "q4_1":
         if not is_gguf(path):
             raise ValueError(

@@ -63,9 +63,9 @@ class CoreInfo(msgspec.Struct):
     device: str
     torch_threads: int
     pid: int
-    quantization: str = "none"  # the weights' mode: none (fp32), q8_0 or q4_1
+    quantization: str = "none"  # the weights' mode: none (fp32), bf16, q8_0 or q4_1
     # The CPU kernels' build the core runs (kernel_build.isa(): "avx512vnni" runs q4_1 as
-    # integer dots on 8-bit inputs), or "" where none is loaded.
+    # integer dots on 8-bit inputs, "avx512bf16" also takes bf16), or "" where none is loaded.
     cpu_kernels: str = ""
     # Every EngineConfig field as resolved (defaults, the model's limits, the KV pool size):
     # run manifests record this, so an old run never takes a newer version's defaults.

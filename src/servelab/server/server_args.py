@@ -77,8 +77,9 @@ class ServerArgs:
     )
     quantization: str = _flag(  # servelab.model.quant.MODES
         "none",
-        "Weights: none (fp32) or q4_1 (the GGUF's own Q4_1 blocks, kept quantised and "
-        "run on servelab's AVX2 CPU kernels).",
+        "Weights: none (fp32), bf16 (linear weights and their inputs in bf16, fp32 sums; CPUs "
+        "with AVX512-BF16) or q4_1 (the GGUF's own Q4_1 blocks, kept quantised and run on "
+        "servelab's CPU kernels).",
     )
     shutdown_timeout: float = _flag(
         30.0, "On SIGTERM, seconds to let in-flight requests finish before aborting them."

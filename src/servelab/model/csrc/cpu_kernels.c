@@ -15,12 +15,14 @@
 //   rows[t] of out ([rows, n_q, d], contiguous).
 // sl_qlinear: sl_linear with w in GGUF blocks (Q8_0 or Q4_1, see below), or those blocks
 //   interleaved by 16 rows (kinds 3 and 4, built with -DSL_VNNI); sl_dequantize writes
-//   such a matrix out as fp32; sl_int8_dot says whether kinds 3 and 4 are built.
+//   such a matrix out as fp32; sl_int8_dot says whether kinds 3 and 4 are built, and
+//   sl_bf16_dot whether kind 6 (bf16, interleaved by 16 rows) is.
 // sl_decoder_stack: every decoder layer of a few-token batch in one call (see its comment).
 //
 // Built with -DSL_AVX512 (kernel_build.isa(): CPUs with AVX-512F), the fp32 tiles and the
 // dequantisation of quantised blocks run in 16 lanes; the rest is the AVX2 code either way.
-// -DSL_VNNI (with AVX512-VNNI) adds the integer-dot products of interleaved blocks.
+// -DSL_VNNI (with AVX512-VNNI) adds the integer-dot products of interleaved blocks;
+// -DSL_BF16 (with AVX512-BF16) the bf16 products of bf16 weights interleaved by 16 rows.
 //
 // Each kernel's body is a function with an orphaned `omp for`: called from sl_<name> it
 // runs in that call's own parallel region; called from sl_decoder_stack it shares the
@@ -718,10 +720,74 @@ static inline __attribute__((always_inline)) void fx_tile(const float *x, int64_
         }
 }
 
+#ifdef SL_BF16
+// ---- bf16 weights interleaved by 16 rows (kind 6): the fp32 tiles, two inputs a step ----
+// w is [n / 16][k / 2][16][2] bf16 (``quant.interleave_bf16``; k even): for each group of
+// 16 output rows and each pair of inputs (2i, 2i+1), the 16 rows' two weights side by
+// side, so one 64-byte vector holds what VDPBF16PS takes. x arrives as fp32 and is rounded
+// to bf16 once per product (round to nearest even, as torch's .to(torch.bfloat16) does);
+// each pair of inputs is broadcast as one 32-bit word. The accumulators stay fp32, and
+// each output is still one chain over the input pairs in order, so batching invariance is
+// exact, as for kind 5. Half the bytes of fp32 for the same tile shape: decode streams
+// half as much, and VDPBF16PS does two multiply-adds a lane where an FMA does one.
+enum { KIND_BF16X = 6 };
+
+static inline __attribute__((always_inline)) void bx_tile(const uint32_t *x, int64_t kp,
+                                                           const uint16_t *wg, int64_t gs,
+                                                           const float *b, float *y,
+                                                           int64_t ldy, int add,
+                                                           const uint16_t *pf, int npf,
+                                                           const int R, const int NV) {
+    __m512 acc[FX_ROWS][FX_GROUPS];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kp; i++) {
+        __m512bh wv[FX_GROUPS];
+        for (int v = 0; v < npf; v++)
+            _mm_prefetch((const char *)(pf + v * gs + 32 * i), _MM_HINT_T1);
+        for (int v = 0; v < NV; v++)
+            wv[v] = (__m512bh)_mm512_loadu_si512((const void *)(wg + v * gs + 32 * i));
+        for (int r = 0; r < R; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * kp + i]);
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, wv[v]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NV; v++) {
+            __m512 o = acc[r][v];
+            if (b) o = _mm512_add_ps(o, _mm512_loadu_ps(b + 16 * v));
+            float *dst = y + r * ldy + 16 * v;
+            _mm512_storeu_ps(dst, add ? _mm512_add_ps(_mm512_loadu_ps(dst), o) : o);
+        }
+}
+
+// Rows [r0, r1) of x [m, k] rounded to bf16 into xb (row stride k): 16 at a time, the
+// tail under a mask.
+static void to_bf16_rows(const float *x, uint16_t *xb, int64_t r0, int64_t r1, int64_t k) {
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < k; i += 16) {
+            const __mmask16 mk = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, x + r * k + i));
+            _mm256_mask_storeu_epi16(xb + r * k + i, mk, (__m256i)h);
+        }
+}
+#define BX_TILE_OR(R, NV, ...)                                                             \
+    (bf ? bx_tile((const uint32_t *)x + r * (k / 2), k / 2, (const uint16_t *)wg, gs, bg,   \
+                  y + r * n + 16 * g0, n, add, (const uint16_t *)pfr, npf, R, NV)           \
+        : __VA_ARGS__)
+#else
+#define BX_TILE_OR(R, NV, ...) (__VA_ARGS__)
+#endif
+
 #define FX_TILE(R, NV)                                                                     \
-    fx_tile(x + r * k, k, wg, gs, bg, y + r * n + 16 * g0, n, add,                         \
-            spread ? pf + (r - r0) / FX_ROWS * gs : pf,                                    \
-            spread ? (r - r0) / FX_ROWS < FX_GROUPS : (r == r0) * FX_GROUPS, R, NV)
+    do {                                                                                   \
+        const int64_t sp = spread ? (r - r0) / FX_ROWS : 0;                                \
+        const void *pfr = spread ? (const void *)((const char *)pf + sp * gs * es) : pf;     \
+        const int npf = spread ? sp < FX_GROUPS : (r == r0) * FX_GROUPS;                   \
+        BX_TILE_OR(R, NV, fx_tile((const float *)x + r * k, k, (const float *)wg, gs, bg,  \
+                                  y + r * n + 16 * g0, n, add, (const float *)pfr, npf, R, \
+                                  NV));                                                    \
+    } while (0)
 #define FX_ROWS_OF(NV)                                                                     \
     do {                                                                                   \
         for (; r + FX_ROWS <= r1; r += FX_ROWS) FX_TILE(FX_ROWS, NV);                      \
@@ -736,17 +802,20 @@ static inline __attribute__((always_inline)) void fx_tile(const float *x, int64_
         }                                                                                  \
     } while (0)
 
-// Rows [r0, r1) against groups [g0, g0 + G) (G <= FX_GROUPS).
-static void fx_block(const float *x, const float *w, const float *b, float *y, int64_t n,
-                     int64_t k, int64_t g0, int G, int64_t r0, int64_t r1, int add) {
-    const int64_t gs = 16 * k;
-    const float *wg = w + g0 * gs, *bg = b ? b + 16 * g0 : NULL;
+// Rows [r0, r1) against groups [g0, g0 + G) (G <= FX_GROUPS); bf: kind 6 (x already bf16,
+// w bf16), else kind 5. A group is gs = 16 * k elements of es bytes either way.
+static void fx_block(const void *x, const void *w, const float *b, float *y, int64_t n,
+                     int64_t k, int64_t g0, int G, int64_t r0, int64_t r1, int add,
+                     const int bf) {
+    const int64_t gs = 16 * k, es = bf ? 2 : 4;
+    const void *wg = (const char *)w + g0 * gs * es;
+    const float *bg = b ? b + 16 * g0 : NULL;
     // The next block goes to L2 while this one is computed, a line of a group each step: the
     // first three row tiles take a group each where there are three, else the first tile
     // takes all three. Over 200 MB of a layer's products in memory, one thread, against no
     // prefetch: 8 rows 90 -> 108 GFLOP/s; 32 rows ~170 -> ~195 (the first tile alone
     // prefetching all three groups at 32 rows: ~170-185).
-    const float *pf = wg + FX_GROUPS * gs;
+    const void *pf = (const char *)wg + FX_GROUPS * gs * es;
     const int spread = r1 - r0 >= FX_GROUPS * FX_ROWS;
     int64_t r = r0;
     if (G == 3)
@@ -758,12 +827,14 @@ static void fx_block(const float *x, const float *w, const float *b, float *y, i
 }
 #undef FX_ROWS_OF
 #undef FX_TILE
+#undef BX_TILE_OR
 
-// y[m, n] (+)= x[m, k] . w^T + b for kind 5; an orphaned `omp for` like the others. Blocks
-// of 3 groups split among the team, token block by token block (256 rows: a block's inputs
-// stay in L2 while the team's weights pass over them).
-static void fx_linear_for(const float *x, const float *w, const float *b, float *y, int64_t m,
-                          int64_t n, int64_t k, int add) {
+// y[m, n] (+)= x[m, k] . w^T + b for kind 5 (bf = 0, x fp32) or 6 (bf = 1, x the inputs
+// rounded to bf16); an orphaned `omp for` like the others. Blocks of 3 groups split among
+// the team, token block by token block (256 rows: a block's inputs stay in L2 while the
+// team's weights pass over them).
+static void fx_blocks_for(const void *x, const void *w, const float *b, float *y, int64_t m,
+                          int64_t n, int64_t k, int add, int bf) {
     const int64_t groups = n / 16, wblocks = (groups + FX_GROUPS - 1) / FX_GROUPS;
     const int64_t tblocks = (m + FX_TOKEN_BLOCK - 1) / FX_TOKEN_BLOCK;
 #pragma omp for collapse(2) schedule(static)
@@ -772,9 +843,25 @@ static void fx_linear_for(const float *x, const float *w, const float *b, float 
             const int64_t g0 = wb * FX_GROUPS, r0 = tb * FX_TOKEN_BLOCK;
             const int G = groups - g0 < FX_GROUPS ? (int)(groups - g0) : FX_GROUPS;
             fx_block(x, w, b, y, n, k, g0, G, r0, r0 + FX_TOKEN_BLOCK < m ? r0 + FX_TOKEN_BLOCK : m,
-                     add);
+                     add, bf);
         }
 }
+
+#ifdef SL_BF16
+// Kind 6: the team rounds x to bf16 once into a buffer it shares (one member allocates it
+// and hands the pointer to the rest), then runs the tiles over it.
+static void bx_linear_for(const float *x, const uint16_t *w, const float *b, float *y,
+                          int64_t m, int64_t n, int64_t k, int add) {
+    uint16_t *xb = NULL;
+#pragma omp single copyprivate(xb)
+    xb = malloc(sizeof(uint16_t) * m * k);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) to_bf16_rows(x, xb, r, r + 1, k);
+    fx_blocks_for(xb, w, b, y, m, n, k, add, 1);
+#pragma omp single
+    free(xb);
+}
+#endif
 #endif
 
 // linear_for over weights of any kind (k a multiple of 32 for the quantised ones).
@@ -797,7 +884,13 @@ static void any_linear_for(const float *x, const void *w, const float *b, float 
     }
 #ifdef SL_AVX512
     if (kind == KIND_F32X) {
-        fx_linear_for(x, (const float *)w, b, y, m, n, k, add);
+        fx_blocks_for(x, w, b, y, m, n, k, add, 0);
+        return;
+    }
+#endif
+#ifdef SL_BF16
+    if (kind == KIND_BF16X) {
+        bx_linear_for(x, (const uint16_t *)w, b, y, m, n, k, add);
         return;
     }
 #endif
@@ -857,6 +950,15 @@ void sl_dequantize(const uint8_t *w, float *out, int64_t n, int64_t k, int kind,
 // Whether this build takes kind 5 (fp32 interleaved by 16 rows: the AVX-512 builds).
 int sl_f32_interleaved(void) {
 #ifdef SL_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Whether this build takes kind 6 (bf16 interleaved by 16 rows: the AVX512-BF16 build).
+int sl_bf16_dot(void) {
+#ifdef SL_BF16
     return 1;
 #else
     return 0;
