@@ -31,7 +31,8 @@ both operand orders writing into torch's memory (``out=`` on ``.numpy()`` views)
 linear on the plain weight (``onednn``, what servelab routes to where its AVX-512 kernels
 are not built) and on a weight packed ahead of time (``onednn_packed``), and servelab's
 kernel on the weight interleaved by 16 rows (``servelab_f32x16``, what it routes to where
-they are) -- in alternating rounds, best kept; then the model's prefill at 256-2048 tokens
+they are), and in bf16 oneDNN's linear (``onednn_bf16``) beside servelab's bf16 kernel
+(``servelab_bf16x16``, ``--quantization bf16``) -- in alternating rounds, best kept; then the model's prefill at 256-2048 tokens
 as served and with stock ``F.linear`` on the plain weights, its GFLOP/s (layers plus causal
 attention) against the best GEMM rate of the layer's products at the same row count
 (oneDNN packed or servelab's), all in the same alternating rounds (target: >= 85%); with
@@ -62,7 +63,7 @@ from threadpoolctl import threadpool_limits
 
 from benchmarks.common import best_time, layer_shapes, prefill_flops
 from servelab.model import cpu_kernels
-from servelab.model.quant import interleave_f32
+from servelab.model.quant import QuantWeight, interleave_bf16, interleave_f32
 from servelab.server.heap import keep_step_buffers
 from servelab.sim.modelspec import PRESETS, ModelSpec, from_model_config
 
@@ -211,6 +212,13 @@ def gemm_backends(w: torch.Tensor, rows: int) -> dict[str, Callable[[], object]]
     if cpu_kernels.fp32_interleave_available():
         wi = interleave_f32(w)
         fns["servelab_f32x16"] = lambda: cpu_kernels.qlinear(x, wi, None, y)
+    # bf16 (``--quantization bf16``): oneDNN's linear on bf16 inputs and weights, against
+    # servelab's bf16 kernel, which takes fp32 inputs and rounds them itself.
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    fns["onednn_bf16"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, wb, None, "none", [], "")
+    if cpu_kernels.bf16_dot_available():
+        wbi = interleave_bf16(QuantWeight("bf16", wb, w.shape[1]))
+        fns["servelab_bf16x16"] = lambda: cpu_kernels.qlinear(x, wbi, None, y)
     return fns
 
 

@@ -1,4 +1,4 @@
-"""How fast are the weight modes (none, q8_0, q4_1), each beside its own floor, in one run?
+"""How fast are the weight modes (none, bf16, q8_0, q4_1), each beside its own floor, in one run?
 
 Same model, same thread count, machine limits measured in the same run:
 
@@ -7,9 +7,9 @@ Same model, same thread count, machine limits measured in the same run:
   norms and the LM head) over the streaming read bandwidth measured at the start;
 - prefill tok/s at 256 and 1024 tokens (one chunk), beside its ceiling: 2 FLOP per
   decoder-layer weight per token (the simulator's ``ModelSpec.flops_per_token``) at the fp32
-  GEMM rate measured here (attention not counted; the integer-dot kinds can pass it).
+  GEMM rate measured here (attention not counted; the integer-dot kinds and bf16 can pass it).
 
-The modes' own figures move with other load on a shared machine, so all three engines are
+The modes' own figures move with other load on a shared machine, so every mode's engine is
 built first and measured in ``--rounds`` alternating rounds (the order rotating), each figure
 the best of its rounds: read the ratios.
 
