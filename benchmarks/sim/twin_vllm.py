@@ -5,8 +5,9 @@
 
 1. vLLM serves SmolLM2-135M (weights from ``servelab export-hf``) on CPU 1, launched from a
    command template (``bench.template``: its own process group, its log, the command in the
-   manifest), one server per set of flags, relaunched between flag sets; the client runs
-   on CPU 0 (``taskset``).
+   manifest), one server per set of flags, relaunched between flag sets, its prefix cache
+   emptied before every measured run (the runs share sessions; the twin starts cold); the
+   client runs on CPU 0 (``taskset``).
 2. ``servelab bench`` runs the training case; ``servelab calibrate`` fits the twin to it
    (steps inferred from the client's chunk arrivals, vLLM's settings from its ``/metrics``
    and ``/v1/models``, the stated flags and vLLM's CPU defaults).
@@ -37,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +50,11 @@ from servelab.sim.twin import TwinCalibration, flag_changes
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
 VLLM_PYTHON = str(ROOT / ".venv-peers" / "vllm" / "bin" / "python")  # install.sh's default
 SERVED = "smollm2-135m"
+# VLLM_SERVER_DEV_MODE=1 opens POST /reset_prefix_cache: every measured run starts from a cold
+# prefix cache, as its prediction does (the cases share a server and their prompts).
 TEMPLATE = (
-    "env -u PYTHONPATH OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 taskset -c {cpu} {python} "
+    "env -u PYTHONPATH OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 "
+    "taskset -c {cpu} {python} "
     "-m vllm.entrypoints.openai.api_server --model {{model}} --served-model-name {served} "
     "--host {{host}} --port {{port}} --enable-per-request-metrics --enforce-eager {{flags}}"
 )
@@ -90,6 +95,14 @@ def run(cmd: list[str], log: Path) -> float:
     if code not in (0, 3):  # 3: complete, the client marked invalid on a loaded machine
         raise RuntimeError(f"`{shlex.join(cmd)}` exited {code}: see {log}")
     return time.perf_counter() - t0
+
+
+def reset_prefix_cache(url: str) -> None:
+    """Empty the server's prefix cache (vLLM's dev-mode endpoint); raises when it cannot."""
+    req = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"POST {url}/reset_prefix_cache answered {resp.status}")
 
 
 def bench(case: Case, url: str, weights: Path, out: Path, logs: Path) -> float:
@@ -260,6 +273,9 @@ def main() -> None:
             )
             for case in cases:
                 real = out / f"real-{case.name.replace(' ', '-').replace('/', '')}"
+                # The warm-up and the earlier cases sent the same sessions (seed 1): without
+                # this, the first turns hit blocks a cold twin never has.
+                reset_prefix_cache(server.url)
                 timings[f"bench {case.name}"] = bench(case, server.url, weights, real, logs)
                 evaluate(case)
         finally:
