@@ -229,7 +229,7 @@ def test_a_profile_from_runs_records_the_weights_mode_and_refuses_a_mix(tmp_path
     from servelab.cli import app
 
     bad = CliRunner().invoke(app, ["profile", "--quantization", "q9"])
-    assert bad.exit_code != 0 and "use none, q4_1" in bad.output
+    assert bad.exit_code != 0 and "use none, bf16, q4_1" in bad.output
     both = CliRunner().invoke(app, ["profile", "--from-run", runs[0], "--quantization", "q4_1"])
     assert both.exit_code != 0 and "drop --quantization" in both.output
 

@@ -263,44 +263,52 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    failed: list[dict[str, str]] = []
+
+    def write(totals: dict[str, Any] | None) -> None:
+        doc = {"cases": rows, "failed": failed, "totals": totals,
+               "wall_s": time.perf_counter() - t0, "args": vars(a)}  # fmt: skip
+        (out / "tune_fidelity.json").write_text(json.dumps(doc, indent=1))
+
     for name in a.cases.split(","):
-        case = by_name[name]
-        d = out / name
-        run_dir = Path(a.reuse) / name / "run" if a.reuse else d / "run"
-        if not a.reuse:
-            run(
-                [
-                    *SERVELAB,
-                    "bench",
-                    *bench_args(case, out, a.duration),
-                    "--out",
-                    str(run_dir),
-                    "--quiet",
-                ]
-            )
-        elif not (run_dir / "requests.jsonl").is_file():
-            raise SystemExit(f"--reuse: no run at {run_dir}")
-        d.mkdir(parents=True, exist_ok=True)
-        cmd = [*SERVELAB, "tune", str(run_dir), "--json", "--seeds", str(a.seeds)]
-        if not a.no_verify:
-            cmd += ["--verify", "--repeats", str(a.repeats), "--out", str(d / "verify")]
-        print("$", " ".join(cmd[2:]), flush=True)
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"servelab tune failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        # The JSON document is the last thing printed; a run's own warnings may come first.
-        text = (
-            proc.stdout[proc.stdout.rfind("\n{\n") + 1 :] if "\n{\n" in proc.stdout else proc.stdout
-        )
-        (d / "tune.json").write_text(text)
-        rows.append(summarize_case(case, json.loads(text)))
+        # A case that fails is recorded and the others still run; the file is rewritten
+        # after every case, so a stopped benchmark keeps what finished.
+        try:
+            rows.append(fidelity_case(by_name[name], a, out))
+        except SystemExit as e:
+            print(f"   case {name} FAILED: {e}", flush=True)
+            failed.append({"case": name, "error": str(e)})
+        write(None)
     totals = report(rows)
-    wall = time.perf_counter() - t0
-    (out / "tune_fidelity.json").write_text(
-        json.dumps({"cases": rows, "totals": totals, "wall_s": wall, "args": vars(a)}, indent=1)
-    )
-    print(f"wrote {out / 'tune_fidelity.json'} ({wall / 60:.1f} min)")
+    if failed:
+        print(f"failed cases: {', '.join(f['case'] for f in failed)}")
+    write(totals)
+    print(f"wrote {out / 'tune_fidelity.json'} ({(time.perf_counter() - t0) / 60:.1f} min)")
+
+
+def fidelity_case(case: Case, a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Bench ``case`` (or take its run from ``--reuse``), tune it, and summarize; raises
+    SystemExit when a command fails."""
+    d = out / case.name
+    run_dir = Path(a.reuse) / case.name / "run" if a.reuse else d / "run"
+    if not a.reuse:
+        run([*SERVELAB, "bench", *bench_args(case, out, a.duration), "--out", str(run_dir),
+             "--quiet"])  # fmt: skip
+    elif not (run_dir / "requests.jsonl").is_file():
+        raise SystemExit(f"--reuse: no run at {run_dir}")
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [*SERVELAB, "tune", str(run_dir), "--json", "--seeds", str(a.seeds)]
+    if not a.no_verify:
+        cmd += ["--verify", "--repeats", str(a.repeats), "--out", str(d / "verify")]
+    print("$", " ".join(cmd[2:]), flush=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"servelab tune failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    # The JSON document is the last thing printed; a run's own warnings may come first.
+    text = proc.stdout[proc.stdout.rfind("\n{\n") + 1 :] if "\n{\n" in proc.stdout else proc.stdout
+    (d / "tune.json").write_text(text)
+    return summarize_case(case, json.loads(text))
 
 
 if __name__ == "__main__":
