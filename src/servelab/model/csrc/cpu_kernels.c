@@ -692,6 +692,20 @@ static void qx_dequantize_rows(const uint8_t *w, float *out, int64_t j0, int64_t
 //   neighbouring rows: batching invariance is exact.
 enum { KIND_F32X = 5, FX_GROUPS = 3, FX_ROWS = 8, FX_TOKEN_BLOCK = 256 };
 
+// A tile's R x NV accumulators (+ the bias) stored to y, or added to it.
+static inline __attribute__((always_inline)) void fx_store(__m512 acc[FX_ROWS][FX_GROUPS],
+                                                            const float *b, float *y,
+                                                            int64_t ldy, int add, const int R,
+                                                            const int NV) {
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NV; v++) {
+            __m512 o = acc[r][v];
+            if (b) o = _mm512_add_ps(o, _mm512_loadu_ps(b + 16 * v));
+            float *dst = y + r * ldy + 16 * v;
+            _mm512_storeu_ps(dst, add ? _mm512_add_ps(_mm512_loadu_ps(dst), o) : o);
+        }
+}
+
 static inline __attribute__((always_inline)) void fx_tile(const float *x, int64_t k,
                                                            const float *wg, int64_t gs,
                                                            const float *b, float *y,
@@ -711,13 +725,7 @@ static inline __attribute__((always_inline)) void fx_tile(const float *x, int64_
             for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < NV; v++) {
-            __m512 o = acc[r][v];
-            if (b) o = _mm512_add_ps(o, _mm512_loadu_ps(b + 16 * v));
-            float *dst = y + r * ldy + 16 * v;
-            _mm512_storeu_ps(dst, add ? _mm512_add_ps(_mm512_loadu_ps(dst), o) : o);
-        }
+    fx_store(acc, b, y, ldy, add, R, NV);
 }
 
 #ifdef SL_BF16
@@ -752,13 +760,7 @@ static inline __attribute__((always_inline)) void bx_tile(const uint32_t *x, int
             for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, wv[v]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < NV; v++) {
-            __m512 o = acc[r][v];
-            if (b) o = _mm512_add_ps(o, _mm512_loadu_ps(b + 16 * v));
-            float *dst = y + r * ldy + 16 * v;
-            _mm512_storeu_ps(dst, add ? _mm512_add_ps(_mm512_loadu_ps(dst), o) : o);
-        }
+    fx_store(acc, b, y, ldy, add, R, NV);
 }
 
 // Rows [r0, r1) of x [m, k] rounded to bf16 into xb (row stride k): 16 at a time, the
