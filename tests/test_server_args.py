@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 import pytest
 import typer
@@ -111,3 +112,20 @@ def test_serve_flags_parse_into_server_args(monkeypatch: pytest.MonkeyPatch) -> 
         )
     ]
     assert served[0].api_key is None  # an empty key in the environment is no key
+
+
+def test_a_runs_whole_engine_config_relaunches_as_serve_flags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What `tune --verify` does with a run's manifest: every recorded engine config field
+    becomes a `servelab serve` flag that parses, and means the same config."""
+    from servelab.analyze.candidates import serve_flags
+    from servelab.engine.engine_config import EngineConfig
+
+    recorded = dataclasses.asdict(EngineConfig(num_kv_blocks=300, max_num_seqs=8))
+    served: list[ServerArgs] = []
+    monkeypatch.setattr("servelab.server.main.run_server", lambda args: served.append(args) or 0)
+    argv = ["serve", *shlex.split(serve_flags(recorded))]
+    result = CliRunner().invoke(app, argv, env={API_KEY_ENV: ""})
+    assert result.exit_code == 0, result.output
+    assert served[0].num_gpu_blocks_override == 300 and served[0].max_num_seqs == 8

@@ -162,8 +162,10 @@ def serve_flags(engine: dict[str, Any]) -> str:
             parts.append(_cli_flag("num_gpu_blocks_override", v))
         elif k == "speculative_config":
             parts.append(f"--speculative-config {shlex.quote(json.dumps(v))}")
-        elif k == "kv_cache_memory_gb":
-            continue  # the block count says it exactly
+        elif k in ("kv_cache_memory_gb", "kv_cache"):
+            # The block count says the pool exactly; the KV cache's implementation (the fast
+            # one or its plain reference, which computes the same) is no launch setting.
+            continue
         else:
             parts.append(_cli_flag(k, v))
     return " ".join(parts)
