@@ -183,6 +183,10 @@ def test_flags_parse_and_render_in_each_servers_spelling():
     assert render_flags("sglang", change) == "--chunked-prefill-size 512"
     assert render_flags("sglang", {"enable_chunked_prefill": False}) == "--chunked-prefill-size -1"
     assert render_flags("llamacpp", {"max_num_seqs": 2}) == "--parallel 2"
+    assert parse_flags("llamacpp", "llama-server --no-cache-prompt") == {
+        "enable_prefix_caching": False
+    }
+    assert render_flags("llamacpp", {"enable_prefix_caching": False}) == "--no-cache-prompt"
     with pytest.raises(ValueError, match="no launch flag for enable_chunked_prefill"):
         render_flags("llamacpp", {"enable_chunked_prefill": False})
     # Rendered flags read back as the same settings.
@@ -304,3 +308,50 @@ def test_seed_zero_is_the_fit_and_later_seeds_draw_a_refit_and_a_speed():
     assert t1.cost_model.coef["step"] == pytest.approx(0.021 * t1.info["speed_factor"])
     assert cal.target(1).cost_model.coef == t1.cost_model.coef  # deterministic per seed
     assert t0.engine_config.block_size == 128 and t0.engine_config.num_kv_blocks == 364
+
+
+def test_the_speed_factor_carries_the_forms_error_beside_the_drift():
+    cal = _calibration(speed_spread=None, form_spread=0.2)
+    assert cal.target(0).info["speed_factor"] == 1.0
+    assert cal.target(1).info["speed_factor"] != 1.0
+    assert _calibration(speed_spread=None).target(1).info["speed_factor"] == 1.0
+
+
+def test_form_spread_is_the_forms_error_on_the_load_it_was_not_fitted_on():
+    import numpy as np
+
+    from servelab.sim.twin import MIN_ROWS, form_spread
+
+    decodes = np.repeat(np.arange(1, 9), 10).astype(float)
+    a = np.zeros((len(decodes), 6))
+    a[:, 0], a[:, 1] = 1.0, decodes
+    assert form_spread(a, 0.02 + 0.001 * decodes) == pytest.approx(0.0, abs=1e-6)
+    # a decode price that grows with the batch: each half's line misprices the other's steps
+    assert form_spread(a, 0.02 + 0.0005 * decodes**2) > 0.1
+    lopsided = a[: MIN_ROWS + MIN_ROWS - 1]  # the heavier half one row short
+    lopsided[MIN_ROWS:, 1] = 2.0
+    lopsided[:MIN_ROWS, 1] = 1.0
+    assert form_spread(lopsided, 0.02 + 0.001 * lopsided[:, 1]) is None
+
+
+def test_the_api_time_leaves_out_the_wait_for_the_step_in_progress():
+    from types import SimpleNamespace
+
+    from servelab.sim.twin import reported_api_overhead
+
+    def rec(send, scheduled, prefill=0.03):
+        # the server's figures: no queue, prefill from its scheduling to the first token
+        return SimpleNamespace(
+            ok=True, actual_send=send, ttft=scheduled + prefill - send,
+            server_timeline={"queue_time": 0.0, "prefill_time": prefill},
+        )  # fmt: skip
+
+    ends = [1.000, 1.040, 2.000, 2.040, 3.000, 3.040]
+    # each reached the engine 10 ms after its send, during the step ending at x.040, and
+    # was scheduled there: its 40 ms of TTFT before scheduling hold 10 ms of way in and a
+    # wait the estimate puts at half the 40 ms step
+    busy = SimpleNamespace(records=[rec(t, t + 0.040) for t in (1.0, 2.0, 3.0)])
+    assert reported_api_overhead(busy, ends) == pytest.approx(0.040 - 0.020)
+    # an idle engine (no step ends near the scheduling moment) takes a request at once
+    idle = SimpleNamespace(records=[rec(t, t + 0.010) for t in (1.5, 2.5, 3.5)])
+    assert reported_api_overhead(idle, ends) == pytest.approx(0.010)

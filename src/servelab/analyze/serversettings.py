@@ -96,6 +96,7 @@ FLAGS: dict[str, tuple[ServerFlag, ...]] = {
         ServerFlag("max_num_batched_tokens", ("--batch-size", "-b")),
         ServerFlag("max_num_seqs", ("--parallel", "-np")),
         ServerFlag("kv_tokens", ("--ctx-size", "-c")),
+        ServerFlag("enable_prefix_caching", ("--cache-prompt",), "bool"),
     ),
 }
 

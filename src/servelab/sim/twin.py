@@ -16,14 +16,19 @@ and one more column, that request's way in and its first token's way out, is fit
 
 The API's own time per request (HTTP, tokenisation, detokenisation, the first chunk's way
 back) is the median of the client's TTFT less the server's queue and prefill where the server
-reports them (vLLM ``metrics``), else that fitted column; the simulation puts half of it on
+reports them (vLLM ``metrics``) and less the wait for the step in progress when the request
+reached the engine (which the twin simulates), else that fitted column; the simulation puts half of it on
 each way (``Scenario.network_delay``). The step noise is the spread of the single steps
 around the fit (:mod:`servelab.sim.noise`). ``BOOTSTRAP`` refits on rows resampled with
 replacement give the coefficients' uncertainty, and the spread of the server's speed over
 the run (``speed_spread``: the median step's ratio to the fit in 5 s windows) how far a
-later run may sit from it: simulation seed ``k > 0`` prices steps with the ``k``-th refit
-times a speed factor drawn from that spread, so repeating a prediction over seeds spreads it
-by the step noise, what one run could not pin down and the host's drift.
+later run may sit from it. Neither says how wrong the form itself is for steps unlike the
+ones it was fitted on; ``form_spread`` measures that out of sample within the run: fitted
+to the lighter half of the steps (by decodes) it prices the heavier half, and the reverse,
+and the log of the median measured / priced ratio of each is one error. Simulation seed
+``k > 0`` prices steps with the ``k``-th refit times a speed factor drawn from both spreads,
+so repeating a prediction over seeds spreads it by the step noise, what one run could not
+pin down, the host's drift and the form's error away from the run's own load.
 
 The scheduler settings are the server's (:mod:`servelab.analyze.serversettings`: what it
 reports, the launch command, what the user stated, published defaults), then the defaults of
@@ -58,6 +63,7 @@ TRIM = 5.0  # median absolute deviations of log(measured / fitted) beyond which 
 DRIFT_WINDOW_S = 5.0
 DRIFT_MIN_STEPS = 10
 MIN_ROWS = 8
+SCHEDULE_SLACK_S = 0.005  # a scheduling moment this close to a step end is that end
 _CONFIG_KEYS = (
     "max_num_batched_tokens",
     "max_num_seqs",
@@ -145,6 +151,7 @@ class TwinFit:
     rows: int
     trimmed: int
     speed_spread: float | None = None
+    form_spread: float | None = None
 
 
 def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> TwinFit:
@@ -196,6 +203,7 @@ def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> 
         rows=len(keep),
         trimmed=int(len(keep) - len(y)),
         speed_spread=speed_spread(single),
+        form_spread=form_spread(a, y),
     )
 
 
@@ -217,26 +225,65 @@ def speed_spread(points: list[tuple[float, float]]) -> float | None:
     return float(np.std(np.log(medians)))
 
 
+def form_spread(a: Any, y: Any) -> float | None:
+    """How far the cost model's form is off on steps heavier or lighter than those it was
+    fitted on: the rows split at the median decode count, each half fitted and the other
+    priced, the root mean square of the two halves' log median measured / priced ratios.
+    None when either half has fewer than ``MIN_ROWS`` rows."""
+    import numpy as np
+
+    decodes = a[:, TERMS.index("decode_seqs")]
+    light = decodes <= np.median(decodes)
+    if light.all():  # most steps at the median: split below it instead
+        light = decodes < np.median(decodes)
+    halves = (light, ~light)
+    if min(int(h.sum()) for h in halves) < MIN_ROWS:
+        return None
+    errs = []
+    for fit_on, priced in (halves, halves[::-1]):
+        coef = _nnls(a[fit_on], y[fit_on])
+        errs.append(math.log(float(np.median(y[priced] / np.maximum(a[priced] @ coef, 1e-9)))))
+    return float(np.sqrt(np.mean(np.square(errs))))
+
+
 def _coef_dict(coef: Any) -> dict[str, float]:
     return {t: float(c) for t, c in zip(TERMS, coef)}
 
 
-def reported_api_overhead(run: Run) -> float | None:
-    """Median over requests of TTFT less the server's own queue and prefill time (servers
-    that report both: vLLM's per-request ``metrics``)."""
+def reported_api_overhead(run: Run, step_ends: list[float]) -> float | None:
+    """Median over requests of the API's own time: TTFT less the server's queue and prefill
+    where it reports both (vLLM's per-request ``metrics``), less the wait for the step in
+    progress when the request reached the engine.
+
+    An engine loop takes new requests only between steps and the server's queue time starts
+    there, so what TTFT leaves over holds that wait beside HTTP and tokenisation; the twin
+    simulates the wait itself. The request was scheduled ``queue + prefill`` before its first
+    token (client clock). Where that moment is a step end (``step_ends``, from step
+    inference; within ``SCHEDULE_SLACK_S``), the request reached the engine after the step
+    end before it and after its send: the wait is taken as half of that span. Elsewhere the
+    engine was idle and took it at once."""
+    import bisect
     import statistics
 
+    ends = sorted(step_ends)
     vals = []
     for r in run.records:
         figs = r.server_timeline or {}
         q, p = figs.get("queue_time"), figs.get("prefill_time")
-        if (
+        if not (
             r.ok
             and r.ttft is not None
             and isinstance(q, (int, float))
             and isinstance(p, (int, float))
         ):
-            vals.append(r.ttft - q - p)
+            continue
+        scheduled = r.actual_send + r.ttft - q - p
+        wait = 0.0
+        i = bisect.bisect_left(ends, scheduled - SCHEDULE_SLACK_S)
+        if i < len(ends) and ends[i] <= scheduled + SCHEDULE_SLACK_S:
+            reached_after = max(ends[i - 1] if i > 0 else r.actual_send, r.actual_send)
+            wait = max(0.0, ends[i] - reached_after) / 2
+        vals.append(scheduled - r.actual_send - wait)
     return statistics.median(vals) if len(vals) >= 3 else None
 
 
@@ -263,6 +310,7 @@ class TwinCalibration:
     run: str = ""
     hardware: str | None = None  # the catalogue entry stated at calibration (None: unknown)
     speed_spread: float | None = None  # log sd of the run's speed over time (speed_spread)
+    form_spread: float | None = None  # the form's log error off the run's own load (form_spread)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -285,8 +333,9 @@ class TwinCalibration:
         speed = 1.0
         if draw > 0 and self.bootstrap:
             coef = self.bootstrap[(draw - 1) % len(self.bootstrap)]
-        if draw > 0 and self.speed_spread:
-            speed = math.exp(random.Random(f"twin-speed:{draw}").gauss(0.0, self.speed_spread))
+        spread = math.hypot(self.speed_spread or 0.0, self.form_spread or 0.0)
+        if draw > 0 and spread:
+            speed = math.exp(random.Random(f"twin-speed:{draw}").gauss(0.0, spread))
             coef = {k: v * speed for k, v in coef.items()}
         cfg = EngineConfig(**self.engine_config)
         return SimTarget(
@@ -360,7 +409,10 @@ def _defaults(kind: str, hardware: str | None) -> tuple[dict[str, Any], str]:
     elif kind == SGLANG and not on_cpu:
         d = engine_defaults("sglang", hw)  # type: ignore[arg-type]
     elif kind == LLAMACPP:
-        return {"max_num_batched_tokens": 2048}, "llama.cpp common/common.h n_batch 2048"
+        return {"max_num_batched_tokens": 2048, "max_num_seqs": 4}, (
+            "llama.cpp common/common.h n_batch 2048; tools/server/server.cpp: --parallel "
+            "auto is 4 slots"
+        )
     else:
         return {}, ""
     return d.config, f"{d.source} [{d.hardware_class}]"
@@ -428,7 +480,7 @@ def calibrate_run(
     )
     fit = fit_steps(inf)
     config, sources, length = engine_settings(settings, inf, hardware)
-    reported = reported_api_overhead(run)
+    reported = reported_api_overhead(run, [s.end for s in inf.steps])
     api = reported if reported is not None else fit.api
     name = model or run.model or "unknown"
     kv_bytes = 1.0
@@ -464,4 +516,5 @@ def calibrate_run(
         run=str(run.path),
         hardware=hardware,
         speed_spread=fit.speed_spread,
+        form_spread=fit.form_spread,
     )
