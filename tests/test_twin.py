@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import math
 import subprocess
 import sys
 import urllib.request
@@ -99,7 +100,7 @@ def test_step_inference_recovers_planted_batches_and_step_times(unchunked):
     _check_recovered(inf, truth)
     assert max(s.decode_seqs for s in inf.steps) == 4  # the closed loop's four streams
     # The fit gives back the planted prices: a step, a decode, a prefill token.
-    fit = fit_steps(inf)
+    fit = fit_steps([inf])
     for seqs, prefill, ctx in ((1, 0, 200), (4, 0, 800), (3, 150, 600), (0, 300, 0)):
         w = step_work([])
         w.decode_seqs, w.prefill_tokens, w.kv_read = seqs, prefill, ctx
@@ -154,6 +155,26 @@ def test_calibrate_and_predict_with_ranges_from_the_cli(unchunked, tmp_path):
     assert man["server"]["simulated"]["cost_model"]["kind"] == "twin"
     res = _cli("sim", "--calibration", str(cal_path), "--hardware", "h100", "--workload", "chat")
     assert res.returncode != 0 and "twin calibration" in res.stderr
+
+
+def test_calibrate_takes_several_runs_of_one_configuration(unchunked, tmp_path):
+    import shutil
+
+    path, _ = unchunked
+    again = shutil.copytree(path, tmp_path / "again")
+    cal_path = tmp_path / "twin.json"
+    res = _cli("calibrate", str(path), str(again), "--out", str(cal_path))
+    assert res.returncode == 0, res.stderr
+    cal = TwinCalibration.load(cal_path)
+    assert cal.fit["runs"] == 2 and str(again) in cal.run
+    one = json.loads((path / "manifest.json").read_text())
+    assert cal.fit["inference"]["requests"] == 2 * len(load_run(path).records)
+    other = shutil.copytree(path, tmp_path / "other")
+    one["server"]["stated_command"] = ["vllm", "serve", "m", "--max-num-seqs", "2"]
+    (other / "manifest.json").write_text(json.dumps(one))
+    res = _cli("calibrate", str(path), str(other), "--out", str(tmp_path / "no.json"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "another server configuration" in res.stderr and "max_num_seqs" in res.stderr
 
 
 # ----------------------------------------------------------------- the server's settings
@@ -328,6 +349,13 @@ def test_form_spread_is_the_forms_error_on_the_load_it_was_not_fitted_on():
     assert form_spread(a, 0.02 + 0.001 * decodes) == pytest.approx(0.0, abs=1e-6)
     # a decode price that grows with the batch: each half's line misprices the other's steps
     assert form_spread(a, 0.02 + 0.0005 * decodes**2) > 0.1
+    # a closed loop's heavier half, all at its concurrency (4): only the lighter half's
+    # line prices, and the step that costs more at 4 than the line says is its error
+    closed = np.concatenate([np.repeat([1.0, 2.0, 3.0], 10), np.full(40, 4.0)])
+    closed_a = np.zeros((len(closed), 6))
+    closed_a[:, 0], closed_a[:, 1] = 1.0, closed
+    step_up = np.where(closed < 4, 0.02, 0.03) + 0.001 * closed
+    assert form_spread(closed_a, step_up) == pytest.approx(math.log(0.034 / 0.024), rel=1e-3)
     lopsided = a[: MIN_ROWS + MIN_ROWS - 1]  # the heavier half one row short
     lopsided[MIN_ROWS:, 1] = 2.0
     lopsided[:MIN_ROWS, 1] = 1.0
@@ -351,7 +379,40 @@ def test_the_api_time_leaves_out_the_wait_for_the_step_in_progress():
     # was scheduled there: its 40 ms of TTFT before scheduling hold 10 ms of way in and a
     # wait the estimate puts at half the 40 ms step
     busy = SimpleNamespace(records=[rec(t, t + 0.040) for t in (1.0, 2.0, 3.0)])
-    assert reported_api_overhead(busy, ends) == pytest.approx(0.040 - 0.020)
+    assert reported_api_overhead([busy], [ends]) == pytest.approx(0.040 - 0.020)
     # an idle engine (no step ends near the scheduling moment) takes a request at once
     idle = SimpleNamespace(records=[rec(t, t + 0.010) for t in (1.5, 2.5, 3.5)])
-    assert reported_api_overhead(idle, ends) == pytest.approx(0.010)
+    assert reported_api_overhead([idle], [ends]) == pytest.approx(0.010)
+
+
+def test_several_runs_put_the_drift_between_them_into_the_speed_spread():
+    from servelab.analyze.stepinfer import InferredStep, SeqWork, StepInference
+
+    def run(speed):
+        """30 s of back-to-back steps of 1-4 decodes priced 20 ms + 3 ms a decode, / speed."""
+        steps, t = [], 0.0
+        for k in range(1500):
+            n = 1 + k % 4
+            seqs = [SeqWork(f"r{i}", 1, 100, True) for i in range(n)]
+            dur = (0.02 + 0.003 * n) / speed
+            steps.append(InferredStep(end=t + dur, start=t, arrival=None, seqs=seqs))
+            t += dur
+        return StepInference(steps, 0.001, {}, {})
+
+    alone = fit_steps([run(1.0)])
+    assert alone.speed_spread == pytest.approx(0.0, abs=1e-6)
+    both = fit_steps([run(1.0), run(0.8)])  # relaunched 25% slower
+    assert both.speed_spread == pytest.approx(math.log(1.25) / 2, rel=0.1)
+    assert 0.02 < both.coef["step"] < 0.025  # between the two runs' prices
+
+
+def test_the_step_inference_figures_of_several_runs_add_up():
+    from servelab.sim.twin import _merged
+
+    a = {"steps": 100, "max_batch": 4, "mean_batch": 2.0, "tolerance_s": 0.002,
+         "running_vs_batch_mean": [2.0, 2.5]}  # fmt: skip
+    b = {"steps": 300, "max_batch": 3, "mean_batch": 3.0, "tolerance_s": 0.004}
+    m = _merged([a, b], [100, 300])
+    assert m["steps"] == 400 and m["max_batch"] == 4 and m["tolerance_s"] == 0.004
+    assert m["mean_batch"] == pytest.approx(2.75)
+    assert m["running_vs_batch_mean"] == [2.0, 2.5]  # only the run that had it

@@ -545,10 +545,12 @@ def _capacity(flags: Mapping[str, Any], scenario: Scenario, load: LoadSpec, run_
 
 
 def calibrate(
-    run_dir: str = typer.Argument(
+    run_dirs: list[str] = typer.Argument(  # noqa: B008
         ...,
         help="A run directory: of a servelab server on the target hardware, or of another "
-        "server (vLLM, SGLang, llama.cpp), whose twin is fitted from its client timestamps.",
+        "server (vLLM, SGLang, llama.cpp), whose twin is fitted from its client timestamps; "
+        "several runs of that server in one configuration (e.g. before and after a restart) "
+        "make the twin's ranges carry how far its speed moves between runs.",
     ),
     hardware: str | None = typer.Option(
         None,
@@ -578,10 +580,13 @@ def calibrate(
     from servelab.sim.replay import measured_steps
 
     try:
-        run = load_run(run_dir)
+        runs = [load_run(d) for d in run_dirs]
+        run = runs[0]
         if not run.steps and not run.simulated:
-            _calibrate_twin(run, hardware, model, server_config, out)
+            _calibrate_twin(runs, hardware, model, server_config, out)
             return
+        if len(runs) > 1:
+            raise ValueError("give one servelab run: several runs calibrate another server's twin")
         if hardware is None:
             raise ValueError("--hardware: say which catalogue entry the run's hardware is")
         cal = fit_efficiency(
@@ -598,7 +603,7 @@ def calibrate(
 
 
 def _calibrate_twin(
-    run: Any, hardware: str | None, model: str | None, server_config: str | None, out: str
+    runs: list[Any], hardware: str | None, model: str | None, server_config: str | None, out: str
 ) -> None:
     import dataclasses
     import shlex
@@ -607,10 +612,10 @@ def _calibrate_twin(
 
     from servelab.bench.manifest import redact
     from servelab.report.twin_tables import calibration_table
-    from servelab.sim.twin import calibrate_run
+    from servelab.sim.twin import calibrate_runs
 
     stated = shlex.join(redact(shlex.split(server_config))) if server_config else None
-    cal = calibrate_run(run, stated, hardware, model)
+    cal = calibrate_runs(runs, stated, hardware, model)
     cal.save(out)
     Console().print(calibration_table(dataclasses.asdict(cal)))
     typer.echo(

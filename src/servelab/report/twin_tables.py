@@ -57,7 +57,9 @@ def calibration_table(cal: dict[str, Any]) -> Table:
     err = cal["fit"]["error_on_training_steps"]
     inf = cal["fit"]["inference"]
     table.add_row(
-        "fit error (training run)",
+        "fit error (training run)"
+        if cal["fit"].get("runs", 1) == 1
+        else "fit error (training runs)",
         f"median {err['median']:.1%}, p90 {err['p90']:.1%} over {err['steps']} steps",
     )
     table.add_row(

@@ -22,7 +22,7 @@ sequence term and prefill by attention pairs, and priced such chunks 1.44x what 
 when run, 1.28x with the monotone term (docs/design/tune.md).
 
 A run of another server (vLLM, SGLang, llama.cpp: no step records, no timelines) replays
-on its twin instead (:func:`replay_target`, ``sim.twin.calibrate_run``): steps inferred from
+on its twin instead (:func:`replay_target`, ``sim.twin.calibrate_runs``): steps inferred from
 the client's chunk arrivals, a step cost fitted to them, the server's settings as it reported
 them, its launch command or what the user stated. Simulator seed ``k`` runs on the twin's
 ``k``-th draw (bootstrap refit and speed), so a prediction's range over seeds carries what
@@ -46,7 +46,7 @@ from servelab.rundir import Run
 from servelab.sim.history import Resend
 from servelab.sim.sim_target import SimTarget
 from servelab.sim.simulation import SimRequest
-from servelab.sim.twin import TwinCalibration, calibrate_run, engine_changes
+from servelab.sim.twin import TwinCalibration, calibrate_runs, engine_changes
 
 
 class NotReplayable(ValueError):
@@ -398,7 +398,7 @@ def replay_target(run: Run, hardware: str | None = None) -> Replica:
     if not is_foreign(run):
         return Replica(target_from_run(run))
     try:
-        cal = calibrate_run(run, hardware=hardware)
+        cal = calibrate_runs([run], hardware=hardware)
     except ValueError as e:
         raise NotReplayable(f"{run.name}: the twin cannot be fitted to this run: {e}") from None
     return Replica(cal.target(0), cal)

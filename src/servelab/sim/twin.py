@@ -24,8 +24,9 @@ replacement give the coefficients' uncertainty, and the spread of the server's s
 the run (``speed_spread``: the median step's ratio to the fit in 5 s windows) how far a
 later run may sit from it. Neither says how wrong the form itself is for steps unlike the
 ones it was fitted on; ``form_spread`` measures that out of sample within the run: fitted
-to the lighter half of the steps (by decodes) it prices the heavier half, and the reverse,
-and the log of the median measured / priced ratio of each is one error. Simulation seed
+to the lighter half of the steps (by decodes) it prices the heavier half, and the reverse
+where the heavier half ran more than one decode count, and the log of the median
+measured / priced ratio of each is one error. Simulation seed
 ``k > 0`` prices steps with the ``k``-th refit times a speed factor drawn from both spreads,
 so repeating a prediction over seeds spreads it by the step noise, what one run could not
 pin down, the host's drift and the form's error away from the run's own load.
@@ -44,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,20 +156,21 @@ class TwinFit:
     form_spread: float | None = None
 
 
-def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> TwinFit:
-    """Fit the step cost to the usable inferred steps (module doc). ValueError when too few."""
+def fit_steps(infs: Sequence[StepInference], bootstrap: int = BOOTSTRAP, seed: int = 0) -> TwinFit:
+    """Fit the step cost to the usable inferred steps of one or more runs of one server
+    (module doc). ValueError when too few."""
     import numpy as np
 
-    timed = [(s, *_row(s)) for s in inf.steps if s.usable]
-    timed = [t for t in timed if t[2] > 0]
+    timed = [(k, s, *_row(s)) for k, inf in enumerate(infs) for s in inf.steps if s.usable]
+    timed = [t for t in timed if t[3] > 0]
     if len(timed) < MIN_ROWS:
         raise ValueError(
             f"only {len(timed)} steps could be timed from the client's chunks (of "
-            f"{len(inf.steps)} inferred); calibrate on a streamed run with a few hundred "
-            "tokens and some concurrency"
+            f"{sum(len(inf.steps) for inf in infs)} inferred); calibrate on a streamed run "
+            "with a few hundred tokens and some concurrency"
         )
-    a = np.array([t[1] for t in timed])
-    y = np.array([t[2] for t in timed])
+    a = np.array([t[2] for t in timed])
+    y = np.array([t[3] for t in timed])
     coef = _nnls(a, y)
     log_ratio = np.log(y / np.maximum(a @ coef, 1e-9))
     dev = np.abs(log_ratio - np.median(log_ratio))
@@ -178,13 +181,12 @@ def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> 
         coef = _nnls(a, y)
     fitted = a @ coef
     # The noise and the error are over single steps with a known start, in step order.
-    single = [
-        (t[0].end, float(y[i] / fitted[i]))
-        for i, t in enumerate(timed)
-        if t[0].start is not None and not t[0].hidden and fitted[i] > 0
-    ]
-    ratios = [r for _, r in single]
-    err = [abs(r - 1.0) for r in ratios]
+    single: list[list[tuple[float, float]]] = [[] for _ in infs]
+    for i, (k, step, *_) in enumerate(timed):
+        if step.start is not None and not step.hidden and fitted[i] > 0:
+            single[k].append((step.end, float(y[i] / fitted[i])))
+    ratios = [[r for _, r in run] for run in single]
+    err = [abs(r - 1.0) for run in ratios for r in run]
     rng = np.random.default_rng(seed)
     boots = []
     for _ in range(bootstrap):
@@ -194,7 +196,7 @@ def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> 
         coef=_coef_dict(coef),
         api=float(coef[len(TERMS)]),
         bootstrap=boots,
-        noise=StepNoise.measure([ratios]),
+        noise=StepNoise.measure(ratios),
         error={
             "median": float(np.median(err)) if err else math.nan,
             "p90": float(np.percentile(err, 90)) if err else math.nan,
@@ -207,18 +209,21 @@ def fit_steps(inf: StepInference, bootstrap: int = BOOTSTRAP, seed: int = 0) -> 
     )
 
 
-def speed_spread(points: list[tuple[float, float]]) -> float | None:
-    """How far the server's speed wandered during the run: the standard deviation of the
-    log of the median measured / fitted ratio in each ``DRIFT_WINDOW_S`` window (of at
-    least ``DRIFT_MIN_STEPS`` steps); None with fewer than three such windows."""
+def speed_spread(runs: Sequence[list[tuple[float, float]]]) -> float | None:
+    """How far the server's speed wandered: the standard deviation of the log of the median
+    measured / fitted ratio in each ``DRIFT_WINDOW_S`` window (of at least
+    ``DRIFT_MIN_STEPS`` steps) of every run (``(step end, ratio)`` each), so that with
+    several runs it holds the drift between them beside the drift within each; None with
+    fewer than three such windows."""
     import numpy as np
 
-    if not points:
-        return None
-    t0 = points[0][0]
-    windows: dict[int, list[float]] = {}
-    for t, r in points:
-        windows.setdefault(int((t - t0) // DRIFT_WINDOW_S), []).append(r)
+    windows: dict[tuple[int, int], list[float]] = {}
+    for k, points in enumerate(runs):
+        if not points:
+            continue
+        t0 = points[0][0]
+        for t, r in points:
+            windows.setdefault((k, int((t - t0) // DRIFT_WINDOW_S)), []).append(r)
     medians = [float(np.median(v)) for v in windows.values() if len(v) >= DRIFT_MIN_STEPS]
     if len(medians) < 3:
         return None
@@ -228,8 +233,10 @@ def speed_spread(points: list[tuple[float, float]]) -> float | None:
 def form_spread(a: Any, y: Any) -> float | None:
     """How far the cost model's form is off on steps heavier or lighter than those it was
     fitted on: the rows split at the median decode count, each half fitted and the other
-    priced, the root mean square of the two halves' log median measured / priced ratios.
-    None when either half has fewer than ``MIN_ROWS`` rows."""
+    priced, the root mean square of the log median measured / priced ratios. A half whose
+    steps all ran one decode count cannot tell the step's price from a decode's (a closed
+    loop's heavier half is all at its concurrency) and prices nothing. None when either
+    half has fewer than ``MIN_ROWS`` rows or neither can be fitted."""
     import numpy as np
 
     decodes = a[:, TERMS.index("decode_seqs")]
@@ -241,49 +248,52 @@ def form_spread(a: Any, y: Any) -> float | None:
         return None
     errs = []
     for fit_on, priced in (halves, halves[::-1]):
+        if len(np.unique(decodes[fit_on])) < 2:
+            continue
         coef = _nnls(a[fit_on], y[fit_on])
         errs.append(math.log(float(np.median(y[priced] / np.maximum(a[priced] @ coef, 1e-9)))))
-    return float(np.sqrt(np.mean(np.square(errs))))
+    return float(np.sqrt(np.mean(np.square(errs)))) if errs else None
 
 
 def _coef_dict(coef: Any) -> dict[str, float]:
     return {t: float(c) for t, c in zip(TERMS, coef)}
 
 
-def reported_api_overhead(run: Run, step_ends: list[float]) -> float | None:
-    """Median over requests of the API's own time: TTFT less the server's queue and prefill
-    where it reports both (vLLM's per-request ``metrics``), less the wait for the step in
-    progress when the request reached the engine.
+def reported_api_overhead(runs: Sequence[Run], step_ends: list[list[float]]) -> float | None:
+    """Median over the runs' requests of the API's own time: TTFT less the server's queue
+    and prefill where it reports both (vLLM's per-request ``metrics``), less the wait for
+    the step in progress when the request reached the engine.
 
     An engine loop takes new requests only between steps and the server's queue time starts
     there, so what TTFT leaves over holds that wait beside HTTP and tokenisation; the twin
     simulates the wait itself. The request was scheduled ``queue + prefill`` before its first
-    token (client clock). Where that moment is a step end (``step_ends``, from step
-    inference; within ``SCHEDULE_SLACK_S``), the request reached the engine after the step
-    end before it and after its send: the wait is taken as half of that span. Elsewhere the
-    engine was idle and took it at once."""
+    token (client clock). Where that moment is a step end (``step_ends``, each run's from
+    step inference; within ``SCHEDULE_SLACK_S``), the request reached the engine after the
+    step end before it and after its send: the wait is taken as half of that span.
+    Elsewhere the engine was idle and took it at once."""
     import bisect
     import statistics
 
-    ends = sorted(step_ends)
     vals = []
-    for r in run.records:
-        figs = r.server_timeline or {}
-        q, p = figs.get("queue_time"), figs.get("prefill_time")
-        if not (
-            r.ok
-            and r.ttft is not None
-            and isinstance(q, (int, float))
-            and isinstance(p, (int, float))
-        ):
-            continue
-        scheduled = r.actual_send + r.ttft - q - p
-        wait = 0.0
-        i = bisect.bisect_left(ends, scheduled - SCHEDULE_SLACK_S)
-        if i < len(ends) and ends[i] <= scheduled + SCHEDULE_SLACK_S:
-            reached_after = max(ends[i - 1] if i > 0 else r.actual_send, r.actual_send)
-            wait = max(0.0, ends[i] - reached_after) / 2
-        vals.append(scheduled - r.actual_send - wait)
+    for run, run_ends in zip(runs, step_ends):
+        ends = sorted(run_ends)
+        for r in run.records:
+            figs = r.server_timeline or {}
+            q, p = figs.get("queue_time"), figs.get("prefill_time")
+            if not (
+                r.ok
+                and r.ttft is not None
+                and isinstance(q, (int, float))
+                and isinstance(p, (int, float))
+            ):
+                continue
+            scheduled = r.actual_send + r.ttft - q - p
+            wait = 0.0
+            i = bisect.bisect_left(ends, scheduled - SCHEDULE_SLACK_S)
+            if i < len(ends) and ends[i] <= scheduled + SCHEDULE_SLACK_S:
+                reached_after = max(ends[i - 1] if i > 0 else r.actual_send, r.actual_send)
+                wait = max(0.0, ends[i] - reached_after) / 2
+            vals.append(scheduled - r.actual_send - wait)
     return statistics.median(vals) if len(vals) >= 3 else None
 
 
@@ -419,16 +429,17 @@ def _defaults(kind: str, hardware: str | None) -> tuple[dict[str, Any], str]:
 
 
 def engine_settings(
-    settings: ServerSettings, inf: StepInference, hardware: str | None
+    settings: ServerSettings, steps: list[InferredStep], hardware: str | None
 ) -> tuple[dict[str, Any], dict[str, str], int]:
-    """The twin's EngineConfig fields, their sources and the context length (module doc)."""
+    """The twin's EngineConfig fields, their sources and the context length (module doc);
+    ``steps``: the inferred steps of the runs."""
     values = dict(settings.values)
     sources = dict(settings.sources)
     defaults, source = _defaults(settings.kind, hardware)
     for k, v in defaults.items():
         if k not in values:
             values[k], sources[k] = v, source
-    peak = max((sum(1 for s in st.seqs if s.sampled) for st in inf.steps), default=1)
+    peak = max((sum(1 for s in st.seqs if s.sampled) for st in steps), default=1)
     if "max_num_seqs" not in values:
         values["max_num_seqs"] = max(1, peak)
         sources["max_num_seqs"] = "the run: the most streams one step served (a lower bound)"
@@ -459,30 +470,50 @@ def engine_settings(
     return config, {k: sources.get(k, "") for k in config}, length
 
 
-def calibrate_run(
-    run: Run,
+def calibrate_runs(
+    runs: Sequence[Run],
     stated: str | None = None,
     hardware: str | None = None,
     model: str | None = None,
     tolerance: float | None = None,
 ) -> TwinCalibration:
-    """Infer the steps of ``run`` (another server's), fit the twin, gather its settings.
+    """Infer the steps of ``runs`` (of one server, another's than servelab's, in one
+    configuration), fit the twin to them all, gather its settings. With several runs the
+    speed spread holds how far the server's speed moved between them (a relaunch, another
+    hour of the host) as well as within each.
 
     ``stated``: the server's launch command or flags, secrets redacted by the caller;
-    ``hardware``: the catalogue entry it ran on (for the engine's hardware defaults)."""
-    settings = server_settings(run, stated)
+    ``hardware``: the catalogue entry it ran on (for the engine's hardware defaults).
+    ValueError when the runs' settings differ."""
+    first = runs[0]
+    settings = server_settings(first, stated)
+    for other in runs[1:]:
+        theirs = server_settings(other, stated)
+        differ = sorted(
+            k
+            for k in {*settings.values, *theirs.values, "kind"}
+            if (settings.kind, settings.values.get(k)) != (theirs.kind, theirs.values.get(k))
+        )
+        if differ:
+            raise ValueError(
+                f"{other.path} ran another server configuration than {first.path} "
+                f"({', '.join(differ)}): calibrate on runs of one configuration"
+            )
     budget = settings.get("max_num_batched_tokens")
     if budget is None:
         budget = _defaults(settings.kind, hardware)[0].get("max_num_batched_tokens")
     chunked = bool(settings.get("enable_chunked_prefill", True))
-    inf = infer_steps(
-        run.records, budget, chunked=chunked, scrapes=run.scrapes, tolerance=tolerance
+    infs = [
+        infer_steps(r.records, budget, chunked=chunked, scrapes=r.scrapes, tolerance=tolerance)
+        for r in runs
+    ]
+    fit = fit_steps(infs)
+    config, sources, length = engine_settings(
+        settings, [s for inf in infs for s in inf.steps], hardware
     )
-    fit = fit_steps(inf)
-    config, sources, length = engine_settings(settings, inf, hardware)
-    reported = reported_api_overhead(run, [s.end for s in inf.steps])
+    reported = reported_api_overhead(runs, [[s.end for s in inf.steps] for inf in infs])
     api = reported if reported is not None else fit.api
-    name = model or run.model or "unknown"
+    name = model or first.model or "unknown"
     kv_bytes = 1.0
     try:
         from servelab.sim.modelspec import load_model_spec
@@ -510,11 +541,35 @@ def calibrate_run(
                 "fitted_s": fit.api,
                 "used": "reported" if reported is not None else "fitted",
             },
-            "inference": inf.diagnostics,
+            "inference": _merged(
+                [inf.diagnostics for inf in infs], [len(inf.steps) for inf in infs]
+            ),
+            "runs": len(runs),
         },
         settings=settings.to_dict(),
-        run=str(run.path),
+        run=", ".join(str(r.path) for r in runs),
         hardware=hardware,
         speed_spread=fit.speed_spread,
         form_spread=fit.form_spread,
     )
+
+
+def _merged(diags: list[dict[str, Any]], weights: list[int]) -> dict[str, Any]:
+    """One step-inference diagnostics dict for several runs: counts summed, maxima and
+    tolerances the largest, means (and pairs of means) weighted by the runs' steps."""
+    if len(diags) == 1:
+        return diags[0]
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for d in diags for k in d):
+        have = [(d[key], w) for d, w in zip(diags, weights) if key in d]
+        vals = [v for v, _ in have]
+        total = max(sum(w for _, w in have), 1)
+        if all(isinstance(v, list) for v in vals):
+            out[key] = [sum(v[i] * w for v, w in have) / total for i in range(len(vals[0]))]
+        elif key.startswith("mean"):
+            out[key] = sum(v * w for v, w in have) / total
+        elif all(isinstance(v, int) for v in vals) and not key.startswith("max"):
+            out[key] = sum(vals)
+        else:
+            out[key] = max(vals)
+    return out
