@@ -36,7 +36,8 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from benchmarks.sim.twin_vllm import SERVED, SERVELAB, TEMPLATE, VLLM_PYTHON, Case, bench, run
+from benchmarks.sim.twin_check import SERVELAB, Case, bench, run
+from benchmarks.sim.twin_vllm import SERVED, VLLM_PYTHON, vllm_peer
 from servelab.bench.template import TemplateServer
 from servelab.report.tuning_view import render_tuning, write_tuning_report
 from servelab.workflows.demo import mixed_workload
@@ -73,11 +74,10 @@ def main() -> None:
         timings["export_s"] = run(
             [*SERVELAB, "export-hf", "--model", SERVED, str(weights)], logs / "export.log"
         )
-    # Dev mode serves POST /reset_prefix_cache, which the bench calls before each run: the
-    # verification's later repeats must not find the earlier ones' prompts cached.
-    template = "VLLM_SERVER_DEV_MODE=1 " + TEMPLATE.format(
-        cpu=1, python=args.vllm_python, served=SERVED
-    )
+    # The template's dev mode serves POST /reset_prefix_cache, which the bench calls before
+    # each run: the verification's later repeats must not find the earlier ones' prompts.
+    peer = vllm_peer(args.vllm_python, weights)
+    template = peer.template
     run_dir = out / "run"
     workload = args.workload
     if workload == DEMO_MIXED:
@@ -90,9 +90,9 @@ def main() -> None:
             asyncio.run(server.wait_healthy(timeout=args.health_timeout))
             timings["start_vllm_s"] = time.perf_counter() - t0
             warm = Case("warm-up", "chat", "--concurrency 4 --requests 4", args.flags)
-            timings["warm_up_s"] = bench(warm, server.url, weights, out / "warmup", logs)
+            timings["warm_up_s"] = bench(peer, warm, server.url, out / "warmup", logs)
             case = Case("run", workload, args.load, args.flags)
-            timings["bench_s"] = bench(case, server.url, weights, run_dir, logs)
+            timings["bench_s"] = bench(peer, case, server.url, run_dir, logs)
             record_server(run_dir, server)
         finally:
             server.stop()

