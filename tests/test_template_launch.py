@@ -182,3 +182,29 @@ def test_flags_are_recorded_without_their_secrets(tmp_path):
         assert "sk-flag-secret" not in srv.engine_args + json.dumps(srv.command)
     finally:
         srv.stop()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to split")
+def test_servers_started_together_all_keep_off_the_clients_cpu(tmp_path):
+    from servelab.bench.server_target import LaunchedServer, split_cpus
+
+    split = split_cpus()
+    if split is None:
+        pytest.skip("no taskset")
+    client, server_cpus = split
+    before = os.sched_getaffinity(0)
+    # the first pins this process to the client's CPU; the second must not inherit it
+    first = LaunchedServer("smollm2-135m", "", tmp_path / "first.log")
+    second = LaunchedServer("smollm2-135m", "", tmp_path / "second.log")
+    sleeper = f"{PY} -c 'import time; time.sleep(300)' --port {{port}}"
+    template = TemplateServer(sleeper, tmp_path / "t.log")
+    try:
+        assert os.sched_getaffinity(0) == client
+        for srv in (first, second):
+            assert srv.command[:3] == ["taskset", "-c", ",".join(map(str, sorted(server_cpus)))]
+        # a template without taskset runs where the client ran before it was pinned
+        assert os.sched_getaffinity(template.proc.pid) == before
+    finally:
+        for srv in (template, second, first):
+            srv.stop()
+    assert os.sched_getaffinity(0) == before

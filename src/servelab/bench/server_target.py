@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,22 +162,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def split_cpus() -> tuple[set[int], set[int]] | None:
-    """(client CPUs, server CPUs) when there are at least two CPUs to split, else None.
-
-    The client keeps the first CPU and the server gets the rest: on a 2-core machine a
-    client and a server that share both cores distort each other's timings.
-    """
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2 or shutil.which("taskset") is None:
-        return None
-    return {cpus[0]}, set(cpus[1:])
-
-
 # Several launched servers can be up at once (a matrix); the client's own affinity is
 # restored when the last of them stops.
 _pins = 0
 _client_affinity: set[int] | None = None
+
+
+def launch_cpus() -> set[int]:
+    """The CPUs this process had before a launched server pinned it to the client's: what
+    a server started now may use (a child inherits the pinned set otherwise)."""
+    if _pins and _client_affinity:
+        return set(_client_affinity)
+    return os.sched_getaffinity(0)
+
+
+@contextlib.contextmanager
+def unpinned() -> Iterator[None]:
+    """Within it, processes this thread starts get ``launch_cpus`` rather than the client's
+    pinned CPU (affinity is per thread and a child inherits its parent thread's)."""
+    cpus, now = launch_cpus(), os.sched_getaffinity(0)
+    if cpus != now:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        if cpus != now:
+            os.sched_setaffinity(0, now)
+
+
+def split_cpus() -> tuple[set[int], set[int]] | None:
+    """(client CPUs, server CPUs) when there are at least two CPUs to split, else None.
+
+    The client keeps the first CPU and the server gets the rest: on a 2-core machine a
+    client and a server that share both cores distort each other's timings. The split is
+    of ``launch_cpus``, so a second server started while the first is up is pinned beside
+    it, not onto the client's CPU.
+    """
+    cpus = sorted(launch_cpus())
+    if len(cpus) < 2 or shutil.which("taskset") is None:
+        return None
+    return {cpus[0]}, set(cpus[1:])
 
 
 def _pin_client(cpus: set[int]) -> None:

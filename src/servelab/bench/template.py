@@ -38,7 +38,7 @@ import aiohttp
 
 from servelab.analyze.serversettings import kind_of_command, parse_flags
 from servelab.bench.manifest import hide_secrets, redact, redact_args, secrets_in
-from servelab.bench.server_target import free_port, log_tail
+from servelab.bench.server_target import free_port, log_tail, unpinned
 
 HEALTH_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
@@ -151,14 +151,15 @@ class TemplateServer:
         self._log.write(f"$ {shlex.join(self.command)}\n".encode())
         self._log.flush()
         try:
-            self.proc = subprocess.Popen(
-                program,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=full_env,
-                start_new_session=True,
-            )
+            with unpinned():  # not on the client's CPU when a launched server pinned it
+                self.proc = subprocess.Popen(
+                    program,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=full_env,
+                    start_new_session=True,
+                )
         except OSError as e:
             self._log.close()
             raise RuntimeError(
