@@ -570,7 +570,7 @@ def calibrate(
     out: str = typer.Option("calibration.json", help="Where to write the fitted efficiencies."),
 ) -> None:
     """Fit the roofline's efficiencies and fixed costs to a measured run, or a twin of another
-    server to its client timestamps; report the fit error."""
+    server to its runs' client timestamps; report the fit error."""
     import json
 
     from servelab.rundir import RunDirError, load_run
