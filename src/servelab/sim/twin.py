@@ -489,11 +489,9 @@ def calibrate_runs(
     settings = server_settings(first, stated)
     for other in runs[1:]:
         theirs = server_settings(other, stated)
-        differ = sorted(
-            k
-            for k in {*settings.values, *theirs.values, "kind"}
-            if (settings.kind, settings.values.get(k)) != (theirs.kind, theirs.values.get(k))
-        )
+        keys = sorted({*settings.values, *theirs.values})
+        differ = ["server"] if theirs.kind != settings.kind else []
+        differ += [k for k in keys if settings.values.get(k) != theirs.values.get(k)]
         if differ:
             raise ValueError(
                 f"{other.path} ran another server configuration than {first.path} "
