@@ -445,6 +445,13 @@ def _bench_against(refuse, tmp_path, *flags: str) -> tuple[int, list, list, dict
         stop()
     records = read_records(tmp_path / "run" / "requests.jsonl")
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    # The server answers from a thread of this process, so a short run can make the client's
+    # self-check (its CPU, its event-loop lag) call the run invalid; that verdict is about the
+    # machine, not about the ids these tests check, so it reads as a clean exit here.
+    own = [r for st in manifest["stages"] if st["client"] for r in st["client"]["reasons"]]
+    if code == 3 and own:
+        assert manifest["invalid_reason"] == "; ".join(own)
+        code = 0
     return code, records, seen, manifest, out.getvalue()
 
 
