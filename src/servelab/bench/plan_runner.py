@@ -22,7 +22,7 @@ from functools import partial
 from servelab.bench.client import Outcome, Target, send
 from servelab.bench.http import HttpClient
 from servelab.bench.recount import Recounter
-from servelab.bench.request_plan import LoadSpec, PlannedRequest
+from servelab.bench.request_plan import LoadSpec, PlannedRequest, compose_prompt
 from servelab.vocab import ClientRecord
 
 START_DELAY_S = 0.05  # the first intended send is this far after the run starts
@@ -216,15 +216,7 @@ class PlanRunner:
     ) -> str | list[dict[str, str]]:
         """The prompt (or messages) for this turn: the conversation so far, then the plan's."""
         past = history if (req.tags.turn > 0 and req.carry_history) else []
-        if self.target.endpoint == "chat":
-            msgs: list[dict[str, str]] = []
-            for user, answer in past:
-                msgs += [
-                    {"role": "user", "content": user},
-                    {"role": "assistant", "content": answer},
-                ]
-            return msgs + [{"role": "user", "content": req.prompt}]
-        return "".join(f"{user}{answer}\n\n" for user, answer in past) + req.prompt
+        return compose_prompt(req.prompt, past, self.target.endpoint)
 
     async def _send(
         self, req: PlannedRequest, history: list[tuple[str, str]], intended: float

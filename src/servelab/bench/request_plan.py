@@ -203,6 +203,22 @@ class PlannedRequest:
         return asdict(self)
 
 
+def compose_prompt(
+    prompt: str, history: list[tuple[str, str]], endpoint: str
+) -> str | list[dict[str, str]]:
+    """What a turn sends: the conversation so far (``(user, answer)`` pairs), then
+    ``prompt``; chat messages for the chat endpoint, one text for completions."""
+    if endpoint == "chat":
+        msgs: list[dict[str, str]] = []
+        for user, answer in history:
+            msgs += [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": answer},
+            ]
+        return msgs + [{"role": "user", "content": prompt}]
+    return "".join(f"{user}{answer}\n\n" for user, answer in history) + prompt
+
+
 class Plan(list[PlannedRequest]):
     """A list of planned requests plus ``info``: what the planner decided or changed
     (trace scaling, clipping to the context), for the run's manifest."""

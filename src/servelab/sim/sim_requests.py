@@ -14,8 +14,9 @@ blocks of ``block_tokens`` tokens).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+from servelab.bench.request_plan import compose_prompt
 from servelab.sim.history import Resend
 from servelab.sim.simulation import SimRequest
 from servelab.vocab import RequestTags
@@ -39,6 +40,29 @@ def _placeholder_outputs(n: int, placeholder_ids: list[int]) -> list[int]:
     return [placeholder_ids[i % len(placeholder_ids)] for i in range(n)]
 
 
+def _server_ids(tokenizer: Any, endpoint: str, prompt: str | list[dict[str, str]]) -> list[int]:
+    """The ids a server makes of what the client sent: chat messages through the model's
+    template without added special tokens, a completion's text with them (as servelab's
+    server and vLLM do)."""
+    if endpoint == "chat":
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
+def _after_answer(tokenizer: Any, endpoint: str, past: list[Any], prompt: str) -> list[int]:
+    """The ids the client's text puts after the latest answer: the markup closing it and the
+    new turn. Answers are stood in for by markers, since only their ids are known here."""
+    marked = [(user, f"<<answer {i}>>") for i, (user, _) in enumerate(past)]
+    if endpoint != "chat":
+        return tokenizer.encode("\n\n" + prompt, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(
+        compose_prompt(prompt, marked, endpoint), add_generation_prompt=True
+    )
+    last = marked[-1][1]
+    return tokenizer.encode(text[text.rindex(last) + len(last) :], add_special_tokens=False)
+
+
 def requests_from_plan(
     plan: list[Any],
     tokenizer: Any,
@@ -49,34 +73,38 @@ def requests_from_plan(
 ) -> list[SimRequest]:
     """SimRequests for a ``bench.plan.Plan``: same ids, classes, times and lengths.
 
-    Later turns of a session are sent ``think_time`` after the previous turn's last byte
-    and carry the conversation so far (previous prompt + its output) when the class
-    says ``carry_history``. With ``resend`` (:mod:`servelab.sim.history`) the resent
-    answer differs from the generated tokens from a drawn position on, as a real client's
-    retokenized text does (drawn per ``draw_key`` and request id).
+    Every prompt is what the client sends (``bench.request_plan.compose_prompt``), tokenized
+    as the server does. Later turns of a session are sent ``think_time`` after the previous
+    turn's last byte and, when the class says ``carry_history``, carry the conversation so
+    far. A dataset's recorded replies are known text, so such a history is exact; the
+    model's own replies are not, so the previous prompt's ids, the executor's output ids
+    and the client's markup are joined. With ``resend`` (:mod:`servelab.sim.history`) that
+    resent answer differs from the generated tokens from a drawn position on, as a real
+    client's retokenized text does (drawn per ``draw_key`` and request id).
     """
     ph = placeholder_ids or [1000]
     resend = resend or Resend()
     resent = min(set(range(1, len(ph) + 2)) - set(ph))  # an id the executor never emits
     out: list[SimRequest] = []
     last_turn: dict[str, tuple[SimRequest, list[int]]] = {}
+    history: dict[str, list[tuple[str, str | None]]] = {}
     for p in plan:
         turn, session_id = p.tags.turn, p.tags.session_id
-        if endpoint == "chat" and turn == 0:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}])
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(p.prompt, add_special_tokens=turn == 0)
         after, think = None, 0.0
+        past: list[tuple[str, str | None]] = []
         if turn > 0 and session_id in last_turn:
             prev, prev_ids = last_turn[session_id]
             after, think = prev.request_id, p.think_time
-            if p.carry_history:
-                answer = _placeholder_outputs(prev.max_tokens, ph)
-                cut = resend.cut(f"{draw_key}:{p.request_id}")
-                if cut < len(answer):
-                    answer[int(cut) :] = [resent] * (len(answer) - int(cut))
-                ids = prev_ids + answer + ids
+            past = history[session_id] if p.carry_history else []
+        if any(reply is None for _, reply in past):
+            answer = _placeholder_outputs(prev.max_tokens, ph)
+            cut = resend.cut(f"{draw_key}:{p.request_id}")
+            if cut < len(answer):
+                answer[int(cut) :] = [resent] * (len(answer) - int(cut))
+            ids = prev_ids + answer + _after_answer(tokenizer, endpoint, past, p.prompt)
+        else:
+            text = compose_prompt(p.prompt, cast(list[tuple[str, str]], past), endpoint)
+            ids = _server_ids(tokenizer, endpoint, text)
         req = SimRequest(
             request_id=p.request_id,
             send_time=p.send_time or 0.0,
@@ -88,6 +116,7 @@ def requests_from_plan(
         )
         if session_id is not None:
             last_turn[session_id] = (req, ids)
+            history.setdefault(session_id, []).append((p.prompt, p.reply))
         out.append(req)
     return out
 
