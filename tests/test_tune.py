@@ -92,6 +92,8 @@ def test_two_opposing_findings_yield_one_setting_of_their_knob():
     assert d.chosen is not None and d.chosen.candidate.id == "chunk-256"
     (loser,) = [r for r in d.rejected if r.candidate.id == "chunk-1024"]
     assert "same knob" in loser.reason
+    # Each figure is written as it moves: goodput up 30%, the longest ITL mean down 50%.
+    assert d.chosen.reason.endswith("+30.0%; longest ITL mean -50.0%"), d.chosen.reason
 
 
 def test_a_candidate_predicted_worse_is_never_recommended():
@@ -102,6 +104,16 @@ def test_a_candidate_predicted_worse_is_never_recommended():
     base = _prediction("as-run", goodput=[1.0] * 4, max_itl_mean=[2.0] * 4)
     worse = judge(base, c, _prediction("w", goodput=[0.8] * 4, max_itl_mean=[1.0] * 4), obj)
     assert not worse.recommendable and worse.reason.startswith("predicted worse")
+    assert worse.reason.endswith("-20.0%")  # goodput went down
+    ttft = Objective.parse("ttft_p95", has_slos=True)
+    figs = {"goodput": [1.0] * 4, "max_itl_mean": [2.0] * 4}
+    later = judge(
+        _prediction("as-run", **figs, ttft_p95=[5.0] * 4),
+        c,
+        _prediction("l", **figs, ttft_p95=[6.0] * 4),
+        ttft,
+    )
+    assert later.reason.startswith("predicted worse") and later.reason.endswith("+20.0%")
     # Better on the objective but not on its own target: not recommended either.
     off_target = judge(base, c, _prediction("t", goodput=[1.5] * 4, max_itl_mean=[2.1] * 4), obj)
     assert not off_target.recommendable and "target" in off_target.reason

@@ -120,8 +120,11 @@ class Judged:
         }
 
 
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:+.1%}"
+def moved(gain: float | None, figure: str) -> str:
+    """A gain (> 0 better) as the figure itself moves: ``-43.2%`` for a latency cut by 43%."""
+    if gain is None:
+        return "n/a"
+    return f"{(gain if figure in HIGHER_IS_BETTER else -gain):+.1%}"
 
 
 def judge(base: Prediction, cand: Candidate, pred: Prediction, objective: Objective) -> Judged:
@@ -134,19 +137,23 @@ def judge(base: Prediction, cand: Candidate, pred: Prediction, objective: Object
     )
     target = label(fig) + ("" if scope == "overall" else f" of {scope}")
     if o_down:
-        ok, why = False, f"predicted worse: {objective.text} {_pct(og)}"
+        ok, why = False, f"predicted worse: {objective.text} {moved(og, objective.figure)}"
     elif not o_up:
-        ok, why = False, f"no predicted gain on {objective.text} ({_pct(og)} median over seeds)"
+        ok, why = (
+            False,
+            f"no predicted gain on {objective.text} "
+            f"({moved(og, objective.figure)} median over seeds)",
+        )
     elif not t_up:
         ok, why = (
             False,
             (
-                f"{objective.text} {_pct(og)}, but its target, {target}, is not predicted to "
-                f"improve ({_pct(tg)})"
+                f"{objective.text} {moved(og, objective.figure)}, but its target, {target}, "
+                f"is not predicted to improve ({moved(tg, fig)})"
             ),
         )
     else:
-        ok, why = True, f"{objective.text} {_pct(og)}; {target} {_pct(tg)}"
+        ok, why = True, f"{objective.text} {moved(og, objective.figure)}; {target} {moved(tg, fig)}"
     return Judged(cand, pred, og, tg, ok, why)
 
 
@@ -236,16 +243,16 @@ def decide(
         knob = j.candidate.knob
         if knob not in best or _key(j, objective) > _key(best[knob], objective):
             if knob in best:
-                rejected.append(_beaten(best[knob], j))
+                rejected.append(_beaten(best[knob], j, objective))
             best[knob] = j
         else:
-            rejected.append(_beaten(j, best[knob]))
+            rejected.append(_beaten(j, best[knob], objective))
     ranked = sorted(best.values(), key=lambda j: _key(j, objective), reverse=True)
     capacity.sort(key=lambda j: j.candidate.replicas)
     chosen = ranked[0] if ranked else None
     if combined is not None and chosen is not None:
         if combined.recommendable and _key(combined, objective) > _key(chosen, objective):
-            rejected.append(_beaten(chosen, combined))
+            rejected.append(_beaten(chosen, combined, objective))
             ranked.insert(0, combined)
             chosen = combined
         else:
@@ -253,19 +260,21 @@ def decide(
                 combined.reason
                 if not combined.recommendable
                 else f"together predicted no better than {chosen.candidate.title} alone "
-                f"({_pct(combined.objective_gain)} vs {_pct(chosen.objective_gain)})"
+                f"({moved(combined.objective_gain, objective.figure)} vs "
+                f"{moved(chosen.objective_gain, objective.figure)})"
             )
             rejected.append(Rejected(combined.candidate, why))
     return Decision(objective, chosen, ranked[:top], capacity, rejected, list(unpredicted))
 
 
-def _beaten(loser: Judged, winner: Judged) -> Rejected:
+def _beaten(loser: Judged, winner: Judged, objective: Objective) -> Rejected:
     c = winner.candidate
     if loser.candidate.knob == c.knob:
         why = f"another value of the same knob is predicted better: {c.title}"
     else:
         why = f"{c.title} is predicted better"
+    fig = objective.figure
     return Rejected(
         loser.candidate,
-        f"{why} ({_pct(winner.objective_gain)} vs {_pct(loser.objective_gain)})",
+        f"{why} ({moved(winner.objective_gain, fig)} vs {moved(loser.objective_gain, fig)})",
     )

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from servelab.analyze.candidates import launch_action
-from servelab.analyze.decision import Decision, Judged
+from servelab.analyze.decision import Decision, Judged, moved
 from servelab.analyze.prediction import (
     CHECKED,
     Prediction,
@@ -199,9 +199,9 @@ def _render_decision(t: Tuning, d: Decision, console: Console) -> None:
             sc, fig = j.candidate.target
             tab.add_row(
                 j.candidate.title,
-                _pct(j.objective_gain),
+                moved(j.objective_gain, obj.figure),
                 per_class(t.baseline, j.prediction, obj.figure),
-                f"{_where(sc, fig)} {_pct(j.target_gain)}",
+                f"{_where(sc, fig)} {moved(j.target_gain, fig)}",
                 j.candidate.cost,
             )
         console.print(tab)
