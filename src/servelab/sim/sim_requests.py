@@ -60,6 +60,11 @@ def _after_answer(tokenizer: Any, endpoint: str, past: list[Any], prompt: str) -
         compose_prompt(prompt, marked, endpoint), add_generation_prompt=True
     )
     last = marked[-1][1]
+    if last not in text:
+        raise ValueError(
+            "the model's chat template leaves earlier answers out of the history, so the "
+            "simulator cannot place the model's own replies in a later turn's prompt"
+        )
     return tokenizer.encode(text[text.rindex(last) + len(last) :], add_special_tokens=False)
 
 
