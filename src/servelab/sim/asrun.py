@@ -346,14 +346,9 @@ def engine_config_of(run: Run) -> EngineConfig:
     return cfg
 
 
-def spec_acceptance(run: Run, k: int) -> float | None:
-    """Per-draft acceptance probability that gives the run's accepted/proposed ratio when
-    each of ``k`` drafts is accepted in order (the simulator's model); None if the run did
-    not speculate."""
-    proposed = sum(s.spec_proposed for s in run.steps)
-    if proposed <= 0:
-        return None
-    ratio = sum(s.spec_accepted for s in run.steps) / proposed
+def acceptance_from_ratio(ratio: float, k: int) -> float:
+    """The per-draft acceptance probability that gives ``ratio`` accepted drafts of those
+    proposed when each of ``k`` drafts is accepted in order (the simulator's model)."""
     lo, hi = 0.0, 1.0
     for _ in range(40):  # E[accepted]/k = sum_{i<=k} a^i / k is increasing in a
         a = (lo + hi) / 2
@@ -362,6 +357,15 @@ def spec_acceptance(run: Run, k: int) -> float | None:
         else:
             hi = a
     return (lo + hi) / 2
+
+
+def spec_acceptance(run: Run, k: int) -> float | None:
+    """The run's per-draft acceptance (:func:`acceptance_from_ratio` of its accepted and
+    proposed drafts); None if the run did not speculate."""
+    proposed = sum(s.spec_proposed for s in run.steps)
+    if proposed <= 0:
+        return None
+    return acceptance_from_ratio(sum(s.spec_accepted for s in run.steps) / proposed, k)
 
 
 @dataclass

@@ -30,7 +30,9 @@ class SimTarget:
     ``kv_cache_memory_gb`` rule) and the disaggregated KV transfer. ``step_noise``, when
     measured, varies each step's time as real steps vary (one seeded series per replica).
     ``resend``: where a multi-turn client's resent history first differs from the generated
-    tokens (:mod:`servelab.sim.history`; the default: never).
+    tokens (:mod:`servelab.sim.history`; the default: never). ``spec_acceptance`` is each
+    draft's chance to be accepted, in order, and ``spec_proposal_rate`` the share of a
+    sequence's steps that get drafts (:mod:`servelab.sim.sampled_proposals`).
     """
 
     cost_model: CostModel
@@ -41,6 +43,7 @@ class SimTarget:
     eos_token_ids: list[int] = field(default_factory=list)
     placeholder_ids: list[int] = field(default_factory=lambda: [1000])
     spec_acceptance: float = 0.7
+    spec_proposal_rate: float = 1.0
     step_noise: StepNoise | None = None
     resend: Resend = field(default_factory=Resend)
     info: dict[str, Any] = field(default_factory=dict)
@@ -68,7 +71,14 @@ class SimTarget:
         ex = self.make_executor(clock, seed)
         # history=0: the loop takes step records and timelines from each step's result; the
         # engine's own deques (for /v1/timelines) would only keep 10,000 dead steps alive.
-        return LLMEngine(ex, self.engine_config, tokenizer=None, clock=clock, history=0), ex
+        engine = LLMEngine(ex, self.engine_config, tokenizer=None, clock=clock, history=0)
+        if engine.spec is not None and self.spec_proposal_rate < 1.0:
+            from servelab.sim.sampled_proposals import SampledProposals
+
+            engine.spec.proposer = SampledProposals(
+                engine.spec.proposer, self.spec_proposal_rate, seed
+            )
+        return engine, ex
 
     def with_engine_args(self, **kwargs: Any) -> SimTarget:
         """The same target with some EngineConfig fields changed (a sweep point)."""
