@@ -18,9 +18,10 @@ Grids:
 - ``prefix_caching``: on, when it was off.
 - ``kv_memory``: the KV pool 1.5x, 2x and 4x.
 - ``priorities``: each class served first (priority 0, the others 1).
-- ``speculation``: n-gram with k = 2, 4, 8 drafts, and off; only when the run itself
-  speculated, because acceptance is a property of the text and the sampling, which the
-  simulator cannot know otherwise.
+- ``speculation``: n-gram with k = 2, 4, 8 drafts (and off, when the run speculated);
+  only when the run speculated or a probe of its traffic measured the acceptance
+  (``RunFacts.probed_acceptance``), because acceptance is a property of the text and the
+  sampling, which the simulator cannot know otherwise.
 - ``replicas``: 2, 3 and 4 copies of the engine (hardware, reported as capacity).
 
 Levers the simulator cannot replay come back as :class:`Unpredicted` with the reason.
@@ -93,14 +94,16 @@ SPEC_K = (2, 4, 8)
 @dataclass(frozen=True)
 class RunFacts:
     """What the grids are built around: the resolved engine config as run, each request's
-    prompt length, each class's priority, the most sequences one step ran, and whether
-    the run speculated."""
+    prompt length, each class's priority, the most sequences one step ran, whether the
+    run speculated, and where it did not, the acceptance a probe of its traffic measured
+    (None: not measured)."""
 
     config: dict[str, Any]
     prompt_tokens: Sequence[int]
     priorities: dict[str, int]
     peak_seqs: int
     speculated: bool = False
+    probed_acceptance: float | None = None
 
 
 @dataclass(frozen=True)
@@ -396,7 +399,7 @@ def generate(
                 )
             )
     if "speculation" in knobs:
-        if facts.speculated:
+        if facts.speculated or facts.probed_acceptance is not None:
             spec_now = cfg.get("speculative_config") or {}
             for k in SPEC_K:
                 if spec_now.get("num_speculative_tokens") == k:
@@ -418,16 +421,17 @@ def generate(
                         "drafts are work thrown away",
                     )
                 )
-            out.append(
-                make(
-                    "speculative_decoding",
-                    id="ngram-off",
-                    knob="speculation",
-                    title="turn speculation off",
-                    engine={"speculative_config": None},
-                    cost="one token per step again",
+            if facts.speculated:
+                out.append(
+                    make(
+                        "speculative_decoding",
+                        id="ngram-off",
+                        knob="speculation",
+                        title="turn speculation off",
+                        engine={"speculative_config": None},
+                        cost="one token per step again",
+                    )
                 )
-            )
         else:
             skipped.append(
                 Unpredicted(

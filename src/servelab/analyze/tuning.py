@@ -34,6 +34,7 @@ class Tuning:
     verification: Verification | None = None
     server: str = "servelab"  # whose flags the run's server takes (analyze.serversettings)
     twin: dict[str, Any] | None = None  # another server's run: the twin it replays on
+    probe: dict[str, Any] | None = None  # the speculation probe of the run's traffic, if run
 
     @property
     def predicted(self) -> bool:
@@ -57,4 +58,5 @@ class Tuning:
             "verification": self.verification.to_dict() if self.verification else None,
             "server": self.server,
             "twin": self.twin,
+            "speculation_probe": self.probe,
         }

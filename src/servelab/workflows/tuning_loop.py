@@ -7,7 +7,10 @@
    within the tolerance (``analyze.prediction.self_check``), or nothing is predicted.
 2. **Predict.** The findings' levers give candidate settings (``analyze.candidates``; for
    another server only those its own flags can set); each replays the same requests under the same seeds (in ``jobs`` forked processes: the
-   target and the requests are built once, before the fork).
+   target and the requests are built once, before the fork). Where a finding calls for
+   speculation on an embedded-engine run that did not speculate, a probe generates a
+   sample of the run's requests with n-gram drafts first (``workflows.spec_probe``), and
+   the target drafts and accepts as the probe measured.
 3. **Decide** (``analyze.decision``): rank by the objective, one value per knob, the best
    knobs combined and simulated once more.
 4. **Verify** (``verify=True``): rerun the same planned requests against the embedded
@@ -60,6 +63,7 @@ from servelab.sim.asrun import (
 from servelab.sim.scenario import Scenario, simulate
 from servelab.sim.simulation import Topology
 from servelab.units import SLO
+from servelab.workflows.spec_probe import AcceptanceProbe, probe_acceptance, sample
 
 DEFAULT_SEEDS = 5
 DEFAULT_REPEATS = 2
@@ -158,7 +162,23 @@ class _Simulator:
         _SHARED.clear()
 
 
-def _facts(run: Run, asrun: AsRun, replica: Replica) -> RunFacts:
+def _probe_speculation(run: Run, findings: Sequence[Any], asrun: AsRun) -> AcceptanceProbe | None:
+    """The acceptance of the run's own traffic, where a finding calls for speculation, the
+    run did not speculate, and it ran on the embedded engine (``workflows.spec_probe``)."""
+    if not any("speculative_decoding" in f.levers for f in findings):
+        return None
+    if run.simulated or is_foreign(run) or any(s.spec_proposed for s in run.steps):
+        return None
+    version = (run.manifest.get("server") or {}).get("version") or {}
+    quantization = (version.get("engine") or {}).get("quantization") or "none"
+    return probe_acceptance(
+        run.model or "smollm2-135m", quantization, run.engine_config, sample(asrun.requests)
+    )
+
+
+def _facts(
+    run: Run, asrun: AsRun, replica: Replica, probe: AcceptanceProbe | None = None
+) -> RunFacts:
     prio: dict[str, int] = {}
     for r in asrun.requests:
         prio.setdefault(r.tags.workload_class, r.tags.priority)
@@ -173,6 +193,7 @@ def _facts(run: Run, asrun: AsRun, replica: Replica) -> RunFacts:
         priorities=prio,
         peak_seqs=max(1, peak),
         speculated=any(s.spec_proposed for s in run.steps),
+        probed_acceptance=probe.acceptance if probe is not None else None,
     )
 
 
@@ -223,6 +244,19 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
         tuning.refused = str(e)
         return tuning
     timings["rebuild_s"] = time.perf_counter() - t0
+    # Before the simulations fork: the candidates need the acceptance in their target.
+    probe = _probe_speculation(run, d.findings, asrun)
+    if probe is not None:
+        timings["probe_s"] = probe.seconds
+        tuning.probe = probe.to_dict()
+        tuning.notes.append(probe.describe())
+        replica = Replica(
+            replace(
+                replica.target,
+                spec_acceptance=probe.acceptance,
+                spec_proposal_rate=probe.proposal_rate,
+            )
+        )
     tuning.measured = figures(run.records, asrun.slos, n_boot=MEASURED_N_BOOT)
     sim = _Simulator(replica, asrun, spec.seeds, spec.jobs or os.cpu_count() or 1)
     try:
@@ -243,7 +277,7 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
             return tuning
         t2 = time.perf_counter()
         cands, unpredicted = generate(
-            d.findings, _facts(run, asrun, replica), (objective.scope, objective.figure)
+            d.findings, _facts(run, asrun, replica, probe), (objective.scope, objective.figure)
         )
         cands, unpredicted = for_server(replica.kind, cands, unpredicted)
         preds = sim.predict([(c.id, c) for c in cands])
