@@ -245,7 +245,11 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
         return tuning
     timings["rebuild_s"] = time.perf_counter() - t0
     # Before the simulations fork: the candidates need the acceptance in their target.
-    probe = _probe_speculation(run, d.findings, asrun)
+    try:
+        probe = _probe_speculation(run, d.findings, asrun)
+    except Exception as e:  # noqa: BLE001 -- the model may not load here: speculation goes unpriced
+        probe = None
+        tuning.notes.append(f"speculation probe failed, so speculation is not predicted: {e}")
     if probe is not None:
         timings["probe_s"] = probe.seconds
         tuning.probe = probe.to_dict()
