@@ -289,3 +289,12 @@ def test_the_cost_model_of_one_run_has_a_non_decreasing_token_term(mixed_run):
     g = model.g  # type: ignore[attr-defined]
     assert all(b >= a for a, b in zip(g, g[1:]))
     assert model.table.meta["monotone"] is True  # type: ignore[attr-defined]
+
+
+def test_the_html_report_keeps_the_notes():
+    from servelab.analyze.tuning import Tuning
+    from servelab.report.tuning_view import tuning_html
+
+    page = tuning_html(Tuning("run", notes=["speculation probe: 5 requests <sampled>"]))
+    assert 'data-section="tune-notes"' in page and "5 requests &lt;sampled&gt;" in page
+    assert "tune-notes" not in tuning_html(Tuning("run"))

@@ -404,11 +404,13 @@ def tuning_html(t: Tuning) -> str:
         for f in t.findings
     )
     refused = f'<div class="warn">No prediction: {esc(t.refused)}</div>' if t.refused else ""
+    notes = "".join(f'<p class="note">{esc(n)}</p>' for n in t.notes)
     return (
         f'<section data-section="tune-findings"><h2>Findings</h2>{findings or "none"}{refused}</section>'
         + check_html(t)
         + decision_html(t)
         + verification_html(t.verification)
+        + (f'<section data-section="tune-notes"><h2>Notes</h2>{notes}</section>' if notes else "")
     )
 
 
