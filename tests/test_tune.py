@@ -298,3 +298,24 @@ def test_the_html_report_keeps_the_notes():
     page = tuning_html(Tuning("run", notes=["speculation probe: 5 requests <sampled>"]))
     assert 'data-section="tune-notes"' in page and "5 requests &lt;sampled&gt;" in page
     assert "tune-notes" not in tuning_html(Tuning("run"))
+
+
+def test_values_of_one_knob_that_tie_on_the_objective_are_decided_by_their_target():
+    findings = [_finding("itl_prefill_interference", ["batch_budget_down"])]
+    cands, _ = generate(findings, FACTS, ("overall", "goodput"))
+    by_id = {c.id: c for c in cands}
+    obj = Objective.parse(None, has_slos=True)
+    base = _prediction("as-run", goodput=[1.0] * 4, max_itl_mean=[2.0] * 4)
+
+    def judged(goodput: float, itl: float, cid: str):
+        pred = _prediction(cid, goodput=[goodput] * 4, max_itl_mean=[itl] * 4)
+        return judge(base, by_id[cid], pred, obj)
+
+    # +30.0% and +30.5%: a tie, so the longer gap cut (-75% against -50%) decides
+    d = decide([judged(1.300, 0.5, "chunk-64"), judged(1.305, 1.0, "chunk-256")], obj)
+    assert d.chosen is not None and d.chosen.candidate.id == "chunk-64"
+    (why,) = [r.reason for r in d.rejected if r.candidate.id == "chunk-256"]
+    assert why.startswith("ties on the objective") and "-75.0% vs -50.0%" in why
+    # +30% against +35%: no tie, the objective decides whatever the targets say
+    d = decide([judged(1.30, 0.5, "chunk-64"), judged(1.35, 1.0, "chunk-256")], obj)
+    assert d.chosen is not None and d.chosen.candidate.id == "chunk-256"

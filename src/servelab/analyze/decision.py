@@ -11,7 +11,10 @@ the median over seeds of the paired relative change is a gain of at least ``MIN_
 at least ``AGREE`` of the seeds gain. Anything else is rejected with the reason (worse,
 no gain, target not improved). Among the recommendable candidates of one knob only the
 best survives (the others are rejected as "another value of the same knob is predicted
-better"), so a knob is never both lowered and raised. The best of each knob are ranked.
+better"), so a knob is never both lowered and raised; objective gains within ``TIE`` of each
+other are a tie, decided by the candidate's own target (chunk budgets of 64, 128 and 256
+often all lift goodput to every SLO met, within a fraction of a point, while they cut the
+longest ITL by 75% and 36%: without the rule that choice went to seed noise). The best of each knob are ranked.
 Candidates that add hardware (replicas) are listed apart as capacity, every replica count
 that pays, since they buy their gain with machines rather than settings. :func:`combine`
 merges the winners of several knobs into one candidate; when it is simulated too,
@@ -31,6 +34,7 @@ from servelab.analyze.prediction import HIGHER_IS_BETTER, Prediction, Spread, la
 DEFAULT_FIGURE = "e2e_p95"
 MIN_GAIN = 0.02  # a predicted change smaller than this share of the figure is no gain
 AGREE = 0.8  # share of paired seeds that must gain
+TIE = MIN_GAIN / 2  # objective gains closer than this are a tie between values of one knob
 TOP = 3
 
 
@@ -222,6 +226,20 @@ def _key(j: Judged, objective: Objective) -> float:
     return j.objective_gain if j.objective_gain is not None else float("-inf")
 
 
+def _tied(a: Judged, b: Judged, objective: Objective) -> bool:
+    return abs(_key(a, objective) - _key(b, objective)) <= TIE
+
+
+def _beats(a: Judged, b: Judged, objective: Objective) -> bool:
+    """``a`` is the better value of one knob: the objective, then on a tie the target."""
+    if not _tied(a, b, objective):
+        return _key(a, objective) > _key(b, objective)
+    low = float("-inf")
+    return (a.target_gain if a.target_gain is not None else low) > (
+        b.target_gain if b.target_gain is not None else low
+    )
+
+
 def decide(
     judged: Sequence[Judged],
     objective: Objective,
@@ -241,7 +259,7 @@ def decide(
             capacity.append(j)
             continue
         knob = j.candidate.knob
-        if knob not in best or _key(j, objective) > _key(best[knob], objective):
+        if knob not in best or _beats(j, best[knob], objective):
             if knob in best:
                 rejected.append(_beaten(best[knob], j, objective))
             best[knob] = j
@@ -269,11 +287,20 @@ def decide(
 
 def _beaten(loser: Judged, winner: Judged, objective: Objective) -> Rejected:
     c = winner.candidate
+    fig = objective.figure
+    if loser.candidate.knob == c.knob and _tied(winner, loser, objective):
+        tfig = c.target[1]
+        return Rejected(
+            loser.candidate,
+            f"ties on the objective with {c.title} ({moved(winner.objective_gain, fig)} vs "
+            f"{moved(loser.objective_gain, fig)}), which improves its target more "
+            f"({label(tfig)} {moved(winner.target_gain, tfig)} vs "
+            f"{moved(loser.target_gain, tfig)})",
+        )
     if loser.candidate.knob == c.knob:
         why = f"another value of the same knob is predicted better: {c.title}"
     else:
         why = f"{c.title} is predicted better"
-    fig = objective.figure
     return Rejected(
         loser.candidate,
         f"{why} ({moved(winner.objective_gain, fig)} vs {moved(loser.objective_gain, fig)})",
