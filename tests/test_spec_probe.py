@@ -92,7 +92,7 @@ def test_the_sample_is_the_first_requests_with_their_own_sampling():
 def test_a_probe_counts_what_the_engine_drafted_and_accepted(tiny_llama_dir):
     # greedy on a prompt that repeats itself: the lookup finds matches
     reqs = [ProbeRequest([5, 6, 7, 8] * 12, 24, 0.0), ProbeRequest([9, 10, 11] * 10, 24, 1.0)]
-    engine = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 512}
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
     probe = probe_acceptance(str(tiny_llama_dir), "none", engine, reqs)
     assert probe.requests == 2 and probe.output_tokens == 48
     assert 0 < probe.drafted <= probe.asked <= 48

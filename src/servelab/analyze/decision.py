@@ -14,7 +14,8 @@ best survives (the others are rejected as "another value of the same knob is pre
 better"), so a knob is never both lowered and raised; objective gains within ``TIE`` of each
 other are a tie, decided by the candidate's own target (chunk budgets of 64, 128 and 256
 often all lift goodput to every SLO met, within a fraction of a point, while they cut the
-longest ITL by 75% and 36%: without the rule that choice went to seed noise). The best of each knob are ranked.
+longest ITL by 75% and 36%: without the rule that choice went to seed noise). The best of
+each knob are ranked.
 Candidates that add hardware (replicas) are listed apart as capacity, every replica count
 that pays, since they buy their gain with machines rather than settings. :func:`combine`
 merges the winners of several knobs into one candidate; when it is simulated too,

@@ -53,9 +53,9 @@ def _server_ids(tokenizer: Any, endpoint: str, prompt: str | list[dict[str, str]
 def _after_answer(tokenizer: Any, endpoint: str, past: list[Any], prompt: str) -> list[int]:
     """The ids the client's text puts after the latest answer: the markup closing it and the
     new turn. Answers are stood in for by markers, since only their ids are known here."""
-    marked = [(user, f"<<answer {i}>>") for i, (user, _) in enumerate(past)]
     if endpoint != "chat":
         return tokenizer.encode("\n\n" + prompt, add_special_tokens=False)
+    marked = [(user, f"<<answer {i}>>") for i, (user, _) in enumerate(past)]
     text = tokenizer.apply_chat_template(
         compose_prompt(prompt, marked, endpoint), add_generation_prompt=True
     )

@@ -4,12 +4,13 @@ A run that did not speculate cannot say it: acceptance is a property of the text
 the output repeats its prompt or itself) and of the sampling (a sampled token matches a
 draft less often than a greedy one). So for a run of the embedded engine ``servelab tune``
 generates a sample of the run's own requests, in send order until ``output_tokens`` output
-tokens are planned, on the run's model and weights with n-gram speculation at ``k`` drafts:
-each request with its own prompt ids, planned output length and temperature (the server's
-default, 1.0, where the request named none). The engine counts drafts proposed and accepted;
-the simulator's per-draft acceptance (``sim.asrun.acceptance_from_ratio``) is fitted to the
-accepted drafts per drafted step, its proposal rate is the share of sequence-steps the n-gram lookup drafted for
-(``sim.sampled_proposals``), and the speculation candidates are priced with both.
+tokens are planned, on the run's model, weights and engine config with n-gram speculation at
+``k`` drafts: each request with its own prompt ids and temperature (the server's default,
+1.0, where the request named none) and its planned output length up to
+``PROBE_MAX_TOKENS``. The engine counts drafts proposed and accepted; the simulator's
+per-draft acceptance (``sim.asrun.acceptance_from_ratio``) is fitted to the accepted drafts
+per drafted step, its proposal rate is the share of sequence-steps the n-gram lookup drafted
+for (``sim.sampled_proposals``), and the speculation candidates are priced with both.
 
 The probe runs in a spawned process: the model's memory is returned when it ends, and the
 tuning process, which forks its simulations, never starts torch's threads.
@@ -17,12 +18,14 @@ tuning process, which forks its simulations, never starts torch's threads.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from servelab.engine.engine_config import EngineConfig
 from servelab.sim.asrun import acceptance_from_ratio
 
 PROBE_K = 4
@@ -133,20 +136,20 @@ class _Counted:
 
 
 def _generate(
-    model: str, quantization: str, engine: dict[str, Any], k: int, reqs: list[ProbeRequest]
+    model: str, quantization: str, engine: EngineConfig, k: int, reqs: list[ProbeRequest]
 ) -> tuple[int, int, int, int]:
     """(sequence-steps asked, drafted for, drafts proposed, accepted) over ``reqs`` on a
     fresh engine (runs in the probe's process)."""
-    from servelab.engine.engine_config import EngineConfig
     from servelab.engine.sampling_params import SamplingParams
     from servelab.model.build import build_engine
 
-    fields = EngineConfig.__dataclass_fields__
-    cfg = EngineConfig(**{f: v for f, v in engine.items() if f in fields})
-    cfg.speculative_config = {"method": "ngram", "num_speculative_tokens": k}
     # a pool for the sample, not the server's: allocating gigabytes costs seconds
     tokens = sum(len(r.prompt_token_ids) + r.max_tokens + k + 1 for r in reqs)
-    cfg.num_kv_blocks = tokens // cfg.block_size + 2 * len(reqs) + 1
+    cfg = dataclasses.replace(
+        engine,
+        speculative_config={"method": "ngram", "num_speculative_tokens": k},
+        num_kv_blocks=tokens // engine.block_size + 2 * len(reqs) + 1,
+    )
     llm = build_engine(model, cfg, threads=1, quantization=quantization)
     assert llm.spec is not None
     counted = llm.spec.proposer = _Counted(llm.spec.proposer)
@@ -166,12 +169,12 @@ def _generate(
 def probe_acceptance(
     model: str,
     quantization: str,
-    engine: dict[str, Any],
+    engine: EngineConfig,
     reqs: list[ProbeRequest],
     k: int = PROBE_K,
 ) -> AcceptanceProbe:
     """Generate ``reqs`` with ``k`` n-gram drafts on ``model`` with the run's ``engine``
-    config (a dict of ``EngineConfig`` fields), in a spawned process."""
+    config (its KV pool sized for the sample), in a spawned process."""
     t0 = time.perf_counter()
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         asked, drafted, proposed, accepted = pool.submit(

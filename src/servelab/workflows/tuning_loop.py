@@ -55,6 +55,7 @@ from servelab.sim.asrun import (
     AsRun,
     NotReplayable,
     Replica,
+    engine_config_of,
     is_foreign,
     replay_target,
     requests_as_run,
@@ -63,6 +64,7 @@ from servelab.sim.asrun import (
 from servelab.sim.scenario import Scenario, simulate
 from servelab.sim.simulation import Topology
 from servelab.units import SLO
+from servelab.vocab import DEFAULT_MODEL
 from servelab.workflows.spec_probe import AcceptanceProbe, probe_acceptance, sample
 
 DEFAULT_SEEDS = 5
@@ -172,7 +174,7 @@ def _probe_speculation(run: Run, findings: Sequence[Any], asrun: AsRun) -> Accep
     version = (run.manifest.get("server") or {}).get("version") or {}
     quantization = (version.get("engine") or {}).get("quantization") or "none"
     return probe_acceptance(
-        run.model or "smollm2-135m", quantization, run.engine_config, sample(asrun.requests)
+        run.model or DEFAULT_MODEL, quantization, engine_config_of(run), sample(asrun.requests)
     )
 
 
