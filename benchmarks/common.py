@@ -18,7 +18,7 @@ benchmarks, which need neither, do not load it.
 
 from __future__ import annotations
 
-import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
+import servelab.model  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
 
 # isort: split
 import random

@@ -28,7 +28,7 @@ import pytest
 if TYPE_CHECKING:
     from server_helpers import ServerThread
 
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
 # Tests interrupt child CLIs with SIGINT and expect Ctrl-C handling (exit 130). A suite
 # started as a background job of a non-interactive shell (`nohup .ci/run &`) inherits SIGINT
@@ -172,7 +172,7 @@ def make_tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from servelab.model.registry import DEFAULT_MODEL, resolve_model
+    from servelab.modelcore.catalogue import DEFAULT_MODEL, resolve_model
 
     try:
         return resolve_model(DEFAULT_MODEL)
@@ -182,14 +182,14 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tok(tiny_llama_dir: Path) -> Tokenizer:
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     return Tokenizer.from_model(str(tiny_llama_dir))
 
 
 @pytest.fixture(scope="session")
 def smollm_tok() -> Tokenizer:
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     try:
         return Tokenizer.from_model("smollm2-135m")

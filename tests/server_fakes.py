@@ -25,7 +25,7 @@ def fake_engine(cfg: Any) -> Any:
 
     from servelab.engine.engine import LLMEngine
     from servelab.engine.engine_config import EngineConfig
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     class SleepyExecutor(FakeExecutor):
         def execute(self, plan: Any) -> Any:

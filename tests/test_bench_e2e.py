@@ -29,7 +29,7 @@ classes:
 
 
 def test_bench_against_the_embedded_server(tmp_path):
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     spec_file = tmp_path / "tiny.yaml"
     spec_file.write_text(WORKLOAD)

@@ -84,8 +84,8 @@ def test_paged_attention_matches_sdpa(
 def test_glue_kernels_match_torch(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """RMSNorm (strided rows), SwiGLU and RoPE + cache store: kernel vs torch path."""
     from servelab.model import ops
-    from servelab.model.model_config import ModelConfig
     from servelab.model.rope import rope_table
+    from servelab.modelcore.config import ModelConfig
 
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 2, 72, generator=g)[:, 1]  # rows 144 floats apart

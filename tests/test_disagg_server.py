@@ -37,7 +37,7 @@ from servelab.engine.sampling_params import SamplingParams
 from servelab.model import cpu_kernels, kernel_build
 from servelab.model.build import build_engine
 from servelab.model.llm import LLM
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.tokenizer import Tokenizer
 from servelab.rundir import load_run
 from servelab.server.server_args import ServerArgs
 

@@ -148,7 +148,7 @@ def served_workers(url: str, run: Run) -> dict[str, str]:
 
 
 def the_plan(spec_file, tokenizer_dir, load: LoadSpec):
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model(tokenizer_dir)
     return build_plan(
@@ -255,7 +255,7 @@ def test_closed_loop_bounded_by_time_is_fed_while_it_runs(
     recs = run.by_id()
     assert len(recs) == len(run.records) > 8 and all(r.ok for r in run.records)
     indexes = sorted(int(rid[1:]) for rid in recs)
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     planned = list(
         itertools.islice(

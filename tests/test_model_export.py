@@ -15,8 +15,8 @@ from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.llama import causal_batch
 from servelab.model.loader import load_model
-from servelab.model.tokenizer import Tokenizer
 from servelab.model.torch_runner import TorchModelRunner
+from servelab.modelcore.tokenizer import Tokenizer
 
 
 def test_export_hf_cli_copies_an_hf_directory(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from gguf_writer import llama_cpp_permute, write_gguf
 from servelab.model.gguf_load import unpermute_rotary
 from servelab.model.llama import causal_batch
 from servelab.model.loader import load_model
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.tokenizer import Tokenizer
 
 TEXTS = ["Hello world! The quick brown fox", "ünïcødé 日本語 😀 and <|im_end|>", "x  =  12345\n\n"]
 

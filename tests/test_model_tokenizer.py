@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from model_helpers import ROUND_TRIP_TEXTS
 
-from servelab.model.registry import resolve_model
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.catalogue import resolve_model
+from servelab.modelcore.tokenizer import Tokenizer
 
 
 def test_unknown_model_name_says_what_exists() -> None:
@@ -32,7 +32,7 @@ def test_paths_pass_through(tiny_llama_dir: Path, smollm2_path: Path) -> None:
 
 def test_tokenizer_does_not_import_torch(smollm2_path: Path) -> None:
     code = (
-        "import sys; from servelab.model.tokenizer import Tokenizer; "
+        "import sys; from servelab.modelcore.tokenizer import Tokenizer; "
         "Tokenizer.from_model('smollm2-135m').encode('hi'); "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )

@@ -5,6 +5,8 @@ extra they need, and GGUF metadata read without the gguf package."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,8 +63,8 @@ def test_version_flag():
 
 
 def test_gguf_metadata_and_tensor_names_without_the_gguf_package():
-    from servelab.model.gguf_meta import GGUFValueType, tensor_names
-    from servelab.model.registry import resolve_model
+    from servelab.modelcore.catalogue import resolve_model
+    from servelab.modelcore.gguf_meta import GGUFValueType, tensor_names
 
     gguf = pytest.importorskip("gguf")
     assert {t.name: int(t) for t in GGUFValueType} == {t.name: int(t) for t in gguf.GGUFValueType}
@@ -71,3 +73,15 @@ def test_gguf_metadata_and_tensor_names_without_the_gguf_package():
     except ValueError as e:
         pytest.skip(f"default model not installed: {e}")
     assert tensor_names(path) == {t.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_importing_the_cli_loads_no_torch_and_no_model_runtime():
+    # A fresh interpreter: this test process may already hold torch from other tests.
+    code = (
+        "import sys, servelab.cli\n"
+        "heavy = sorted(m for m in sys.modules if m in ('torch', 'gguf', 'safetensors')"
+        " or m == 'servelab.model' or m.startswith('servelab.model.'))\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -31,7 +31,7 @@ from server_helpers import (
     wait_idle,
 )
 
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.tokenizer import Tokenizer
 
 SSE_RE = re.compile(rb"^(data: [^\n]+\n\n)*data: \[DONE\]\n\n$")
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from server_helpers import ServeProcess, serve_process, storm_leaves_no_trace
 
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.tokenizer import Tokenizer
 
 API_KEY = "e2e-key-do-not-log"
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import ServerThread, metrics, newest_core_pid, serving
 
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.tokenizer import Tokenizer
 from servelab.server.api import ServerState, build_app
 from servelab.server.bounds import json_too_deep, least_tokens, longest_token_chars
 from servelab.server.openai_protocol import MAX_JSON_DEPTH, MAX_MESSAGES

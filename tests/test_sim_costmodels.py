@@ -51,7 +51,7 @@ def test_hf_config_json_and_gguf_give_the_same_shapes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     from_json = load_model_spec(str(tmp_path))
     assert from_json.num_params == PRESETS["smollm2-135m"].num_params
-    from servelab.model.registry import resolve_model
+    from servelab.modelcore.catalogue import resolve_model
 
     from_gguf = load_model_spec(str(resolve_model(GGUF)))
     assert from_gguf.num_params == PRESETS["smollm2-135m"].num_params

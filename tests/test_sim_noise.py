@@ -15,8 +15,8 @@ from servelab.rundir import load_run
 from servelab.sim.drift import MIN_ANCHORS, is_anchor, run_speeds
 from servelab.sim.noise import StepNoise
 from servelab.sim.profiled import ProfileSample, ProfileTable
-from servelab.sim.profiler import fit_overhead, table_from_runs
 from servelab.sim.replay import measured_steps
+from servelab.sim.run_profile import fit_overhead, table_from_runs
 from servelab.sim.run_writer import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
 from servelab.sim.sim_target import profile_target

@@ -11,10 +11,10 @@ from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.build import build_engine
 from servelab.sim.profiled import ProfiledCostModel, ProfileTable
-from servelab.sim.profiler import fitting_shapes, grid, measure_shapes, profile_engine
 from servelab.sim.scenario import Scenario, simulate
 from servelab.sim.sim_target import profile_target
 from servelab.sim.simulation import SimRequest
+from servelab.workflows.profile import fitting_shapes, grid, measure_shapes, profile_engine
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.tokenizer import Tokenizer
 from servelab.server.server_args import ServerArgs
 from servelab.sim.cost_executor import PacedExecutor
 from servelab.sim.realtime import build_realtime_engine, build_target

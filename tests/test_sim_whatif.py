@@ -55,7 +55,7 @@ def test_workload_requests_keep_the_plans_lengths_times_and_shared_prefixes():
     assert info["workload"]["name"] and set(slos) == {"rag"}
     from servelab.bench.request_plan import build_plan
     from servelab.bench.workload import load_workload
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     plan = build_plan(load_workload("rag"), load, 3, tokenizer=Tokenizer.from_model("smollm2-135m"))
     for p, r in zip(plan, reqs):

@@ -36,7 +36,7 @@ Usage: python -m benchmarks.engine.engine_peers [--threads 1] [--modes none,q4_1
 
 from __future__ import annotations
 
-import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
+import servelab.model  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
 
 # isort: split
 import argparse
@@ -69,8 +69,8 @@ from servelab.bench.server_target import free_port
 from servelab.engine.engine import LLMEngine
 from servelab.engine.engine_config import EngineConfig
 from servelab.model.loader import load_model
-from servelab.model.registry import resolve_model
 from servelab.model.torch_runner import TorchModelRunner
+from servelab.modelcore.catalogue import resolve_model
 from servelab.rundir import load_run
 from servelab.server.heap import keep_step_buffers
 from servelab.sim.modelspec import ModelSpec, from_model_config, load_model_spec

@@ -27,7 +27,7 @@ Usage: python -m benchmarks.engine.engine_speed [--model smollm2-135m] [--thread
 
 from __future__ import annotations
 
-import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
+import servelab.model  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
 
 # isort: split
 import argparse
@@ -54,9 +54,9 @@ from benchmarks.common import (
 from servelab.engine.engine import LLMEngine
 from servelab.engine.engine_config import EngineConfig
 from servelab.model.loader import load_model
-from servelab.model.registry import is_gguf, resolve_model
 from servelab.model.torch_runner import TorchModelRunner
 from servelab.model.weight_cache import cached_hf_dir
+from servelab.modelcore.catalogue import is_gguf, resolve_model
 from servelab.server.heap import keep_step_buffers
 from servelab.sim.modelspec import from_model_config
 

@@ -49,7 +49,7 @@ Usage: python -m benchmarks.engine.kernel_speed [--rows 1,4,16,64,256] [--thread
 
 from __future__ import annotations
 
-import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
+import servelab.model  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
 
 # isort: split
 import argparse

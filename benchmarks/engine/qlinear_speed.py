@@ -16,7 +16,7 @@ Usage: taskset -c 1 python -m benchmarks.engine.qlinear_speed [--threads 1]
 
 from __future__ import annotations
 
-import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
+import servelab.model  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
 
 # isort: split
 import argparse

@@ -19,7 +19,7 @@ Usage: python -m benchmarks.engine.quant_speed [--model smollm2-135m] [--threads
 
 from __future__ import annotations
 
-import servelab  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
+import servelab.model  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
 
 # isort: split
 import argparse

@@ -51,7 +51,7 @@ from servelab.bench.request_plan import LoadSpec, build_plan
 from servelab.bench.run import BenchOptions, run_bench
 from servelab.bench.server_target import LaunchedServer
 from servelab.bench.workload import load_workload
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.tokenizer import Tokenizer
 
 HERE = Path(__file__).parent
 WORKLOADS = {

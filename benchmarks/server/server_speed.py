@@ -46,7 +46,7 @@ import msgspec
 
 from benchmarks.common import random_prompt, serve
 from servelab.bench.server_target import free_port
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.tokenizer import Tokenizer
 from servelab.vocab import ClientRecord
 
 VLLM_TPOT_MS = 101.0  # docs/reference-figures.md: vLLM 0.32 CPU, 1 thread, concurrency 1

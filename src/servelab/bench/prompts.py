@@ -27,7 +27,7 @@ _PUNCT = (",", ";", ":", "!", "?", ".", "-")
 
 
 class TokenizerLike(Protocol):
-    """What the benchmark needs of a tokenizer (``servelab.model.tokenizer.Tokenizer`` fits)."""
+    """What the benchmark needs of a tokenizer (``servelab.modelcore.tokenizer.Tokenizer`` fits)."""
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 

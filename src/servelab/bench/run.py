@@ -135,7 +135,7 @@ class Stage:
 
 
 def _load_tokenizer(name: str) -> Any:
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     try:
         return Tokenizer.from_model(name)

@@ -16,7 +16,7 @@ from servelab.server.server_args import ServerArgs
 def serve(args: ServerArgs) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
     require_engine("serve")
-    from servelab.model.registry import resolve_model
+    from servelab.modelcore.catalogue import resolve_model
 
     try:
         args.validate()

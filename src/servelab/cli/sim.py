@@ -654,9 +654,9 @@ def profile(
     from servelab.engine.engine_config import EngineConfig
     from servelab.sim.engine_args import parse_engine_args, split_deployment
     from servelab.sim.profiled import ProfiledCostModel
-    from servelab.sim.profiler import profile as run_profile
-    from servelab.sim.profiler import table_from_runs
+    from servelab.sim.run_profile import table_from_runs
     from servelab.vocab import check_quantization
+    from servelab.workflows.profile import profile as run_profile
 
     _note_old_spelling(engine_args)
     try:

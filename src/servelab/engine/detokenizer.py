@@ -21,7 +21,7 @@ _CONTEXT_TOKENS = 6  # prompt tokens kept as decoding context
 
 
 class TextTokenizer(Protocol):
-    """What the engine needs of a tokenizer (``servelab.model.tokenizer.Tokenizer`` is one)."""
+    """What the engine needs of a tokenizer (``servelab.modelcore.tokenizer.Tokenizer`` is one)."""
 
     @property
     def vocab_size(self) -> int: ...

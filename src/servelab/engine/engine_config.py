@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -83,3 +84,16 @@ class EngineConfig:
                     f"{per_block} bytes; raise it"
                 )
         return config, config.max_model_len, config.num_kv_blocks
+
+
+def default_threads() -> int:
+    """Torch threads for an engine core: every CPU this process may use but one.
+
+    The spared CPU runs the API process (HTTP, tokenisation, SSE); with a single CPU the two
+    processes share it. ``os.sched_getaffinity`` honours ``taskset``.
+    """
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        ncpu = os.cpu_count() or 1
+    return max(1, ncpu - 1)

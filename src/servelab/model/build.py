@@ -7,7 +7,6 @@ here. Imports nothing heavy at module level.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from servelab.engine.engine_config import EngineConfig
@@ -15,19 +14,6 @@ from servelab.vocab import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from servelab.engine.engine import LLMEngine
-
-
-def default_threads() -> int:
-    """Torch threads for an engine core: every CPU this process may use but one.
-
-    The spared CPU runs the API process (HTTP, tokenisation, SSE); with a single CPU the two
-    processes share it. ``os.sched_getaffinity`` honours ``taskset``.
-    """
-    try:
-        ncpu = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        ncpu = os.cpu_count() or 1
-    return max(1, ncpu - 1)
 
 
 def build_engine(

@@ -12,8 +12,8 @@ import logging
 
 import numpy as np
 
-from servelab.model.gguf_meta import read_metadata
-from servelab.model.model_config import ModelConfig
+from servelab.modelcore.config import ModelConfig
+from servelab.modelcore.gguf_meta import read_metadata
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from servelab.model.model_config import ModelConfig
-from servelab.model.registry import is_gguf, resolve_model
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.catalogue import is_gguf, resolve_model
+from servelab.modelcore.config import ModelConfig
+from servelab.modelcore.tokenizer import Tokenizer
 
 # Files of an HF directory that a copy keeps (weights are matched by suffix).
 _HF_FILES = (

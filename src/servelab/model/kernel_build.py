@@ -2,7 +2,7 @@
 
 Contract:
 - ``expected()``: whether the kernels should be usable here (x86-64 with AVX2, FMA and F16C, a C
-  compiler, ``SERVELAB_CPU_KERNELS`` not ``0``). Cheap: no compilation. ``servelab``'s
+  compiler, ``SERVELAB_CPU_KERNELS`` not ``0``). Cheap: no compilation. ``servelab.model``'s
   ``__init__`` uses it to pick the OpenMP wait policy before torch loads.
 - ``isa()``: the instruction set the library is built for: ``"avx512bf16"`` where the CPU
   also has AVX512-BF16 (and -BW, -VL), ``"avx512vnni"`` where it has AVX-512F and AVX512-VNNI,

@@ -22,7 +22,6 @@ from torch import nn
 
 from servelab.model import cpu_kernels, ops
 from servelab.model.linear import linear
-from servelab.model.model_config import ModelConfig
 from servelab.model.quant import (
     QuantWeight,
     f32_rows,
@@ -31,6 +30,7 @@ from servelab.model.quant import (
     interleave_f32,
 )
 from servelab.model.rope import rope_table
+from servelab.modelcore.config import ModelConfig
 
 
 @dataclass

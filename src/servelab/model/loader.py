@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from servelab.model.llama import LlamaForCausalLM
-from servelab.model.model_config import ModelConfig
-from servelab.model.registry import is_gguf, resolve_model
-from servelab.model.tokenizer import Tokenizer
+from servelab.modelcore.catalogue import is_gguf, resolve_model
+from servelab.modelcore.config import ModelConfig
+from servelab.modelcore.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -165,7 +165,7 @@ def _gguf_q4_1_blocks(path: Path, num_heads: int, num_kv_heads: int) -> dict[str
     from gguf import GGUFReader
 
     from servelab.model.gguf_load import hf_name, unpermute_rotary
-    from servelab.model.gguf_meta import read_metadata
+    from servelab.modelcore.gguf_meta import read_metadata
 
     reader = GGUFReader(str(path))
     arch = read_metadata(str(path)).get("general.architecture")
@@ -212,7 +212,7 @@ def quantize(
     num_kv_heads: int,
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """See the module docstring. ``path`` is the resolved model (a .gguf or HF dir)."""
-    from servelab.model.registry import is_gguf
+    from servelab.modelcore.catalogue import is_gguf
 
     check_mode(mode)
     if mode == "none":

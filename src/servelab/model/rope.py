@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from servelab.model.model_config import ModelConfig
+from servelab.modelcore.config import ModelConfig
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ class ServerState:
     """What the handlers share; one per server."""
 
     client: ServingClient
-    tokenizer: Any  # servelab.model.tokenizer.Tokenizer (or a test double with the same API)
+    tokenizer: Any  # servelab.modelcore.tokenizer.Tokenizer (or a test double with the same API)
     limits: ModelLimits
     prepare_pool: PreparePool  # prepares bodies over OFF_LOOP_BYTES in worker processes
     api_key: str | None = None

@@ -58,7 +58,7 @@ _worker: dict[str, Any] = {}
 
 
 def load_tokenizer(model: str) -> Any:
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model(model)
     # Compile the chat template now rather than inside the first chat request.

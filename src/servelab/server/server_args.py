@@ -9,10 +9,9 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from servelab.engine.engine_config import EngineConfig
+from servelab.engine.engine_config import EngineConfig, default_threads
 from servelab.engine.spec.spec_config import parse_speculative_config
 from servelab.engine_flags import config_key, config_settings
-from servelab.model.build import default_threads
 from servelab.units import parse_size_gb
 from servelab.vocab import DEFAULT_MODEL, check_quantization
 

@@ -197,7 +197,7 @@ def requests_as_run(run: Run, tokenizer: Any = None, replica: Replica | None = N
     spec = parse_workload(inputs["workload"]) if "classes" in inputs["workload"] else None
     load = LoadSpec(**inputs["load"])
     if tokenizer is None:
-        from servelab.model.tokenizer import Tokenizer
+        from servelab.modelcore.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_model(inputs["tokenizer"])
     tag = inputs["run_tag"]
@@ -410,7 +410,7 @@ def replay_target(run: Run, hardware: str | None = None) -> Replica:
 
 def target_from_run(run: Run) -> SimTarget:
     """One replica priced by the run's own steps, with its engine config and KV pool."""
-    from servelab.sim.profiler import table_from_runs
+    from servelab.sim.run_profile import table_from_runs
     from servelab.sim.sim_target import profile_target
 
     check_replayable(run)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from servelab.model.model_config import ModelConfig
+from servelab.modelcore.config import ModelConfig
 
 if TYPE_CHECKING:
     from servelab.sim.work import StepWork
@@ -168,7 +168,7 @@ def _from_hf_config(d: dict, name: str) -> ModelSpec:
 
 
 def _from_gguf(path: Path) -> ModelSpec:
-    from servelab.model.gguf_meta import read_metadata, tensor_names
+    from servelab.modelcore.gguf_meta import read_metadata, tensor_names
 
     names = set(tensor_names(path))
     return from_model_config(ModelConfig.from_gguf_metadata(read_metadata(path), names), path.stem)

@@ -169,7 +169,7 @@ class ProfiledCostModel:
             abs(self.interpolate(s.work) - s.time) / s.time for s in table.samples if s.time > 0
         ]
         self.fit_error = float(np.median(errs)) if errs else math.nan
-        # The engine's own time around each step (servelab.sim.profiler).
+        # The engine's own time around each step (``workflows/profile.py``, ``sim/run_profile.py``).
         overhead = table.meta.get("overhead", {})
         self._overhead_step = float(overhead.get("per_step", 0.0))
         self._overhead_seq = float(overhead.get("per_seq", 0.0))

@@ -62,7 +62,7 @@ def build_engine(cfg: Any) -> Any:
     The spec comes from ``cfg.simulate`` when the core config has that field, else from
     the ``SERVELAB_SIMULATE`` environment variable; the tokenizer is ``cfg.model``'s.
     """
-    from servelab.model.tokenizer import Tokenizer
+    from servelab.modelcore.tokenizer import Tokenizer
 
     spec = getattr(cfg, "simulate", None) or os.environ.get(ENV_VAR)
     if not spec:

@@ -100,7 +100,7 @@ def load_requests(
 
     spec = load_workload(workload)
     if tokenizer is None:
-        from servelab.model.tokenizer import Tokenizer
+        from servelab.modelcore.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_model("smollm2-135m")
     plan = build_plan(

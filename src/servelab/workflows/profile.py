@@ -6,12 +6,15 @@ context, decodes at some context length, or a mix -- run as a ``BatchPlan`` stra
 the runner, once to warm up and then ``repeats`` times; the median time is kept. Every
 sequence of a shape gets blocks of its own from the engine's KV-cache manager, as in a
 real batch: when sequences shared one block table, their K/V reads hit the CPU caches and
-batched decode at long context came out too fast (docs/design/sim.md). Shapes whose contexts the KV pool cannot hold at once are left out
-of the grid (the engine could not run them either), and the table lists them.
+batched decode at long context came out too fast (docs/design/sim.md). Shapes whose contexts
+the KV pool cannot hold at once are left out of the grid (the engine could not run them
+either), and the table lists them.
 
 The engine's own work around each step (scheduling, stop rules, detokenization) is
 measured on a short real run through ``engine.step()`` and fitted as ``per_step +
-per_seq * seqs``; the profiled cost model adds it to every step.
+per_seq * seqs`` (``sim.fit.run_profile.fit_overhead``); the profiled cost model adds it to
+every step. A workflow, since it loads the torch runtime; the simulator reads only the table
+it writes (``sim.costs.profiled``).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.sim.profiled import ProfileSample, ProfileTable
+from servelab.sim.run_profile import fit_overhead
 from servelab.sim.work import StepWork
 
 # The model package (torch, 6 s to import) is imported only by the functions that run the
-# engine, so that `table_from_runs` serves tools that never load a model.
+# engine, so that the grid and the shapes serve tools that never load a model.
 
 # A shape: the (new tokens, cached context before them) of every sequence in the step.
 Shape = list[tuple[int, int]]
@@ -173,22 +177,6 @@ def measure_engine_overhead(
     return fit_overhead(rows)
 
 
-def fit_overhead(rows: list[tuple[int, float]]) -> dict[str, float]:
-    """``per_step + per_seq * seqs`` fitted to ``(seqs, seconds)`` rows by least squares
-    (the mean, which is what every step pays on average); the median with no per-sequence
-    term when the slope comes out negative or there are too few rows to fit one."""
-    import numpy as np
-
-    if not rows:
-        return {"per_step": 0.0, "per_seq": 0.0, "steps": 0}
-    x = np.array([[1.0, s] for s, _ in rows])
-    y = np.array([o for _, o in rows])
-    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-    if b < 0 or len(rows) < 3:
-        a, b = float(np.median(y)), 0.0
-    return {"per_step": max(float(a), 0.0), "per_seq": float(b), "steps": len(rows)}
-
-
 def profile_engine(
     engine: Any,
     shapes: list[Shape],
@@ -242,7 +230,8 @@ def profile(
 ) -> ProfileTable:
     """Load ``model`` into the real engine (weights in ``quantization`` mode) and profile
     it over ``grid(grid_kind)``."""
-    from servelab.model.build import build_engine, default_threads
+    from servelab.engine.engine_config import default_threads
+    from servelab.model.build import build_engine
 
     shapes = grid(grid_kind)
     engine = build_engine(
@@ -253,62 +242,3 @@ def profile(
         quantization=quantization,
     )
     return profile_engine(engine, shapes, repeats, progress, grid_kind, model)
-
-
-def table_from_runs(
-    run_dirs: list[str], model: str, device: str = "cpu", monotone: bool = False
-) -> ProfileTable:
-    """A profile made of the steps of real runs ("profile on one set of workloads").
-    ``monotone`` fits a non-decreasing token term (``sim.profiled``).
-
-    Each recorded step becomes a sample (its rebuilt work and its duration). The overhead
-    is fitted to the busy gaps between steps (``replay.busy_gaps``) against the sequences
-    of the step before; the step noise (``sim.noise``) is measured from each step's duration
-    over the fitted model's, in step order, and the resent-history divergence
-    (``sim.history``) from the sessions' prefix hits, and how the runs' speeds differed
-    (``sim.drift``). The KV layout, context and engine config come from the first run's
-    manifest when it recorded them, and the weights' mode from the servers' ``/version``
-    (runs of different modes are refused: their steps price different kernels).
-    """
-    from servelab.rundir import load_run
-    from servelab.sim import history
-    from servelab.sim.drift import run_speeds
-    from servelab.sim.noise import StepNoise
-    from servelab.sim.profiled import ProfiledCostModel
-    from servelab.sim.replay import busy_gaps, measured_steps
-
-    per_run: list[list[ProfileSample]] = []
-    gaps: list[tuple[int, float]] = []
-    meta: dict[str, Any] = {"from_runs": list(run_dirs)}
-    if monotone:
-        meta["monotone"] = True
-    runs = [load_run(d) for d in run_dirs]
-    for run in runs:
-        steps = measured_steps(run)
-        per_run.append([ProfileSample(m.work, m.duration) for m in steps if m.duration > 0])
-        gaps += busy_gaps(steps)
-        mode = run.server.get("quantization")
-        if mode is not None and meta.setdefault("quantization", mode) != mode:
-            raise ValueError(
-                f"{run.name} ran {mode} weights and an earlier run "
-                f"{meta['quantization']}: profile one weight mode at a time"
-            )
-        if "engine_config" not in meta and run.engine_config:
-            meta["engine_config"] = {
-                k: v for k, v in run.engine_config.items() if k in EngineConfig.__dataclass_fields__
-            }
-    table = ProfileTable(model, device, [s for run in per_run for s in run], meta)
-    fitted = ProfiledCostModel(table)
-    speeds = run_speeds(per_run, fitted.interpolate)
-    if speeds is not None:
-        meta["run_speeds"] = speeds
-    noise = StepNoise.measure(
-        [[s.time / fitted.interpolate(s.work) for s in run] for run in per_run]
-    )
-    if noise is not None:
-        meta["step_noise"] = noise.to_dict()
-    resend = history.measure(runs)
-    if resend is not None:
-        meta["resend_divergence"] = resend
-    meta["overhead"] = fit_overhead(gaps)
-    return table

@@ -20,8 +20,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from servelab.model.gguf_meta import read_metadata
-from servelab.model.registry import is_gguf, resolve_model
+from servelab.modelcore.catalogue import is_gguf, resolve_model
+from servelab.modelcore.gguf_meta import read_metadata
 
 # llama.cpp's `tokenizer.ggml.pre` names -> the pre-tokenizer the original tokenizer.json
 # used. The GPT-2 regex is ByteLevel's own; the others split with their regex first.
