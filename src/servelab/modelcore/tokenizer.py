@@ -83,7 +83,7 @@ def _from_gguf_metadata(meta: dict[str, Any]) -> tuple[HFTokenizer, dict[str, An
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
     byte_level = processors.ByteLevel(trim_offsets=False)
-    if add_bos:
+    if add_bos and bos_id is not None:
         bos = tokens[bos_id]
         tok.post_processor = processors.Sequence(
             [
@@ -141,8 +141,9 @@ def _from_hf_dir(path: Path) -> tuple[HFTokenizer, dict[str, Any]]:
         value = cfg.get("eos_token_id")
         eos_ids += value if isinstance(value, list) else [value] if value is not None else []
     eos_token = _token_text(tcfg.get("eos_token"))
-    if eos_token is not None and tok.token_to_id(eos_token) is not None:
-        eos_ids.append(tok.token_to_id(eos_token))
+    eos_token_id = tok.token_to_id(eos_token) if eos_token is not None else None
+    if eos_token_id is not None:
+        eos_ids.append(eos_token_id)
     config = {
         "bos_token": _token_text(tcfg.get("bos_token")),
         "eos_token": eos_token,
