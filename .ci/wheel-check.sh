@@ -33,14 +33,14 @@ import sys, tarfile, zipfile
 wheel = set(zipfile.ZipFile(sys.argv[1]).namelist())
 sdist = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[2]).getnames() if "/" in n}
 need = [
-    "servelab/bench/traces_data/azure_llm_2023_conv.csv",
-    "servelab/bench/traces_data/mooncake_fast25_synthetic.jsonl",
-    "servelab/bench/traces_data/README.md",
+    "servelab/bench/workloads/traces_data/azure_llm_2023_conv.csv",
+    "servelab/bench/workloads/traces_data/mooncake_fast25_synthetic.jsonl",
+    "servelab/bench/workloads/traces_data/README.md",
     "servelab/model/csrc/cpu_kernels.c",
     "servelab/schemas/metrics.v1.schema.json",
     "servelab/schemas/manifest.v1.schema.json",
     "servelab/schemas/request.v1.schema.json",
-    "servelab/bench/testserver.py",
+    "servelab/testing/testserver.py",
 ]
 missing = [n for n in need if n not in wheel] + [f"sdist: {n}" for n in need if "src/" + n not in sdist]
 if missing:
@@ -76,7 +76,7 @@ if "$bin/servelab" bench --requests 1 >"$work/bench-core.txt" 2>&1; then die "be
 grep -q "pip install 'servelab\[engine\]'" "$work/bench-core.txt" || die "bench without --url did not say which extra to install"
 
 step "bench against the stand-in server, from the core install"
-"$bin/python" -m servelab.bench.testserver --port 0 --ttft 0.01 --itl 0.002 >"$work/testserver.txt" &
+"$bin/python" -m servelab.testing.testserver --port 0 --ttft 0.01 --itl 0.002 >"$work/testserver.txt" &
 pids+=($!)
 for _ in $(seq 50); do grep -q READY "$work/testserver.txt" && break; sleep 0.2; done
 port=$(awk '/READY/ {print $2}' "$work/testserver.txt")

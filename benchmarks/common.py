@@ -36,8 +36,8 @@ import aiohttp
 
 from servelab.engine.engine import LLMEngine
 from servelab.engine.sampling_params import SamplingParams
-from servelab.sim.modelspec import ModelSpec
-from servelab.sim.work import StepWork, decode_work
+from servelab.sim.costs.model_shapes import ModelSpec
+from servelab.sim.costs.work import StepWork, decode_work
 
 if TYPE_CHECKING:
     import torch

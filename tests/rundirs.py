@@ -519,7 +519,7 @@ class StandIn:
     started: ClassVar[list[str]] = []
 
     def __init__(self, model: str, engine_args: str, log_path: Path, api_key: str | None = None):
-        from servelab.bench.testserver import Schedule, TestServer
+        from servelab.testing.testserver import Schedule, TestServer
 
         self.engine_args = engine_args
         self.command = ["stand-in", engine_args]

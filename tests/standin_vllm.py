@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from servelab.bench import testserver
+from servelab.testing import testserver
 
 # The planted step cost (bench.teststeps.StepPlan): a step, a decode, a prefill token.
 STEPS = {"base": 0.01, "per_decode": 0.002, "per_prefill_token": 0.0001}

@@ -76,7 +76,7 @@ def _no_cut(render, width: int) -> str:
 def test_tables_fit_80_and_100_columns(tmp_path):
     from rundirs import unchunked_stalls
 
-    from servelab.analyze.diagnose import diagnose
+    from servelab.analyze.diagnosis.diagnose import diagnose
     from servelab.analyze.summary import run_summary
     from servelab.report.terminal import fit, rates_table, render_diagnosis, render_summary
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import rundirs
 
-from servelab.analyze.attribution import attribute
-from servelab.bench.request_plan import LoadSpec
+from servelab.analyze.diagnosis.attribution import attribute
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.rundir import load_run
-from servelab.sim.links import parse_link
+from servelab.sim.loop.links import parse_link
+from servelab.sim.loop.simulation import Topology
 from servelab.sim.run_writer import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
 from servelab.sim.sim_target import roofline_target
-from servelab.sim.simulation import Topology
 
 
 def assert_parts_add_up(run) -> None:

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from servelab.bench.arrivals import arrival_times
+from servelab.bench.workloads.arrivals import arrival_times
 
 
 def _take(kind: str, rate: float, n: int, seed: int = 0, **kw) -> np.ndarray:

@@ -17,11 +17,11 @@ import time
 import aiohttp
 import pytest
 
-from servelab.bench.client import Target, send
-from servelab.bench.http import HttpClient, ResponseParser, SSEParser
-from servelab.bench.testing import one_request
-from servelab.bench.testserver import Schedule, run_test_server
+from servelab.bench.client.http import HttpClient, ResponseParser, SSEParser
+from servelab.bench.client.send import Target, send
 from servelab.rundir import server_id
+from servelab.testing.testserver import Schedule, run_test_server
+from servelab.testing.tokenizers import one_request
 from servelab.vocab import ClientRecord, RequestTags
 
 # Gaps far larger than scheduling noise, so "between write i and write i+1" is a sharp test.
@@ -331,9 +331,9 @@ def test_connection_reuse_and_set_up_are_in_the_records(url):
 
 
 def test_a_class_temperature_is_sent_over_the_runs_sampling(smollm_tok):
-    from servelab.bench.client import request_body
-    from servelab.bench.request_plan import LoadSpec, build_plan
-    from servelab.bench.workload import parse_workload
+    from servelab.bench.client.send import request_body
+    from servelab.bench.workloads.request_plan import LoadSpec, build_plan
+    from servelab.bench.workloads.spec import parse_workload
 
     spec = parse_workload(
         {

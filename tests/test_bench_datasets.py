@@ -16,14 +16,14 @@ import aiohttp
 import pytest
 
 from servelab.analyze.similarity import ideal_prefix_reuse
-from servelab.bench.client import Target, send
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.send import Target, send
 from servelab.bench.datasets import load_dataset
 from servelab.bench.datasets.select import Selection, SessionSampler
-from servelab.bench.http import HttpClient
-from servelab.bench.request_plan import LoadSpec, build_plan
-from servelab.bench.testing import one_request
-from servelab.bench.testserver import Schedule, run_test_server
-from servelab.bench.workload import parse_workload
+from servelab.bench.workloads.request_plan import LoadSpec, build_plan
+from servelab.bench.workloads.spec import parse_workload
+from servelab.testing.testserver import Schedule, run_test_server
+from servelab.testing.tokenizers import one_request
 from servelab.vocab import RequestTags
 
 CONVS = [

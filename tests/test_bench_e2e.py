@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from servelab.bench.request_plan import LoadSpec, build_plan
-from servelab.bench.workload import load_workload
+from servelab.bench.workloads.request_plan import LoadSpec, build_plan
+from servelab.bench.workloads.spec import load_workload
 from servelab.rundir import read_records
 
 pytestmark = pytest.mark.slow

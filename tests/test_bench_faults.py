@@ -12,13 +12,13 @@ import pytest
 from rich.console import Console
 
 from servelab.analyze.summary import summarize
-from servelab.bench.client import Target, send
-from servelab.bench.http import HttpClient
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.send import Target, send
+from servelab.bench.client.usagecheck import usage_plausible
 from servelab.bench.progress import Progress
-from servelab.bench.testing import one_request, tiny_tokenizer
-from servelab.bench.testserver import Schedule, TestServer
-from servelab.bench.usagecheck import usage_plausible
 from servelab.report.terminal import rates_table, saturation_line, slices_table
+from servelab.testing.testserver import Schedule, TestServer
+from servelab.testing.tokenizers import one_request, tiny_tokenizer
 from servelab.vocab import ClientRecord, RequestTags
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from servelab.bench.monitor import MAX_LOOP_LAG_P99_S, LoopMonitor
+from servelab.bench.client.monitor import MAX_LOOP_LAG_P99_S, LoopMonitor
 from servelab.vocab import ClientRecord
 
 

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from servelab.bench.presets import PRESETS
-from servelab.bench.prompts import PromptFactory
-from servelab.bench.request_plan import LoadSpec, build_plan, iter_plan
-from servelab.bench.testing import tiny_tokenizer
-from servelab.bench.workload import load_workload, parse_workload
+from servelab.bench.workloads.presets import PRESETS
+from servelab.bench.workloads.prompts import PromptFactory
+from servelab.bench.workloads.request_plan import LoadSpec, build_plan, iter_plan
+from servelab.bench.workloads.spec import load_workload, parse_workload
+from servelab.testing.tokenizers import tiny_tokenizer
 
 
 def _sent_text(tok, r, endpoint):
@@ -259,7 +259,7 @@ def test_mooncake_hash_ids_become_exact_shared_prefixes(smollm_tok, tmp_path):
 
 
 def test_named_traces_ship_with_the_package_and_paths_still_work():
-    from servelab.bench.traces import load_trace, trace_path
+    from servelab.bench.workloads.traces import load_trace, trace_path
 
     for name, fmt, n in (
         ("azure-2023-conv", "azure", 19366),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from servelab.bench.recount import Recounter
-from servelab.bench.testing import tiny_tokenizer
+from servelab.bench.client.recount import Recounter
+from servelab.testing.tokenizers import tiny_tokenizer
 
 
 class _LoggingTokenizer:

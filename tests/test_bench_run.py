@@ -15,11 +15,11 @@ import aiohttp
 import pytest
 from typer.testing import CliRunner
 
-from servelab.bench.request_plan import LoadSpec, build_plan
-from servelab.bench.testserver import WORDS, Schedule, run_test_server
-from servelab.bench.workload import load_workload
+from servelab.bench.workloads.request_plan import LoadSpec, build_plan
+from servelab.bench.workloads.spec import load_workload
 from servelab.cli import app
 from servelab.rundir import read_records, server_id
+from servelab.testing.testserver import WORDS, Schedule, run_test_server
 
 SECRET = "sk-test-4f9d2c"
 FAST = Schedule(ttft=0.02, itl=0.004)
@@ -275,8 +275,8 @@ def test_bench_options_built_by_hand_are_checked_as_the_cli_checks_them(change, 
 # verdict decides. The target is the real test server (probe); nothing is sent.
 def _planted_stages(monkeypatch, saturated_from: float) -> list[float]:
     from servelab.analyze.summary import summarize
+    from servelab.bench.client.monitor import ClientHealth
     from servelab.bench.distributed.clock import timing_error_budget
-    from servelab.bench.monitor import ClientHealth
     from servelab.bench.plan_runner import StageResult
     from servelab.bench.run import Bench
     from servelab.vocab import ClientRecord
@@ -320,8 +320,8 @@ def _run_planted(server, tmp_path, **kw):
 
     from rich.console import Console
 
-    from servelab.bench.request_plan import LoadSpec
     from servelab.bench.run import BenchOptions, run_bench
+    from servelab.bench.workloads.request_plan import LoadSpec
     from servelab.units import SLO
 
     out = tmp_path / "run"
@@ -499,7 +499,7 @@ def test_the_recount_warning_only_where_the_tokenizers_can_differ():
     from rich.console import Console
 
     from servelab.bench.run import Bench, BenchOptions
-    from servelab.bench.server_target import ServerInfo
+    from servelab.bench.servers.target import ServerInfo
 
     def same(tokenizer: str, timelines: bool, model: str, source: str = "--tokenizer") -> bool:
         b = Bench(BenchOptions(url="http://x", tokenizer=tokenizer), Console())

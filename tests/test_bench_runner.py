@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from servelab.bench.client import Target
-from servelab.bench.http import HttpClient
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.send import Target
 from servelab.bench.plan_runner import PlanRunner, sessions
-from servelab.bench.request_plan import LoadSpec, PlannedRequest
-from servelab.bench.testserver import Schedule, run_test_server
+from servelab.bench.workloads.request_plan import LoadSpec, PlannedRequest
+from servelab.testing.testserver import Schedule, run_test_server
 from servelab.vocab import RequestTags
 
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from servelab.bench.servertok import ServerTokenizer
-from servelab.bench.testserver import Schedule, TestServer
+from servelab.bench.client.servertok import ServerTokenizer
 from servelab.rundir import read_records
+from servelab.testing.testserver import Schedule, TestServer
 
 WORKLOAD = """name: fixed
 classes:

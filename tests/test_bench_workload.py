@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from servelab.bench.presets import PRESETS
-from servelab.bench.workload import Dist, load_workload, parse_workload
+from servelab.bench.workloads.presets import PRESETS
+from servelab.bench.workloads.spec import Dist, load_workload, parse_workload
 from servelab.units import SLO
 
 

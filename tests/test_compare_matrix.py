@@ -12,8 +12,8 @@ import json
 import pytest
 from rundirs import StandIn
 
-from servelab.bench.request_plan import LoadSpec
 from servelab.bench.run import BenchOptions
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.workflows import matrix
 from servelab.workflows.matrix import MatrixSpec, execute_matrix, run_matrix
 

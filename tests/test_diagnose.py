@@ -16,8 +16,8 @@ import rundirs
 from client_records import client_records
 from hypothesis import given, settings
 
-from servelab.analyze.attribution import EXACT_PARTS, attribute
-from servelab.analyze.diagnose import diagnose
+from servelab.analyze.diagnosis.attribution import EXACT_PARTS, attribute
+from servelab.analyze.diagnosis.diagnose import diagnose
 from servelab.rundir import RunDirError, load_run
 
 PLANTED = {
@@ -116,7 +116,7 @@ def test_prefix_reuse_on_another_server_reads_its_config_and_judges_tokens_by_th
 ):
     from types import SimpleNamespace
 
-    from servelab.analyze.findings import Context, low_prefix_reuse
+    from servelab.analyze.diagnosis.findings import Context, low_prefix_reuse
 
     run = load_run(rundirs.as_other_target(rundirs.shared_prefix(tmp_path / "r"), scrape=False))
     attr = attribute(run)
@@ -398,7 +398,7 @@ def test_llamacpp_is_recognised_by_its_timings_alone(tmp_path):
 
 
 def test_priorities_and_prefix_caching_in_each_servers_words(tmp_path):
-    from servelab.analyze.findings import Context, Finding
+    from servelab.analyze.diagnosis.findings import Context, Finding
     from servelab.analyze.levers import recommend
 
     planted = Finding(
@@ -500,7 +500,7 @@ def test_another_server_without_scrapes_still_gets_the_clients_split(tmp_path):
 @settings(max_examples=200, deadline=None)
 @given(client_records(max_size=40))
 def test_stalls_found_on_all_gaps_at_once_equal_a_scan_of_each_request(recs):
-    from servelab.analyze.attribution import (
+    from servelab.analyze.diagnosis.attribution import (
         MIN_GAPS_FOR_STALLS,
         STALL_FACTOR,
         STALL_MIN_EXCESS,
@@ -527,7 +527,7 @@ def test_stalls_found_on_all_gaps_at_once_equal_a_scan_of_each_request(recs):
 @settings(max_examples=200, deadline=None)
 @given(client_records(max_size=40), st.lists(st.floats(990.0, 1250.0), min_size=2, max_size=8))
 def test_long_prompts_in_prefill_found_by_bisection_equal_a_scan(recs, times):
-    from servelab.analyze.attribution import LONG_PROMPT, _Windows
+    from servelab.analyze.diagnosis.attribution import LONG_PROMPT, _Windows
 
     ok = [r for r in recs if r.ok and r.chunk_times]
     w = _Windows(ok)
@@ -544,8 +544,8 @@ def test_long_prompts_in_prefill_found_by_bisection_equal_a_scan(recs, times):
 @settings(max_examples=200, deadline=None)
 @given(client_records(max_size=40))
 def test_waits_behind_long_prefills_found_by_bisection_equal_a_scan(recs):
-    from servelab.analyze.attribution import LONG_PROMPT
-    from servelab.analyze.findings import _behind_long_prefills
+    from servelab.analyze.diagnosis.attribution import LONG_PROMPT
+    from servelab.analyze.diagnosis.findings import _behind_long_prefills
 
     ok = [r for r in recs if r.ok and r.chunk_times]
     want: set[str] = set()

@@ -31,7 +31,7 @@ from server_helpers import (
     with_tests_on_pythonpath,
 )
 
-from servelab.analyze.attribution import attribute
+from servelab.analyze.diagnosis.attribution import attribute
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model import cpu_kernels, kernel_build

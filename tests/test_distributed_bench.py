@@ -20,11 +20,11 @@ from scipy import stats
 
 from servelab.bench.distributed.driver import WorkerPool
 from servelab.bench.plan_runner import START_DELAY_S
-from servelab.bench.request_plan import LoadSpec, build_plan, iter_plan
 from servelab.bench.run import BenchOptions, run_bench
-from servelab.bench.testserver import Schedule, run_test_server
-from servelab.bench.workload import load_workload
+from servelab.bench.workloads.request_plan import LoadSpec, build_plan, iter_plan
+from servelab.bench.workloads.spec import load_workload
 from servelab.rundir import read_records
+from servelab.testing.testserver import Schedule, run_test_server
 from servelab.vocab import ClientRecord
 
 pytestmark = pytest.mark.slow

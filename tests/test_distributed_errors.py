@@ -13,9 +13,9 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from servelab.bench.testserver import Schedule, run_test_server
 from servelab.cli import app
 from servelab.rundir import read_records
+from servelab.testing.testserver import Schedule, run_test_server
 
 
 @pytest.fixture(scope="module")

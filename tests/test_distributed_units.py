@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from servelab.bench.client import Target
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.monitor import ClientHealth
+from servelab.bench.client.send import Target
 from servelab.bench.distributed.bench_worker import BenchWorkerCore, SessionFeed
 from servelab.bench.distributed.clock import boot_id, measure_offset, timing_error_budget
 from servelab.bench.distributed.driver import WorkerPool
@@ -26,13 +28,11 @@ from servelab.bench.distributed.partition import (
     partition,
     split_concurrency,
 )
-from servelab.bench.http import HttpClient
-from servelab.bench.monitor import ClientHealth
 from servelab.bench.plan_runner import START_DELAY_S, PlanRunner, request_id, sessions
-from servelab.bench.request_plan import LoadSpec, build_plan
-from servelab.bench.testing import one_request, tiny_tokenizer
-from servelab.bench.testserver import Schedule, TestServer
-from servelab.bench.workload import WorkloadSpec
+from servelab.bench.workloads.request_plan import LoadSpec, build_plan
+from servelab.bench.workloads.spec import WorkloadSpec
+from servelab.testing.testserver import Schedule, TestServer
+from servelab.testing.tokenizers import one_request, tiny_tokenizer
 from servelab.vocab import ClientRecord
 
 SPEC = {

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from servelab.analyze.diagnose import diagnose
+from servelab.analyze.diagnosis.diagnose import diagnose
 from servelab.cli import app
 from servelab.rundir import load_run
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from plotly.offline import get_plotlyjs
 
 from servelab.analyze.compare import compare
-from servelab.analyze.diagnose import diagnose
+from servelab.analyze.diagnosis.diagnose import diagnose
 from servelab.analyze.summary import run_summary
 from servelab.report import charts
 from servelab.report.html import RUN_SECTIONS, write_report

@@ -10,12 +10,12 @@ from collections import defaultdict
 import pytest
 import rundirs
 
-from servelab.analyze.diagnose import diagnose
-from servelab.bench.server_target import probe
-from servelab.bench.testserver import Schedule, TestServer
+from servelab.analyze.diagnosis.diagnose import diagnose
+from servelab.bench.servers.target import probe
 from servelab.report import charts
 from servelab.report.html import write_report
 from servelab.rundir import load_run
+from servelab.testing.testserver import Schedule, TestServer
 
 
 def _row_totals(fig) -> dict[str, float]:

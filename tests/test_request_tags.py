@@ -10,19 +10,19 @@ import json
 
 import aiohttp
 
-from servelab.bench.client import Target
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.send import Target
 from servelab.bench.distributed.driver import WorkerPool
-from servelab.bench.http import HttpClient
 from servelab.bench.plan_runner import PlanRunner
-from servelab.bench.request_plan import LoadSpec, PlannedRequest, build_plan
-from servelab.bench.testing import tiny_tokenizer
-from servelab.bench.testserver import Schedule, run_test_server
-from servelab.bench.workload import WorkloadSpec
+from servelab.bench.workloads.request_plan import LoadSpec, PlannedRequest, build_plan
+from servelab.bench.workloads.spec import WorkloadSpec
 from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import RunDir
-from servelab.sim.sim_requests import requests_from_plan
+from servelab.sim.loop.sim_requests import requests_from_plan
+from servelab.sim.loop.simulation import SimRequest, Simulation
 from servelab.sim.sim_target import roofline_target
-from servelab.sim.simulation import SimRequest, Simulation
+from servelab.testing.testserver import Schedule, run_test_server
+from servelab.testing.tokenizers import tiny_tokenizer
 from servelab.vocab import ClientRecord, RequestTags
 
 # Every tag but ``priority`` and ``temperature``, which go in the request body and are not

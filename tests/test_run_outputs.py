@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from servelab import schemas
 from servelab.analyze.summary import summarize
-from servelab.bench.testserver import Schedule, TestServer
 from servelab.cli import app
 from servelab.rundir import RunDir, write_json
+from servelab.testing.testserver import Schedule, TestServer
 from servelab.units import SLO
 from servelab.vocab import ClientRecord
 

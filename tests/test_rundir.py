@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from servelab.bench.collect import _decode_reply
+from servelab.bench.servers.collect import _decode_reply
 from servelab.rundir import (
     FORMAT_VERSION,
     RunDir,

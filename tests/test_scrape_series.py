@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from servelab.analyze.promscrape import estimate, info_metrics, parse_scrapes
-from servelab.analyze.timeseries import server_series
-from servelab.bench.collect import MetricsScraper
-from servelab.bench.testserver import Schedule, TestServer
+from servelab.analyze.server_side.promscrape import estimate, info_metrics, parse_scrapes
+from servelab.analyze.server_side.timeseries import server_series
+from servelab.bench.servers.collect import MetricsScraper
 from servelab.rundir import RunDir
+from servelab.testing.testserver import Schedule, TestServer
 
 
 def _scrape(tmp_path, schedule: Schedule, period: float, seconds: float):
@@ -105,9 +105,9 @@ def test_bench_against_a_vllm_like_server_keeps_its_figures_and_series(tmp_path)
     import subprocess
     import sys
 
-    from servelab.analyze.diagnose import diagnose
-    from servelab.bench.testserver import run_test_server
+    from servelab.analyze.diagnosis.diagnose import diagnose
     from servelab.rundir import load_run, read_records
+    from servelab.testing.testserver import run_test_server
 
     out = tmp_path / "run"
     sched = Schedule(ttft=0.06, queue=0.02, itl=0.01, report="vllm")

@@ -119,7 +119,7 @@ def test_a_runs_whole_engine_config_relaunches_as_serve_flags(
 ) -> None:
     """What `tune --verify` does with a run's manifest: every recorded engine config field
     becomes a `servelab serve` flag that parses, and means the same config."""
-    from servelab.analyze.candidates import serve_flags
+    from servelab.analyze.tuning.candidates import serve_flags
     from servelab.engine.engine_config import EngineConfig
 
     recorded = dataclasses.asdict(EngineConfig(num_kv_blocks=300, max_num_seqs=8))

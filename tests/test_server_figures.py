@@ -10,11 +10,17 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from servelab.bench.client import Target, send
-from servelab.bench.http import HttpClient
-from servelab.bench.serverfigures import LLAMACPP, SGLANG, VLLM, MalformedFigures, figures_from
-from servelab.bench.testing import one_request
-from servelab.bench.testserver import Schedule, TestServer
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.send import Target, send
+from servelab.bench.client.serverfigures import (
+    LLAMACPP,
+    SGLANG,
+    VLLM,
+    MalformedFigures,
+    figures_from,
+)
+from servelab.testing.testserver import Schedule, TestServer
+from servelab.testing.tokenizers import one_request
 from servelab.vocab import RequestTags
 
 

@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from servelab.sim.dtypes import Precision
-from servelab.sim.hardware import HARDWARE, get_hardware
-from servelab.sim.modelspec import PRESETS, load_model_spec
-from servelab.sim.profiled import ProfiledCostModel, ProfileSample, ProfileTable
-from servelab.sim.roofline import Efficiency, RooflineCostModel
-from servelab.sim.work import StepWork, decode_work
+from servelab.sim.costs.dtypes import Precision
+from servelab.sim.costs.hardware import HARDWARE, get_hardware
+from servelab.sim.costs.model_shapes import PRESETS, load_model_spec
+from servelab.sim.costs.profiled import ProfiledCostModel, ProfileSample, ProfileTable
+from servelab.sim.costs.roofline import Efficiency, RooflineCostModel
+from servelab.sim.costs.work import StepWork, decode_work
 
 GGUF = "smollm2-135m"
 
@@ -212,7 +212,7 @@ def test_profile_table_round_trips_and_rejects_foreign_files(tmp_path):
 def test_work_of_plan_matches_step_work_add():
     from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
-    from servelab.sim.work import work_of_plan
+    from servelab.sim.costs.work import work_of_plan
 
     rng = random.Random(5)
     sp = SamplingParams()

@@ -9,13 +9,13 @@ from typer.testing import CliRunner
 
 from servelab.cli import app
 from servelab.engine.engine_config import EngineConfig
-from servelab.sim.dtypes import Precision
+from servelab.sim.costs.dtypes import Precision
+from servelab.sim.costs.hardware import HARDWARE
+from servelab.sim.costs.model_shapes import ModelSpec
+from servelab.sim.costs.roofline import Efficiency, RooflineCostModel
+from servelab.sim.costs.work import StepWork
 from servelab.sim.engine_defaults import engine_defaults, sglang_max_running
-from servelab.sim.hardware import HARDWARE
-from servelab.sim.modelspec import ModelSpec
-from servelab.sim.roofline import Efficiency, RooflineCostModel
 from servelab.sim.sim_target import roofline_target
-from servelab.sim.work import StepWork
 
 # (hardware, vLLM serve max_num_seqs, max_num_batched_tokens, offline tokens), from vLLM's
 # EngineArgs.get_batch_defaults: >= 70 GiB and not an A100 -> 1024 / 8192 (16384 offline).

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from servelab.bench.request_plan import LoadSpec
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.engine.engine_config import EngineConfig
-from servelab.sim.links import parse_link
+from servelab.sim.loop.links import parse_link
+from servelab.sim.loop.simulation import SimResult, Topology
 from servelab.sim.scenario import Scenario, load_requests, simulate
 from servelab.sim.sim_target import roofline_target
-from servelab.sim.simulation import SimResult, Topology
 
 
 def _canon(v: Any) -> Any:

@@ -11,11 +11,11 @@ from servelab.engine.engine import LLMEngine
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.kv_cache import KVCacheManager
 from servelab.engine.scheduler import Scheduler
-from servelab.sim.cost_executor import VirtualClock
-from servelab.sim.links import parse_link
-from servelab.sim.roofline import Efficiency
+from servelab.sim.costs.executor import VirtualClock
+from servelab.sim.costs.roofline import Efficiency
+from servelab.sim.loop.links import parse_link
+from servelab.sim.loop.simulation import T0, SimRequest, Simulation, Topology
 from servelab.sim.sim_target import roofline_target
-from servelab.sim.simulation import T0, SimRequest, Simulation, Topology
 from servelab.vocab import RequestTags
 
 
@@ -243,7 +243,7 @@ def test_efficiency_changes_move_latency_the_right_way():
 def test_decode_work_is_the_work_of_a_decode_plan():
     from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
     from servelab.engine.sampling_params import SamplingParams
-    from servelab.sim.work import decode_work, work_of_plan
+    from servelab.sim.costs.work import decode_work, work_of_plan
 
     rng = random.Random(3)
     starts = [rng.randrange(0, 130_000) for _ in range(300)]

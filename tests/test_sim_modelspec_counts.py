@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from servelab.sim.hardware import get_hardware
-from servelab.sim.modelspec import PRESETS
-from servelab.sim.roofline import RooflineCostModel
-from servelab.sim.work import StepWork, decode_work
+from servelab.sim.costs.hardware import get_hardware
+from servelab.sim.costs.model_shapes import PRESETS
+from servelab.sim.costs.roofline import RooflineCostModel
+from servelab.sim.costs.work import StepWork, decode_work
 
 SMOL = PRESETS["smollm2-135m"]  # hidden 576, 30 layers, 9 heads, 3 KV heads of 64, MLP 1536
 MATRICES = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536  # one layer: q/k/v, o, MLP

@@ -9,18 +9,18 @@ import statistics
 
 import pytest
 
-from servelab.bench.request_plan import LoadSpec
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import load_run
-from servelab.sim.drift import MIN_ANCHORS, is_anchor, run_speeds
-from servelab.sim.noise import StepNoise
-from servelab.sim.profiled import ProfileSample, ProfileTable
-from servelab.sim.replay import measured_steps
-from servelab.sim.run_profile import fit_overhead, table_from_runs
+from servelab.sim.costs.drift import MIN_ANCHORS, is_anchor, run_speeds
+from servelab.sim.costs.noise import StepNoise
+from servelab.sim.costs.profiled import ProfileSample, ProfileTable
+from servelab.sim.costs.work import StepWork
+from servelab.sim.fit.recorded_steps import measured_steps
+from servelab.sim.fit.run_profile import fit_overhead, table_from_runs
 from servelab.sim.run_writer import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
 from servelab.sim.sim_target import profile_target
-from servelab.sim.work import StepWork
 
 
 def _ar1_logs(n: int, phi: float, sd: float, rng: random.Random) -> list[float]:
@@ -138,7 +138,7 @@ def test_simulated_steps_vary_as_measured_and_stay_deterministic(tmp_path):
 def test_resend_divergence_is_drawn_per_request_and_measured_back(tmp_path):
     import dataclasses
 
-    from servelab.sim import history
+    from servelab.sim.loop import history
     from servelab.sim.sim_target import roofline_target
 
     hazard = history.Resend(per_token=0.01)

@@ -10,10 +10,10 @@ import pytest
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.build import build_engine
-from servelab.sim.profiled import ProfiledCostModel, ProfileTable
+from servelab.sim.costs.profiled import ProfiledCostModel, ProfileTable
+from servelab.sim.loop.simulation import SimRequest
 from servelab.sim.scenario import Scenario, simulate
 from servelab.sim.sim_target import profile_target
-from servelab.sim.simulation import SimRequest
 from servelab.workflows.profile import fitting_shapes, grid, measure_shapes, profile_engine
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,9 @@ from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.modelcore.tokenizer import Tokenizer
 from servelab.server.server_args import ServerArgs
-from servelab.sim.cost_executor import PacedExecutor
+from servelab.sim.costs.executor import PacedExecutor
+from servelab.sim.costs.work import StepWork
 from servelab.sim.realtime import build_realtime_engine, build_target
-from servelab.sim.work import StepWork
 
 SPEC = "l4:llama-3.1-8b"  # ~70 ms per decode step: long enough to measure through HTTP
 

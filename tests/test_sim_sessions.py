@@ -4,8 +4,8 @@ the prefix cache of a replay meets the same tokens the server met."""
 
 from __future__ import annotations
 
-from servelab.bench.request_plan import PlannedRequest
-from servelab.sim.sim_requests import requests_from_plan
+from servelab.bench.workloads.request_plan import PlannedRequest
+from servelab.sim.loop.sim_requests import requests_from_plan
 from servelab.vocab import RequestTags
 
 SYSTEM = (

@@ -7,22 +7,22 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from servelab.bench.request_plan import LoadSpec
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.cli import app
 from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import load_run
-from servelab.sim.calibrate import Calibration, fit_efficiency
 from servelab.sim.capacity import best_pd_split, fewest_replicas, highest_rate
+from servelab.sim.costs.hardware import HARDWARE
+from servelab.sim.costs.model_shapes import PRESETS
+from servelab.sim.costs.roofline import Efficiency
 from servelab.sim.engine_args import parse_engine_args, parse_sweep
-from servelab.sim.hardware import HARDWARE
-from servelab.sim.links import parse_link
-from servelab.sim.modelspec import PRESETS
-from servelab.sim.replay import measured_steps
-from servelab.sim.roofline import Efficiency
+from servelab.sim.fit.calibrate import Calibration, fit_efficiency
+from servelab.sim.fit.recorded_steps import measured_steps
+from servelab.sim.loop.links import parse_link
+from servelab.sim.loop.simulation import Topology
 from servelab.sim.run_writer import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
 from servelab.sim.sim_target import roofline_target
-from servelab.sim.simulation import Topology
 from servelab.units import SLO
 
 AZURE, MOONCAKE = "azure-2023-conv", "mooncake-synthetic"  # the traces the package ships
@@ -53,8 +53,8 @@ def test_workload_requests_keep_the_plans_lengths_times_and_shared_prefixes():
     load = LoadSpec(rate=4.0, requests=40)
     reqs, info, slos = load_requests("rag", load, seed=3, max_model_len=8192)
     assert info["workload"]["name"] and set(slos) == {"rag"}
-    from servelab.bench.request_plan import build_plan
-    from servelab.bench.workload import load_workload
+    from servelab.bench.workloads.request_plan import build_plan
+    from servelab.bench.workloads.spec import load_workload
     from servelab.modelcore.tokenizer import Tokenizer
 
     plan = build_plan(load_workload("rag"), load, 3, tokenizer=Tokenizer.from_model("smollm2-135m"))
@@ -97,7 +97,7 @@ def test_trace_requests_are_scaled_by_the_benchmarks_rules():
 
 
 def test_simulated_run_dir_reads_back_and_passes_diagnose(tmp_path):
-    from servelab.analyze.diagnose import diagnose
+    from servelab.analyze.diagnosis.diagnose import diagnose
 
     target = roofline_target("h200", "llama-3.1-8b", engine_config=EngineConfig(max_num_seqs=16))
     reqs, info, slos = load_requests("mixed", LoadSpec(rate=30.0, requests=80), 0, 8192)
@@ -323,7 +323,7 @@ def test_simulated_runs_go_through_diagnose_compare_and_report(tmp_path):
 
 
 def test_cli_calibrate_and_profile_from_a_run(tmp_path):
-    from servelab.sim.profiled import ProfiledCostModel, ProfileTable
+    from servelab.sim.costs.profiled import ProfiledCostModel, ProfileTable
 
     truth = Efficiency(mfu=0.4, mbu=0.6, step_overhead=1e-3, layer_overhead=0.0)
     target = roofline_target(

@@ -8,14 +8,14 @@ import math
 
 import pytest
 
-from servelab.analyze.candidates import RunFacts, generate
-from servelab.analyze.findings import Finding
+from servelab.analyze.diagnosis.findings import Finding
+from servelab.analyze.tuning.candidates import RunFacts, generate
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.spec.ngram import NgramProposer
 from servelab.engine.spec.proposer import DraftRequest
-from servelab.sim.sampled_proposals import SampledProposals
+from servelab.sim.loop.sampled_proposals import SampledProposals
+from servelab.sim.loop.simulation import SimRequest, Simulation
 from servelab.sim.sim_target import roofline_target
-from servelab.sim.simulation import SimRequest, Simulation
 from servelab.vocab import RequestTags
 from servelab.workflows.spec_probe import (
     PROBE_MAX_TOKENS,

@@ -1,7 +1,7 @@
-"""bench.template: another server launched from a command template, stopped with its whole
+"""bench.servers.template: another server launched from a command template, stopped with its whole
 process group, its secrets kept out of the manifest and the log; and a matrix of such servers.
 
-The servers are the bench's stand-in (``python -m servelab.bench.testserver``) or small
+The servers are the bench's stand-in (``python -m servelab.testing.testserver``) or small
 Python/shell programs that fail in each way a real server can, all on loopback.
 """
 
@@ -17,10 +17,10 @@ import time
 import pytest
 
 from servelab.bench.manifest import redact, redact_args, secrets_in
-from servelab.bench.template import TemplateServer, _group_members, render
+from servelab.bench.servers.template import TemplateServer, _group_members, render
 
 PY = shlex.quote(sys.executable)
-STAND_IN = f"{PY} -m servelab.bench.testserver --host {{host}} --port {{port}} {{flags}}"
+STAND_IN = f"{PY} -m servelab.testing.testserver --host {{host}} --port {{port}} {{flags}}"
 
 
 def _gone(pgid: int, within: float = 5.0) -> bool:
@@ -121,7 +121,7 @@ def test_secrets_of_a_template_reach_neither_the_command_nor_the_log(tmp_path):
     # The shell echoes its secrets (as vLLM logs its non-default args), then runs the server.
     tpl = (
         'HF_TOKEN=hf_secret_value sh -c \'echo token=$HF_TOKEN args="$*"; exec "$0" "$@"\' '
-        f"{PY} -m servelab.bench.testserver --port {{port}} --api-key sk-test-secret"
+        f"{PY} -m servelab.testing.testserver --port {{port}} --api-key sk-test-secret"
     )
     log = tmp_path / "e.log"
     srv = TemplateServer(tpl, log)
@@ -137,8 +137,8 @@ def test_secrets_of_a_template_reach_neither_the_command_nor_the_log(tmp_path):
 
 
 def test_matrix_launches_templates_and_records_their_redacted_commands(tmp_path):
-    from servelab.bench.request_plan import LoadSpec
     from servelab.bench.run import BenchOptions
+    from servelab.bench.workloads.request_plan import LoadSpec
     from servelab.workflows.matrix import MatrixSpec, execute_matrix
 
     spec = MatrixSpec.parse(
@@ -186,7 +186,7 @@ def test_flags_are_recorded_without_their_secrets(tmp_path):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to split")
 def test_servers_started_together_all_keep_off_the_clients_cpu(tmp_path):
-    from servelab.bench.server_target import LaunchedServer, split_cpus
+    from servelab.bench.servers.target import LaunchedServer, split_cpus
 
     split = split_cpus()
     if split is None:

@@ -15,8 +15,8 @@ from client_records import client_records
 from hypothesis import given, settings
 from rich.console import Console
 
-from servelab.analyze.diagnose import diagnose
-from servelab.analyze.timeseries import ServerSeries
+from servelab.analyze.diagnosis.diagnose import diagnose
+from servelab.analyze.server_side.timeseries import ServerSeries
 from servelab.analyze.timeslices import kendall_p_rising, timeslices, trend
 from servelab.report.terminal import render_diagnosis
 from servelab.rundir import load_run

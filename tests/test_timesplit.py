@@ -1,6 +1,6 @@
-"""Where the time went (analyze.timesplit): every bar's parts add up to the figure it splits,
+"""Where the time went (analyze.diagnosis.timesplit): every bar's parts add up to the figure it splits,
 and the planted cause shows as its part; the speculation and KV hand-off figures
-(analyze.phase_costs) count what the timelines hold."""
+(analyze.server_side.phase_costs) count what the timelines hold."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from rundirs import calm, unchunked_stalls
 
 from servelab.analyze.answers import during_prefill
-from servelab.analyze.phase_costs import acceptance, kv_transfers
-from servelab.analyze.timesplit import (
+from servelab.analyze.diagnosis.timesplit import (
     PLAIN_STEPS,
     SPEC_STEPS,
     STEP_ADDED,
@@ -22,6 +21,7 @@ from servelab.analyze.timesplit import (
     token_split,
     ttft_split,
 )
+from servelab.analyze.server_side.phase_costs import acceptance, kv_transfers
 from servelab.rundir import load_run
 from servelab.vocab import SpecRecord
 

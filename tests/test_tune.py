@@ -14,15 +14,15 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from servelab.analyze.candidates import RunFacts, budget_grid, generate
-from servelab.analyze.decision import Objective, decide, judge
-from servelab.analyze.findings import Finding
-from servelab.analyze.prediction import Prediction
-from servelab.analyze.verification import AS_RUN, TUNED
-from servelab.bench.testserver import Schedule, TestServer
+from servelab.analyze.diagnosis.findings import Finding
+from servelab.analyze.tuning.candidates import RunFacts, budget_grid, generate
+from servelab.analyze.tuning.decision import Objective, decide, judge
+from servelab.analyze.tuning.prediction import Prediction
+from servelab.analyze.tuning.verification import AS_RUN, TUNED
 from servelab.cli import app
 from servelab.rundir import load_run
-from servelab.sim.asrun import NotReplayable, requests_as_run
+from servelab.sim.fit.asrun import NotReplayable, requests_as_run
+from servelab.testing.testserver import Schedule, TestServer
 from servelab.workflows.tuning_loop import TuneSpec, predict, verify_choice
 
 runner = CliRunner()
@@ -283,7 +283,7 @@ def test_verify_against_stand_in_servers_reports_measured_vs_predicted(tmp_path)
 
 
 def test_the_cost_model_of_one_run_has_a_non_decreasing_token_term(mixed_run):
-    from servelab.sim.asrun import target_from_run
+    from servelab.sim.fit.asrun import target_from_run
 
     model = target_from_run(load_run(mixed_run)).cost_model
     g = model.g  # type: ignore[attr-defined]
@@ -292,7 +292,7 @@ def test_the_cost_model_of_one_run_has_a_non_decreasing_token_term(mixed_run):
 
 
 def test_the_html_report_keeps_the_notes():
-    from servelab.analyze.tuning import Tuning
+    from servelab.analyze.tuning.result import Tuning
     from servelab.report.tuning_view import tuning_html
 
     page = tuning_html(Tuning("run", notes=["speculation probe: 5 requests <sampled>"]))

@@ -22,15 +22,15 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from servelab.analyze.candidates import RunFacts, for_server, generate, launch_action
-from servelab.analyze.decision import Objective, decide, judge
-from servelab.analyze.findings import Finding
-from servelab.bench.request_plan import LoadSpec
+from servelab.analyze.diagnosis.findings import Finding
+from servelab.analyze.tuning.candidates import RunFacts, for_server, generate, launch_action
+from servelab.analyze.tuning.decision import Objective, decide, judge
 from servelab.bench.run import BenchOptions, run_bench
-from servelab.bench.template import TemplateServer
+from servelab.bench.servers.template import TemplateServer
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.cli import app
 from servelab.rundir import load_run
-from servelab.sim.asrun import is_foreign
+from servelab.sim.fit.asrun import is_foreign
 from servelab.workflows.matrix import record_server
 from servelab.workflows.tuning_loop import TuneSpec, predict, server_template, verify_choice
 
@@ -91,7 +91,7 @@ def _prefill_finding(monkeypatch):
     turns on milliseconds (on a loaded machine they did not, and only replicas were
     proposed). These tests are about the tune loop on another server's run, not that
     finding, so its diagnosis always carries the finding that calls for chunked prefill."""
-    from servelab.analyze import diagnose as diagnosis
+    from servelab.analyze.diagnosis import diagnose as diagnosis
     from servelab.workflows import tuning_loop
 
     def diagnose(run):

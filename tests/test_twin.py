@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import rundirs
 
-from servelab.analyze.diagnose import diagnose
-from servelab.analyze.serversettings import parse_flags, render_flags, server_settings
-from servelab.analyze.stepinfer import infer_steps
+from servelab.analyze.diagnosis.diagnose import diagnose
+from servelab.analyze.server_side.serversettings import parse_flags, render_flags, server_settings
+from servelab.analyze.server_side.stepinfer import infer_steps
 from servelab.rundir import load_run
-from servelab.sim.twin import TwinCalibration, fit_steps, step_work
+from servelab.sim.fit.twin import TwinCalibration, fit_steps, step_work
 
 PLAN = {"base": 0.02, "per_decode": 0.003, "per_prefill_token": 0.0002, "max_seqs": 8}
 
@@ -33,9 +33,9 @@ PLAN = {"base": 0.02, "per_decode": 0.003, "per_prefill_token": 0.0002, "max_seq
 def _planted_run(out: Path, budget: int) -> tuple[Path, list[dict]]:
     from rich.console import Console
 
-    from servelab.bench.request_plan import LoadSpec
     from servelab.bench.run import BenchOptions, run_bench
-    from servelab.bench.testserver import Schedule, run_test_server
+    from servelab.bench.workloads.request_plan import LoadSpec
+    from servelab.testing.testserver import Schedule, run_test_server
 
     sched = Schedule(steps={**PLAN, "budget": budget}, report="none", metrics="missing")
     with run_test_server(sched) as url:
@@ -300,7 +300,7 @@ def _calibration(**kw):
 
 
 def test_a_servers_flags_become_the_twins_engine_changes():
-    from servelab.sim.twin import flag_changes
+    from servelab.sim.fit.twin import flag_changes
 
     cal = _calibration()
     assert flag_changes(cal, "--no-enable-chunked-prefill") == {
@@ -341,7 +341,7 @@ def test_the_speed_factor_carries_the_forms_error_beside_the_drift():
 def test_form_spread_is_the_forms_error_on_the_load_it_was_not_fitted_on():
     import numpy as np
 
-    from servelab.sim.twin import MIN_ROWS, form_spread
+    from servelab.sim.fit.twin import MIN_ROWS, form_spread
 
     decodes = np.repeat(np.arange(1, 9), 10).astype(float)
     a = np.zeros((len(decodes), 6))
@@ -365,7 +365,7 @@ def test_form_spread_is_the_forms_error_on_the_load_it_was_not_fitted_on():
 def test_the_api_time_leaves_out_the_wait_for_the_step_in_progress():
     from types import SimpleNamespace
 
-    from servelab.sim.twin import reported_api_overhead
+    from servelab.sim.fit.twin import reported_api_overhead
 
     def rec(send, scheduled, prefill=0.03):
         # the server's figures: no queue, prefill from its scheduling to the first token
@@ -386,7 +386,7 @@ def test_the_api_time_leaves_out_the_wait_for_the_step_in_progress():
 
 
 def test_several_runs_put_the_drift_between_them_into_the_speed_spread():
-    from servelab.analyze.stepinfer import InferredStep, SeqWork, StepInference
+    from servelab.analyze.server_side.stepinfer import InferredStep, SeqWork, StepInference
 
     def run(speed):
         """30 s of back-to-back steps of 1-4 decodes priced 20 ms + 3 ms a decode, / speed."""
@@ -407,7 +407,7 @@ def test_several_runs_put_the_drift_between_them_into_the_speed_spread():
 
 
 def test_the_step_inference_figures_of_several_runs_add_up():
-    from servelab.sim.twin import _merged
+    from servelab.sim.fit.twin import _merged
 
     a = {"steps": 100, "max_batch": 4, "mean_batch": 2.0, "tolerance_s": 0.002,
          "running_vs_batch_mean": [2.0, 2.5]}  # fmt: skip

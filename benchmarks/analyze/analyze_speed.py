@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from servelab.bench.traces import load_trace
+from servelab.bench.workloads.traces import load_trace
 
 TRACE = "azure-2023-conv"  # the named trace the package ships: 19,366 requests, one hour
 SIM = ["--hardware", "h200", "--model", "llama-3.1-8b", "--no-steps"]

@@ -28,15 +28,15 @@ import yaml
 
 from servelab.analyze.answers import measure
 from servelab.analyze.compare import DEFAULT_ALPHA, STATS
-from servelab.bench.request_plan import LoadSpec
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import load_run
+from servelab.sim.costs.profiled import ProfileTable
 from servelab.sim.engine_args import parse_engine_args, split_deployment
-from servelab.sim.profiled import ProfileTable
+from servelab.sim.loop.simulation import Topology
 from servelab.sim.run_writer import write_run_dir
 from servelab.sim.scenario import Scenario, load_requests, simulate
 from servelab.sim.sim_target import profile_target
-from servelab.sim.simulation import Topology
 from servelab.workflows import demo
 
 

@@ -43,9 +43,9 @@ import numpy as np
 import yaml
 
 from benchmarks.peers import servers
-from servelab.analyze.attribution import attribute
-from servelab.analyze.diagnose import diagnose
-from servelab.analyze.promscrape import estimate
+from servelab.analyze.diagnosis.attribution import attribute
+from servelab.analyze.diagnosis.diagnose import diagnose
+from servelab.analyze.server_side.promscrape import estimate
 from servelab.analyze.stats import confidence_label
 from servelab.rundir import load_run
 

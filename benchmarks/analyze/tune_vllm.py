@@ -38,7 +38,7 @@ from rich.console import Console
 
 from benchmarks.sim.twin_check import SERVELAB, Case, bench, run
 from benchmarks.sim.twin_vllm import SERVED, VLLM_PYTHON, vllm_peer
-from servelab.bench.template import TemplateServer
+from servelab.bench.servers.template import TemplateServer
 from servelab.report.tuning_view import render_tuning, write_tuning_report
 from servelab.workflows.demo import mixed_workload
 from servelab.workflows.matrix import record_server

@@ -57,12 +57,12 @@ from benchmarks.peers.clients import (
     local_tokenizer,
     run_client,
 )
-from servelab.bench.client import Target, send
-from servelab.bench.event_loop import run_loop
-from servelab.bench.http import HttpClient
-from servelab.bench.testing import one_request
-from servelab.bench.testserver import Schedule, run_test_server
+from servelab.bench.client.event_loop import run_loop
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.send import Target, send
 from servelab.rundir import server_id
+from servelab.testing.testserver import Schedule, run_test_server
+from servelab.testing.tokenizers import one_request
 from servelab.vocab import ClientRecord, RequestTags
 
 

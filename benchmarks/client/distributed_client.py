@@ -28,13 +28,13 @@ import os
 import numpy as np
 
 from benchmarks.common import fetch_timelines
-from servelab.bench.client import Target
+from servelab.bench.client.event_loop import run_loop
+from servelab.bench.client.send import Target
 from servelab.bench.distributed.driver import DistributedStage, WorkerPool
-from servelab.bench.event_loop import run_loop
-from servelab.bench.request_plan import LoadSpec
-from servelab.bench.testing import one_request
-from servelab.bench.testserver import Schedule, run_test_server
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.rundir import server_id
+from servelab.testing.testserver import Schedule, run_test_server
+from servelab.testing.tokenizers import one_request
 from servelab.vocab import RequestTags
 
 

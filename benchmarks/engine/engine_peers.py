@@ -65,7 +65,7 @@ from benchmarks.common import (
     read_bandwidth,
 )
 from benchmarks.peers import servers
-from servelab.bench.server_target import free_port
+from servelab.bench.servers.target import free_port
 from servelab.engine.engine import LLMEngine
 from servelab.engine.engine_config import EngineConfig
 from servelab.model.loader import load_model
@@ -73,7 +73,7 @@ from servelab.model.torch_runner import TorchModelRunner
 from servelab.modelcore.catalogue import resolve_model
 from servelab.rundir import load_run
 from servelab.server.heap import keep_step_buffers
-from servelab.sim.modelspec import ModelSpec, from_model_config, load_model_spec
+from servelab.sim.costs.model_shapes import ModelSpec, from_model_config, load_model_spec
 
 console = Console(width=150)
 NO_THROUGHPUT = {"tput_requests": 0, "tput_in": 0, "tput_out": 0, "hf_seq": 0}

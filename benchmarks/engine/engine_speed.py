@@ -58,7 +58,7 @@ from servelab.model.torch_runner import TorchModelRunner
 from servelab.model.weight_cache import cached_hf_dir
 from servelab.modelcore.catalogue import is_gguf, resolve_model
 from servelab.server.heap import keep_step_buffers
-from servelab.sim.modelspec import from_model_config
+from servelab.sim.costs.model_shapes import from_model_config
 
 console = Console(width=150)
 QUICK = Sizes(

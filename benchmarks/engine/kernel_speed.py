@@ -65,7 +65,7 @@ from benchmarks.common import best_time, layer_shapes, prefill_flops
 from servelab.model import cpu_kernels
 from servelab.model.quant import QuantWeight, interleave_bf16, interleave_f32
 from servelab.server.heap import keep_step_buffers
-from servelab.sim.modelspec import PRESETS, ModelSpec, from_model_config
+from servelab.sim.costs.model_shapes import PRESETS, ModelSpec, from_model_config
 
 DEFAULT = PRESETS["smollm2-135m"]  # the shapes the kernels are timed at
 

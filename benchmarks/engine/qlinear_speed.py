@@ -30,7 +30,7 @@ from benchmarks.common import layer_shapes
 from servelab.model import cpu_kernels, quant
 from servelab.model.linear import linear
 from servelab.model.quant import QuantWeight
-from servelab.sim.modelspec import PRESETS
+from servelab.sim.costs.model_shapes import PRESETS
 
 SHAPES = [(o, i) for _, o, i in layer_shapes(PRESETS["smollm2-135m"])]  # (out, in) features
 

@@ -36,7 +36,7 @@ from servelab.model.loader import load_model
 from servelab.model.quant import MODES
 from servelab.model.torch_runner import TorchModelRunner
 from servelab.server.heap import keep_step_buffers
-from servelab.sim.modelspec import from_model_config
+from servelab.sim.costs.model_shapes import from_model_config
 
 console = Console(width=150)
 NO_HF = {"hf_seq": 0}

@@ -46,11 +46,11 @@ import httpx
 from rich.console import Console
 
 import servelab.bench.run as bench_run
-from servelab.bench.client import Target
-from servelab.bench.request_plan import LoadSpec, build_plan
+from servelab.bench.client.send import Target
 from servelab.bench.run import BenchOptions, run_bench
-from servelab.bench.server_target import LaunchedServer
-from servelab.bench.workload import load_workload
+from servelab.bench.servers.target import LaunchedServer
+from servelab.bench.workloads.request_plan import LoadSpec, build_plan
+from servelab.bench.workloads.spec import load_workload
 from servelab.modelcore.tokenizer import Tokenizer
 
 HERE = Path(__file__).parent

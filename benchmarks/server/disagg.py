@@ -35,10 +35,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from servelab.analyze.phase_costs import kv_transfers
+from servelab.analyze.server_side.phase_costs import kv_transfers
 from servelab.analyze.summary import run_summary
-from servelab.bench.request_plan import LoadSpec
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.rundir import load_run
 from servelab.workflows.matrix import MatrixConfig, MatrixSpec, execute_matrix, start_servers
 

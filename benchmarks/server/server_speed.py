@@ -45,7 +45,7 @@ import httpx
 import msgspec
 
 from benchmarks.common import random_prompt, serve
-from servelab.bench.server_target import free_port
+from servelab.bench.servers.target import free_port
 from servelab.modelcore.tokenizer import Tokenizer
 from servelab.vocab import ClientRecord
 

@@ -50,7 +50,7 @@ import aiohttp
 import psutil
 
 from benchmarks.common import serve
-from servelab.bench.server_target import free_port
+from servelab.bench.servers.target import free_port
 
 HOSTILE: list[tuple[str, bytes]] = [
     ("huge int", b'{"prompt": "hi", "max_tokens": 4, "priority": 1208925819614629174706176}'),

@@ -207,7 +207,7 @@ def real_runs(
     a: argparse.Namespace, out: Path, train: list[Case], cases: list[Case]
 ) -> dict[Case, list[Path]]:
     """Every case's real runs, in rounds: training and held-out cases alternate, so that the
-    machine's drift over minutes falls on both alike (sim.drift)."""
+    machine's drift over minutes falls on both alike (sim.costs.drift)."""
     order = [x for pair in zip_longest(train, cases) for x in pair if x is not None]
     reals: dict[Case, list[Path]] = {c: [] for c in order}
     for rnd in range(a.rounds):

@@ -40,9 +40,9 @@ from typing import Any
 
 import yaml
 
-from servelab.sim.roofline import Efficiency
+from servelab.sim.costs.roofline import Efficiency
+from servelab.sim.loop.simulation import SimRequest, Simulation, Topology
 from servelab.sim.sim_target import roofline_target
-from servelab.sim.simulation import SimRequest, Simulation, Topology
 
 DATA = Path(__file__).with_name("published_gpu.yaml")
 TOLERANCE = {"output_tok_s": 0.15, "itl_ms": 0.15, "latency_ms": 0.15, "ttft_ms": 0.25}

@@ -22,9 +22,9 @@ import pstats
 import time
 
 from servelab.engine.engine_config import EngineConfig
-from servelab.sim.sim_requests import requests_from_trace
+from servelab.sim.loop.sim_requests import requests_from_trace
+from servelab.sim.loop.simulation import SimRequest, SimResult, Simulation, Topology
 from servelab.sim.sim_target import roofline_target
-from servelab.sim.simulation import SimRequest, SimResult, Simulation, Topology
 
 TRACE = "azure-2023-conv"  # the named trace the package ships
 TARGET_CPU_S = 10.0

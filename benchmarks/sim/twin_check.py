@@ -1,12 +1,12 @@
 """A twin of a live server checked against it: calibrate on one run, predict held-out runs, run them.
 
 The parts the live-server benchmarks share (``twin_vllm``, ``twin_llamacpp``): a ``Peer``
-says how to launch the server (a ``bench.template`` command template), how the run states
+says how to launch the server (a ``bench.servers.template`` command template), how the run states
 its command to ``servelab bench``/``calibrate``, and how each measured run starts from a
 cold prefix cache (an endpoint that empties it, or a server of its own). ``check`` runs the
 training case on two launches of the server (one, if asked), calibrates on them, and for
 each held-out case predicts it (``servelab sim
---calibration --seeds N``, the case's flags translated by ``sim.twin.flag_changes``) and
+--calibration --seeds N``, the case's flags translated by ``sim.fit.twin.flag_changes``) and
 runs it for real; it prints and writes (``results.json``) predicted (median and range over
 the seeds) against measured TTFT p50/p90, ITL p50/p99, TPOT p50 and output tok/s: the
 share within ``tolerance`` and the share inside the predicted range, per case and overall,
@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from servelab.bench.template import TemplateServer
+from servelab.bench.servers.template import TemplateServer
+from servelab.sim.fit.twin import TwinCalibration, flag_changes
 from servelab.sim.intervals import FIGURES
-from servelab.sim.twin import TwinCalibration, flag_changes
 
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
 LENGTH_SCALE = "0.5"

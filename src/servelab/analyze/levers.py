@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from servelab.analyze.findings import Context, Finding
-from servelab.analyze.serversettings import server_kind as run_server_kind
+from servelab.analyze.diagnosis.findings import Context, Finding
+from servelab.analyze.server_side.serversettings import server_kind as run_server_kind
 
 # KV bytes per token of the default model in fp32 (docs/reference-figures.md): the transfer
 # disaggregation adds per prompt token.
@@ -47,7 +47,7 @@ class Recommendation:
 
 def server_kind(c: Context) -> str:
     """Whose flags a recommendation names: ``servelab``, ``vllm``, ``sglang``, ``llamacpp``
-    (``analyze.serversettings.server_kind``: what the server says of itself, the figures its
+    (``analyze.server_side.serversettings.server_kind``: what the server says of itself, the figures its
     responses carried, or the command it was launched with), or ``other`` (neutral wording)."""
     return run_server_kind(c.run)
 

@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.gaps import Gaps
+from servelab.analyze.server_side.timeseries import ServerSeries
 from servelab.analyze.similarity import cache_hit_rate
 from servelab.analyze.stats import DEFAULT_CONFIDENCE, DEFAULT_N_BOOT, describe
-from servelab.analyze.timeseries import ServerSeries
 from servelab.analyze.timeslices import DEFAULT_SLICE_DURATION, timeslices
 from servelab.rundir import Run
 from servelab.units import SLO, Trim

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.gaps import Gaps
-from servelab.analyze.timeseries import ServerSeries
+from servelab.analyze.server_side.timeseries import ServerSeries
 from servelab.vocab import ClientRecord
 
 DEFAULT_SLICE_DURATION = 10.0  # seconds (`servelab bench --slice-duration`)

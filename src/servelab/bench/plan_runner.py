@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from dataclasses import dataclass
 from functools import partial
 
-from servelab.bench.client import Outcome, Target, send
-from servelab.bench.http import HttpClient
-from servelab.bench.recount import Recounter
-from servelab.bench.request_plan import LoadSpec, PlannedRequest, compose_prompt
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.recount import Recounter
+from servelab.bench.client.send import Outcome, Target, send
+from servelab.bench.workloads.request_plan import LoadSpec, PlannedRequest, compose_prompt
 from servelab.vocab import ClientRecord
 
 START_DELAY_S = 0.05  # the first intended send is this far after the run starts

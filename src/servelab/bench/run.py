@@ -21,27 +21,27 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from servelab.analyze.promscrape import parse_scrapes
+from servelab.analyze.server_side.promscrape import parse_scrapes
+from servelab.analyze.server_side.timeseries import ServerSeries, server_series
 from servelab.analyze.similarity import ideal_prefix_reuse
 from servelab.analyze.summary import measured_window, summarize
-from servelab.analyze.timeseries import ServerSeries, server_series
 from servelab.analyze.timeslices import DEFAULT_SLICE_DURATION
-from servelab.bench.client import Target
-from servelab.bench.collect import SCRAPE_INTERVAL, MetricsScraper, TimelineCollector
+from servelab.bench.client.event_loop import run_loop
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.monitor import ClientHealth, LoopMonitor
+from servelab.bench.client.requestid import RequestIdHeader
+from servelab.bench.client.send import Target
+from servelab.bench.client.servertok import SERVER_TOKENIZER, ServerTokenizer
 from servelab.bench.datasets import Dataset, load_dataset
 from servelab.bench.distributed.clock import timing_error_budget
-from servelab.bench.event_loop import run_loop
-from servelab.bench.http import HttpClient
 from servelab.bench.manifest import machine, redact, versions
-from servelab.bench.monitor import ClientHealth, LoopMonitor
 from servelab.bench.plan_runner import PlanRunner, StageResult
 from servelab.bench.progress import Progress
-from servelab.bench.request_plan import ENDPOINTS, LoadSpec, Plan, build_plan, iter_plan
-from servelab.bench.requestid import RequestIdHeader
 from servelab.bench.search import find_max_rate, saturated, sweep_stop
-from servelab.bench.server_target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
-from servelab.bench.servertok import SERVER_TOKENIZER, ServerTokenizer
-from servelab.bench.workload import DatasetSource, WorkloadSpec, load_workload, parse_workload
+from servelab.bench.servers.collect import SCRAPE_INTERVAL, MetricsScraper, TimelineCollector
+from servelab.bench.servers.target import LaunchedServer, ServerInfo, probe, reset_prefix_cache
+from servelab.bench.workloads.request_plan import ENDPOINTS, LoadSpec, Plan, build_plan, iter_plan
+from servelab.bench.workloads.spec import DatasetSource, WorkloadSpec, load_workload, parse_workload
 from servelab.report.terminal import (
     fit,
     print_timeslices,
@@ -85,7 +85,7 @@ class BenchOptions:
     cooldown: Trim = field(default_factory=Trim)
     quiet: bool = False
     strict_openai: bool = False
-    request_id_header: bool = True  # X-Request-Id: a UUID per request (bench/requestid.py)
+    request_id_header: bool = True  # X-Request-Id: a UUID per request (bench/client/requestid.py)
     timeout: float = 600.0
     command: list[str] = field(default_factory=list)  # argv with the API key redacted
     overwrite: bool = False

@@ -37,7 +37,7 @@ def diagnose(
     """Explain a run's latencies: where TTFT went, what caused ITL stalls, what to change."""
     from rich.console import Console
 
-    from servelab.analyze.diagnose import diagnose as run_diagnosis
+    from servelab.analyze.diagnosis.diagnose import diagnose as run_diagnosis
     from servelab.report.terminal import render_diagnosis
 
     (run,) = _load([run_dir])
@@ -112,7 +112,7 @@ def report(
 ) -> None:
     """Write one self-contained HTML report (charts work offline) for one or more runs."""
     from servelab.analyze.compare import compare as run_compare
-    from servelab.analyze.diagnose import diagnose as run_diagnosis
+    from servelab.analyze.diagnosis.diagnose import diagnose as run_diagnosis
     from servelab.report.html import write_report
 
     runs = _load(run_dirs)

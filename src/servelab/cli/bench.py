@@ -21,7 +21,7 @@ from servelab.cli.extras import require_engine
 
 if TYPE_CHECKING:
     from servelab.bench.run import BenchOptions
-    from servelab.bench.workload import DatasetSource
+    from servelab.bench.workloads.spec import DatasetSource
 
 _DATASET = "Dataset and sampling"
 
@@ -422,7 +422,7 @@ def _dataset(flags: Mapping[str, Any]) -> DatasetSource | None:
         ):
             raise bad_flag("--dataset", "the --dataset-*/--*-input-len flags need --dataset SRC")
         return None
-    from servelab.bench.workload import DatasetSource
+    from servelab.bench.workloads.spec import DatasetSource
 
     try:
         return DatasetSource(

@@ -12,7 +12,7 @@ import typer
 from servelab.cli.errors import bad_flag, seconds
 
 if TYPE_CHECKING:
-    from servelab.bench.request_plan import LoadSpec
+    from servelab.bench.workloads.request_plan import LoadSpec
 
 TARGET = "Target"
 WORKLOAD = "Workload"
@@ -121,7 +121,7 @@ def load_spec(
     Raises typer's BadParameter for a time it cannot read, ValueError for a load
     ``LoadSpec.from_flags`` refuses.
     """
-    from servelab.bench.request_plan import LoadSpec
+    from servelab.bench.workloads.request_plan import LoadSpec
 
     on = off = None
     if flags["on_off"] is not None:

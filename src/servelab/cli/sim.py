@@ -20,7 +20,7 @@ from servelab.cli.errors import fail, seconds
 from servelab.cli.extras import require_engine
 
 if TYPE_CHECKING:
-    from servelab.bench.request_plan import LoadSpec
+    from servelab.bench.workloads.request_plan import LoadSpec
     from servelab.sim.scenario import Scenario
     from servelab.sim.sim_target import SimTarget
 
@@ -280,11 +280,11 @@ def _target(flags: Mapping[str, Any], draw: int = 0) -> SimTarget:
     """What to simulate: another server's twin (``draw`` picks its bootstrap refit and speed),
     a measured profile, or hardware x model through the roofline."""
     from servelab.engine.engine_config import EngineConfig
-    from servelab.sim.calibrate import Calibration
+    from servelab.sim.costs.roofline import Efficiency
     from servelab.sim.engine_args import parse_engine_args, split_deployment
-    from servelab.sim.roofline import Efficiency
+    from servelab.sim.fit.calibrate import Calibration
+    from servelab.sim.fit.twin import TwinCalibration, is_twin_file
     from servelab.sim.sim_target import profile_target, roofline_target
-    from servelab.sim.twin import TwinCalibration, is_twin_file
 
     eng, dep = split_deployment(parse_engine_args(flags["engine_args"]))
     if flags["calibration"] is not None and is_twin_file(flags["calibration"]):
@@ -303,7 +303,7 @@ def _target(flags: Mapping[str, Any], draw: int = 0) -> SimTarget:
                 "--profile replays this machine's measured engine; --engine, --dtype and "
                 "--kv-dtype apply to --hardware only"
             )
-        from servelab.sim.profiled import ProfileTable
+        from servelab.sim.costs.profiled import ProfileTable
 
         table = ProfileTable.load(flags["profile"])
         base = EngineConfig(**table.meta.get("engine_config", {}))
@@ -323,8 +323,8 @@ def _target(flags: Mapping[str, Any], draw: int = 0) -> SimTarget:
     for k, v in overrides.items():
         if v is not None:
             setattr(eff, k, v)
+    from servelab.sim.costs.hardware import get_hardware
     from servelab.sim.engine_defaults import default_engine
-    from servelab.sim.hardware import get_hardware
 
     hw = get_hardware(flags["hardware"])
     return roofline_target(
@@ -341,8 +341,8 @@ def _target(flags: Mapping[str, Any], draw: int = 0) -> SimTarget:
 
 
 def _topology(flags: Mapping[str, Any]) -> Any:
-    from servelab.sim.links import parse_link
-    from servelab.sim.simulation import Topology
+    from servelab.sim.loop.links import parse_link
+    from servelab.sim.loop.simulation import Topology
 
     topo = Topology(replicas=flags["replicas"], router=flags["router"])
     if flags["pd"] is not None:
@@ -574,10 +574,10 @@ def calibrate(
     import json
 
     from servelab.rundir import RunDirError, load_run
-    from servelab.sim.calibrate import fit_efficiency
-    from servelab.sim.hardware import get_hardware
-    from servelab.sim.modelspec import load_model_spec
-    from servelab.sim.replay import measured_steps
+    from servelab.sim.costs.hardware import get_hardware
+    from servelab.sim.costs.model_shapes import load_model_spec
+    from servelab.sim.fit.calibrate import fit_efficiency
+    from servelab.sim.fit.recorded_steps import measured_steps
 
     try:
         runs = [load_run(d) for d in run_dirs]
@@ -612,7 +612,7 @@ def _calibrate_twin(
 
     from servelab.bench.manifest import redact
     from servelab.report.twin_tables import calibration_table
-    from servelab.sim.twin import calibrate_runs
+    from servelab.sim.fit.twin import calibrate_runs
 
     stated = shlex.join(redact(shlex.split(server_config))) if server_config else None
     cal = calibrate_runs(runs, stated, hardware, model)
@@ -652,9 +652,9 @@ def profile(
     """Measure the real engine's step times on this machine; `servelab sim --profile` replays them."""
     require_engine("profile")
     from servelab.engine.engine_config import EngineConfig
+    from servelab.sim.costs.profiled import ProfiledCostModel
     from servelab.sim.engine_args import parse_engine_args, split_deployment
-    from servelab.sim.profiled import ProfiledCostModel
-    from servelab.sim.run_profile import table_from_runs
+    from servelab.sim.fit.run_profile import table_from_runs
     from servelab.vocab import check_quantization
     from servelab.workflows.profile import profile as run_profile
 

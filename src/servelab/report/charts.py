@@ -14,9 +14,9 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from servelab.analyze.attribution import TTFT_PARTS, Stall
 from servelab.analyze.compare import Comparison
-from servelab.analyze.diagnose import Diagnosis, PartsTable
+from servelab.analyze.diagnosis.attribution import TTFT_PARTS, Stall
+from servelab.analyze.diagnosis.diagnose import Diagnosis, PartsTable
 from servelab.analyze.gaps import run_gaps
 from servelab.analyze.summary import stage_summaries
 from servelab.rundir import Run

@@ -11,11 +11,11 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from servelab.analyze import timesplit
 from servelab.analyze.answers import Answer
 from servelab.analyze.compare import Comparison
-from servelab.analyze.diagnose import Diagnosis
-from servelab.analyze.timesplit import TimeSplit
+from servelab.analyze.diagnosis import timesplit
+from servelab.analyze.diagnosis.diagnose import Diagnosis
+from servelab.analyze.diagnosis.timesplit import TimeSplit
 from servelab.report.html import CSS, comparison_html, esc, figure_div, run_sections
 from servelab.rundir import Run
 

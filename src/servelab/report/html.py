@@ -16,9 +16,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
-from servelab.analyze.diagnose import Diagnosis
+from servelab.analyze.diagnosis.attribution import STALL_FACTOR
+from servelab.analyze.diagnosis.diagnose import Diagnosis
 from servelab.analyze.gaps import run_gaps
 from servelab.analyze.summary import run_summary
 from servelab.report import charts

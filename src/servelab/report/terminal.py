@@ -13,9 +13,9 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from servelab.analyze.answers import Answer
-from servelab.analyze.attribution import STALL_FACTOR
 from servelab.analyze.compare import Comparison
-from servelab.analyze.diagnose import Diagnosis
+from servelab.analyze.diagnosis.attribution import STALL_FACTOR
+from servelab.analyze.diagnosis.diagnose import Diagnosis
 from servelab.analyze.summary import run_summary
 from servelab.report.windows import rates_text, window_label
 from servelab.units import fmt_ms

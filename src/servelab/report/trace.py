@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelab.analyze.attribution import Stall
+from servelab.analyze.diagnosis.attribution import Stall
 from servelab.rundir import Run
 
 REQUESTS_PID = 1

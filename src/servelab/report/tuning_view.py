@@ -18,17 +18,17 @@ from plotly.offline import get_plotlyjs
 from rich.console import Console
 from rich.table import Table
 
-from servelab.analyze.candidates import launch_action
-from servelab.analyze.decision import Decision, Judged, moved
-from servelab.analyze.prediction import (
+from servelab.analyze.tuning.candidates import launch_action
+from servelab.analyze.tuning.decision import Decision, Judged, moved
+from servelab.analyze.tuning.prediction import (
     CHECKED,
     Prediction,
     Spread,
     is_latency,
     label,
 )
-from servelab.analyze.tuning import Tuning
-from servelab.analyze.verification import AS_RUN, TUNED, Verification
+from servelab.analyze.tuning.result import Tuning
+from servelab.analyze.tuning.verification import AS_RUN, TUNED, Verification
 from servelab.report.html import CSS, esc, figure_div
 
 # Per class, the figures shown before -> after for a decision.

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from servelab.sim.loop.simulation import SimResult, Topology
 from servelab.sim.scenario import attainment, load_requests, simulate
-from servelab.sim.simulation import SimResult, Topology
 
 
 @dataclass(kw_only=True)
@@ -205,7 +205,7 @@ def find_capacity(
     elif kind == "pd":
         link = topo.link
         if link is None:
-            from servelab.sim.links import parse_link
+            from servelab.sim.loop.links import parse_link
 
             link = parse_link("nvlink")
         result = best_pd_split(

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from servelab.engine.engine_config import EngineConfig
-from servelab.sim.hardware import Hardware
+from servelab.sim.costs.hardware import Hardware
 
 ENGINES = ("vllm", "sglang", "servelab")
 GIB = 2**30

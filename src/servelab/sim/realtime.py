@@ -1,7 +1,7 @@
 """Real-time simulation: `servelab serve --simulate HARDWARE:MODEL`.
 
 The server's engine core runs an ``LLMEngine`` (the engine's own scheduler and KV cache)
-over a :class:`~servelab.sim.cost_executor.PacedExecutor`, which sleeps each step for the time
+over a :class:`~servelab.sim.costs.executor.PacedExecutor`, which sleeps each step for the time
 the cost model predicts on the simulated hardware. Clients get an OpenAI-compatible
 server with that hardware's timing; the text is placeholder words from the serving
 tokenizer, and generation runs to ``max_tokens`` (placeholders are never EOS).

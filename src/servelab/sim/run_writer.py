@@ -17,7 +17,7 @@ from servelab.analyze.stats import DEFAULT_N_BOOT
 from servelab.analyze.summary import summarize
 from servelab.bench.manifest import machine, versions
 from servelab.rundir import RunDir
-from servelab.sim.simulation import SimResult
+from servelab.sim.loop.simulation import SimResult
 from servelab.units import SLO
 
 

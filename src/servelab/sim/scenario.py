@@ -1,7 +1,7 @@
 """A simulated scenario: the requests (from a workload or a trace), the deployment, the
 network, and the SLOs; :func:`simulate` runs it.
 
-Workloads and loads use the benchmark's own types (``bench.workload``, ``bench.plan.LoadSpec``),
+Workloads and loads use the benchmark's own types (``bench.workloads.spec``, ``bench.plan.LoadSpec``),
 so ``servelab sim`` takes the same workload names, files and load flags as ``servelab bench``.
 """
 
@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from servelab.sim.history import Resend
+from servelab.sim.loop.history import Resend
+from servelab.sim.loop.simulation import SimRequest, SimResult, Simulation, Topology
 from servelab.sim.sim_target import SimTarget
-from servelab.sim.simulation import SimRequest, SimResult, Simulation, Topology
 from servelab.units import SLO
 
 
@@ -75,7 +75,7 @@ def load_requests(
     ``resend`` is the target's (``SimTarget``), for multi-turn sessions, drawn
     per ``seed`` and ``sim_seed``.
     """
-    from servelab.sim.sim_requests import requests_from_plan, requests_from_trace
+    from servelab.sim.loop.sim_requests import requests_from_plan, requests_from_trace
 
     load.validate()
     info: dict[str, Any] = {"load": load.to_dict(), "seed": seed}
@@ -95,8 +95,8 @@ def load_requests(
         return reqs, info, None
     if workload is None:
         raise ValueError("give a workload (--workload NAME|FILE) or a trace (--trace FILE)")
-    from servelab.bench.request_plan import build_plan
-    from servelab.bench.workload import load_workload
+    from servelab.bench.workloads.request_plan import build_plan
+    from servelab.bench.workloads.spec import load_workload
 
     spec = load_workload(workload)
     if tokenizer is None:

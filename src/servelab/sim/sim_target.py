@@ -1,6 +1,6 @@
 """What is simulated: a cost model plus the engine settings and model facts around it.
 
-A :class:`SimTarget` builds replicas for :class:`~servelab.sim.simulation.Simulation`: each is
+A :class:`SimTarget` builds replicas for :class:`~servelab.sim.loop.simulation.Simulation`: each is
 the engine's own ``LLMEngine`` over a :class:`SimExecutor` on a virtual clock.
 """
 
@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.engine.engine_config import EngineConfig
-from servelab.sim.cost_executor import CostModel, PacedExecutor, SimExecutor, VirtualClock
-from servelab.sim.dtypes import Precision
+from servelab.sim.costs.dtypes import Precision
+from servelab.sim.costs.executor import CostModel, PacedExecutor, SimExecutor, VirtualClock
+from servelab.sim.costs.hardware import Hardware, get_hardware
+from servelab.sim.costs.model_shapes import ModelSpec, load_model_spec
+from servelab.sim.costs.noise import StepNoise
+from servelab.sim.costs.profiled import ProfiledCostModel, ProfileTable
+from servelab.sim.costs.roofline import Efficiency, RooflineCostModel
 from servelab.sim.engine_defaults import engine_defaults, sglang_max_running
-from servelab.sim.hardware import Hardware, get_hardware
-from servelab.sim.history import Resend
-from servelab.sim.modelspec import ModelSpec, load_model_spec
-from servelab.sim.noise import StepNoise
-from servelab.sim.profiled import ProfiledCostModel, ProfileTable
-from servelab.sim.roofline import Efficiency, RooflineCostModel
+from servelab.sim.loop.history import Resend
 
 
 @dataclass
@@ -30,9 +30,9 @@ class SimTarget:
     ``kv_cache_memory_gb`` rule) and the disaggregated KV transfer. ``step_noise``, when
     measured, varies each step's time as real steps vary (one seeded series per replica).
     ``resend``: where a multi-turn client's resent history first differs from the generated
-    tokens (:mod:`servelab.sim.history`; the default: never). ``spec_acceptance`` is each
+    tokens (:mod:`servelab.sim.loop.history`; the default: never). ``spec_acceptance`` is each
     draft's chance to be accepted, in order, and ``spec_proposal_rate`` the share of a
-    sequence's steps that get drafts (:mod:`servelab.sim.sampled_proposals`).
+    sequence's steps that get drafts (:mod:`servelab.sim.loop.sampled_proposals`).
     """
 
     cost_model: CostModel
@@ -73,7 +73,7 @@ class SimTarget:
         # engine's own deques (for /v1/timelines) would only keep 10,000 dead steps alive.
         engine = LLMEngine(ex, self.engine_config, tokenizer=None, clock=clock, history=0)
         if engine.spec is not None and self.spec_proposal_rate < 1.0:
-            from servelab.sim.sampled_proposals import SampledProposals
+            from servelab.sim.loop.sampled_proposals import SampledProposals
 
             engine.spec.proposer = SampledProposals(
                 engine.spec.proposer, self.spec_proposal_rate, seed

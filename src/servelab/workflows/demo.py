@@ -19,7 +19,7 @@
 3. one line per sub-run while it works (each bench's tables in its run directory's
    ``bench.txt``; ``verbose`` prints them, and each question's findings), then the answers;
 4. write ``demo.json`` and one HTML report that opens with the answers, each with a chart
-   of where the time went (``analyze.timesplit``).
+   of where the time went (``analyze.diagnosis.timesplit``).
 
 Sizes are chosen so that each effect, where real, is several times its noise at the
 sample size a 2-core CPU gets in the time: the full demo aims at under 10 minutes,
@@ -49,16 +49,16 @@ from servelab.analyze.answers import (
     spec_answer,
 )
 from servelab.analyze.compare import Comparison, compare
-from servelab.analyze.diagnose import Diagnosis, diagnose
-from servelab.analyze.timesplit import (
+from servelab.analyze.diagnosis.diagnose import Diagnosis, diagnose
+from servelab.analyze.diagnosis.timesplit import (
     TimeSplit,
     stall_split,
     step_split,
     token_split,
     ttft_split,
 )
-from servelab.bench.request_plan import LoadSpec
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.report.demo_report import write_demo_report
 from servelab.report.terminal import render_answers, run_line
 from servelab.rundir import Run, load_run
@@ -559,7 +559,7 @@ def _answer(qid: str, gs: list[list[Run]], size: DemoSize, seed: int) -> Answer:
 
 
 def _split(qid: str, gs: list[list[Run]]) -> TimeSplit:
-    """Where the time went, for the question's card (``analyze.timesplit``)."""
+    """Where the time went, for the question's card (``analyze.diagnosis.timesplit``)."""
     q = QUESTIONS[qid]
     named = list(zip(_labels(gs), gs, strict=True))
     if qid == "decode_itl":

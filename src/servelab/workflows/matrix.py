@@ -12,7 +12,7 @@ the number of repeats; the workload and load come from the `servelab bench` comm
       prio: {engine_args: "", workload: my-priorities.yaml}
 
 Another server (vLLM, SGLang, llama-server) is launched from a command template
-(``bench.template``) instead of `servelab serve`: each config's flags fill its ``{flags}``,
+(``bench.servers.template``) instead of `servelab serve`: each config's flags fill its ``{flags}``,
 ``model`` fills ``{model}``, and a config may give a template of its own::
 
     template: "vllm serve {model} --host {host} --port {port} {flags}"
@@ -45,8 +45,8 @@ from rich.console import Console
 
 from servelab.analyze.compare import Comparison, compare
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
-from servelab.bench.server_target import LaunchedServer
-from servelab.bench.template import HEALTH_TIMEOUT_S, TemplateServer
+from servelab.bench.servers.target import LaunchedServer
+from servelab.bench.servers.template import HEALTH_TIMEOUT_S, TemplateServer
 from servelab.engine_flags import read_flags
 from servelab.rundir import Run, load_run, read_json, write_manifest
 
@@ -65,7 +65,7 @@ class MatrixConfig:
 class MatrixSpec:
     configs: list[MatrixConfig]
     repeats: int = 1
-    template: str | None = None  # launch every config from this (bench.template)
+    template: str | None = None  # launch every config from this (bench.servers.template)
     model: str | None = None  # the template's {model} (default: bench --model)
 
     @classmethod
@@ -195,7 +195,7 @@ def start_servers(
     """Start one server per name, all at once, and wait until every one is healthy (within
     ``health_timeout`` seconds): the `servelab serve` the name's flags configure, or where
     ``templates`` gives the name a template, that command with the flags as its ``{flags}``
-    (``bench.template``).
+    (``bench.servers.template``).
 
     On failure the ones already started are stopped before the error propagates.
     """
@@ -297,7 +297,7 @@ def run_matrix(
 
     Returns 0, 3 when any run was invalid, 130 when interrupted, 2 on bad input.
     """
-    from servelab.analyze.diagnose import diagnose
+    from servelab.analyze.diagnosis.diagnose import diagnose
     from servelab.report.html import write_report
     from servelab.report.terminal import render_comparison
 

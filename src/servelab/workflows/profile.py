@@ -29,9 +29,9 @@ from typing import Any
 from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
-from servelab.sim.profiled import ProfileSample, ProfileTable
-from servelab.sim.run_profile import fit_overhead
-from servelab.sim.work import StepWork
+from servelab.sim.costs.profiled import ProfileSample, ProfileTable
+from servelab.sim.costs.work import StepWork
+from servelab.sim.fit.run_profile import fit_overhead
 
 # The model package (torch, 6 s to import) is imported only by the functions that run the
 # engine, so that the grid and the shapes serve tools that never load a model.

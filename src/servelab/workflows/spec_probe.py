@@ -8,9 +8,9 @@ tokens are planned, on the run's model, weights and engine config with n-gram sp
 ``k`` drafts: each request with its own prompt ids and temperature (the server's default,
 1.0, where the request named none) and its planned output length up to
 ``PROBE_MAX_TOKENS``. The engine counts drafts proposed and accepted; the simulator's
-per-draft acceptance (``sim.asrun.acceptance_from_ratio``) is fitted to the accepted drafts
+per-draft acceptance (``sim.fit.asrun.acceptance_from_ratio``) is fitted to the accepted drafts
 per drafted step, its proposal rate is the share of sequence-steps the n-gram lookup drafted
-for (``sim.sampled_proposals``), and the speculation candidates are priced with both.
+for (``sim.loop.sampled_proposals``), and the speculation candidates are priced with both.
 
 The probe runs in a spawned process: the model's memory is returned when it ends, and the
 tuning process, which forks its simulations, never starts torch's threads.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelab.engine.engine_config import EngineConfig
-from servelab.sim.asrun import acceptance_from_ratio
+from servelab.sim.fit.asrun import acceptance_from_ratio
 
 PROBE_K = 4
 PROBE_OUTPUT_TOKENS = 1200
@@ -99,7 +99,7 @@ class AcceptanceProbe:
 
 
 def sample(requests: list[Any], output_tokens: int = PROBE_OUTPUT_TOKENS) -> list[ProbeRequest]:
-    """The first requests in send order (``sim.simulation.SimRequest``s) until their planned
+    """The first requests in send order (``sim.loop.simulation.SimRequest``s) until their planned
     outputs reach ``output_tokens``."""
     out: list[ProbeRequest] = []
     planned = 0

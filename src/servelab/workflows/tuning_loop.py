@@ -1,23 +1,23 @@
 """`servelab tune RUN`: replay a run as it ran, predict each candidate setting, decide, verify.
 
-1. **Replay and self-check.** The run's own requests (``sim.asrun``) replay through the
+1. **Replay and self-check.** The run's own requests (``sim.fit.asrun``) replay through the
    simulator with its engine config and a cost model fitted to its steps -- for another
    server's run (vLLM, SGLang, llama.cpp), the twin calibrated on it, seed ``k`` on the
    twin's ``k``-th draw -- under ``seeds`` simulator seeds; the replay's per-class figures must match the measured ones
-   within the tolerance (``analyze.prediction.self_check``), or nothing is predicted.
-2. **Predict.** The findings' levers give candidate settings (``analyze.candidates``; for
+   within the tolerance (``analyze.tuning.prediction.self_check``), or nothing is predicted.
+2. **Predict.** The findings' levers give candidate settings (``analyze.tuning.candidates``; for
    another server only those its own flags can set); each replays the same requests under the same seeds (in ``jobs`` forked processes: the
    target and the requests are built once, before the fork). Where a finding calls for
    speculation on an embedded-engine run that did not speculate, a probe generates a
    sample of the run's requests with n-gram drafts first (``workflows.spec_probe``), and
    the target drafts and accepts as the probe measured.
-3. **Decide** (``analyze.decision``): rank by the objective, one value per knob, the best
+3. **Decide** (``analyze.tuning.decision``): rank by the objective, one value per knob, the best
    knobs combined and simulated once more.
 4. **Verify** (``verify=True``): rerun the same planned requests against the embedded
    server -- another server relaunched from its command template, as-run flags and those
    plus the chosen setting's in its own spelling -- as-run config and the chosen setting
    alternating over ``repeats`` (``workflows.matrix``), and compare measured with
-   predicted (``analyze.verification``).
+   predicted (``analyze.tuning.verification``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from servelab.analyze.candidates import (
+from servelab.analyze.diagnosis.diagnose import diagnose
+from servelab.analyze.server_side.serversettings import SERVELAB, render_flags, server_kind
+from servelab.analyze.tuning.candidates import (
     Candidate,
     RunFacts,
     for_server,
@@ -43,15 +45,13 @@ from servelab.analyze.candidates import (
     serve_flags,
     server_changes,
 )
-from servelab.analyze.decision import TOP, Objective, combine, decide, judge
-from servelab.analyze.diagnose import diagnose
-from servelab.analyze.prediction import TOLERANCE, Figures, Prediction, figures, self_check
-from servelab.analyze.serversettings import SERVELAB, render_flags, server_kind
-from servelab.analyze.tuning import Tuning
-from servelab.analyze.verification import AS_RUN, TUNED, Verification, verify
-from servelab.bench.template import HEALTH_TIMEOUT_S
+from servelab.analyze.tuning.decision import TOP, Objective, combine, decide, judge
+from servelab.analyze.tuning.prediction import TOLERANCE, Figures, Prediction, figures, self_check
+from servelab.analyze.tuning.result import Tuning
+from servelab.analyze.tuning.verification import AS_RUN, TUNED, Verification, verify
+from servelab.bench.servers.template import HEALTH_TIMEOUT_S
 from servelab.rundir import Run, load_run
-from servelab.sim.asrun import (
+from servelab.sim.fit.asrun import (
     AsRun,
     NotReplayable,
     Replica,
@@ -61,8 +61,8 @@ from servelab.sim.asrun import (
     requests_as_run,
     run_slos,
 )
+from servelab.sim.loop.simulation import Topology
 from servelab.sim.scenario import Scenario, simulate
-from servelab.sim.simulation import Topology
 from servelab.units import SLO
 from servelab.vocab import DEFAULT_MODEL
 from servelab.workflows.spec_probe import AcceptanceProbe, probe_acceptance, sample
@@ -89,7 +89,7 @@ class TuneSpec:
     verify: bool = False
     repeats: int = DEFAULT_REPEATS
     out: Path | None = None  # where --verify writes its runs
-    server_template: str | None = None  # another server's launch command (bench.template)
+    server_template: str | None = None  # another server's launch command (bench.servers.template)
     hardware: str | None = None  # what another server ran on (its engine's defaults)
     server_model: str | None = None  # the template's {model} (default: the run's tokenizer)
     health_timeout: float = HEALTH_TIMEOUT_S  # --verify: seconds for a server to come up
@@ -376,16 +376,16 @@ def as_run_flags(run: Run, settings: dict[str, Any]) -> str:
 
 
 def _as_run_engine(run: Run) -> dict[str, Any]:
-    from servelab.sim.asrun import engine_config_of
+    from servelab.sim.fit.asrun import engine_config_of
 
     cfg = dataclasses.asdict(engine_config_of(run))
     return {k: v for k, v in cfg.items() if v is not None and k != "kv_cache_memory_gb"}
 
 
 def _bench_options(run: Run, out: Path, workload: str | None) -> Any:
-    from servelab.bench.request_plan import LoadSpec
     from servelab.bench.run import BenchOptions
-    from servelab.sim.asrun import plan_inputs
+    from servelab.bench.workloads.request_plan import LoadSpec
+    from servelab.sim.fit.asrun import plan_inputs
 
     inputs = plan_inputs(run)
     config = run.manifest.get("config") or {}
@@ -406,7 +406,7 @@ def _bench_options(run: Run, out: Path, workload: str | None) -> Any:
 
 def _workload_file(run: Run, out: Path, name: str, priorities: dict[str, int]) -> str | None:
     """The run's workload spec as a file (None for a trace replay: the load names the trace)."""
-    from servelab.sim.asrun import plan_inputs
+    from servelab.sim.fit.asrun import plan_inputs
 
     spec = dict(plan_inputs(run)["workload"])
     if "classes" not in spec:
@@ -462,7 +462,7 @@ def verify_choice(
     servers: dict[str, Any] | None = None,
 ) -> Verification:
     """Step 4 of the module doc."""
-    from servelab.sim.asrun import plan_inputs
+    from servelab.sim.fit.asrun import plan_inputs
     from servelab.workflows.matrix import MatrixConfig, MatrixSpec, execute_matrix, start_servers
 
     assert tuning.decision is not None and tuning.decision.chosen is not None

@@ -26,7 +26,10 @@ import traceback
 from dataclasses import replace
 from typing import Any
 
-from servelab.bench.client import Target
+from servelab.bench.client.event_loop import run_loop
+from servelab.bench.client.http import HttpClient
+from servelab.bench.client.monitor import LoopMonitor
+from servelab.bench.client.send import Target
 from servelab.bench.distributed.clock import boot_id
 from servelab.bench.distributed.messages import (
     DONE,
@@ -39,11 +42,8 @@ from servelab.bench.distributed.messages import (
     encode,
     read_message,
 )
-from servelab.bench.event_loop import run_loop
-from servelab.bench.http import HttpClient
-from servelab.bench.monitor import LoopMonitor
 from servelab.bench.plan_runner import PlanRunner, request_id
-from servelab.bench.request_plan import PlannedRequest
+from servelab.bench.workloads.request_plan import PlannedRequest
 from servelab.vocab import ClientRecord
 
 WORKER_HEADER = "X-Servelab-Worker"

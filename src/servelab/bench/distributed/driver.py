@@ -37,7 +37,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from servelab.bench.client import Target
+from servelab.bench.client.monitor import MAX_SEND_LAG_P99_S, ClientHealth
+from servelab.bench.client.send import Target
 from servelab.bench.distributed.clock import ClockOffset, measure_offset, timing_error_budget
 from servelab.bench.distributed.messages import (
     DONE,
@@ -54,9 +55,8 @@ from servelab.bench.distributed.partition import (
     partition,
     split_concurrency,
 )
-from servelab.bench.monitor import MAX_SEND_LAG_P99_S, ClientHealth
 from servelab.bench.plan_runner import START_DELAY_S, StageResult, request_id, sessions
-from servelab.bench.request_plan import LoadSpec, PlannedRequest
+from servelab.bench.workloads.request_plan import LoadSpec, PlannedRequest
 from servelab.vocab import ClientRecord
 
 START_LEAD_S = 0.3  # the common start: this long after the last worker is ready (+ round trips)

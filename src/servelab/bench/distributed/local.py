@@ -18,7 +18,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from servelab.bench.client import Target
+from servelab.bench.client.send import Target
 from servelab.bench.distributed.messages import (
     DONE,
     FAILED,

@@ -20,8 +20,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelab.bench.monitor import ClientHealth
-from servelab.bench.request_plan import LoadSpec, PlannedRequest
+from servelab.bench.client.monitor import ClientHealth
+from servelab.bench.workloads.request_plan import LoadSpec, PlannedRequest
 
 SENT = "sent"
 RECORDS = "records"

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from servelab.bench.plan_runner import sessions
-from servelab.bench.request_plan import PlannedRequest
+from servelab.bench.workloads.request_plan import PlannedRequest
 from servelab.vocab import ClientRecord
 
 MAX_POINTS = 300  # points of the concurrency series kept in the manifest

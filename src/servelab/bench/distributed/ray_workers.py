@@ -21,10 +21,10 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from servelab.bench.client import Target
+from servelab.bench.client.send import Target
 from servelab.bench.distributed.bench_worker import BenchWorkerCore
 from servelab.bench.distributed.messages import StageJob, WorkerCalls, WorkerInfo, WorkerLost
-from servelab.bench.request_plan import PlannedRequest
+from servelab.bench.workloads.request_plan import PlannedRequest
 
 ACTOR_READY_TIMEOUT_S = 120.0
 CONNECT_CHECK_TIMEOUT_S = 5.0
