@@ -7,22 +7,11 @@ budget; prompts wait for their prefill: a larger one). So candidates are made pe
 over a grid that covers both directions whenever any finding calls for the knob, and the
 decision (``analyze.tuning.decision``) keeps at most one value per knob.
 
-Grids:
-
-- ``chunking`` (``enable_chunked_prefill`` + ``max_num_batched_tokens``): powers of two
-  from 64 to the first one at or above the longest prompt, and the prompts' p25, p50 and p90
-  (rounded up to 16 tokens) where they are not within 20% of one of those; chunking off
-  when it is on.
-- ``max_num_seqs``: a quarter, half and three quarters of the most sequences a step ran
-  (caps that bind), and twice and four times the cap.
-- ``prefix_caching``: on, when it was off.
-- ``kv_memory``: the KV pool 1.5x, 2x and 4x.
-- ``priorities``: each class served first (priority 0, the others 1).
-- ``speculation``: n-gram with k = 2, 4, 8 drafts (and off, when the run speculated);
-  only when the run speculated or a probe of its traffic measured the acceptance
-  (``RunFacts.probed_acceptance``), because acceptance is a property of the text and the
-  sampling, which the simulator cannot know otherwise.
-- ``replicas``: 2, 3 and 4 copies of the engine (hardware, reported as capacity).
+The levers, their knobs and how each knob's values are derived are catalogued in
+``analyze.tuning.catalogue`` (``KNOBS[...].values``); the grids are built here. Speculation
+is tried only when the run speculated or a probe of its traffic measured the acceptance
+(``RunFacts.probed_acceptance``): acceptance is a property of the text and the sampling,
+which the simulator cannot know otherwise. Replicas are hardware, reported as capacity.
 
 Levers the simulator cannot replay come back as :class:`Unpredicted` with the reason.
 Each candidate has a *target*: the figure the finding behind its direction is about; the
@@ -41,39 +30,9 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.diagnosis.findings import Finding
-from servelab.analyze.levers import _LAUNCH, _cli_flag
 from servelab.analyze.server_side.serversettings import SERVELAB, render_flags
+from servelab.analyze.tuning.catalogue import LAUNCH, LEVERS, cli_flag, lever_knob
 
-KNOBS = (
-    "chunking",
-    "max_num_seqs",
-    "prefix_caching",
-    "kv_memory",
-    "priorities",
-    "speculation",
-    "replicas",
-)
-LEVER_KNOB = {
-    "chunked_prefill": "chunking",
-    "batch_budget_down": "chunking",
-    "batch_budget_up": "chunking",
-    "max_num_seqs_up": "max_num_seqs",
-    "max_num_seqs_down": "max_num_seqs",
-    "prefix_caching": "prefix_caching",
-    "kv_memory": "kv_memory",
-    "priorities": "priorities",
-    "speculative_decoding": "speculation",
-    "capacity": "replicas",
-}
-UNPREDICTED = {
-    "disaggregation": "not simulated for this engine: the simulator would price each "
-    "prefill and decode worker at the whole machine's profiled speed, while the embedded "
-    "disaggregated server splits this machine's cores between them",
-    "client": "outside the engine: the simulator replays the server, not the benchmark "
-    "client's machine",
-    "api_process": "outside the engine: the simulator replays the engine core, not the HTTP "
-    "process's tokenisation and streaming",
-}
 # The figure each finding is about: a candidate answering it must improve this figure.
 FINDING_TARGET = {
     "itl_prefill_interference": ("overall", "max_itl_mean"),
@@ -162,7 +121,7 @@ def serve_flags(engine: dict[str, Any]) -> str:
         if v is None:
             continue
         if k == "num_kv_blocks":
-            parts.append(_cli_flag("num_gpu_blocks_override", v))
+            parts.append(cli_flag("num_gpu_blocks_override", v))
         elif k == "speculative_config":
             parts.append(f"--speculative-config {shlex.quote(json.dumps(v))}")
         elif k in ("kv_cache_memory_gb", "kv_cache"):
@@ -170,7 +129,7 @@ def serve_flags(engine: dict[str, Any]) -> str:
             # one or its plain reference, which computes the same) is no launch setting.
             continue
         else:
-            parts.append(_cli_flag(k, v))
+            parts.append(cli_flag(k, v))
     return " ".join(parts)
 
 
@@ -185,21 +144,7 @@ def launch_action(kind: str, engine: dict[str, Any]) -> str:
     own (``vllm serve --max-num-batched-tokens 512``, ``serversettings.render_flags``)."""
     if kind == SERVELAB:
         return f"servelab serve {serve_flags(engine)}"
-    return f"{_LAUNCH[kind][0]} {render_flags(kind, server_changes(engine))}"
-
-
-PRIORITIES_ELSEWHERE = (
-    "class priorities are not predicted for another server: its priority scheduling (vLLM "
-    "--scheduling-policy priority, SGLang --enable-priority-scheduling) is not modelled by "
-    "the twin"
-)
-
-
-DISAGGREGATION_ELSEWHERE = (
-    "not predicted for another server: its twin is one engine fitted to this run's steps, "
-    "and a disaggregated deployment's prefill and decode workers are other processes (on a "
-    "CPU host, sharing its cores) whose costs no run of this one measured"
-)
+    return f"{LAUNCH[kind][0]} {render_flags(kind, server_changes(engine))}"
 
 
 def for_server(
@@ -213,14 +158,14 @@ def for_server(
         return cands, skipped
     keep: list[Candidate] = []
     out = [
-        Unpredicted(u.lever, u.findings, DISAGGREGATION_ELSEWHERE)
-        if u.lever == "disaggregation"
+        Unpredicted(u.lever, u.findings, LEVERS[u.lever].elsewhere)
+        if LEVERS[u.lever].elsewhere
         else u
         for u in skipped
     ]
     said: set[tuple[str, str]] = set()
     for c in cands:
-        reason = PRIORITIES_ELSEWHERE if c.priorities else None
+        reason = LEVERS["priorities"].elsewhere if c.priorities else None
         if reason is None and c.engine:
             try:
                 render_flags(kind, server_changes(c.engine))
@@ -283,7 +228,8 @@ def generate(
     ``objective`` (scope, figure) is the target of a candidate that no finding's direction
     calls for (the other side of a knob)."""
     levers = _by_lever(findings)
-    knobs = {LEVER_KNOB[lever] for lever in levers if lever in LEVER_KNOB}
+    knob_of = lever_knob()
+    knobs = {knob_of[lever] for lever in levers if lever in knob_of}
     cfg = facts.config
     out: list[Candidate] = []
     skipped: list[Unpredicted] = []
@@ -456,6 +402,6 @@ def generate(
                 )
             )
     for lever, found in levers.items():
-        if lever in UNPREDICTED:
-            skipped.append(Unpredicted(lever, tuple(f.id for f in found), UNPREDICTED[lever]))
+        if LEVERS[lever].unpredicted:
+            skipped.append(Unpredicted(lever, tuple(f.id for f in found), LEVERS[lever].unpredicted))
     return out, skipped
