@@ -31,7 +31,8 @@ import numpy as np
 
 from servelab.analyze.diagnosis.findings import Finding
 from servelab.analyze.server_side.serversettings import SERVELAB, render_flags
-from servelab.analyze.tuning.catalogue import LAUNCH, LEVERS, cli_flag, lever_knob
+from servelab.analyze.tuning.catalogue import COMPLEXITY, LAUNCH, LEVERS, cli_flag, lever_knob
+from servelab.analyze.tuning.shape import MIN_BUDGET, RunFacts, shape_knobs
 
 # The figure each finding is about: a candidate answering it must improve this figure.
 FINDING_TARGET = {
@@ -43,26 +44,13 @@ FINDING_TARGET = {
     "low_prefix_reuse": ("overall", "ttft_mean"),
     "decode_bound": ("overall", "tpot_p50"),
 }
-MIN_BUDGET = 64
 NEAR = 0.2  # a prompt quantile this close to a power of two in the grid adds nothing new
 REPLICAS = (2, 3, 4)
 KV_FACTORS = (1.5, 2.0, 4.0)
 SPEC_K = (2, 4, 8)
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the grids are built around: the resolved engine config as run, each request's
-    prompt length, each class's priority, the most sequences one step ran, whether the
-    run speculated, and where it did not, the acceptance a probe of its traffic measured
-    (None: not measured)."""
-
-    config: dict[str, Any]
-    prompt_tokens: Sequence[int]
-    priorities: dict[str, int]
-    peak_seqs: int
-    speculated: bool = False
-    probed_acceptance: float | None = None
+# The most candidates one tune simulates (each under every seed); the knobs findings call
+# for come first, and what does not fit is reported as not predicted, by id.
+SEARCH_BUDGET = 32
 
 
 @dataclass(frozen=True)
@@ -83,6 +71,17 @@ class Candidate:
     findings: tuple[str, ...] = ()
     target: tuple[str, str] = ("overall", "goodput")
     cost: str = ""
+    # What the operator takes on (``catalogue.COMPLEXITY``; ``operates``: what they must
+    # run, watch and roll back), and how many settings at once (a combination: several).
+    complexity: str = "low"
+    operates: str = ""
+    parts: int = 1
+    because: str = ""  # what calls for it: its findings, or the run's shape
+
+    @property
+    def operating_load(self) -> tuple[int, int]:
+        """Less to operate sorts first: the complexity, then the settings applied at once."""
+        return COMPLEXITY.index(self.complexity), self.parts
 
     @property
     def hardware(self) -> bool:
@@ -101,6 +100,10 @@ class Candidate:
             "findings": list(self.findings),
             "target": list(self.target),
             "cost": self.cost,
+            "complexity": self.complexity,
+            "operates": self.operates,
+            "parts": self.parts,
+            "because": self.because,
         }
 
 
@@ -223,16 +226,28 @@ def _target(found: list[Finding], default: tuple[str, str]) -> tuple[str, str]:
 def generate(
     findings: Sequence[Finding], facts: RunFacts, objective: tuple[str, str]
 ) -> tuple[list[Candidate], list[Unpredicted]]:
-    """Candidates for every knob a finding calls for, and the levers left unpredicted.
+    """Candidates for every knob a finding or the run's shape (``shape.shape_knobs``) calls
+    for, at most ``SEARCH_BUDGET``, and the levers left unpredicted (with what the budget
+    skipped).
 
     ``objective`` (scope, figure) is the target of a candidate that no finding's direction
-    calls for (the other side of a knob)."""
+    calls for (the other side of a knob, or a knob only the shape calls for)."""
     levers = _by_lever(findings)
     knob_of = lever_knob()
-    knobs = {knob_of[lever] for lever in levers if lever in knob_of}
+    called = {knob_of[lever] for lever in levers if lever in knob_of}
+    shape = shape_knobs(facts)
+    knobs = called | set(shape)
     cfg = facts.config
     out: list[Candidate] = []
     skipped: list[Unpredicted] = []
+
+    def because(lever: str, knob: str) -> str:
+        found = levers.get(lever, [])
+        if found:
+            return "the findings " + ", ".join(f.id for f in found)
+        if knob in shape:
+            return f"the run's shape: {shape[knob]}"
+        return "the other side of a knob a finding calls for"
 
     def make(lever: str, **kw: Any) -> Candidate:
         found = levers.get(lever, [])
@@ -240,6 +255,9 @@ def generate(
             lever=lever,
             findings=tuple(f.id for f in found),
             target=_target(found, objective) if found else objective,
+            complexity=LEVERS[lever].complexity,
+            operates=LEVERS[lever].operates,
+            because=because(lever, kw["knob"]),
             **kw,
         )
 
@@ -314,7 +332,11 @@ def generate(
         gb = float(cfg.get("kv_cache_memory_gb") or 0.0)
         for f in KV_FACTORS:
             n = int(blocks * f)
-            lever = "kv_memory" if "kv_memory" in levers else "prefix_caching"
+            lever = (
+                "prefix_caching"
+                if "prefix_caching" in levers and "kv_memory" not in levers
+                else "kv_memory"
+            )
             out.append(
                 make(
                     lever,
@@ -342,6 +364,9 @@ def generate(
                     findings=tuple(f.id for f in levers.get("priorities", [])),
                     target=(cls, "ttft_p95"),
                     cost="the other classes wait behind it, and are the ones preempted",
+                    complexity=LEVERS["priorities"].complexity,
+                    operates=LEVERS["priorities"].operates,
+                    because=because("priorities", "priorities"),
                 )
             )
     if "speculation" in knobs:
@@ -403,5 +428,32 @@ def generate(
             )
     for lever, found in levers.items():
         if LEVERS[lever].unpredicted:
-            skipped.append(Unpredicted(lever, tuple(f.id for f in found), LEVERS[lever].unpredicted))
-    return out, skipped
+            skipped.append(
+                Unpredicted(lever, tuple(f.id for f in found), LEVERS[lever].unpredicted)
+            )
+    if "chunking" in shape and "disaggregation" not in levers:
+        skipped.append(Unpredicted("disaggregation", (), LEVERS["disaggregation"].unpredicted))
+    return _within_budget(out, called, skipped)
+
+
+def _within_budget(
+    cands: list[Candidate], called: set[str], skipped: list[Unpredicted]
+) -> tuple[list[Candidate], list[Unpredicted]]:
+    """The first ``SEARCH_BUDGET`` candidates, those of knobs a finding calls for first; the
+    rest are named, per lever, among the unpredicted."""
+    ordered = sorted(cands, key=lambda c: c.knob not in called)  # stable: grid order kept
+    keep, over = ordered[:SEARCH_BUDGET], ordered[SEARCH_BUDGET:]
+    left: dict[str, list[Candidate]] = {}
+    for c in over:
+        left.setdefault(c.lever, []).append(c)
+    for lever, cs in left.items():
+        skipped.append(
+            Unpredicted(
+                lever,
+                cs[0].findings,
+                f"not simulated: beyond the search budget of {SEARCH_BUDGET} candidates "
+                f"({', '.join(c.id for c in cs)})",
+            )
+        )
+    kept = {c.id for c in keep}
+    return [c for c in cands if c.id in kept], skipped
