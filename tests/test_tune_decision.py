@@ -108,3 +108,23 @@ def test_a_combination_must_beat_the_best_single_setting_by_more_than_a_tie():
     far = _judged(replace(combo), 1.40, itl=1.0, ttft=3.0)
     d = decide([b, a], OBJ, combined=far)
     assert d.chosen is far and d.why.startswith("the best knobs together")
+
+
+def test_a_pair_of_knobs_loses_a_tie_to_a_single_setting_and_is_not_combined_again():
+    kv = Candidate(
+        id="kv-x2",
+        knob="kv_memory",
+        lever="kv_memory",
+        title="a 2x KV pool",
+        engine={"num_kv_blocks": 200},
+        target=("overall", "e2e_p95"),
+    )
+    both = combine([_judged(_chunk(128), 1.3), _judged(kv, 1.2)])
+    assert both is not None
+    pair = replace(both, knob="chunking+kv_memory")
+    js = [_judged(_chunk(128), 1.300, itl=1.0), _judged(pair, 1.309, itl=1.0)]
+    for p in itertools.permutations(js):
+        d = decide(list(p), OBJ)
+        assert d.chosen is not None and d.chosen.candidate.id == "chunk-128"
+        assert "a smaller gain with less to operate wins" in d.why
+    assert combine(d.ranked) is None  # the pair is not merged with its own parts

@@ -126,3 +126,33 @@ def test_the_shape_is_read_from_a_runs_records_and_steps(tmp_path):
     s = run_shape(burst, 8)
     assert s["waited"] > 0 and 0 < s["waited_at_cap"] <= s["waited"]
     assert run_shape(burst, None)["waited_at_cap"] == 0
+
+
+def test_two_findings_on_two_knobs_are_also_tried_together():
+    facts = dataclasses.replace(
+        QUIET,
+        config={**QUIET.config, "num_kv_blocks": 100, "kv_cache_memory_gb": 1.0},
+        prompt_tokens=[100, 900],
+    )
+    found = [
+        Finding(
+            id=fid, title="", summary="", evidence={}, confidence=0.9, exact=True, levers=[lever]
+        )
+        for fid, lever in (
+            ("itl_prefill_interference", "batch_budget_down"),
+            ("kv_pressure", "kv_memory"),
+        )
+    ]
+    cands, _ = generate(found, facts, GOODPUT)
+    (pair,) = [c for c in cands if c.parts > 1]
+    # the middle of each knob's values in its finding's direction: 128 of 64/128/256, 2x
+    assert pair.id == "chunk-128+kv-x2" and pair.knob == "chunking+kv_memory"
+    assert pair.engine["max_num_batched_tokens"] == 128 and pair.engine["num_kv_blocks"] == 200
+    assert pair.findings == ("itl_prefill_interference", "kv_pressure")
+    assert pair.because.startswith("two findings pull on this run")
+    # one finding on two knobs is no pair
+    one = [dataclasses.replace(found[1], levers=["kv_memory", "max_num_seqs_down"])]
+    assert not any(c.parts > 1 for c in generate(one, facts, GOODPUT)[0])
+    # a pair is not combined again, and another server keeps it only if it has both flags
+    assert {c.id for c in for_server("vllm", cands, [])[0]} >= {pair.id}
+    assert pair.id not in {c.id for c in for_server("llamacpp", cands, [])[0]}

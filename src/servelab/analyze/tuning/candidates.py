@@ -150,6 +150,13 @@ def launch_action(kind: str, engine: dict[str, Any]) -> str:
     return f"{LAUNCH[kind][0]} {render_flags(kind, server_changes(engine))}"
 
 
+def _elsewhere(lever: str) -> str:
+    """Why ``lever`` is not predicted for another server ("": it can be; a pair's lever,
+    ``a+b``, is judged by its settings)."""
+    lv = LEVERS.get(lever)
+    return lv.elsewhere if lv is not None else ""
+
+
 def for_server(
     kind: str, cands: list[Candidate], skipped: list[Unpredicted]
 ) -> tuple[list[Candidate], list[Unpredicted]]:
@@ -161,9 +168,7 @@ def for_server(
         return cands, skipped
     keep: list[Candidate] = []
     out = [
-        Unpredicted(u.lever, u.findings, LEVERS[u.lever].elsewhere)
-        if LEVERS[u.lever].elsewhere
-        else u
+        Unpredicted(u.lever, u.findings, elsewhere) if (elsewhere := _elsewhere(u.lever)) else u
         for u in skipped
     ]
     said: set[tuple[str, str]] = set()
@@ -180,6 +185,61 @@ def for_server(
             said.add((c.lever, reason))
             out.append(Unpredicted(c.lever, c.findings, reason))
     return keep, out
+
+
+def joint(parts: Sequence[Candidate], knob: str, because: str = "") -> Candidate:
+    """One candidate that applies ``parts`` at once, as ``knob``; its target is the first
+    part's, its complexity the highest of theirs."""
+    engine: dict[str, Any] = {}
+    prio: dict[str, int] = {}
+    for c in parts:
+        engine.update(c.engine)
+        prio.update(c.priorities)
+    return Candidate(
+        id="+".join(c.id for c in parts),
+        knob=knob,
+        lever="+".join(c.lever for c in parts),
+        title=" and ".join(c.title for c in parts),
+        engine=engine,
+        priorities=prio,
+        findings=tuple(dict.fromkeys(f for c in parts for f in c.findings)),
+        target=parts[0].target,
+        cost="; ".join(c.cost for c in parts),
+        complexity=max((c.complexity for c in parts), key=COMPLEXITY.index),
+        operates="; ".join(dict.fromkeys(c.operates for c in parts if c.operates)),
+        parts=sum(c.parts for c in parts),
+        because=because,
+    )
+
+
+def pairs(cands: Sequence[Candidate]) -> list[Candidate]:
+    """Where two findings pull on two knobs of one run, each pair of those knobs at once:
+    the middle of each knob's values in its finding's direction (grid order, the lower
+    middle), as knob ``A+B``. Class priorities (which class is arbitrary) and replicas
+    (hardware) are left out."""
+    middle: dict[str, Candidate] = {}
+    for knob in dict.fromkeys(c.knob for c in cands):
+        if knob in ("priorities", "replicas"):
+            continue
+        asked = [c for c in cands if c.knob == knob and c.findings]
+        if asked:
+            middle[knob] = asked[(len(asked) - 1) // 2]
+    out = []
+    knobs = list(middle)
+    for i, a in enumerate(knobs):
+        for b in knobs[i + 1 :]:
+            ca, cb = middle[a], middle[b]
+            if set(ca.findings) == set(cb.findings):
+                continue  # one finding, two knobs: each alone answers it
+            out.append(
+                joint(
+                    [ca, cb],
+                    f"{a}+{b}",
+                    f"two findings pull on this run: {', '.join(ca.findings)} ({a}) and "
+                    f"{', '.join(cb.findings)} ({b})",
+                )
+            )
+    return out
 
 
 def budget_grid(prompt_tokens: Sequence[int], current: int | None) -> list[int]:
@@ -433,15 +493,16 @@ def generate(
             )
     if "chunking" in shape and "disaggregation" not in levers:
         skipped.append(Unpredicted("disaggregation", (), LEVERS["disaggregation"].unpredicted))
-    return _within_budget(out, called, skipped)
+    return _within_budget(out + pairs(out), called, skipped)
 
 
 def _within_budget(
     cands: list[Candidate], called: set[str], skipped: list[Unpredicted]
 ) -> tuple[list[Candidate], list[Unpredicted]]:
-    """The first ``SEARCH_BUDGET`` candidates, those of knobs a finding calls for first; the
-    rest are named, per lever, among the unpredicted."""
-    ordered = sorted(cands, key=lambda c: c.knob not in called)  # stable: grid order kept
+    """The first ``SEARCH_BUDGET`` candidates, those of knobs a finding calls for first, then
+    their pairs; the rest are named, per lever, among the unpredicted."""
+    # stable: the grid's order kept, finding's knobs first, then their pairs, then the shape's
+    ordered = sorted(cands, key=lambda c: 0 if c.knob in called else 1 if c.parts > 1 else 2)
     keep, over = ordered[:SEARCH_BUDGET], ordered[SEARCH_BUDGET:]
     left: dict[str, list[Candidate]] = {}
     for c in over:

@@ -37,8 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelab.analyze.tuning.candidates import Candidate, Unpredicted
-from servelab.analyze.tuning.catalogue import COMPLEXITY
+from servelab.analyze.tuning.candidates import Candidate, Unpredicted, joint
 from servelab.analyze.tuning.prediction import (
     HIGHER_IS_BETTER,
     Prediction,
@@ -200,30 +199,12 @@ def who_pays(base: Prediction, pred: Prediction) -> str:
 
 
 def combine(winners: Sequence[Judged]) -> Candidate | None:
-    """One candidate that applies the best value of each knob at once (settings only, no
-    hardware); None with fewer than two knobs."""
-    parts = [j.candidate for j in winners if not j.candidate.hardware]
+    """One candidate that applies the best value of each knob at once (single settings only:
+    no hardware, no pair); None with fewer than two knobs."""
+    parts = [j.candidate for j in winners if not j.candidate.hardware and j.candidate.parts == 1]
     if len(parts) < 2:
         return None
-    engine: dict[str, Any] = {}
-    prio: dict[str, int] = {}
-    for c in parts:
-        engine.update(c.engine)
-        prio.update(c.priorities)
-    return Candidate(
-        id="+".join(c.id for c in parts),
-        knob="combined",
-        lever="+".join(c.lever for c in parts),
-        title=" and ".join(c.title for c in parts),
-        engine=engine,
-        priorities=prio,
-        findings=tuple(dict.fromkeys(f for c in parts for f in c.findings)),
-        target=parts[0].target,
-        cost="; ".join(c.cost for c in parts),
-        complexity=max((c.complexity for c in parts), key=COMPLEXITY.index),
-        operates="; ".join(dict.fromkeys(c.operates for c in parts if c.operates)),
-        parts=sum(c.parts for c in parts),
-    )
+    return joint(parts, "combined")
 
 
 @dataclass
