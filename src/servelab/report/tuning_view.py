@@ -18,7 +18,7 @@ from plotly.offline import get_plotlyjs
 from rich.console import Console
 from rich.table import Table
 
-from servelab.analyze.tuning.candidates import launch_action
+from servelab.analyze.tuning.candidates import SEARCH_BUDGET, launch_action
 from servelab.analyze.tuning.decision import Decision, Judged, moved
 from servelab.analyze.tuning.prediction import (
     CHECKED,
@@ -171,9 +171,19 @@ def render_tuning(t: Tuning, console: Console) -> None:
         console.print(f"[dim]time: {parts}[/]")
 
 
+def search_text(t: Tuning) -> str:
+    """How far the search went: the candidates simulated against its budget."""
+    singles = sum(j.candidate.knob != "combined" for j in t.judged)
+    return (
+        f"searched {singles} candidate setting(s) (budget {SEARCH_BUDGET}; any beyond it are "
+        "listed as not predicted)"
+    )
+
+
 def _render_decision(t: Tuning, d: Decision, console: Console) -> None:
     assert t.baseline is not None
     console.rule(f"[bold]decision[/] (objective: {d.objective.text})")
+    console.print(f"[dim]{search_text(t)}[/]")
     if d.chosen is None:
         console.print(
             "[bold]keep the run's config[/]: no candidate is predicted to improve both the "
@@ -188,7 +198,13 @@ def _render_decision(t: Tuning, d: Decision, console: Console) -> None:
         if prio:
             console.print(f"  class priorities (lower first): {prio}")
         console.print(f"  predicted: {d.chosen.reason}")
-        console.print(f"  cost: {c.cost}")
+        if c.because:
+            console.print(f"  called for by {c.because}")
+        if d.why:
+            console.print(f"  why this one: {d.why}")
+        console.print(f"  cost: {c.cost}; predicted to pay: {d.chosen.pays}")
+        if c.operates:
+            console.print(f"  to operate ({c.complexity}): {c.operates}")
         console.print(before_after_table(t.baseline, d.chosen))
     if len(d.ranked) > 1:
         obj = d.objective
@@ -293,7 +309,8 @@ def decision_html(t: Tuning) -> str:
     if d is None or t.baseline is None:
         return ""
     parts = [
-        f'<section data-section="tune-decision"><h2>Decision</h2><p>Objective: {esc(d.objective.text)}.</p>'
+        f'<section data-section="tune-decision"><h2>Decision</h2><p>Objective: {esc(d.objective.text)}.</p>',
+        f"<p>{esc(search_text(t))}</p>",
     ]
     if d.chosen is None:
         parts.append("<p><b>Keep the run's config</b>: no candidate is predicted to pay.</p>")
@@ -301,7 +318,10 @@ def decision_html(t: Tuning) -> str:
         c = d.chosen.candidate
         parts.append(
             f"<p><b>Apply: {esc(c.title)}</b>. Predicted: {esc(d.chosen.reason)}. "
-            f"Cost: {esc(c.cost)}.</p>"
+            + (f"Why this one: {esc(d.why)}. " if d.why else "")
+            + f"Cost: {esc(c.cost)}; predicted to pay: {esc(d.chosen.pays)}."
+            + (f" To operate ({esc(c.complexity)}): {esc(c.operates)}." if c.operates else "")
+            + "</p>"
         )
         if c.engine:
             parts.append(f"<p><code>{esc(launch_action(t.server, c.engine))}</code></p>")

@@ -48,6 +48,7 @@ from servelab.analyze.tuning.candidates import (
 from servelab.analyze.tuning.decision import TOP, Objective, combine, decide, judge
 from servelab.analyze.tuning.prediction import TOLERANCE, Figures, Prediction, figures, self_check
 from servelab.analyze.tuning.result import Tuning
+from servelab.analyze.tuning.shape import run_shape
 from servelab.analyze.tuning.verification import AS_RUN, TUNED, Verification, verify
 from servelab.bench.servers.template import HEALTH_TIMEOUT_S
 from servelab.rundir import Run, load_run
@@ -189,13 +190,15 @@ def _facts(
         peak = int(replica.twin.fit.get("inference", {}).get("max_batch") or 1)
     else:
         peak = max((s.decode_seqs + len(s.prefill) for s in run.steps), default=1)
+    config = dataclasses.asdict(replica.target.engine_config)
     return RunFacts(
-        config=dataclasses.asdict(replica.target.engine_config),
+        config=config,
         prompt_tokens=[r.input_tokens for r in run.records if r.ok],
         priorities=prio,
         peak_seqs=max(1, peak),
         speculated=any(s.spec_proposed for s in run.steps),
         probed_acceptance=probe.acceptance if probe is not None else None,
+        **run_shape(run, config.get("max_num_seqs")),
     )
 
 

@@ -7,22 +7,11 @@ budget; prompts wait for their prefill: a larger one). So candidates are made pe
 over a grid that covers both directions whenever any finding calls for the knob, and the
 decision (``analyze.tuning.decision``) keeps at most one value per knob.
 
-Grids:
-
-- ``chunking`` (``enable_chunked_prefill`` + ``max_num_batched_tokens``): powers of two
-  from 64 to the first one at or above the longest prompt, and the prompts' p25, p50 and p90
-  (rounded up to 16 tokens) where they are not within 20% of one of those; chunking off
-  when it is on.
-- ``max_num_seqs``: a quarter, half and three quarters of the most sequences a step ran
-  (caps that bind), and twice and four times the cap.
-- ``prefix_caching``: on, when it was off.
-- ``kv_memory``: the KV pool 1.5x, 2x and 4x.
-- ``priorities``: each class served first (priority 0, the others 1).
-- ``speculation``: n-gram with k = 2, 4, 8 drafts (and off, when the run speculated);
-  only when the run speculated or a probe of its traffic measured the acceptance
-  (``RunFacts.probed_acceptance``), because acceptance is a property of the text and the
-  sampling, which the simulator cannot know otherwise.
-- ``replicas``: 2, 3 and 4 copies of the engine (hardware, reported as capacity).
+The levers, their knobs and how each knob's values are derived are catalogued in
+``analyze.tuning.catalogue`` (``KNOBS[...].values``); the grids are built here. Speculation
+is tried only when the run speculated or a probe of its traffic measured the acceptance
+(``RunFacts.probed_acceptance``): acceptance is a property of the text and the sampling,
+which the simulator cannot know otherwise. Replicas are hardware, reported as capacity.
 
 Levers the simulator cannot replay come back as :class:`Unpredicted` with the reason.
 Each candidate has a *target*: the figure the finding behind its direction is about; the
@@ -41,39 +30,10 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.diagnosis.findings import Finding
-from servelab.analyze.levers import _LAUNCH, _cli_flag
 from servelab.analyze.server_side.serversettings import SERVELAB, render_flags
+from servelab.analyze.tuning.catalogue import COMPLEXITY, LAUNCH, LEVERS, cli_flag, lever_knob
+from servelab.analyze.tuning.shape import MIN_BUDGET, RunFacts, shape_knobs
 
-KNOBS = (
-    "chunking",
-    "max_num_seqs",
-    "prefix_caching",
-    "kv_memory",
-    "priorities",
-    "speculation",
-    "replicas",
-)
-LEVER_KNOB = {
-    "chunked_prefill": "chunking",
-    "batch_budget_down": "chunking",
-    "batch_budget_up": "chunking",
-    "max_num_seqs_up": "max_num_seqs",
-    "max_num_seqs_down": "max_num_seqs",
-    "prefix_caching": "prefix_caching",
-    "kv_memory": "kv_memory",
-    "priorities": "priorities",
-    "speculative_decoding": "speculation",
-    "capacity": "replicas",
-}
-UNPREDICTED = {
-    "disaggregation": "not simulated for this engine: the simulator would price each "
-    "prefill and decode worker at the whole machine's profiled speed, while the embedded "
-    "disaggregated server splits this machine's cores between them",
-    "client": "outside the engine: the simulator replays the server, not the benchmark "
-    "client's machine",
-    "api_process": "outside the engine: the simulator replays the engine core, not the HTTP "
-    "process's tokenisation and streaming",
-}
 # The figure each finding is about: a candidate answering it must improve this figure.
 FINDING_TARGET = {
     "itl_prefill_interference": ("overall", "max_itl_mean"),
@@ -84,26 +44,13 @@ FINDING_TARGET = {
     "low_prefix_reuse": ("overall", "ttft_mean"),
     "decode_bound": ("overall", "tpot_p50"),
 }
-MIN_BUDGET = 64
 NEAR = 0.2  # a prompt quantile this close to a power of two in the grid adds nothing new
 REPLICAS = (2, 3, 4)
 KV_FACTORS = (1.5, 2.0, 4.0)
 SPEC_K = (2, 4, 8)
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the grids are built around: the resolved engine config as run, each request's
-    prompt length, each class's priority, the most sequences one step ran, whether the
-    run speculated, and where it did not, the acceptance a probe of its traffic measured
-    (None: not measured)."""
-
-    config: dict[str, Any]
-    prompt_tokens: Sequence[int]
-    priorities: dict[str, int]
-    peak_seqs: int
-    speculated: bool = False
-    probed_acceptance: float | None = None
+# The most candidates one tune simulates (each under every seed); the knobs findings call
+# for come first, and what does not fit is reported as not predicted, by id.
+SEARCH_BUDGET = 32
 
 
 @dataclass(frozen=True)
@@ -124,6 +71,17 @@ class Candidate:
     findings: tuple[str, ...] = ()
     target: tuple[str, str] = ("overall", "goodput")
     cost: str = ""
+    # What the operator takes on (``catalogue.COMPLEXITY``; ``operates``: what they must
+    # run, watch and roll back), and how many settings at once (a combination: several).
+    complexity: str = "low"
+    operates: str = ""
+    parts: int = 1
+    because: str = ""  # what calls for it: its findings, or the run's shape
+
+    @property
+    def operating_load(self) -> tuple[int, int]:
+        """Less to operate sorts first: the complexity, then the settings applied at once."""
+        return COMPLEXITY.index(self.complexity), self.parts
 
     @property
     def hardware(self) -> bool:
@@ -142,6 +100,10 @@ class Candidate:
             "findings": list(self.findings),
             "target": list(self.target),
             "cost": self.cost,
+            "complexity": self.complexity,
+            "operates": self.operates,
+            "parts": self.parts,
+            "because": self.because,
         }
 
 
@@ -162,7 +124,7 @@ def serve_flags(engine: dict[str, Any]) -> str:
         if v is None:
             continue
         if k == "num_kv_blocks":
-            parts.append(_cli_flag("num_gpu_blocks_override", v))
+            parts.append(cli_flag("num_gpu_blocks_override", v))
         elif k == "speculative_config":
             parts.append(f"--speculative-config {shlex.quote(json.dumps(v))}")
         elif k in ("kv_cache_memory_gb", "kv_cache"):
@@ -170,7 +132,7 @@ def serve_flags(engine: dict[str, Any]) -> str:
             # one or its plain reference, which computes the same) is no launch setting.
             continue
         else:
-            parts.append(_cli_flag(k, v))
+            parts.append(cli_flag(k, v))
     return " ".join(parts)
 
 
@@ -185,21 +147,14 @@ def launch_action(kind: str, engine: dict[str, Any]) -> str:
     own (``vllm serve --max-num-batched-tokens 512``, ``serversettings.render_flags``)."""
     if kind == SERVELAB:
         return f"servelab serve {serve_flags(engine)}"
-    return f"{_LAUNCH[kind][0]} {render_flags(kind, server_changes(engine))}"
+    return f"{LAUNCH[kind][0]} {render_flags(kind, server_changes(engine))}"
 
 
-PRIORITIES_ELSEWHERE = (
-    "class priorities are not predicted for another server: its priority scheduling (vLLM "
-    "--scheduling-policy priority, SGLang --enable-priority-scheduling) is not modelled by "
-    "the twin"
-)
-
-
-DISAGGREGATION_ELSEWHERE = (
-    "not predicted for another server: its twin is one engine fitted to this run's steps, "
-    "and a disaggregated deployment's prefill and decode workers are other processes (on a "
-    "CPU host, sharing its cores) whose costs no run of this one measured"
-)
+def _elsewhere(lever: str) -> str:
+    """Why ``lever`` is not predicted for another server ("": it can be; a pair's lever,
+    ``a+b``, is judged by its settings)."""
+    lv = LEVERS.get(lever)
+    return lv.elsewhere if lv is not None else ""
 
 
 def for_server(
@@ -213,14 +168,12 @@ def for_server(
         return cands, skipped
     keep: list[Candidate] = []
     out = [
-        Unpredicted(u.lever, u.findings, DISAGGREGATION_ELSEWHERE)
-        if u.lever == "disaggregation"
-        else u
+        Unpredicted(u.lever, u.findings, elsewhere) if (elsewhere := _elsewhere(u.lever)) else u
         for u in skipped
     ]
     said: set[tuple[str, str]] = set()
     for c in cands:
-        reason = PRIORITIES_ELSEWHERE if c.priorities else None
+        reason = LEVERS["priorities"].elsewhere if c.priorities else None
         if reason is None and c.engine:
             try:
                 render_flags(kind, server_changes(c.engine))
@@ -232,6 +185,61 @@ def for_server(
             said.add((c.lever, reason))
             out.append(Unpredicted(c.lever, c.findings, reason))
     return keep, out
+
+
+def joint(parts: Sequence[Candidate], knob: str, because: str = "") -> Candidate:
+    """One candidate that applies ``parts`` at once, as ``knob``; its target is the first
+    part's, its complexity the highest of theirs."""
+    engine: dict[str, Any] = {}
+    prio: dict[str, int] = {}
+    for c in parts:
+        engine.update(c.engine)
+        prio.update(c.priorities)
+    return Candidate(
+        id="+".join(c.id for c in parts),
+        knob=knob,
+        lever="+".join(c.lever for c in parts),
+        title=" and ".join(c.title for c in parts),
+        engine=engine,
+        priorities=prio,
+        findings=tuple(dict.fromkeys(f for c in parts for f in c.findings)),
+        target=parts[0].target,
+        cost="; ".join(c.cost for c in parts),
+        complexity=max((c.complexity for c in parts), key=COMPLEXITY.index),
+        operates="; ".join(dict.fromkeys(c.operates for c in parts if c.operates)),
+        parts=sum(c.parts for c in parts),
+        because=because,
+    )
+
+
+def pairs(cands: Sequence[Candidate]) -> list[Candidate]:
+    """Where two findings pull on two knobs of one run, each pair of those knobs at once:
+    the middle of each knob's values in its finding's direction (grid order, the lower
+    middle), as knob ``A+B``. Class priorities (which class is arbitrary) and replicas
+    (hardware) are left out."""
+    middle: dict[str, Candidate] = {}
+    for knob in dict.fromkeys(c.knob for c in cands):
+        if knob in ("priorities", "replicas"):
+            continue
+        asked = [c for c in cands if c.knob == knob and c.findings]
+        if asked:
+            middle[knob] = asked[(len(asked) - 1) // 2]
+    out = []
+    knobs = list(middle)
+    for i, a in enumerate(knobs):
+        for b in knobs[i + 1 :]:
+            ca, cb = middle[a], middle[b]
+            if set(ca.findings) == set(cb.findings):
+                continue  # one finding, two knobs: each alone answers it
+            out.append(
+                joint(
+                    [ca, cb],
+                    f"{a}+{b}",
+                    f"two findings pull on this run: {', '.join(ca.findings)} ({a}) and "
+                    f"{', '.join(cb.findings)} ({b})",
+                )
+            )
+    return out
 
 
 def budget_grid(prompt_tokens: Sequence[int], current: int | None) -> list[int]:
@@ -278,15 +286,28 @@ def _target(found: list[Finding], default: tuple[str, str]) -> tuple[str, str]:
 def generate(
     findings: Sequence[Finding], facts: RunFacts, objective: tuple[str, str]
 ) -> tuple[list[Candidate], list[Unpredicted]]:
-    """Candidates for every knob a finding calls for, and the levers left unpredicted.
+    """Candidates for every knob a finding or the run's shape (``shape.shape_knobs``) calls
+    for, at most ``SEARCH_BUDGET``, and the levers left unpredicted (with what the budget
+    skipped).
 
     ``objective`` (scope, figure) is the target of a candidate that no finding's direction
-    calls for (the other side of a knob)."""
+    calls for (the other side of a knob, or a knob only the shape calls for)."""
     levers = _by_lever(findings)
-    knobs = {LEVER_KNOB[lever] for lever in levers if lever in LEVER_KNOB}
+    knob_of = lever_knob()
+    called = {knob_of[lever] for lever in levers if lever in knob_of}
+    shape = shape_knobs(facts)
+    knobs = called | set(shape)
     cfg = facts.config
     out: list[Candidate] = []
     skipped: list[Unpredicted] = []
+
+    def because(lever: str, knob: str) -> str:
+        found = levers.get(lever, [])
+        if found:
+            return "the findings " + ", ".join(f.id for f in found)
+        if knob in shape:
+            return f"the run's shape: {shape[knob]}"
+        return "the other side of a knob a finding calls for"
 
     def make(lever: str, **kw: Any) -> Candidate:
         found = levers.get(lever, [])
@@ -294,6 +315,9 @@ def generate(
             lever=lever,
             findings=tuple(f.id for f in found),
             target=_target(found, objective) if found else objective,
+            complexity=LEVERS[lever].complexity,
+            operates=LEVERS[lever].operates,
+            because=because(lever, kw["knob"]),
             **kw,
         )
 
@@ -368,7 +392,11 @@ def generate(
         gb = float(cfg.get("kv_cache_memory_gb") or 0.0)
         for f in KV_FACTORS:
             n = int(blocks * f)
-            lever = "kv_memory" if "kv_memory" in levers else "prefix_caching"
+            lever = (
+                "prefix_caching"
+                if "prefix_caching" in levers and "kv_memory" not in levers
+                else "kv_memory"
+            )
             out.append(
                 make(
                     lever,
@@ -396,6 +424,9 @@ def generate(
                     findings=tuple(f.id for f in levers.get("priorities", [])),
                     target=(cls, "ttft_p95"),
                     cost="the other classes wait behind it, and are the ones preempted",
+                    complexity=LEVERS["priorities"].complexity,
+                    operates=LEVERS["priorities"].operates,
+                    because=because("priorities", "priorities"),
                 )
             )
     if "speculation" in knobs:
@@ -456,6 +487,34 @@ def generate(
                 )
             )
     for lever, found in levers.items():
-        if lever in UNPREDICTED:
-            skipped.append(Unpredicted(lever, tuple(f.id for f in found), UNPREDICTED[lever]))
-    return out, skipped
+        if LEVERS[lever].unpredicted:
+            skipped.append(
+                Unpredicted(lever, tuple(f.id for f in found), LEVERS[lever].unpredicted)
+            )
+    if "chunking" in shape and "disaggregation" not in levers:
+        skipped.append(Unpredicted("disaggregation", (), LEVERS["disaggregation"].unpredicted))
+    return _within_budget(out + pairs(out), called, skipped)
+
+
+def _within_budget(
+    cands: list[Candidate], called: set[str], skipped: list[Unpredicted]
+) -> tuple[list[Candidate], list[Unpredicted]]:
+    """The first ``SEARCH_BUDGET`` candidates, those of knobs a finding calls for first, then
+    their pairs; the rest are named, per lever, among the unpredicted."""
+    # stable: the grid's order kept, finding's knobs first, then their pairs, then the shape's
+    ordered = sorted(cands, key=lambda c: 0 if c.knob in called else 1 if c.parts > 1 else 2)
+    keep, over = ordered[:SEARCH_BUDGET], ordered[SEARCH_BUDGET:]
+    left: dict[str, list[Candidate]] = {}
+    for c in over:
+        left.setdefault(c.lever, []).append(c)
+    for lever, cs in left.items():
+        skipped.append(
+            Unpredicted(
+                lever,
+                cs[0].findings,
+                f"not simulated: beyond the search budget of {SEARCH_BUDGET} candidates "
+                f"({', '.join(c.id for c in cs)})",
+            )
+        )
+    kept = {c.id for c in keep}
+    return [c for c in cands if c.id in kept], skipped

@@ -11,11 +11,18 @@ the median over seeds of the paired relative change is a gain of at least ``MIN_
 at least ``AGREE`` of the seeds gain. Anything else is rejected with the reason (worse,
 no gain, target not improved). Among the recommendable candidates of one knob only the
 best survives (the others are rejected as "another value of the same knob is predicted
-better"), so a knob is never both lowered and raised; objective gains within ``TIE`` of each
-other are a tie, decided by the candidate's own target (chunk budgets of 64, 128 and 256
-often all lift goodput to every SLO met, within a fraction of a point, while they cut the
-longest ITL by 75% and 36%: without the rule that choice went to seed noise). The best of
-each knob are ranked.
+better"), so a knob is never both lowered and raised.
+
+Ties (:func:`choose`) depend on the candidate set only, never on its order: every candidate
+whose objective gain is within ``TIE`` of the best one's is tied with it, and of that group
+the one with less to operate wins (``Candidate.operating_load``: its complexity, then how
+many settings it applies at once), then the one that improves its own target more, then the
+lowest id (natural order). Chunk budgets of 64, 128 and 256 often all lift goodput to every
+SLO met within a fraction of a point while they cut the longest ITL by 75% and 36%: without
+the rule that choice went to seed noise. (A rule that compared pairs in turn was not
+transitive: +30.0/+30.8/+31.6% chose 256 in one order and 64 in the other.) The best of each
+knob are ranked, and the chosen setting is picked from them by the same rule, so a smaller
+gain with less to operate wins where gains tie, and :attr:`Decision.why` says so.
 Candidates that add hardware (replicas) are listed apart as capacity, every replica count
 that pays, since they buy their gain with machines rather than settings. :func:`combine`
 merges the winners of several knobs into one candidate; when it is simulated too,
@@ -24,12 +31,13 @@ merges the winners of several knobs into one candidate; when it is simulated too
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelab.analyze.tuning.candidates import Candidate, Unpredicted
+from servelab.analyze.tuning.candidates import Candidate, Unpredicted, joint
 from servelab.analyze.tuning.prediction import (
     HIGHER_IS_BETTER,
     Prediction,
@@ -120,9 +128,11 @@ class Judged:
     target_gain: float | None
     recommendable: bool
     reason: str  # why not, or what it gains
+    pays: str = ""  # who pays for it: the class and figure predicted worst off
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "pays": self.pays,
             "candidate": self.candidate.to_dict(),
             "objective_gain": self.objective_gain,
             "target_gain": self.target_gain,
@@ -165,31 +175,36 @@ def judge(base: Prediction, cand: Candidate, pred: Prediction, objective: Object
         )
     else:
         ok, why = True, f"{objective.text} {moved(og, objective.figure)}; {target} {moved(tg, fig)}"
-    return Judged(cand, pred, og, tg, ok, why)
+    return Judged(cand, pred, og, tg, ok, why, who_pays(base, pred))
+
+
+# The latencies a candidate's cost is looked for in, per class.
+PAID_IN = ("ttft_p50", "ttft_p95", "itl_p99", "tpot_p50", "e2e_p95")
+
+
+def who_pays(base: Prediction, pred: Prediction) -> str:
+    """The class (or all requests) and latency predicted to worsen most, by the paired rule
+    of the objective (a median loss of ``MIN_GAIN`` in ``AGREE`` of the seeds)."""
+    worst: tuple[float, str, str] | None = None
+    for scope in base.scopes:
+        for fig in PAID_IN:
+            med, _, worse = _gain_verdict(paired_gains(base, pred, scope, fig))
+            if worse and med is not None and (worst is None or med < worst[0]):
+                worst = (med, scope, fig)
+    if worst is None:
+        return f"no class's latency is predicted worse by {MIN_GAIN:.0%} or more"
+    med, scope, fig = worst
+    who = "every request" if scope == "overall" else scope
+    return f"{who}: {label(fig)} {moved(med, fig)}"
 
 
 def combine(winners: Sequence[Judged]) -> Candidate | None:
-    """One candidate that applies the best value of each knob at once (settings only, no
-    hardware); None with fewer than two knobs."""
-    parts = [j.candidate for j in winners if not j.candidate.hardware]
+    """One candidate that applies the best value of each knob at once (single settings only:
+    no hardware, no pair); None with fewer than two knobs."""
+    parts = [j.candidate for j in winners if not j.candidate.hardware and j.candidate.parts == 1]
     if len(parts) < 2:
         return None
-    engine: dict[str, Any] = {}
-    prio: dict[str, int] = {}
-    for c in parts:
-        engine.update(c.engine)
-        prio.update(c.priorities)
-    return Candidate(
-        id="+".join(c.id for c in parts),
-        knob="combined",
-        lever="+".join(c.lever for c in parts),
-        title=" and ".join(c.title for c in parts),
-        engine=engine,
-        priorities=prio,
-        findings=tuple(dict.fromkeys(f for c in parts for f in c.findings)),
-        target=parts[0].target,
-        cost="; ".join(c.cost for c in parts),
-    )
+    return joint(parts, "combined")
 
 
 @dataclass
@@ -213,11 +228,13 @@ class Decision:
     capacity: list[Judged]
     rejected: list[Rejected]
     unpredicted: list[Unpredicted] = field(default_factory=list)
+    why: str = ""  # why ``chosen``: the best gain, or how a tie was decided
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "objective": self.objective.to_dict(),
             "chosen": self.chosen.to_dict() if self.chosen else None,
+            "why": self.why,
             "ranked": [j.to_dict() for j in self.ranked],
             "capacity": [j.to_dict() for j in self.capacity],
             "rejected": [r.to_dict() for r in self.rejected],
@@ -229,22 +246,50 @@ def objective_spread(j: Judged, objective: Objective) -> Spread | None:
     return j.prediction.spread(objective.scope, objective.figure)
 
 
-def _key(j: Judged, objective: Objective) -> float:
+def _key(j: Judged) -> float:
     return j.objective_gain if j.objective_gain is not None else float("-inf")
 
 
-def _tied(a: Judged, b: Judged, objective: Objective) -> bool:
-    return abs(_key(a, objective) - _key(b, objective)) <= TIE
+def _natural(text: str) -> tuple[Any, ...]:
+    """``chunk-64`` before ``chunk-128``: digits compare as numbers."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
 
 
-def _beats(a: Judged, b: Judged, objective: Objective) -> bool:
-    """``a`` is the better value of one knob: the objective, then on a tie the target."""
-    if not _tied(a, b, objective):
-        return _key(a, objective) > _key(b, objective)
-    low = float("-inf")
-    return (a.target_gain if a.target_gain is not None else low) > (
-        b.target_gain if b.target_gain is not None else low
+def _order(j: Judged) -> tuple[Any, ...]:
+    """The total order within a tie: less to operate, a larger target gain, the id."""
+    target = j.target_gain if j.target_gain is not None else float("-inf")
+    return (*j.candidate.operating_load, -target, _natural(j.candidate.id))
+
+
+def choose(group: Sequence[Judged]) -> tuple[Judged, list[Judged]]:
+    """The winner of ``group`` and the candidates tied with it (module doc): a function of
+    the set, whatever its order."""
+    best = max(_key(j) for j in group)
+    tied = [j for j in group if best - _key(j) <= TIE + 1e-12]
+    winner = min(tied, key=_order)
+    return winner, [j for j in tied if j is not winner]
+
+
+def _why_tie(winner: Judged, loser: Judged, objective: Objective) -> str:
+    """Why ``winner`` beat ``loser`` that it tied with on the objective."""
+    w, c = winner.candidate, loser.candidate
+    fig = objective.figure
+    head = (
+        f"ties on the objective with {w.title} ({moved(winner.objective_gain, fig)} vs "
+        f"{moved(loser.objective_gain, fig)}), "
     )
+    if w.operating_load < c.operating_load:
+        return head + (
+            f"which has less to operate ({w.complexity} complexity, {w.parts} setting(s), "
+            f"vs {c.complexity}, {c.parts})"
+        )
+    tfig = w.target[1]
+    if (winner.target_gain or 0.0) != (loser.target_gain or 0.0):
+        return head + (
+            f"which improves its target more ({label(tfig)} {moved(winner.target_gain, tfig)} "
+            f"vs {moved(loser.target_gain, tfig)})"
+        )
+    return head + "and equals it on its target and what it takes to operate (the lower id wins)"
 
 
 def decide(
@@ -254,56 +299,85 @@ def decide(
     combined: Judged | None = None,
     top: int = TOP,
 ) -> Decision:
-    """Reconcile the judged candidates into one decision (module doc)."""
+    """Reconcile the judged candidates into one decision (module doc); the same decision
+    for every order of ``judged``."""
     rejected: list[Rejected] = []
-    best: dict[str, Judged] = {}
+    by_knob: dict[str, list[Judged]] = {}
     capacity: list[Judged] = []
     for j in judged:
         if not j.recommendable:
             rejected.append(Rejected(j.candidate, j.reason))
-            continue
-        if j.candidate.hardware:
+        elif j.candidate.hardware:
             capacity.append(j)
-            continue
-        knob = j.candidate.knob
-        if knob not in best or _beats(j, best[knob], objective):
-            if knob in best:
-                rejected.append(_beaten(best[knob], j, objective))
-            best[knob] = j
         else:
-            rejected.append(_beaten(j, best[knob], objective))
-    ranked = sorted(best.values(), key=lambda j: _key(j, objective), reverse=True)
+            by_knob.setdefault(j.candidate.knob, []).append(j)
+    best: list[Judged] = []
+    for group in by_knob.values():
+        winner, tied = choose(group)
+        best.append(winner)
+        for j in group:
+            if j is winner:
+                continue
+            rejected.append(
+                Rejected(j.candidate, _why_tie(winner, j, objective))
+                if any(t is j for t in tied)
+                else _beaten(j, winner, objective)
+            )
+    ranked = sorted(best, key=lambda j: (-_key(j), _order(j)))
     capacity.sort(key=lambda j: j.candidate.replicas)
-    chosen = ranked[0] if ranked else None
+    chosen, why = None, ""
+    if ranked:
+        chosen, tied = choose(ranked)
+        why = _why_chosen(chosen, tied, objective)
+        ranked.remove(chosen)
+        ranked.insert(0, chosen)
     if combined is not None and chosen is not None:
-        if combined.recommendable and _key(combined, objective) > _key(chosen, objective):
+        pair = [chosen, combined] if combined.recommendable else [chosen]
+        winner, _ = choose(pair)
+        if winner is combined:
             rejected.append(_beaten(chosen, combined, objective))
             ranked.insert(0, combined)
             chosen = combined
+            why = "the best knobs together are predicted better than any alone"
         else:
-            why = (
-                combined.reason
-                if not combined.recommendable
-                else f"together predicted no better than {chosen.candidate.title} alone "
-                f"({moved(combined.objective_gain, objective.figure)} vs "
-                f"{moved(chosen.objective_gain, objective.figure)})"
-            )
-            rejected.append(Rejected(combined.candidate, why))
-    return Decision(objective, chosen, ranked[:top], capacity, rejected, list(unpredicted))
+            if not combined.recommendable:
+                reason = combined.reason
+            elif _key(combined) > _key(chosen):
+                reason = _why_tie(chosen, combined, objective)
+            else:
+                reason = (
+                    f"together predicted no better than {chosen.candidate.title} alone "
+                    f"({moved(combined.objective_gain, objective.figure)} vs "
+                    f"{moved(chosen.objective_gain, objective.figure)})"
+                )
+            rejected.append(Rejected(combined.candidate, reason))
+    rejected.sort(key=lambda r: (r.candidate.knob, _natural(r.candidate.id)))
+    return Decision(objective, chosen, ranked[:top], capacity, rejected, list(unpredicted), why=why)
+
+
+def _why_chosen(chosen: Judged, tied: Sequence[Judged], objective: Objective) -> str:
+    """Why ``chosen`` is the decision: the best objective gain, or its place in a tie."""
+    fig = objective.figure
+    gain = moved(chosen.objective_gain, fig)
+    if not tied:
+        return f"the best predicted {objective.text}: {gain}"
+    others = ", ".join(
+        f"{j.candidate.title} {moved(j.objective_gain, fig)}" for j in sorted(tied, key=_order)
+    )
+    best = max([chosen, *tied], key=_key)
+    if best is not chosen and chosen.candidate.operating_load < best.candidate.operating_load:
+        lead = "a smaller gain with less to operate wins"
+    else:
+        lead = "chosen within the tie by less to operate, then its own target"
+    return (
+        f"{gain}, tied within {TIE:.0%} with {others}; {lead} "
+        f"({chosen.candidate.complexity} complexity, {chosen.candidate.parts} setting(s))"
+    )
 
 
 def _beaten(loser: Judged, winner: Judged, objective: Objective) -> Rejected:
     c = winner.candidate
     fig = objective.figure
-    if loser.candidate.knob == c.knob and _tied(winner, loser, objective):
-        tfig = c.target[1]
-        return Rejected(
-            loser.candidate,
-            f"ties on the objective with {c.title} ({moved(winner.objective_gain, fig)} vs "
-            f"{moved(loser.objective_gain, fig)}), which improves its target more "
-            f"({label(tfig)} {moved(winner.target_gain, tfig)} vs "
-            f"{moved(loser.target_gain, tfig)})",
-        )
     if loser.candidate.knob == c.knob:
         why = f"another value of the same knob is predicted better: {c.title}"
     else:
