@@ -207,8 +207,7 @@ class Scheduler:
             self._schedule_running(step, now)
             if not step.preempted:
                 self._admit_waiting(step, now)
-        step_id = self._next_step_id
-        self._next_step_id += 1
+        step_id = self.reserve_step_ids(1)
         entries = list(step.entries.values())
         # One ScheduledSeq per sequence per step: built inline, with lookups hoisted.
         block_table = self.kv_cache.block_table
@@ -241,6 +240,14 @@ class Scheduler:
                 )
             )
         return SchedulerOutput(BatchPlan(step_id, seqs), entries, step.admitted, step.preempted)
+
+    def reserve_step_ids(self, k: int) -> int:
+        """Take the next ``k`` step ids and return the first. ``schedule`` takes one per step;
+        steps run without it (the decode burst's) take theirs here, so that ids stay
+        consecutive and unique whichever path ran a step."""
+        first = self._next_step_id
+        self._next_step_id = first + k
+        return first
 
     def _schedule_running(self, step: _Step, now: float) -> None:
         # Runs for every running request every step: attribute lookups are hoisted.
