@@ -184,18 +184,7 @@ class LLMEngine:
         )
 
     def stats(self) -> EngineStats:
-        kv = self.kv_cache
-        return EngineStats(
-            kv_blocks_used=kv.num_used_blocks,
-            kv_blocks_total=kv.num_blocks,
-            kv_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            evictions=kv.evictions,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_waiting=self.num_waiting,
-            num_running=self.num_running,
-        )
+        return EngineStats.of(self.kv_cache, self.scheduler)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()

@@ -34,64 +34,18 @@ finished and calls ``finish_request``.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from servelab.engine.batch_plan import BatchPlan, ScheduledSeq, StepOutput
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.kv_cache_plain import KVCache, PrefixHit
 from servelab.engine.request import Request
+from servelab.engine.waiting_queue import WaitingQueue
 from servelab.vocab import FinishReason, Phase, PrefillChunk, SpecRecord
 
 # The phases the per-sequence paths test and set, bound once: reading an Enum member
 # off its class costs about ten times a global lookup.
 _QUEUED, _PREFILL, _DECODE = Phase.QUEUED, Phase.PREFILL, Phase.DECODE
-
-
-class WaitingQueue:
-    """Priority classes (lower value first), FCFS within a class; preempted go to the front."""
-
-    def __init__(self) -> None:
-        self._classes: dict[int, deque[Request]] = {}
-        self._len = 0
-
-    def push_back(self, req: Request) -> None:
-        self._classes.setdefault(req.priority, deque()).append(req)
-        self._len += 1
-
-    def push_front(self, req: Request) -> None:
-        self._classes.setdefault(req.priority, deque()).appendleft(req)
-        self._len += 1
-
-    def peek(self) -> Request:
-        return self._classes[min(self._classes)][0]
-
-    def pop(self) -> Request:
-        prio = min(self._classes)
-        q = self._classes[prio]
-        req = q.popleft()
-        if not q:
-            del self._classes[prio]
-        self._len -= 1
-        return req
-
-    def remove(self, req: Request) -> bool:
-        q = self._classes.get(req.priority)
-        if q is None or req not in q:
-            return False
-        q.remove(req)
-        if not q:
-            del self._classes[req.priority]
-        self._len -= 1
-        return True
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[Request]:
-        for prio in sorted(self._classes):
-            yield from self._classes[prio]
 
 
 @dataclass(slots=True)
