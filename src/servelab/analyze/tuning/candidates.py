@@ -43,6 +43,7 @@ import numpy as np
 from servelab.analyze.diagnosis.findings import Finding
 from servelab.analyze.levers import _LAUNCH, _cli_flag
 from servelab.analyze.server_side.serversettings import SERVELAB, render_flags
+from servelab.vocab import DEFAULT_TOKEN_BUDGET
 
 KNOBS = (
     "chunking",
@@ -299,7 +300,7 @@ def generate(
 
     if "chunking" in knobs:
         chunked = bool(cfg.get("enable_chunked_prefill", True))
-        current = int(cfg.get("max_num_batched_tokens") or 2048)
+        current = int(cfg.get("max_num_batched_tokens") or DEFAULT_TOKEN_BUDGET)
         for b in budget_grid(facts.prompt_tokens, current if chunked else None):
             lever = (
                 "chunked_prefill"
