@@ -9,7 +9,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from servelab.engine import kv_cache
+from servelab.engine import kv_block_chain, kv_cache
 from servelab.engine.kv_cache import KVCacheManager
 from servelab.engine.kv_cache_plain import PlainKVCache
 
@@ -315,7 +315,7 @@ def test_unique_prompts_are_registered_without_hashing_them(monkeypatch) -> None
     """Only a prompt's first block is hashed until another request comes with the same one;
     then the first request's blocks are hashed and hit."""
     calls = []
-    monkeypatch.setattr(kv_cache, "hash", lambda x: calls.append(x) or hash(x), raising=False)
+    monkeypatch.setattr(kv_block_chain, "hash", lambda x: calls.append(x) or hash(x), raising=False)
     m = kv(64)
     for i in range(3):
         run_prefill(m, f"u{i}", [100 + i] + [7] * 39)  # ten full blocks each
@@ -332,7 +332,8 @@ def test_colliding_chain_hashes_cost_misses_never_wrong_hits(monkeypatch) -> Non
     blocks under their hashes: the bookkeeping stays consistent and every hit holds the
     tokens looked up."""
     builtin_hash = hash
-    monkeypatch.setattr(kv_cache, "hash", lambda x: builtin_hash(x) % 5, raising=False)
+    for module in (kv_block_chain, kv_cache):  # the chains and the invariants' check
+        monkeypatch.setattr(module, "hash", lambda x: builtin_hash(x) % 5, raising=False)
     rng = random.Random(0)
     m = kv(12)
     content: dict[int, tuple[int, ...]] = {}  # what each block was last computed with

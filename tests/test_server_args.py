@@ -10,6 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from servelab.cli import app
+from servelab.server import server_args
 from servelab.server.server_args import API_KEY_ENV, ServerArgs
 from servelab.units import parse_size_gb
 
@@ -59,6 +60,20 @@ def test_flags_map_onto_the_engine_config() -> None:
     assert not cfg.enable_chunked_prefill and not cfg.enable_prefix_caching
     assert ServerArgs(model="m", served_model_name=None).model_name == "m"
     assert "secret" not in repr(ServerArgs(api_key="secret"))
+
+
+def test_the_engine_config_is_built_once_per_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """validate builds it (checking it and a --simulate target on it); every later caller
+    (the serve command, the core's or the workers' config) gets that same object."""
+    built = []
+    settings = server_args.config_settings
+    monkeypatch.setattr(server_args, "config_settings", lambda f: built.append(f) or settings(f))
+    args = ServerArgs(max_num_seqs=8, simulate="h100:llama-3.1-8b")
+    args.validate()
+    cfg = args.engine_config()
+    assert args.engine_config() is cfg and cfg.max_num_seqs == 8 and len(built) == 1
+    copy = dataclasses.replace(args, max_num_seqs=4)  # another serve's flags, its own config
+    assert copy.engine_config().max_num_seqs == 4 and args.engine_config() is cfg
 
 
 @pytest.mark.parametrize(

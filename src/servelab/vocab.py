@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m"  # the model every command uses when none is named
+# The servelab engine's token budget of one step (``max_num_batched_tokens``) when none is set.
+DEFAULT_TOKEN_BUDGET = 2048
 # The weight modes `serve`/`generate` offer: fp32, bf16 (on AVX512-BF16 CPUs), or the GGUF's
 # own Q4_1 blocks. q8_0 exists in the model layer but misses its quality bar
 # (docs/design/model.md), so it is not offered.

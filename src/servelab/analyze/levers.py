@@ -27,6 +27,7 @@ from servelab.analyze.tuning.catalogue import (
     cli_flag,
     neutral,
 )
+from servelab.vocab import DEFAULT_TOKEN_BUDGET
 
 # KV bytes per token of the default model in fp32 (docs/reference-figures.md): the transfer
 # disaggregation adds per prompt token.
@@ -135,7 +136,7 @@ def _chunk_budget(step: float, per_token: float, cap: int) -> int:
 
 
 def chunked_prefill(c: Context, f: Finding) -> Recommendation:
-    budget = _cfg(c, "max_num_batched_tokens", 2048)
+    budget = _cfg(c, "max_num_batched_tokens", DEFAULT_TOKEN_BUDGET)
     gain = "long prefills no longer stall running decodes for a whole prompt"
     cost = c.attr.cost
     step = _decode_step(c)
@@ -164,7 +165,7 @@ def chunked_prefill(c: Context, f: Finding) -> Recommendation:
 
 
 def batch_budget_down(c: Context, f: Finding) -> Recommendation:
-    budget = _cfg(c, "max_num_batched_tokens", 2048)
+    budget = _cfg(c, "max_num_batched_tokens", DEFAULT_TOKEN_BUDGET)
     cost = c.attr.cost
     step = _decode_step(c)
     target = max(64, budget // 4)
@@ -189,7 +190,7 @@ def batch_budget_down(c: Context, f: Finding) -> Recommendation:
 
 
 def batch_budget_up(c: Context, f: Finding) -> Recommendation:
-    budget = _cfg(c, "max_num_batched_tokens", 2048)
+    budget = _cfg(c, "max_num_batched_tokens", DEFAULT_TOKEN_BUDGET)
     return _recommendation(
         "batch_budget_up",
         action=engine_flags(

@@ -8,8 +8,10 @@ a block and the executor's ``execute_decodes`` for the step's time, and books th
 times and counters of all the steps at once. The outcome is exactly that of calling
 ``LLMEngine.step`` for each (tests/test_sim_identity.py runs both). The engine's reading path
 (engine, scheduler, request, plan, the plain KV cache) reaches this module only through the
-one-line ``LLMEngine.decode_burst``. docs/design/scheduler.md ("Bulk decode") has the
-conditions and why they suffice.
+one-line ``LLMEngine.decode_burst``, and this module reaches them only through their public
+interfaces: the engine's ``record_step`` and ``finish_request``, the scheduler's
+``reserve_step_ids``, the KV cache's calls and the requests' fields. docs/design/scheduler.md
+("Bulk decode") has the conditions and why they suffice.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from servelab.vocab import FinishReason, Phase, StepRecord
 
 if TYPE_CHECKING:
     from servelab.engine.engine import LLMEngine
+    from servelab.engine.kv_cache_plain import KVCache
     from servelab.engine.scheduler import Scheduler
 
 _DECODE = Phase.DECODE
@@ -89,36 +92,39 @@ def run_decode_burst(
     execute, tokens = dex.execute_decodes, dex.decode_tokens
     clock, kv, n = engine.clock, engine.kv_cache, len(reqs)
     context = run.context_tokens
+    starts: list[float] = []
     ends: list[float] = []
-    records: list[StepRecord] = []
+    kv_used: list[int] = []  # blocks in use as each step started, for its record
     j = 0
     while j < steps:
         start = clock()
         if start >= horizon or not run.allocate(j):
             break
-        kv_used = kv.num_used_blocks if keep_records else 0
+        if keep_records:
+            kv_used.append(kv.num_used_blocks)
         execute(n, context)
         end = clock()
         context += n
         run.computed(j, tokens)
+        starts.append(start)
         ends.append(end)
-        if keep_records:
-            decode = [r.request_id for r in reqs]
-            records.append(
-                engine._record(run.first_step_id + j, start, end, {}, decode, kv_used, [])
-            )
         j += 1
     if not ends:
         return None
     run.commit(ends, tokens)
+    first_id = engine.scheduler.reserve_step_ids(len(ends))
+    records: list[StepRecord] = []
+    if keep_records:  # nothing the records read changed since their steps ran
+        decode = [r.request_id for r in reqs]
+        for i, (start, end, used) in enumerate(zip(starts, ends, kv_used, strict=True)):
+            records.append(engine.record_step(first_id + i, start, end, {}, list(decode), used, []))
     finished: list[RequestOutput] = []
-    if j == steps:  # the last step finished these, in plan order as _emit does
+    if j == steps:  # the last step finished these, in plan order as step's outputs are
         end = ends[-1]
         for req, k in zip(reqs, left, strict=True):
             if k == steps:
-                engine._finish(req, FinishReason.LENGTH, end)
+                engine.finish_request(req, FinishReason.LENGTH, end)
                 finished.append(RequestOutput(req, req.token_ids[-1:], "", FinishReason.LENGTH))
-    engine.step_records.extend(records)
     return DecodeBurst(reqs, ends, records, finished)
 
 
@@ -138,7 +144,7 @@ def decode_run(scheduler: Scheduler) -> DecodeRun | None:
             or len(req.token_ids) - req.num_computed_tokens != 1
         ):
             return None
-    return DecodeRun(scheduler, list(running))
+    return DecodeRun(scheduler.kv_cache, list(running))
 
 
 class DecodeRun:
@@ -156,11 +162,9 @@ class DecodeRun:
     policy then preempts, which only ``schedule`` does).
     """
 
-    def __init__(self, scheduler: Scheduler, requests: list[Request]) -> None:
-        self._scheduler = scheduler
+    def __init__(self, kv: KVCache, requests: list[Request]) -> None:
         self.requests = requests
-        self.first_step_id = scheduler._next_step_id
-        kv = self._kv = scheduler.kv_cache
+        self._kv = kv
         bs = self._bs = kv.block_size
         self._computed = [r.num_computed_tokens for r in requests]
         self.context_tokens = sum(self._computed)
@@ -226,4 +230,3 @@ class DecodeRun:
             tl = req.timeline
             tl.token_times += ends
             tl.output_tokens = self._num_output[i] + k
-        self._scheduler._next_step_id += k

@@ -63,7 +63,8 @@ class LLMEngine:
     - ``proposer`` (optional) replaces the proposer that ``config.speculative_config`` names
       (EAGLE-style heads, tests); it needs a speculative config for the draft count.
     - ``decode_burst`` (the simulator's) runs the coming pure-decode steps in bulk with the
-      same outcome as calling ``step`` for each.
+      same outcome as calling ``step`` for each, through ``record_step`` and
+      ``finish_request``, as ``step`` does.
     """
 
     def __init__(
@@ -143,8 +144,19 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None:
             return False
-        self._finish(req, FinishReason.ABORT, self.clock())
+        self.finish_request(req, FinishReason.ABORT, self.clock())
         return True
+
+    def finish_request(self, req: Request, reason: FinishReason, now: float) -> None:
+        """Finish ``req``, a request of this engine not finished yet, at ``now`` with
+        ``reason``: the scheduler drops it and frees its KV blocks, its timeline is closed
+        and kept in ``finished_timelines``, and the engine forgets it (detokenizer, drafts)."""
+        self.scheduler.finish_request(req, reason, now)
+        if self.spec is not None:
+            self.spec.finished(req.request_id)
+        del self._requests[req.request_id]
+        self._detok.pop(req.request_id, None)
+        self.finished_timelines.append(req.timeline)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -172,18 +184,7 @@ class LLMEngine:
         )
 
     def stats(self) -> EngineStats:
-        kv = self.kv_cache
-        return EngineStats(
-            kv_blocks_used=kv.num_used_blocks,
-            kv_blocks_total=kv.num_blocks,
-            kv_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            evictions=kv.evictions,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_waiting=self.num_waiting,
-            num_running=self.num_running,
-        )
+        return EngineStats.of(self.kv_cache, self.scheduler)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()
@@ -221,7 +222,7 @@ class LLMEngine:
         requests, emit = self._requests, self._emit
         outputs = [emit(requests[rid], tokens, end) for rid, tokens in new_tokens.items()]
         prefill, decode = out.prefill_and_decode()
-        record = self._record(
+        record = self.record_step(
             out.plan.step_id,
             start,
             end,
@@ -232,7 +233,6 @@ class LLMEngine:
             sum(e.num_draft_tokens for e in speculated) if speculated else 0,
             sum(e.num_accepted for e in speculated) if speculated else 0,
         )
-        self.step_records.append(record)
         return EngineStepResult(outputs, record)
 
     def decode_burst(self, horizon: float, keep_records: bool = False) -> DecodeBurst | None:
@@ -240,7 +240,7 @@ class LLMEngine:
         a ``step`` for each (``engine/decode_burst.py``); None when the next step is not one."""
         return run_decode_burst(self, horizon, keep_records)
 
-    def _record(
+    def record_step(
         self,
         step_id: int,
         start: float,
@@ -252,7 +252,12 @@ class LLMEngine:
         spec_proposed: int = 0,
         spec_accepted: int = 0,
     ) -> StepRecord:
-        return StepRecord(
+        """Keep (in ``step_records``) and return the record of step ``step_id``, which ran
+        from ``start`` to ``end``: ``prefill`` tokens per prefilling request and the
+        ``decode`` requests (plan order), ``kv_used`` blocks in use when it started, the
+        requests it ``preempted`` and the drafts it verified. The queue length, pool size,
+        replica and role are read now: call it once the step's requests are updated."""
+        record = StepRecord(
             step_id=step_id,
             start=start,
             end=end,
@@ -269,6 +274,8 @@ class LLMEngine:
             replica=self.replica,
             role=self.role,
         )
+        self.step_records.append(record)
+        return record
 
     def _emit(self, req: Request, tokens: list[int], now: float) -> RequestOutput:
         """Apply the stop rules to this step's new tokens and build the request's output."""
@@ -290,7 +297,7 @@ class LLMEngine:
             elif n_out >= length_limit:
                 reason = FinishReason.LENGTH
             if reason is not None:
-                self._finish(req, reason, now)
+                self.finish_request(req, reason, now)
             return RequestOutput(req, [tok], "", reason)
         kept = 0
         for tok in tokens:
@@ -313,7 +320,7 @@ class LLMEngine:
             tokens = tokens[:kept]
         text = detok.take(final=reason is not None) if detok is not None else ""
         if reason is not None:
-            self._finish(req, reason, now)
+            self.finish_request(req, reason, now)
         return RequestOutput(req, list(tokens), text, reason)
 
     def _fail_batch(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -322,7 +329,7 @@ class LLMEngine:
         for e in out.entries:
             req = e.request
             req.timeline.error = f"{type(error).__name__}: {error}"
-            self._finish(req, FinishReason.ERROR, now)
+            self.finish_request(req, FinishReason.ERROR, now)
             outputs.append(RequestOutput(req, [], "", FinishReason.ERROR))
         return outputs
 
@@ -336,7 +343,7 @@ class LLMEngine:
         """Finish ``request_id`` now with ``reason`` (blocks freed, timeline kept)."""
         req = self._requests.get(request_id)
         if req is not None:
-            self._finish(req, reason, self.clock())
+            self.finish_request(req, reason, self.clock())
 
     def forget_request(self, request_id: str) -> Request | None:
         """Drop a request that goes on elsewhere (its timeline with it) and free its blocks."""
@@ -346,11 +353,3 @@ class LLMEngine:
             self.spec.finished(request_id)
         self.kv_cache.free(request_id)
         return req
-
-    def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
-        self.scheduler.finish_request(req, reason, now)
-        if self.spec is not None:
-            self.spec.finished(req.request_id)
-        del self._requests[req.request_id]
-        self._detok.pop(req.request_id, None)
-        self.finished_timelines.append(req.timeline)

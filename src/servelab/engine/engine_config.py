@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from servelab.engine.spec.spec_config import SpeculativeConfig
+from servelab.vocab import DEFAULT_TOKEN_BUDGET
 
 if TYPE_CHECKING:
     from servelab.engine.executor import Executor
@@ -21,7 +22,7 @@ class EngineConfig:
     runner knows the bytes per block); the simulator sets it directly.
     """
 
-    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET  # token budget of one step
     max_num_seqs: int = 64  # cap on sequences in one step
     max_model_len: int | None = None  # None: the model's context length
     block_size: int = 16  # tokens per KV block

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from servelab.engine.kv_cache_plain import KVCache
+    from servelab.engine.scheduler import Scheduler
 
 
 @dataclass
@@ -25,6 +29,21 @@ class EngineStats:
     num_preemptions: int
     num_waiting: int
     num_running: int
+
+    @classmethod
+    def of(cls, kv: KVCache, scheduler: Scheduler) -> EngineStats:
+        """The counters of an engine's KV cache and scheduler now."""
+        return cls(
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_blocks,
+            kv_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            evictions=kv.evictions,
+            num_preemptions=scheduler.num_preemptions,
+            num_waiting=scheduler.num_waiting,
+            num_running=scheduler.num_running,
+        )
 
     @property
     def prefix_cache_hit_rate(self) -> float:

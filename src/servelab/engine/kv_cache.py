@@ -7,11 +7,11 @@ contract; this module adds only how it is made cheap, because the simulator call
 every sequence of every step (docs/design/kv_cache.md, "Cost").
 
 Per-block state lives in lists indexed by block id, and the hand-out queue is two parts: the
-free blocks as a stack (its end handed out first) and the cached blocks as a list read from
-a head. A cached block revived from the middle (a prefix hit) leaves its entry behind,
-stale, counted per block and skipped when read. The cache maps a registered block's chain
-hash, an int, to the block, so no token tuple is hashed again at a registration, lookup or
-eviction; a request's chain hashes and token tuples are memoised.
+free blocks as a stack (its end handed out first) and the cached blocks in a
+``kv_cached_queue.CachedQueue``, whose removal from the middle (a prefix hit) is O(1). The
+cache maps a registered block's chain hash, an int, to the block, so no token tuple is hashed
+again at a registration, lookup or eviction; a request's chain hashes and token tuples
+(``kv_block_chain``) are memoised.
 
 Deferred hashing: a lookup can only reach a block through the block 0 of its chain (the
 *root*), so a request whose root starts no registered block's chain (keyed blocks are
@@ -28,24 +28,9 @@ either way a hit is confirmed against the tokens.)
 
 from __future__ import annotations
 
-from itertools import repeat
-
+from servelab.engine.kv_block_chain import Chain, DeferredGroup, extend_chain
 from servelab.engine.kv_cache_plain import ROOT_HASH, BlockKey, PrefixHit, check_pool
-
-
-class _Deferred:
-    """Blocks registered without hashing: the first ``num_blocks`` of ``table``, holding
-    ``tokens``; ``alive`` of them are still registered (not evicted since)."""
-
-    __slots__ = ("alive", "num_blocks", "request_id", "root", "table", "tokens")
-
-    def __init__(self, request_id: str, root: int, table: list[int]) -> None:
-        self.request_id = request_id
-        self.root = root
-        self.table = table  # the request's table; its registered positions never change
-        self.tokens: list[int] = []
-        self.num_blocks = 0
-        self.alive = 0
+from servelab.engine.kv_cached_queue import CachedQueue
 
 
 class KVCacheManager:
@@ -59,29 +44,22 @@ class KVCacheManager:
         # Per block, indexed by id (lists: a replay hands out, registers and frees millions
         # of blocks, and a list slot is cheaper than an object's attribute or a dict entry).
         self._refs = [0] * num_blocks
-        # The registration: None, the key (in ``_cached`` under ``_hash``) or a _Deferred.
-        self._key: list[BlockKey | _Deferred | None] = [None] * num_blocks
+        # The registration: None, the key (in ``_cached`` under ``_hash``) or a DeferredGroup.
+        self._key: list[BlockKey | DeferredGroup | None] = [None] * num_blocks
         self._hash = [0] * num_blocks
         self._root_of = [0] * num_blocks  # root hash of a keyed block's chain
         # The eviction queue in two parts. Free blocks: a stack, its end handed out first.
         self._free = list(range(num_blocks - 1, -1, -1))
-        # Cached blocks in LRU order: a list read from ``_lru_head``. A block that leaves it
-        # from the middle (a prefix hit) leaves its entry behind, stale: ``_stale[b]`` counts
-        # b's stale entries, which come before any live one of b, and are skipped when read.
-        self._lru: list[int] = []
-        self._lru_head = 0
-        self._lru_len = 0  # live entries
-        self._lru_stale = 0  # stale entries
-        self._stale = [0] * num_blocks
+        self._lru = CachedQueue(num_blocks)  # then the cached ones, least recently freed first
         self._cached: dict[int, int] = {}  # chain hash -> block id
         self._root_count: dict[int, int] = {}  # root hash -> keyed blocks of chains from it
-        self._deferred: dict[int, _Deferred] = {}  # root hash -> its group
+        self._deferred: dict[int, DeferredGroup] = {}  # root hash -> its group
         self._num_deferred = 0  # blocks registered in deferred groups
         self._tables: dict[str, list[int]] = {}
         # Per request, the chain hashes of its full blocks so far and their token tuples
         # (keys[i] == (hashes[i - 1] or the root's parent, tokens[i])).
-        self._chains: dict[str, tuple[list[int], list[tuple[int, ...]]]] = {}
-        self._groups: dict[str, _Deferred] = {}  # live requests registering deferred
+        self._chains: dict[str, Chain] = {}
+        self._groups: dict[str, DeferredGroup] = {}  # live requests registering deferred
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already cached
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -92,12 +70,12 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free or cached-and-evictable)."""
-        return len(self._free) + self._lru_len
+        return len(self._free) + len(self._lru)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks referenced by at least one request."""
-        return self.num_blocks - len(self._free) - self._lru_len
+        return self.num_blocks - len(self._free) - len(self._lru)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -121,16 +99,14 @@ class KVCacheManager:
 
     # ---- prefix cache ----
 
-    def _chain(
-        self, request_id: str, token_ids: list[int], num_blocks: int
-    ) -> tuple[list[int], list[tuple[int, ...]]]:
+    def _chain(self, request_id: str, token_ids: list[int], num_blocks: int) -> Chain:
         """Chain hashes and token tuples of (at least) the first ``num_blocks`` full blocks,
         memoised per request: each block's tuple is built and hashed once."""
         chain = self._chains.get(request_id)
         if chain is None:
             chain = self._chains[request_id] = ([], [])
         if num_blocks > len(chain[0]):
-            _extend_chain(chain, token_ids, num_blocks, self.block_size)
+            extend_chain(chain, token_ids, num_blocks, self.block_size)
         return chain
 
     def chain_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[int]:
@@ -192,7 +168,7 @@ class KVCacheManager:
                 self._undefer(other)
             elif not start and root not in self._root_count:
                 # No registered block's chain starts at this root: defer the hashing.
-                group = self._groups[request_id] = self._deferred[root] = _Deferred(
+                group = self._groups[request_id] = self._deferred[root] = DeferredGroup(
                     request_id, root, table
                 )
         if group is None:
@@ -212,8 +188,8 @@ class KVCacheManager:
         table: list[int],
         start: int,
         end: int,
-        chain: tuple[list[int], list[tuple[int, ...]]],
-        deferred: _Deferred | None = None,
+        chain: Chain,
+        deferred: DeferredGroup | None = None,
     ) -> None:
         """Key ``table[start:end]`` in the map: each block unless another holds its hash (the
         same content, registered first, is kept). With ``deferred``, only the blocks still
@@ -238,11 +214,11 @@ class KVCacheManager:
         if added:
             self._root_count[root] = self._root_count.get(root, 0) + added
 
-    def _undefer(self, group: _Deferred) -> None:
+    def _undefer(self, group: DeferredGroup) -> None:
         """Move a deferred group's surviving blocks into the map (hashing them now)."""
         del self._deferred[group.root]
-        chain: tuple[list[int], list[tuple[int, ...]]] = ([], [])
-        _extend_chain(chain, group.tokens, group.num_blocks, self.block_size)
+        chain: Chain = ([], [])
+        extend_chain(chain, group.tokens, group.num_blocks, self.block_size)
         self._num_deferred -= group.alive
         group.alive = 0
         self._register(group.table, 0, group.num_blocks, chain, group)
@@ -255,14 +231,8 @@ class KVCacheManager:
     def _requeue_unregistered(self, b: int) -> None:
         """A block that lost its registration while queued as cached is queued as free."""
         if self._refs[b] == 0:
-            self._leave_lru(b)
+            self._lru.remove(b)
             self._free.append(b)
-
-    def _leave_lru(self, b: int) -> None:
-        """Take ``b`` out of the middle of the cached queue: its entry goes stale."""
-        self._stale[b] += 1
-        self._lru_stale += 1
-        self._lru_len -= 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (blocks in use stay allocated). Always succeeds."""
@@ -274,7 +244,7 @@ class KVCacheManager:
         self._num_deferred = 0
         # The cached blocks nobody holds become free ones, handed out after the free ones
         # in the order they were queued in.
-        self._free[:0] = reversed(self._read_lru(self._lru_len))
+        self._free[:0] = reversed(self._lru.take(len(self._lru)))
         # Live requests' blocks are not re-registered later: a caller resets because cached K/V
         # may be stale (e.g. new weights), and theirs predates the reset.
         for request_id, table in self._tables.items():
@@ -291,7 +261,7 @@ class KVCacheManager:
             # Most decode steps stay inside the last block: nothing changes.
             if need_new <= 0:
                 return True
-            if need_new > len(self._free) + self._lru_len:
+            if need_new > len(self._free) + len(self._lru):
                 return False
             table += self._take_blocks(need_new)
             return True
@@ -300,7 +270,7 @@ class KVCacheManager:
         refs = self._refs
         # Hit blocks nobody references are still in the evictable queue; taking them shrinks it.
         revived = sum(1 for b in prefix if not refs[b]) if prefix else 0
-        if need_new + revived > len(self._free) + self._lru_len:
+        if need_new + revived > len(self._free) + len(self._lru):
             return False
         table = self._tables[request_id] = []
         self._num_registered[request_id] = len(prefix)
@@ -310,7 +280,7 @@ class KVCacheManager:
         # Reference the hit blocks before handing out new ones, so none of them gets evicted.
         for b in prefix:
             if not refs[b]:
-                self._leave_lru(b)
+                self._lru.remove(b)
             refs[b] += 1
         table += prefix
         if need_new:
@@ -333,33 +303,9 @@ class KVCacheManager:
             refs[b] = 1
         return taken
 
-    def _read_lru(self, n: int) -> list[int]:
-        """Take the first ``n`` live entries off the cached queue."""
-        lru, head = self._lru, self._lru_head
-        if not self._lru_stale:  # the usual case: one slice
-            out = lru[head : head + n]
-            head += n
-        else:
-            stale = self._stale
-            out = []
-            while len(out) < n:
-                b = lru[head]
-                head += 1
-                if stale[b]:
-                    stale[b] -= 1
-                    self._lru_stale -= 1
-                else:
-                    out.append(b)
-        self._lru_len -= n
-        if head > 4096 and 2 * head > len(lru):  # drop the consumed front now and then
-            del lru[:head]
-            head = 0
-        self._lru_head = head
-        return out
-
     def _evict(self, n: int) -> list[int]:
         """Take the ``n`` least recently freed cached blocks out of the queue and the cache."""
-        out = self._read_lru(n)
+        out = self._lru.take(n)
         keys, cached, block_hash, roots_of, roots = (
             self._key,
             self._cached,
@@ -371,7 +317,7 @@ class KVCacheManager:
         for b in out:
             key = keys[b]
             keys[b] = None
-            if type(key) is _Deferred:
+            if type(key) is DeferredGroup:
                 deferred += 1
                 key.alive -= 1
                 if not key.alive and self._deferred.get(key.root) is key:
@@ -396,8 +342,8 @@ class KVCacheManager:
         self._num_registered.pop(request_id, None)
         if not table:
             return
-        refs, keys, free, lru = self._refs, self._key, self._free, self._lru
-        queued = len(lru)
+        refs, keys, free = self._refs, self._key, self._free
+        cached: list[int] = []
         # Tail blocks are the least likely to be shared, so they are freed (and evicted) first.
         for b in reversed(table):
             left = refs[b] - 1
@@ -406,8 +352,9 @@ class KVCacheManager:
                 if keys[b] is None:
                     free.append(b)  # holds nothing reusable: handed out before any cached block
                 else:
-                    lru.append(b)
-        self._lru_len += len(lru) - queued
+                    cached.append(b)
+        if cached:
+            self._lru.extend(cached)
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Free the request's blocks past the first ``blocks_needed(num_tokens)``, as ``free``
@@ -432,16 +379,7 @@ class KVCacheManager:
             for b in table:
                 refs[b] += 1
         assert refs == self._refs, "refcounts"
-        stale = list(self._stale)
-        lru = []
-        for b in self._lru[self._lru_head :]:
-            if stale[b]:
-                stale[b] -= 1
-            else:
-                lru.append(b)
-        assert not any(stale), "a stale count without its entry"
-        assert len(self._lru) - self._lru_head - len(lru) == self._lru_stale, "stale entries"
-        assert len(lru) == self._lru_len, "LRU length"
+        lru = self._lru.blocks()
         queued = [*self._free, *lru]
         assert len(queued) == len(set(queued)), "a block queued twice"
         idle = {b for b in range(self.num_blocks) if not self._refs[b]}
@@ -457,23 +395,9 @@ class KVCacheManager:
         for b in keyed:
             roots[self._root_of[b]] = roots.get(self._root_of[b], 0) + 1
         assert roots == self._root_count, "root counts"
-        deferred = [k for k in self._key if isinstance(k, _Deferred)]
+        deferred = [k for k in self._key if isinstance(k, DeferredGroup)]
         assert len(deferred) == self._num_deferred, "deferred count"
         for group in set(deferred):
             assert deferred.count(group) == group.alive, "deferred group size"
             assert self._deferred.get(group.root) is group, "deferred group not indexed"
             assert group.root not in self._root_count, "deferred root also keyed"
-
-
-def _extend_chain(
-    chain: tuple[list[int], list[tuple[int, ...]]], token_ids: list[int], num_blocks: int, bs: int
-) -> None:
-    """Extend a chain (hashes, token tuples) to ``num_blocks`` full blocks of ``token_ids``."""
-    hashes, tokens = chain
-    first = len(hashes)
-    # zip over one iterator repeated ``bs`` times cuts the tokens into block tuples in C.
-    it = iter(token_ids[first * bs : num_blocks * bs])
-    new = list(zip(*repeat(it, bs), strict=False))
-    h = hashes[-1] if hashes else ROOT_HASH
-    hashes += [h := hash((h, t)) for t in new]
-    tokens += new

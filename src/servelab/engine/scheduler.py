@@ -34,64 +34,18 @@ finished and calls ``finish_request``.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from servelab.engine.batch_plan import BatchPlan, ScheduledSeq, StepOutput
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.kv_cache_plain import KVCache, PrefixHit
 from servelab.engine.request import Request
+from servelab.engine.waiting_queue import WaitingQueue
 from servelab.vocab import FinishReason, Phase, PrefillChunk, SpecRecord
 
 # The phases the per-sequence paths test and set, bound once: reading an Enum member
 # off its class costs about ten times a global lookup.
 _QUEUED, _PREFILL, _DECODE = Phase.QUEUED, Phase.PREFILL, Phase.DECODE
-
-
-class WaitingQueue:
-    """Priority classes (lower value first), FCFS within a class; preempted go to the front."""
-
-    def __init__(self) -> None:
-        self._classes: dict[int, deque[Request]] = {}
-        self._len = 0
-
-    def push_back(self, req: Request) -> None:
-        self._classes.setdefault(req.priority, deque()).append(req)
-        self._len += 1
-
-    def push_front(self, req: Request) -> None:
-        self._classes.setdefault(req.priority, deque()).appendleft(req)
-        self._len += 1
-
-    def peek(self) -> Request:
-        return self._classes[min(self._classes)][0]
-
-    def pop(self) -> Request:
-        prio = min(self._classes)
-        q = self._classes[prio]
-        req = q.popleft()
-        if not q:
-            del self._classes[prio]
-        self._len -= 1
-        return req
-
-    def remove(self, req: Request) -> bool:
-        q = self._classes.get(req.priority)
-        if q is None or req not in q:
-            return False
-        q.remove(req)
-        if not q:
-            del self._classes[req.priority]
-        self._len -= 1
-        return True
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[Request]:
-        for prio in sorted(self._classes):
-            yield from self._classes[prio]
 
 
 @dataclass(slots=True)
@@ -207,8 +161,7 @@ class Scheduler:
             self._schedule_running(step, now)
             if not step.preempted:
                 self._admit_waiting(step, now)
-        step_id = self._next_step_id
-        self._next_step_id += 1
+        step_id = self.reserve_step_ids(1)
         entries = list(step.entries.values())
         # One ScheduledSeq per sequence per step: built inline, with lookups hoisted.
         block_table = self.kv_cache.block_table
@@ -241,6 +194,14 @@ class Scheduler:
                 )
             )
         return SchedulerOutput(BatchPlan(step_id, seqs), entries, step.admitted, step.preempted)
+
+    def reserve_step_ids(self, k: int) -> int:
+        """Take the next ``k`` step ids and return the first. ``schedule`` takes one per step;
+        steps run without it (the decode burst's) take theirs here, so that ids stay
+        consecutive and unique whichever path ran a step."""
+        first = self._next_step_id
+        self._next_step_id = first + k
+        return first
 
     def _schedule_running(self, step: _Step, now: float) -> None:
         # Runs for every running request every step: attribute lookups are hoisted.

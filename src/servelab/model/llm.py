@@ -10,7 +10,7 @@ from servelab.engine.engine import LLMEngine
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.sampling_params import SamplingParams
 from servelab.model.build import build_engine
-from servelab.vocab import FinishReason, RequestTimeline
+from servelab.vocab import DEFAULT_MODEL, FinishReason, RequestTimeline
 
 
 @dataclass
@@ -28,12 +28,12 @@ class GenerationResult:
 class LLM:
     """Generate for a batch of prompts with continuous batching on one engine.
 
-    ``LLM(model="smollm2-135m", device=None, **engine_config_kwargs)``: the keyword arguments
+    ``LLM(model=DEFAULT_MODEL, device=None, **engine_config_kwargs)``: the keyword arguments
     are ``EngineConfig`` fields (``max_num_batched_tokens``, ``enable_prefix_caching``, ...).
     """
 
     def __init__(
-        self, model: str = "smollm2-135m", device: str | None = None, **engine_config_kwargs: Any
+        self, model: str = DEFAULT_MODEL, device: str | None = None, **engine_config_kwargs: Any
     ):
         unknown = set(engine_config_kwargs) - set(EngineConfig.__dataclass_fields__)
         if unknown:

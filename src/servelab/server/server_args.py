@@ -141,6 +141,9 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         self.api_key = self.api_key or None  # an empty $SERVELAB_API_KEY means no key
+        # Built by the first engine_config() (validate's), then shared: not a field, so
+        # it is no flag and dataclasses.replace() builds a new one.
+        self._engine_config: EngineConfig | None = None
 
     @property
     def model_name(self) -> str:
@@ -240,14 +243,22 @@ class ServerArgs:
                 raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
 
     def engine_config(self) -> EngineConfig:
-        """The engine config these flags ask for (unset flags keep the engine's defaults)."""
-        keys = {f.name for f in fields(EngineConfig)}
-        flags = {f.name: getattr(self, f.name) for f in fields(self) if config_key(f.name) in keys}
-        settings = config_settings({k: v for k, v in flags.items() if v is not None})
-        if self.speculative_config is not None:
-            spec = parse_speculative_config(self.speculative_config)
-            settings["speculative_config"] = spec.to_dict()
-        return EngineConfig(**settings)
+        """The engine config these flags ask for (unset flags keep the engine's defaults).
+
+        Built once, by the first call (``validate`` makes it), from the flags as they are
+        then; every later call returns that same object, so the API process, the workers and
+        the simulated target of one serve share one config. Read it, do not change it."""
+        if self._engine_config is None:
+            keys = {f.name for f in fields(EngineConfig)}
+            flags = {
+                f.name: getattr(self, f.name) for f in fields(self) if config_key(f.name) in keys
+            }
+            settings = config_settings({k: v for k, v in flags.items() if v is not None})
+            if self.speculative_config is not None:
+                spec = parse_speculative_config(self.speculative_config)
+                settings["speculative_config"] = spec.to_dict()
+            self._engine_config = EngineConfig(**settings)
+        return self._engine_config
 
     @property
     def max_body_bytes(self) -> int:

@@ -15,6 +15,7 @@ from servelab.sim.loop.history import Resend
 from servelab.sim.loop.simulation import SimRequest, SimResult, Simulation, Topology
 from servelab.sim.sim_target import SimTarget
 from servelab.units import SLO
+from servelab.vocab import DEFAULT_MODEL
 
 
 @dataclass
@@ -102,7 +103,7 @@ def load_requests(
     if tokenizer is None:
         from servelab.modelcore.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_model("smollm2-135m")
+        tokenizer = Tokenizer.from_model(DEFAULT_MODEL)
     plan = build_plan(
         spec, load, seed, tokenizer=tokenizer, endpoint=endpoint, max_model_len=max_model_len
     )

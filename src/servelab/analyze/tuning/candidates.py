@@ -33,6 +33,7 @@ from servelab.analyze.diagnosis.findings import Finding
 from servelab.analyze.server_side.serversettings import SERVELAB, render_flags
 from servelab.analyze.tuning.catalogue import COMPLEXITY, LAUNCH, LEVERS, cli_flag, lever_knob
 from servelab.analyze.tuning.shape import MIN_BUDGET, RunFacts, shape_knobs
+from servelab.vocab import DEFAULT_TOKEN_BUDGET
 
 # The figure each finding is about: a candidate answering it must improve this figure.
 FINDING_TARGET = {
@@ -323,7 +324,7 @@ def generate(
 
     if "chunking" in knobs:
         chunked = bool(cfg.get("enable_chunked_prefill", True))
-        current = int(cfg.get("max_num_batched_tokens") or 2048)
+        current = int(cfg.get("max_num_batched_tokens") or DEFAULT_TOKEN_BUDGET)
         for b in budget_grid(facts.prompt_tokens, current if chunked else None):
             lever = (
                 "chunked_prefill"

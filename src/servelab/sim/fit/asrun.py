@@ -47,6 +47,7 @@ from servelab.sim.fit.twin import TwinCalibration, calibrate_runs, engine_change
 from servelab.sim.loop.history import Resend
 from servelab.sim.loop.simulation import SimRequest
 from servelab.sim.sim_target import SimTarget
+from servelab.vocab import DEFAULT_MODEL
 
 
 class NotReplayable(ValueError):
@@ -104,7 +105,7 @@ def plan_inputs(run: Run) -> dict[str, Any]:
         "load": load,
         "seed": int(seed),
         "endpoint": config.get("endpoint") or sim.get("endpoint") or "completions",
-        "tokenizer": m.get("tokenizer") or run.model or "smollm2-135m",
+        "tokenizer": m.get("tokenizer") or run.model or DEFAULT_MODEL,
         "run_tag": config.get("run_tag"),
         "max_model_len": run.server.get("max_model_len"),
     }
@@ -414,7 +415,7 @@ def target_from_run(run: Run) -> SimTarget:
     from servelab.sim.sim_target import profile_target
 
     check_replayable(run)
-    table = table_from_runs([str(run.path)], run.model or "smollm2-135m", monotone=True)
+    table = table_from_runs([str(run.path)], run.model or DEFAULT_MODEL, monotone=True)
     target = profile_target(table, engine_config_of(run))
     spec = target.engine_config.speculative_config
     if spec:
