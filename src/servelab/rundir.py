@@ -45,6 +45,9 @@ from servelab.engine_flags import config_settings
 from servelab.vocab import ClientRecord, RequestTimeline, StepRecord
 
 FORMAT_VERSION = 2  # 1: no version field, flags-only engine config; 2: resolved config
+# What an imported run (``servelab import``) may lack, in ``manifest["imported"]["lacks"]``:
+# this one means its records hold the first token's time but not every token's.
+LACKS_TOKEN_TIMES = "token_times"
 
 _encode = msgspec.json.Encoder().encode
 _JSONL = ("requests.jsonl", "server.jsonl", "steps.jsonl", "metrics_scrape.jsonl")
@@ -295,6 +298,12 @@ class Run:
     @property
     def invalid_reason(self) -> str | None:
         return self.manifest.get("invalid_reason")
+
+    @property
+    def lacks(self) -> list[str]:
+        """What the tool an imported run came from did not record (``LACKS_TOKEN_TIMES``,
+        ...); empty for a run servelab recorded itself."""
+        return list((self.manifest.get("imported") or {}).get("lacks") or [])
 
     @property
     def server(self) -> dict[str, Any]:
