@@ -4,7 +4,9 @@ Layout (format ``FORMAT_VERSION``; ``manifest.json["format_version"]``):
 
 - ``manifest.json``: the command (keys redacted), versions, machine, the server and its
   *resolved* engine config (``server.engine_config``, as the server reported it or the
-  simulator ran it), the workload spec, load, SLOs and the measured window.
+  simulator ran it), the workload spec, load, SLOs and the measured window; for a run
+  made by another tool (``servelab import``), ``imported``: the tool, its version, the
+  source file and what it ``lacks`` (``Run.lacks``).
 - ``requests.jsonl``: one ``ClientRecord`` per line, appended with a single ``write`` on an
   ``O_APPEND`` descriptor as each request finishes, so a crash or SIGKILL leaves only whole
   lines (the kernel holds what was written even if the process dies).
@@ -13,6 +15,8 @@ Layout (format ``FORMAT_VERSION``; ``manifest.json["format_version"]``):
 - ``metrics_scrape.jsonl``: ``{"t", "text"}`` Prometheus scrapes of ``/metrics``.
 - ``metrics.json``: the summary (``analyze.summary.summarize``), derived from the records.
 - ``server.log``: a launched server's output.
+- ``trace.jsonl``: an imported run's sends and lengths as a Mooncake trace, the workload
+  its manifest names for the replay (written by ``servelab import``).
 
 Contract:
 - ``manifest.json`` and ``metrics.json`` are written whole, atomically (temp file + rename).

@@ -39,8 +39,8 @@ TRACE = "trace.jsonl"  # the run's sends and lengths as a Mooncake trace, for `t
 
 # What a format may lack, as the manifest's ``imported.lacks`` names it.
 LACKS = {
-    LACKS_TOKEN_TIMES: "per-token times: only each request's first and last token times "
-    "and its token counts (no ITL; no engine steps can be inferred)",
+    LACKS_TOKEN_TIMES: "per-token times: each request's first token time, its end and its "
+    "token counts only (no ITL; no engine steps can be inferred)",
     "chunk_tokens": "tokens per chunk: each chunk is taken to carry one token",
     "server_id": "the id the server knew each request by",
 }
@@ -89,6 +89,7 @@ def write_imported(
         raise UnreadableImport(f"{source} holds no request to import")
     run = RunDir(out)
     records = _as_planned(imp.records)
+    (run.path / TRACE).unlink(missing_ok=True)  # a failed import's, never appended to
     trace = JsonlAppender(run.path / TRACE)
     try:
         t0 = records[0].actual_send
