@@ -11,7 +11,7 @@ import pytest
 from test_import_runs import DATA, SAMPLES, import_sample
 from typer.testing import CliRunner
 
-from servelab.bench.imports import UnreadableImport, import_file
+from servelab.bench.imports import UnreadableImport, import_file, vllm_bench
 from servelab.cli import app
 from servelab.rundir import load_run
 
@@ -27,8 +27,20 @@ def test_each_request_keeps_vllm_bench_s_ttft_itls_and_latency(tmp_path):
         assert rec.ttft == pytest.approx(BENCH["ttfts"][i], abs=1e-9)
         assert rec.itls == pytest.approx(BENCH["itls"][i], abs=1e-9)
         assert rec.e2e == pytest.approx(BENCH["latencies"][i], abs=1e-9)
-        assert rec.send_lag == pytest.approx(BENCH["queue_times"][i], abs=1e-9)
+        assert rec.send_lag == 0  # a closed loop (rate inf, 4 streams): due when sent
         assert rec.output_tokens == BENCH["output_lens"][i] == sum(rec.chunk_tokens)
+
+
+def test_a_closed_loop_is_replayed_as_one_and_a_rate_s_queueing_is_client_lag(tmp_path):
+    assert BENCH["request_rate"] == "inf" and BENCH["max_concurrency"] == 4
+    run = load_run(import_sample(tmp_path, "vllm"))
+    assert run.manifest["config"]["load"]["concurrency"] == 4
+    paced = tmp_path / "paced.json"
+    paced.write_text(json.dumps({**BENCH, "request_rate": 2.0}))
+    imp = vllm_bench.read(paced)
+    assert imp.concurrency is None
+    lags = sorted(r.send_lag for r in imp.records)
+    assert lags == pytest.approx(sorted(BENCH["queue_times"]))
 
 
 def test_calibrate_fits_a_twin_to_a_vllm_bench_run(tmp_path):

@@ -16,8 +16,8 @@ streams) or open loop (the trace's times) as the load, and names each record by 
 trace row the planner builds from it. The planner's prompts are synthetic text of the
 same lengths: what the tool sent is not in its results.
 
-Times stay on the tool's own clock (its wall-clock seconds): durations are all a run is
-read for, and the records of one file share that clock.
+Times stay on the tool's own clock (``Imported.clock``, in the manifest): durations are all
+a run is read for, and the records of one file share that clock.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class Imported:
     load: dict[str, Any] | None = None  # the tool's load settings, as it recorded them
     concurrency: int | None = None  # the closed loop's streams; None: sent at measured times
     endpoint: str = "completions"  # or "chat": how the prompts were sent
+    clock: str = "the tool's wall clock (seconds)"  # the clock of every record's times
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -131,7 +132,7 @@ def write_imported(
                 "sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
                 "lacks": list(imp.lacks),
                 "notes": list(imp.notes),
-                "clock": "the tool's wall clock (seconds)",
+                "clock": imp.clock,
             },
             "valid": True,
             "invalid_reason": None,

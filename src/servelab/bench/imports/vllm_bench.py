@@ -4,7 +4,9 @@ The detailed result holds one entry per request in each of its lists, in request
 ``start_times`` (the client's ``perf_counter`` at the send, one clock for the run),
 ``ttfts``, ``itls`` (the gap before each later token-bearing chunk), ``latencies`` (send
 to the last chunk), ``input_lens``, ``output_lens``, ``queue_times`` (time spent waiting
-for the client's concurrency limit: the intended send is that much earlier) and ``errors``.
+for the client's concurrency limit: in a run at a request rate the intended send is that
+much earlier; at rate ``inf`` it is a closed loop, whose requests are due as a stream
+frees) and ``errors``.
 The chunk times are the send plus TTFT plus the running sum of the gaps. The file records
 neither vLLM's version nor the request ids it sent, so the records carry the list index.
 Without ``start_times`` (a result saved without ``--save-detailed``) there is nothing per
@@ -40,7 +42,11 @@ def read(path: Path) -> Imported:
             "`vllm bench serve --save-result --save-detailed`"
         )
     n = len(doc["start_times"])
-    queue = doc.get("queue_times") or [0.0] * n
+    closed = doc.get("max_concurrency") if doc.get("request_rate") == "inf" else None
+    # A closed loop's request is due when a stream frees: its wait for the concurrency
+    # limit is the loop itself, not the client falling behind a schedule.
+    queue = doc.get("queue_times") if closed is None else None
+    queue = queue or [0.0] * n
     errors = doc.get("errors") or [""] * n
     records = [
         _record(i, doc, float(queue[i] or 0.0), str(errors[i] or "") or None) for i in range(n)
@@ -60,8 +66,9 @@ def read(path: Path) -> Imported:
             for k in ("request_rate", "burstiness", "max_concurrency", "num_prompts")
             if k in doc
         },
-        concurrency=doc.get("max_concurrency") if doc.get("request_rate") == "inf" else None,
+        concurrency=closed,
         endpoint="chat" if "chat" in str(doc.get("backend")) else "completions",
+        clock="the client's perf_counter (seconds)",
         notes=["vllm bench serve records neither vLLM's version nor the request ids it sent"],
     )
 

@@ -68,6 +68,7 @@ def read(path: Path) -> Imported:
         version=None,
         records=records,
         lacks=[LACKS_TOKEN_TIMES],
+        clock="vLLM's wall clock (seconds)",
         notes=[
             "the server's own times: each request's send is its arrival at vLLM, so TTFT "
             "and E2E hold no network or client time",
