@@ -89,3 +89,11 @@ def test_an_unknown_format_name_and_an_existing_run_are_refused(tmp_path):
     import_sample(tmp_path, "aiperf")
     r = CliRunner().invoke(app, ["import", src, "--out", str(tmp_path / "aiperf")])
     assert r.exit_code == 2 and "already holds a run" in r.output
+
+
+def test_aiperf_s_records_file_and_a_named_format_import_alike(tmp_path):
+    records = SAMPLES["aiperf"][0] / "profile_export.jsonl"
+    out = tmp_path / "named"
+    r = CliRunner().invoke(app, ["import", str(records), "--out", str(out), "--format", "aiperf"])
+    assert r.exit_code == 0, r.output
+    assert load_run(out).records == load_run(import_sample(tmp_path, "aiperf")).records
