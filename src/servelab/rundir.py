@@ -4,7 +4,9 @@ Layout (format ``FORMAT_VERSION``; ``manifest.json["format_version"]``):
 
 - ``manifest.json``: the command (keys redacted), versions, machine, the server and its
   *resolved* engine config (``server.engine_config``, as the server reported it or the
-  simulator ran it), the workload spec, load, SLOs and the measured window.
+  simulator ran it), the workload spec, load, SLOs and the measured window; for a run
+  made by another tool (``servelab import``), ``imported``: the tool, its version, the
+  source file and what it ``lacks`` (``Run.lacks``).
 - ``requests.jsonl``: one ``ClientRecord`` per line, appended with a single ``write`` on an
   ``O_APPEND`` descriptor as each request finishes, so a crash or SIGKILL leaves only whole
   lines (the kernel holds what was written even if the process dies).
@@ -13,6 +15,8 @@ Layout (format ``FORMAT_VERSION``; ``manifest.json["format_version"]``):
 - ``metrics_scrape.jsonl``: ``{"t", "text"}`` Prometheus scrapes of ``/metrics``.
 - ``metrics.json``: the summary (``analyze.summary.summarize``), derived from the records.
 - ``server.log``: a launched server's output.
+- ``trace.jsonl``: an imported run's sends and lengths as a Mooncake trace, the workload
+  its manifest names for the replay (written by ``servelab import``).
 
 Contract:
 - ``manifest.json`` and ``metrics.json`` are written whole, atomically (temp file + rename).
@@ -45,6 +49,9 @@ from servelab.engine_flags import config_settings
 from servelab.vocab import ClientRecord, RequestTimeline, StepRecord
 
 FORMAT_VERSION = 2  # 1: no version field, flags-only engine config; 2: resolved config
+# What an imported run (``servelab import``) may lack, in ``manifest["imported"]["lacks"]``:
+# this one means its records hold the first token's time but not every token's.
+LACKS_TOKEN_TIMES = "token_times"
 
 _encode = msgspec.json.Encoder().encode
 _JSONL = ("requests.jsonl", "server.jsonl", "steps.jsonl", "metrics_scrape.jsonl")
@@ -295,6 +302,12 @@ class Run:
     @property
     def invalid_reason(self) -> str | None:
         return self.manifest.get("invalid_reason")
+
+    @property
+    def lacks(self) -> list[str]:
+        """What the tool an imported run came from did not record (``LACKS_TOKEN_TIMES``,
+        ...); empty for a run servelab recorded itself."""
+        return list((self.manifest.get("imported") or {}).get("lacks") or [])
 
     @property
     def server(self) -> dict[str, Any]:

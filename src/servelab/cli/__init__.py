@@ -21,9 +21,19 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
-    from servelab.cli import analyze, bench, export_hf, generate, runexport, serve, sim, tune
+    from servelab.cli import (
+        analyze,
+        bench,
+        export_hf,
+        generate,
+        imports,
+        runexport,
+        serve,
+        sim,
+        tune,
+    )
 
-    for module in (generate, export_hf, serve, bench, analyze, sim, tune, runexport):
+    for module in (generate, export_hf, serve, bench, analyze, sim, tune, runexport, imports):
         for name, command in module.COMMANDS.items():
             app.command(name)(command)
 

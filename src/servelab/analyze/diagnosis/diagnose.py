@@ -26,7 +26,7 @@ from servelab.analyze.levers import Recommendation, recommend
 from servelab.analyze.server_side.promscrape import ServerEstimates, estimate, parse_scrapes
 from servelab.analyze.server_side.timeseries import server_series
 from servelab.analyze.summary import run_timeslices
-from servelab.rundir import Run
+from servelab.rundir import LACKS_TOKEN_TIMES, Run
 
 TAIL_QUANTILE = 90
 
@@ -224,6 +224,16 @@ def diagnose(run: Run) -> Diagnosis:
         notes.append(
             "No /metrics time series (fewer than two usable scrapes): stall causes rest on "
             "client times alone."
+        )
+    imported = run.manifest.get("imported")
+    if imported:
+        version = f" {imported['version']}" if imported.get("version") else ""
+        notes.append(f"Imported from {imported.get('tool')}{version} ({imported.get('file')}).")
+    if LACKS_TOKEN_TIMES in run.lacks:
+        notes.append(
+            "Its tool kept each request's first and last token times, not every token's: "
+            "TTFT, TPOT and E2E are exact; ITL, its stalls and the engine's steps cannot be "
+            "seen."
         )
     if run.skipped_lines:
         notes.append(f"{run.skipped_lines} truncated line(s) skipped (the run ended mid-write).")

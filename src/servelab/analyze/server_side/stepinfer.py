@@ -27,6 +27,10 @@ the client within 0.5 ms and the next step's 17 ms or more later. A chunk that c
 tokens (the server's output fell behind its steps) marks its step ``coalesced``; such steps and
 those whose start is uncertain are left out of fits (``usable``).
 
+It needs every token's arrival: records that hold the first token alone (a run that
+``lacks`` ``rundir.LACKS_TOKEN_TIMES``, imported from GuideLLM or vLLM's spans) show when
+prompts finished but not who decoded in a step, and ``sim.fit.twin`` refuses such runs.
+
 Pure: a run in, steps and diagnostics out. ``sim.fit.twin`` fits the step cost to them.
 """
 

@@ -59,7 +59,7 @@ from servelab.analyze.server_side.serversettings import (
 )
 from servelab.analyze.server_side.stepinfer import InferredStep, SeqWork, StepInference, infer_steps
 from servelab.engine.engine_config import EngineConfig
-from servelab.rundir import Run
+from servelab.rundir import LACKS_TOKEN_TIMES, Run
 from servelab.sim.costs.noise import StepNoise
 from servelab.sim.costs.work import StepWork, decode_work
 from servelab.sim.sim_target import SimTarget
@@ -492,6 +492,15 @@ def calibrate_runs(
     ``hardware``: the catalogue entry it ran on (for the engine's hardware defaults).
     ValueError when the runs' settings differ."""
     first = runs[0]
+    for r in runs:
+        if LACKS_TOKEN_TIMES in r.lacks:
+            tool = (r.manifest.get("imported") or {}).get("tool", "its tool")
+            raise ValueError(
+                f"{r.path} was imported from {tool}, which keeps each request's first and last "
+                "token times but not every token's: the twin is fitted to engine steps "
+                "inferred from every token's arrival; calibrate on a run that has them "
+                "(servelab bench, vllm bench serve --save-detailed, AIPerf records)"
+            )
     settings = server_settings(first, stated)
     for other in runs[1:]:
         theirs = server_settings(other, stated)
