@@ -37,8 +37,18 @@ def test_offline_demo_shows_chunks_and_prefix_hits(tiny_llama_dir: Path) -> None
 
 
 def test_every_command_is_registered_the_same_way() -> None:
-    from servelab.cli import analyze, bench, export_hf, generate, runexport, serve, sim, tune
+    from servelab.cli import (
+        analyze,
+        bench,
+        export_hf,
+        generate,
+        runexport,
+        serve,
+        sim,
+        sim_inputs,
+        tune,
+    )
 
-    modules = (analyze, bench, export_hf, generate, serve, sim, tune, runexport)
+    modules = (analyze, bench, export_hf, generate, serve, sim, sim_inputs, tune, runexport)
     listed = {name for m in modules for name in m.COMMANDS}
     assert set(typer.main.get_command(app).commands) == listed | {"version"}

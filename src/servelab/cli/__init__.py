@@ -21,9 +21,19 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
-    from servelab.cli import analyze, bench, export_hf, generate, runexport, serve, sim, tune
+    from servelab.cli import (
+        analyze,
+        bench,
+        export_hf,
+        generate,
+        runexport,
+        serve,
+        sim,
+        sim_inputs,
+        tune,
+    )
 
-    for module in (generate, export_hf, serve, bench, analyze, sim, tune, runexport):
+    for module in (generate, export_hf, serve, bench, analyze, sim, sim_inputs, tune, runexport):
         for name, command in module.COMMANDS.items():
             app.command(name)(command)
 
