@@ -36,7 +36,8 @@ def command_from_fields(
     record: type[R], call: Callable[[R], None], panels: Sequence[str] = ()
 ) -> Callable[..., None]:
     """A command function taking one parameter per (flattened) field of ``record``; it builds
-    the record from them and passes it to ``call`` (whose name and docstring it takes).
+    the record from them and passes it to ``call`` (whose name and docstring it takes, and
+    which it keeps as ``.call``).
 
     ``panels`` orders the help panels (the options of each keep the record's order); a
     panel left out keeps its place of first appearance after them.
@@ -54,6 +55,7 @@ def command_from_fields(
     )
     command.__name__ = call.__name__
     command.__doc__ = call.__doc__
+    command.call = call  # type: ignore[attr-defined]  # what the layout check measures
     assert len(set(names)) == len(names), f"{record.__name__}: a flag declared twice"
     return command
 
