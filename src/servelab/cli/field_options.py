@@ -23,8 +23,6 @@ import typer
 
 R = TypeVar("R")
 
-_REQUIRED = ...  # typer's marker of a required option or argument
-
 
 def flag(default: Any, help: str, **declared: Any) -> Any:
     """A field of a flags record: its default, its ``--help`` text and how it is declared
@@ -82,14 +80,13 @@ def _parameters(record: type) -> list[inspect.Parameter]:
             callback=meta.get("callback"),
             **shown,
         )
-        default = f.default if f.default is not dataclasses.MISSING else _REQUIRED
         params.append(
             inspect.Parameter(
                 f.name,
                 inspect.Parameter.POSITIONAL_OR_KEYWORD
                 if meta.get("argument")
                 else inspect.Parameter.KEYWORD_ONLY,
-                default=default,
+                default=f.default,  # ``...``: required
                 annotation=Annotated[kind, info],
             )
         )
