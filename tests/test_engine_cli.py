@@ -46,9 +46,21 @@ def test_every_command_is_registered_the_same_way() -> None:
         runexport,
         serve,
         sim,
+        sim_inputs,
         tune,
     )
 
-    modules = (analyze, bench, export_hf, generate, serve, sim, tune, runexport, imports)
+    modules = (
+        analyze,
+        bench,
+        export_hf,
+        generate,
+        serve,
+        sim,
+        sim_inputs,
+        tune,
+        runexport,
+        imports,
+    )
     listed = {name for m in modules for name in m.COMMANDS}
     assert set(typer.main.get_command(app).commands) == listed | {"version"}

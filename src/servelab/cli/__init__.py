@@ -1,15 +1,20 @@
 """The `servelab` command: every typer command lives in this package, one module per group.
 
-Each command module holds its commands as plain functions and lists them in ``COMMANDS``
-(name -> function); they are registered here, in one way. Command modules import nothing
+Each command is declared one way: a frozen dataclass of flags (each field one option, with
+its help) and one function taking it, joined by ``field_options.command_from_fields``; each
+command module lists its commands in ``COMMANDS`` (name -> command) and they are
+registered here. Command modules import nothing
 heavy at module level (no torch), so that `servelab bench` never loads the engine.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import typer
 
 from servelab import __version__
+from servelab.cli.field_options import command_from_fields, flag
 
 app = typer.Typer(
     name="servelab",
@@ -30,10 +35,22 @@ def _register_all() -> None:
         runexport,
         serve,
         sim,
+        sim_inputs,
         tune,
     )
 
-    for module in (generate, export_hf, serve, bench, analyze, sim, tune, runexport, imports):
+    for module in (
+        generate,
+        export_hf,
+        serve,
+        bench,
+        analyze,
+        sim,
+        sim_inputs,
+        tune,
+        runexport,
+        imports,
+    ):
         for name, command in module.COMMANDS.items():
             app.command(name)(command)
 
@@ -44,19 +61,29 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(
-        False, "--version", is_eager=True, callback=_print_version, help="Print the version."
-    ),
-) -> None:
+@dataclass(frozen=True)
+class RootFlags:
+    version: bool = flag(
+        False, "Print the version.", decls=("--version",), is_eager=True, callback=_print_version
+    )
+
+
+def _root(flags: RootFlags) -> None:
     """See, measure and tune the two phases of LLM inference."""
 
 
-@app.command()
-def version() -> None:
+@dataclass(frozen=True)
+class VersionFlags:
+    """`servelab version` takes no flags."""
+
+
+def version(flags: VersionFlags) -> None:
     """Print servelab's version."""
     typer.echo(__version__)
+
+
+app.callback()(command_from_fields(RootFlags, _root))
+app.command("version")(command_from_fields(VersionFlags, version))
 
 
 _register_all()

@@ -6,19 +6,21 @@ No heavy imports at module level: each command imports what it needs when it run
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 import typer
 
 from servelab.cli.errors import fail
 from servelab.cli.extras import require_engine
+from servelab.cli.field_options import command_from_fields, flag
 
 if TYPE_CHECKING:
     from servelab.rundir import Run
 
 
-JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON")]
+_JSON_HELP = "print machine-readable JSON"
 
 
 def _load(paths: list[Path]) -> list[Run]:
@@ -30,40 +32,43 @@ def _load(paths: list[Path]) -> list[Run]:
         raise fail(str(e)) from None
 
 
-def diagnose(
-    run_dir: Annotated[Path, typer.Argument(help="a run directory written by `servelab bench`")],
-    json_out: JsonFlag = False,
-) -> None:
+@dataclass(frozen=True)
+class DiagnoseFlags:
+    run_dir: Path = flag(..., "a run directory written by `servelab bench`", argument=True)
+    json_out: bool = flag(False, _JSON_HELP, decls=("--json",))
+
+
+def diagnose(flags: DiagnoseFlags) -> None:
     """Explain a run's latencies: where TTFT went, what caused ITL stalls, what to change."""
     from rich.console import Console
 
     from servelab.analyze.diagnosis.diagnose import diagnose as run_diagnosis
     from servelab.report.terminal import render_diagnosis
 
-    (run,) = _load([run_dir])
+    (run,) = _load([flags.run_dir])
     d = run_diagnosis(run)
-    if json_out:
+    if flags.json_out:
         typer.echo(json.dumps(d.to_dict(), indent=1, default=str))
     else:
         render_diagnosis(d, Console())
 
 
-def compare(
-    run_dirs: Annotated[
-        list[Path],
-        typer.Argument(help="two or more run directories; the first is the baseline"),
-    ],
-    json_out: JsonFlag = False,
-    alpha: Annotated[float, typer.Option(help="significance level (false discovery rate)")] = 0.05,
-    fail_on: Annotated[
-        str | None,
-        typer.Option(
-            "--fail-on",
-            help="exit 1 when a run regressed beyond a threshold AND significantly, e.g. "
-            "'ttft.p99:+10%,goodput:-5%' (docs/metrics.md, 'Gating a pipeline')",
-        ),
-    ] = None,
-) -> None:
+@dataclass(frozen=True)
+class CompareFlags:
+    run_dirs: list[Path] = flag(
+        ..., "two or more run directories; the first is the baseline", argument=True
+    )
+    json_out: bool = flag(False, _JSON_HELP, decls=("--json",))
+    alpha: float = flag(0.05, "significance level (false discovery rate)")
+    fail_on: str | None = flag(
+        None,
+        "exit 1 when a run regressed beyond a threshold AND significantly, e.g. "
+        "'ttft.p99:+10%,goodput:-5%' (docs/metrics.md, 'Gating a pipeline')",
+        decls=("--fail-on",),
+    )
+
+
+def compare(flags: CompareFlags) -> None:
     """Compare runs metric by metric, marking which differences are significant and which are noise."""
     from rich.console import Console
 
@@ -71,12 +76,13 @@ def compare(
     from servelab.analyze.gate import gate, parse_rules
     from servelab.report.terminal import render_comparison
 
+    run_dirs, alpha, json_out = flags.run_dirs, flags.alpha, flags.json_out
     if len(run_dirs) < 2:
         raise fail("compare needs at least two run directories (the first is the baseline)")
     if not 0 < alpha < 1:
         raise fail(f"--alpha must be between 0 and 1, got {alpha}")
     try:
-        rules = parse_rules(fail_on) if fail_on is not None else None
+        rules = parse_rules(flags.fail_on) if flags.fail_on is not None else None
     except ValueError as e:
         raise fail(f"--fail-on {e}", "compare") from None
     runs = _load(run_dirs)
@@ -93,62 +99,58 @@ def compare(
             raise typer.Exit(1)
 
 
-def report(
-    run_dirs: Annotated[list[Path], typer.Argument(help="one or more run directories")],
-    html: Annotated[
-        Path | None,
-        typer.Option(
-            "--html", help="output file (default: report.html in the first run directory)"
-        ),
-    ] = None,
-    trace_json: Annotated[
-        Path | None,
-        typer.Option(
-            "--trace-json",
-            help="also write the first run's request phases and engine steps as a Chrome "
-            "Trace Event file (open it in ui.perfetto.dev or chrome://tracing)",
-        ),
-    ] = None,
-) -> None:
+@dataclass(frozen=True)
+class ReportFlags:
+    run_dirs: list[Path] = flag(..., "one or more run directories", argument=True)
+    html: Path | None = flag(
+        None, "output file (default: report.html in the first run directory)", decls=("--html",)
+    )
+    trace_json: Path | None = flag(
+        None,
+        "also write the first run's request phases and engine steps as a Chrome "
+        "Trace Event file (open it in ui.perfetto.dev or chrome://tracing)",
+        decls=("--trace-json",),
+    )
+
+
+def report(flags: ReportFlags) -> None:
     """Write one self-contained HTML report (charts work offline) for one or more runs."""
     from servelab.analyze.compare import compare as run_compare
     from servelab.analyze.diagnosis.diagnose import diagnose as run_diagnosis
     from servelab.report.html import write_report
 
-    runs = _load(run_dirs)
-    out = html or (run_dirs[0] / "report.html")
+    runs = _load(flags.run_dirs)
+    out = flags.html or (flags.run_dirs[0] / "report.html")
     comparison = run_compare(runs) if len(runs) > 1 else None
     diagnoses = [run_diagnosis(r) for r in runs]
     write_report(runs, diagnoses, out, comparison)
     typer.echo(f"report written to {out.resolve()}")
-    if trace_json is not None:
+    if flags.trace_json is not None:
         from servelab.report.trace import chrome_trace
 
         d = diagnoses[0]
         trace = chrome_trace(runs[0], d.attribution.stalls if d.attribution else [])
-        trace_json.write_text(json.dumps(trace))
-        typer.echo(f"trace written to {trace_json.resolve()} (open it in ui.perfetto.dev)")
+        flags.trace_json.write_text(json.dumps(trace))
+        typer.echo(f"trace written to {flags.trace_json.resolve()} (open it in ui.perfetto.dev)")
 
 
-def demo(
-    quick: Annotated[
-        bool, typer.Option("--quick", help="a reduced size for CI (a couple of minutes)")
-    ] = False,
-    out: Annotated[
-        Path | None, typer.Option(help="output directory (default: runs/<time>-demo)")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="seed of the planned requests")] = 1,
-    verbose: Annotated[
-        bool,
-        typer.Option("--verbose", help="every sub-run's tables and each question's findings"),
-    ] = False,
-) -> None:
+@dataclass(frozen=True)
+class DemoFlags:
+    quick: bool = flag(False, "a reduced size for CI (a couple of minutes)", decls=("--quick",))
+    out: Path | None = flag(None, "output directory (default: runs/<time>-demo)")
+    seed: int = flag(1, "seed of the planned requests")
+    verbose: bool = flag(
+        False, "every sub-run's tables and each question's findings", decls=("--verbose",)
+    )
+
+
+def demo(flags: DemoFlags) -> None:
     """The main job: six questions (RAG TTFT, chunked prefill, priorities, decode ITL, speculative decoding, disaggregation), each answered by one comparison."""
     require_engine("demo")
     from servelab.workflows.demo import run_demo
 
     try:
-        result = run_demo(quick=quick, out=out, seed=seed, verbose=verbose)
+        result = run_demo(quick=flags.quick, out=flags.out, seed=flags.seed, verbose=flags.verbose)
     except (ValueError, RuntimeError) as e:
         raise fail(str(e)) from None
     if result.interrupted:
@@ -157,4 +159,9 @@ def demo(
         raise fail("no run finished, so there is no report; see the output above")
 
 
-COMMANDS = {"diagnose": diagnose, "compare": compare, "report": report, "demo": demo}
+COMMANDS = {
+    "diagnose": command_from_fields(DiagnoseFlags, diagnose),
+    "compare": command_from_fields(CompareFlags, compare),
+    "report": command_from_fields(ReportFlags, report),
+    "demo": command_from_fields(DemoFlags, demo),
+}

@@ -1,5 +1,5 @@
 """How every command reports a bad flag or file: one line that says what to do, exit 2, no
-traceback. And the one parser of duration flags."""
+traceback; the one parser of duration flags; the note on the old ``--engine-args`` spelling."""
 
 from __future__ import annotations
 
@@ -32,3 +32,15 @@ def seconds(flag: str, text: str | None) -> float | None:
         return parse_duration(text, what=flag)
     except ValueError as e:
         raise bad_flag(flag, str(e)) from None
+
+
+def note_old_spelling(engine_args: str | None) -> None:
+    """One line on stderr when ``--engine-args`` uses the old ``key=value`` spelling."""
+    from servelab.sim.engine_args import respell
+
+    try:
+        new = respell(engine_args)
+    except ValueError:
+        return  # the command reports the bad setting itself
+    if new is not None:
+        typer.echo(f"note: key=value is the old spelling; write --engine-args {new!r}", err=True)

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from servelab.cli.errors import fail
 from servelab.cli.extras import require_engine
+from servelab.cli.field_options import command_from_fields, flag
+from servelab.vocab import DEFAULT_MODEL
 
 
-def export_hf_command(
-    out_dir: Annotated[
-        Path, typer.Argument(help="New or empty directory to write the model into.")
-    ],
-    model: Annotated[
-        str, typer.Option(help="Short name, .gguf file or HF directory.")
-    ] = "smollm2-135m",
-) -> None:
+@dataclass(frozen=True)
+class ExportHfFlags:
+    out_dir: Path = flag(..., "New or empty directory to write the model into.", argument=True)
+    model: str = flag(DEFAULT_MODEL, "Short name, .gguf file or HF directory.")
+
+
+def export_hf_command(flags: ExportHfFlags) -> None:
     """Write a model as a standard HF directory (config.json, model.safetensors, tokenizer)
     that transformers and vLLM load as-is. GGUF weights are dequantised to fp32."""
     require_engine("export-hf")
@@ -28,10 +29,10 @@ def export_hf_command(
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        out = export_hf(model, out_dir)
+        out = export_hf(flags.model, flags.out_dir)
     except ValueError as e:
         raise fail(str(e)) from None
     typer.echo(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
 
 
-COMMANDS = {"export-hf": export_hf_command}
+COMMANDS = {"export-hf": command_from_fields(ExportHfFlags, export_hf_command)}

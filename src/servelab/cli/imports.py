@@ -3,44 +3,49 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from servelab.cli.errors import fail
+from servelab.cli.field_options import command_from_fields, flag
 
 
-def import_command(
-    source: Annotated[
-        Path,
-        typer.Argument(
-            help="another tool's per-request results: GuideLLM's results JSON, a `vllm bench "
-            "serve --save-result --save-detailed` JSON, AIPerf's profile_export.jsonl (or its "
-            "artifact directory) or vLLM's OpenTelemetry spans as OTLP JSON"
-        ),
-    ],
-    out: Annotated[Path, typer.Option(help="the run directory to write")],
-    fmt: Annotated[
-        str | None,
-        typer.Option("--format", help="guidellm, vllm, aiperf or otel (default: detected)"),
-    ] = None,
-    server_config: Annotated[
-        str | None,
-        typer.Option(
-            help="the server's launch command or flags, e.g. 'vllm serve M --max-num-seqs 8', "
-            "recorded for calibrate and tune (as bench --server-config)"
-        ),
-    ] = None,
-) -> None:
+@dataclass(frozen=True)
+class ImportFlags:
+    source: Path = flag(
+        ...,
+        "another tool's per-request results: GuideLLM's results JSON, a `vllm bench "
+        "serve --save-result --save-detailed` JSON, AIPerf's profile_export.jsonl (or its "
+        "artifact directory) or vLLM's OpenTelemetry spans as OTLP JSON",
+        argument=True,
+    )
+    out: Path = flag(..., "the run directory to write")
+    fmt: str | None = flag(
+        None, "guidellm, vllm, aiperf or otel (default: detected)", decls=("--format",)
+    )
+    server_config: str | None = flag(
+        None,
+        "the server's launch command or flags, e.g. 'vllm serve M --max-num-seqs 8', "
+        "recorded for calibrate and tune (as bench --server-config)",
+    )
+
+
+def import_command(flags: ImportFlags) -> None:
     """Turn another benchmark tool's per-request results into a run directory that diagnose,
     report, calibrate and tune read."""
     from servelab.bench.imports import import_file
     from servelab.bench.imports.imported import LACKS
 
+    f = flags
     try:
         path, imp = import_file(
-            source, out, fmt=fmt, command=["servelab", *sys.argv[1:]], server_config=server_config
+            f.source,
+            f.out,
+            fmt=f.fmt,
+            command=["servelab", *sys.argv[1:]],
+            server_config=f.server_config,
         )
     except (ValueError, OSError) as e:
         raise fail(str(e), "import") from None
@@ -50,4 +55,4 @@ def import_command(
         typer.echo(f"  lacks {LACKS[lack]}")
 
 
-COMMANDS = {"import": import_command}
+COMMANDS = {"import": command_from_fields(ImportFlags, import_command)}

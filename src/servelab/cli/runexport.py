@@ -3,22 +3,25 @@ servelab.cli through COMMANDS). The table is ``analyze.requests_table``'s."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from servelab.cli.errors import fail
+from servelab.cli.field_options import command_from_fields, flag
 
 
-def export_command(
-    run_dir: Annotated[Path, typer.Argument(help="a run directory written by `servelab bench`")],
-    fmt: Annotated[str, typer.Option("--format", help="csv, or parquet (needs pyarrow)")] = "csv",
-    out: Annotated[
-        Path | None,
-        typer.Option(help="output file (default: requests.csv or requests.parquet in the run)"),
-    ] = None,
-) -> None:
+@dataclass(frozen=True)
+class ExportFlags:
+    run_dir: Path = flag(..., "a run directory written by `servelab bench`", argument=True)
+    fmt: str = flag("csv", "csv, or parquet (needs pyarrow)", decls=("--format",))
+    out: Path | None = flag(
+        None, "output file (default: requests.csv or requests.parquet in the run)"
+    )
+
+
+def export_command(flags: ExportFlags) -> None:
     """Write a run's requests as one table (one row per request, latencies in seconds)."""
     from servelab.analyze.requests_table import (
         MissingPyarrow,
@@ -28,13 +31,14 @@ def export_command(
     )
     from servelab.rundir import RunDirError, load_run
 
+    run_dir, fmt = flags.run_dir, flags.fmt
     if fmt not in ("csv", "parquet"):
         raise fail(f"--format {fmt!r}: give csv or parquet", "export")
     try:
         run = load_run(run_dir)
     except RunDirError as e:
         raise fail(str(e), "export") from None
-    path = out or run_dir / f"requests.{fmt}"
+    path = flags.out or run_dir / f"requests.{fmt}"
     rows = request_rows(run)
     try:
         (write_csv if fmt == "csv" else write_parquet)(rows, path)
@@ -43,4 +47,4 @@ def export_command(
     typer.echo(f"wrote {len(rows)} requests to {path}")
 
 
-COMMANDS = {"export": export_command}
+COMMANDS = {"export": command_from_fields(ExportFlags, export_command)}

@@ -1,4 +1,5 @@
-"""The offline demo: a mixed batch on one in-process engine, and every request's phases.
+"""One in-process engine, no server: `servelab generate` (``GenerateSpec``, ``run_generate``)
+and the offline demo (``run_offline_demo``), a mixed batch and every request's phases.
 
 Wave 1: three short chat prompts sharing a system prompt, and one long RAG-like prompt
 (chunked by a small token budget while the chat requests decode). Wave 2, added once the
@@ -8,9 +9,14 @@ document, which hit the prefix cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from servelab.vocab import DEFAULT_MODEL
+
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from servelab.engine.engine import LLMEngine
     from servelab.vocab import RequestTimeline
 
@@ -44,8 +50,50 @@ def chat_ids(engine: LLMEngine, user: str, system: str | None = None) -> list[in
     return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
 
 
+@dataclass(frozen=True)
+class GenerateSpec:
+    """One `servelab generate`: ``prompt`` (wrapped in the chat template with ``chat``) on
+    ``model`` with weights in ``quantization`` mode on ``device``, sampled greedily
+    (``temperature`` 0) or with ``seed``, for at most ``max_tokens``."""
+
+    prompt: str
+    model: str = DEFAULT_MODEL
+    max_tokens: int = 64
+    temperature: float = 0.0
+    seed: int | None = None
+    chat: bool = True
+    device: str | None = None
+    quantization: str = "none"
+
+
+def run_generate(spec: GenerateSpec, console: Console) -> None:
+    """Stream the generated text to ``console``, then the request's phase timeline.
+    Raises ValueError for a setting or model the engine refuses."""
+    from servelab.engine.engine_config import EngineConfig
+    from servelab.engine.sampling_params import SamplingParams
+    from servelab.model.build import build_engine
+    from servelab.report.terminal import phase_table
+    from servelab.vocab import check_quantization
+
+    check_quantization(spec.quantization)
+    sp = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, seed=spec.seed)
+    engine = build_engine(
+        spec.model, EngineConfig(), device=spec.device, quantization=spec.quantization
+    )
+    if spec.chat:
+        ids = chat_ids(engine, spec.prompt)
+        engine.add_request("generate-0", prompt_token_ids=ids, sampling_params=sp)
+    else:
+        engine.add_request("generate-0", prompt=spec.prompt, sampling_params=sp)
+    while engine.has_unfinished():
+        for out in engine.step().outputs:
+            console.print(out.new_text, end="", highlight=False, markup=False)
+    console.print()
+    console.print(phase_table(engine.finished_timelines[-1]))
+
+
 def run_offline_demo(
-    model: str = "smollm2-135m", device: str | None = None, max_num_batched_tokens: int = 256
+    model: str = DEFAULT_MODEL, device: str | None = None, max_num_batched_tokens: int = 256
 ) -> list[RequestTimeline]:
     """Generate for the mixed batch and print each request's phase timeline; return them."""
     from rich.console import Console

@@ -1,4 +1,5 @@
-"""`servelab profile`: measure the real engine's step times on this machine over a grid.
+"""`servelab profile`: measure the real engine's step times on this machine over a grid
+(or build the table from real runs' steps): ``ProfileSpec`` and ``run_profile``.
 
 The engine is the real one (``LLMEngine`` over ``TorchModelRunner``, the thread count a
 server would use). Each grid point is a batch shape -- prefill chunks after some cached
@@ -32,6 +33,7 @@ from servelab.engine.sampling_params import SamplingParams
 from servelab.sim.costs.profiled import ProfileSample, ProfileTable
 from servelab.sim.costs.work import StepWork
 from servelab.sim.fit.run_profile import fit_overhead
+from servelab.vocab import DEFAULT_MODEL
 
 # The model package (torch, 6 s to import) is imported only by the functions that run the
 # engine, so that the grid and the shapes serve tools that never load a model.
@@ -183,7 +185,7 @@ def profile_engine(
     repeats: int = 2,
     progress: Callable[[int, int, Shape, float], None] | None = None,
     label: str = "custom",
-    model: str = "smollm2-135m",
+    model: str = DEFAULT_MODEL,
 ) -> ProfileTable:
     """Profile an already built real engine over ``shapes``; the table records what the
     simulator needs to size its KV pool and context exactly like this engine."""
@@ -219,7 +221,7 @@ def profile_engine(
 
 
 def profile(
-    model: str = "smollm2-135m",
+    model: str = DEFAULT_MODEL,
     config: EngineConfig | None = None,
     grid_kind: str = "default",
     repeats: int = 2,
@@ -242,3 +244,82 @@ def profile(
         quantization=quantization,
     )
     return profile_engine(engine, shapes, repeats, progress, grid_kind, model)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSpec:
+    """One `servelab profile` run: ``model`` in ``quantization`` mode over ``grid`` (each
+    shape ``repeats`` times, with ``threads`` on ``device``, the engine set by
+    ``engine_args`` in `servelab serve`'s spelling), or the table of the ``from_runs``' steps;
+    written to ``out``."""
+
+    model: str = DEFAULT_MODEL
+    out: str = "profile.json"
+    grid: str = "default"
+    repeats: int = 2
+    threads: int | None = None
+    device: str | None = None
+    engine_args: str | None = None
+    from_runs: tuple[str, ...] = ()
+    quantization: str = "none"
+
+
+def run_profile(spec: ProfileSpec, say: Callable[[str], None]) -> None:
+    """Measure (or build) the table ``spec`` asks for, write it and ``say`` what it holds,
+    one line per profiled shape as it goes. Raises ValueError naming the flag to fix."""
+    from servelab.sim.costs.profiled import ProfiledCostModel
+    from servelab.sim.engine_args import parse_engine_args, split_deployment
+    from servelab.sim.fit.run_profile import table_from_runs
+    from servelab.vocab import check_quantization
+
+    check_quantization(spec.quantization)
+    eng, _ = split_deployment(parse_engine_args(spec.engine_args))
+    if spec.from_runs and spec.quantization != "none":
+        raise ValueError(
+            "--from-run takes the weights' mode from the runs' servers; drop --quantization"
+        )
+    if spec.from_runs:
+        table = table_from_runs(list(spec.from_runs), spec.model)
+    elif spec.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    else:
+
+        def show(k: int, n: int, shape: Shape, t: float) -> None:
+            say(f"[{k}/{n}] {_shape_text(shape)}: {t * 1000:.1f} ms")
+
+        table = profile(
+            spec.model, EngineConfig(**eng), spec.grid, spec.repeats, spec.device,
+            spec.threads, show, spec.quantization,
+        )  # fmt: skip
+    fitted = ProfiledCostModel(table)
+    table.save(spec.out)
+    _describe(table, spec.out, fitted.fit_error, say)
+
+
+def _shape_text(shape: Shape) -> str:
+    """A shape's prefills (tokens@context) and decodes."""
+    pre = [f"{a}@{c}" for a, c in shape if a > 1]
+    dec = [c for a, c in shape if a == 1]
+    return " + ".join(
+        ([f"prefill {'+'.join(pre)}"] if pre else [])
+        + ([f"decode {len(dec)} @ctx {max(dec)}"] if dec else [])
+    )
+
+
+def _describe(table: ProfileTable, out: str, fit_error: float, say: Callable[[str], None]) -> None:
+    if table.meta.get("shapes_left_out"):
+        say(
+            f"left out {len(table.meta['shapes_left_out'])} shapes whose contexts the KV pool "
+            "cannot hold at once (listed in the table's meta.shapes_left_out)"
+        )
+    if table.meta.get("run_speeds"):
+        speeds = ", ".join(f"{f:.2f}" for f in table.meta["run_speeds"])
+        say(
+            f"the runs' speeds on one-sequence decodes: {speeds} of their mean (machine "
+            "drift; the profile prices their mean; meta.run_speeds)"
+        )
+    say(
+        f"wrote {out}: {len(table.samples)} steps of {table.meta.get('quantization', 'none')} "
+        "weights, interpolation error median "
+        f"{fit_error:.1%}; use it with `servelab sim --profile {out}`"
+    )

@@ -1,0 +1,115 @@
+"""`servelab calibrate` and `servelab profile`: the simulator's measured inputs (a fitted
+calibration, a profile table). Parse -> spec -> call; no heavy imports at module level."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import typer
+
+from servelab.cli.errors import fail, note_old_spelling
+from servelab.cli.extras import require_engine
+from servelab.cli.field_options import command_from_fields, flag
+from servelab.vocab import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class CalibrateFlags:
+    run_dirs: list[str] = flag(
+        ...,
+        "A run directory: of a servelab server on the target hardware, or of another "
+        "server (vLLM, SGLang, llama.cpp), whose twin is fitted from its client timestamps; "
+        "several runs of that server in one configuration (e.g. before and after a restart) "
+        "make the twin's ranges carry how far its speed moves between runs.",
+        argument=True,
+    )
+    hardware: str | None = flag(
+        None,
+        "The catalogue entry the run's hardware is (e.g. cpu, h100); required for a "
+        "servelab run, the engine's hardware defaults for another server's.",
+    )
+    model: str | None = flag(
+        None,
+        f"The model that served the run (default {DEFAULT_MODEL}; another server's: its own).",
+    )
+    tp: int = flag(1, "Tensor parallel degree of the run.")
+    server_config: str | None = flag(
+        None,
+        "Another server's launch command or flags, e.g. 'vllm serve M "
+        "--no-enable-chunked-prefill', where the run did not record them.",
+    )
+    out: str = flag("calibration.json", "Where to write the fitted efficiencies.")
+
+
+def calibrate(flags: CalibrateFlags) -> None:
+    """Fit the roofline's efficiencies and fixed costs to a measured run, or a twin of another
+    server to its runs' client timestamps; report the fit error."""
+    from rich.console import Console
+
+    from servelab.rundir import RunDirError
+    from servelab.sim.calibration_run import CalibrateSpec, run_calibrate
+
+    spec = CalibrateSpec(
+        run_dirs=tuple(flags.run_dirs),
+        hardware=flags.hardware,
+        model=flags.model,
+        tp=flags.tp,
+        server_config=flags.server_config,
+        out=flags.out,
+    )
+    try:
+        run_calibrate(spec, Console())
+    except (RunDirError, ValueError) as e:
+        raise fail(str(e)) from None
+
+
+@dataclass(frozen=True)
+class ProfileFlags:
+    model: str = flag(DEFAULT_MODEL, "Model to profile (short name, .gguf or HF dir).")
+    out: str = flag("profile.json", "Where to write the profile table.")
+    grid: str = flag("default", "default (about 70 shapes, minutes) or quick.")
+    repeats: int = flag(2, "Timed runs per shape (after one warm-up); the median is kept.")
+    threads: int | None = flag(
+        None, "Torch/BLAS threads (default: what `servelab serve` uses, all cores but one)."
+    )
+    device: str | None = flag(None, "cpu or cuda (default: the loader's choice).")
+    engine_args: str | None = flag(
+        None, "Engine settings recorded with the table (e.g. '--kv-cache-memory 2G')."
+    )
+    from_run: list[str] | None = flag(
+        None, "Build the table from these real runs' steps instead of a grid (repeatable)."
+    )
+    quantization: str = flag(
+        "none",
+        "Weights as `servelab serve --quantization` runs them: none (fp32), bf16 or q4_1.",
+        decls=("--quantization",),
+    )
+
+
+def profile(flags: ProfileFlags) -> None:
+    """Measure the real engine's step times on this machine; `servelab sim --profile` replays them."""
+    require_engine("profile")
+    from servelab.workflows.profile import ProfileSpec, run_profile
+
+    note_old_spelling(flags.engine_args)
+    spec = ProfileSpec(
+        model=flags.model,
+        out=flags.out,
+        grid=flags.grid,
+        repeats=flags.repeats,
+        threads=flags.threads,
+        device=flags.device,
+        engine_args=flags.engine_args,
+        from_runs=tuple(flags.from_run or ()),
+        quantization=flags.quantization,
+    )
+    try:
+        run_profile(spec, typer.echo)
+    except ValueError as e:
+        raise fail(str(e)) from None
+
+
+COMMANDS = {
+    "calibrate": command_from_fields(CalibrateFlags, calibrate),
+    "profile": command_from_fields(ProfileFlags, profile),
+}
