@@ -11,8 +11,8 @@ from engine_fakes import FakeClock, FakeExecutor
 
 from servelab.engine.engine import LLMEngine
 from servelab.engine.engine_config import EngineConfig
-from servelab.engine.kv_cache import KVCacheManager
-from servelab.engine.kv_cache_plain import ROOT_HASH
+from servelab.engine.kv.kv_cache import KVCacheManager
+from servelab.engine.kv.kv_cache_plain import ROOT_HASH
 from servelab.sim.costs.executor import VirtualClock
 from servelab.sim.loop.simulation import SimRequest, Simulation
 from servelab.sim.sim_target import roofline_target

@@ -9,9 +9,10 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from servelab.engine import kv_block_chain, kv_cache
-from servelab.engine.kv_cache import KVCacheManager
-from servelab.engine.kv_cache_plain import PlainKVCache
+from servelab.engine.kv import block_chain as kv_block_chain
+from servelab.engine.kv import kv_cache
+from servelab.engine.kv.kv_cache import KVCacheManager
+from servelab.engine.kv.kv_cache_plain import PlainKVCache
 
 BS = 4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from servelab.engine.batch_plan import StepOutput
 from servelab.engine.engine_config import EngineConfig
-from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.kv.kv_cache import KVCacheManager
 from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.scheduler import Scheduler, SchedulerOutput

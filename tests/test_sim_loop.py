@@ -9,7 +9,7 @@ import pytest
 
 from servelab.engine.engine import LLMEngine
 from servelab.engine.engine_config import EngineConfig
-from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.kv.kv_cache import KVCacheManager
 from servelab.engine.scheduler import Scheduler
 from servelab.sim.costs.executor import VirtualClock
 from servelab.sim.costs.roofline import Efficiency

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from servelab.cli import app
 from servelab.engine.engine_config import EngineConfig
-from servelab.engine.kv_cache import KVCacheManager
-from servelab.engine.kv_cache_plain import PlainKVCache
+from servelab.engine.kv.kv_cache import KVCacheManager
+from servelab.engine.kv.kv_cache_plain import PlainKVCache
 from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.spec.decoder import draft_limit

@@ -25,7 +25,7 @@ from servelab.vocab import FinishReason, Phase, StepRecord
 
 if TYPE_CHECKING:
     from servelab.engine.engine import LLMEngine
-    from servelab.engine.kv_cache_plain import KVCache
+    from servelab.engine.kv.kv_cache_plain import KVCache
     from servelab.engine.scheduler import Scheduler
 
 _DECODE = Phase.DECODE

@@ -28,8 +28,8 @@ from servelab.engine.detokenizer import Detokenizer
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.engine_stats import EngineStats
 from servelab.engine.executor import Executor
-from servelab.engine.kv_cache import KVCacheManager
-from servelab.engine.kv_cache_plain import KVCache, PlainKVCache
+from servelab.engine.kv.kv_cache import KVCacheManager
+from servelab.engine.kv.kv_cache_plain import KVCache, PlainKVCache
 from servelab.engine.request import Request, RequestOutput
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.scheduler import Scheduler, SchedulerOutput

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from servelab.engine.kv_cache_plain import KVCache
+    from servelab.engine.kv.kv_cache_plain import KVCache
     from servelab.engine.scheduler import Scheduler
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from servelab.engine.batch_plan import BatchPlan, ScheduledSeq, StepOutput
 from servelab.engine.engine_config import EngineConfig
-from servelab.engine.kv_cache_plain import KVCache, PrefixHit
+from servelab.engine.kv.kv_cache_plain import KVCache, PrefixHit
 from servelab.engine.request import Request
 from servelab.engine.waiting_queue import WaitingQueue
 from servelab.vocab import FinishReason, Phase, PrefillChunk, SpecRecord

@@ -8,7 +8,7 @@ from servelab.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from servelab.engine.detokenizer import TextTokenizer
-    from servelab.engine.kv_cache_plain import KVCache
+    from servelab.engine.kv.kv_cache_plain import KVCache
 
 
 def valid_prompt_ids(

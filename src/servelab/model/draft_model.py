@@ -31,7 +31,7 @@ from torch import nn
 
 from servelab.engine.batch_plan import BatchPlan, ScheduledSeq
 from servelab.engine.engine_config import EngineConfig
-from servelab.engine.kv_cache import KVCacheManager
+from servelab.engine.kv.kv_cache import KVCacheManager
 from servelab.engine.sampling_params import SamplingParams
 from servelab.engine.spec.proposer import DraftRequest
 from servelab.engine.spec.spec_config import SpeculativeConfig

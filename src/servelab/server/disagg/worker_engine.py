@@ -35,7 +35,7 @@ from typing import Any
 
 from servelab.engine.engine import EngineStepResult, LLMEngine
 from servelab.engine.engine_stats import EngineStats
-from servelab.engine.kv_cache_plain import KVCache
+from servelab.engine.kv.kv_cache_plain import KVCache
 from servelab.engine.request import Request
 from servelab.engine.sampling_params import SamplingParams
 from servelab.server.disagg.wire import (

@@ -28,9 +28,9 @@ either way a hit is confirmed against the tokens.)
 
 from __future__ import annotations
 
-from servelab.engine.kv_block_chain import Chain, DeferredGroup, extend_chain
-from servelab.engine.kv_cache_plain import ROOT_HASH, BlockKey, PrefixHit, check_pool
-from servelab.engine.kv_cached_queue import CachedQueue
+from servelab.engine.kv.block_chain import Chain, DeferredGroup, extend_chain
+from servelab.engine.kv.cached_queue import CachedQueue
+from servelab.engine.kv.kv_cache_plain import ROOT_HASH, BlockKey, PrefixHit, check_pool
 
 
 class KVCacheManager:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
-    from servelab.engine.kv_cache import KVCacheManager
+    from servelab.engine.kv.kv_cache import KVCacheManager
 
 KVCache: TypeAlias = "PlainKVCache | KVCacheManager"  # the same policy, either speed
 BlockKey = tuple[int, tuple[int, ...]]  # (parent chain hash, the block's token ids)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from itertools import repeat
 
-from servelab.engine.kv_cache_plain import ROOT_HASH
+from servelab.engine.kv.kv_cache_plain import ROOT_HASH
 
 # A chain: the chain hashes of a sequence's first full blocks and their token tuples
 # (block i's key is (hashes[i - 1] or ROOT_HASH, tokens[i]), and hashes[i] its hash).
