@@ -242,12 +242,32 @@ class Bench:
         self._default_tokenizer()
 
     def _default_tokenizer(self) -> None:
+        """The default model's tokenizer, which ships inside servelab (no package, no network)."""
         if self.o.url is not None or self.o.model is not None:
             self.warnings.append(
                 f"no --tokenizer given: prompt lengths are exact under {DEFAULT_MODEL}'s "
-                "tokenizer, which may not be the target's"
+                "tokenizer (shipped with servelab), which may not be the target's"
             )
         self.tokenizer, self.tokenizer_source = _load_tokenizer(DEFAULT_MODEL), "default model"
+
+    def _tokenizer_lines(self) -> list[str]:
+        """Which tokenizer built the prompts, and what that means for the token counts."""
+        lines = [
+            f"prompt lengths: tokenizer {getattr(self.tokenizer, 'name', '?')} "
+            f"(source: {self.tokenizer_source})"
+        ]
+        if self.tokenizer_source == "server /tokenize":
+            lines.append("  the server's own count; output tokens: its usage, else one per chunk")
+            return lines
+        if self.tokenizer_source == "default model" and self.o.url is not None:
+            lines.append(
+                "  shipped with servelab: lengths are exact under it, approximate under the "
+                "target's own (--tokenizer)"
+            )
+        lines.append(
+            "  token counts: the server's usage where it sends one, else this tokenizer's re-count"
+        )
+        return lines
 
     def _server_tokenizer(self) -> None:
         """No local tokenizer for the target's model: its own ``/tokenize``, else the default
@@ -271,11 +291,6 @@ class Bench:
             raise ValueError(f"--tokenizer server: {why}; give a local --tokenizer")
         else:
             self._default_tokenizer()
-        if not o.quiet:
-            self.console.print(
-                f"prompt lengths: tokenizer {getattr(self.tokenizer, 'name', '?')} "
-                f"(source: {self.tokenizer_source})"
-            )
 
     def _workload(self) -> WorkloadSpec:
         """The workload; ``--dataset`` gives every class its text (alone: one plain class)."""
@@ -713,6 +728,9 @@ class Bench:
             assert self.info is not None
             if self.tokenizer is None:
                 self._server_tokenizer()
+            if not o.quiet:
+                for line in self._tokenizer_lines():
+                    self.console.print(line, highlight=False)
             target = Target(
                 url=self.info.url,
                 model=self._request_model(),
