@@ -766,6 +766,11 @@ class Bench:
                             break
             finally:
                 gc.unfreeze()
+                if target.streams_past_done:
+                    self.warnings.append(
+                        f"{target.streams_past_done} stream(s) sent data events after "
+                        "data: [DONE]; a stream ends at [DONE], so they were ignored"
+                    )
                 self.stamping = http.stamping
                 await http.close()
                 if self.pool is not None:
