@@ -383,3 +383,26 @@ def test_the_run_warns_once_about_streams_past_done():
 
         # every stream is counted; the connection is still reused (the body ended cleanly)
         assert asyncio.run(go()) == (3, 1)
+
+
+def test_a_warm_pool_opens_before_and_tops_up_its_spares_in_the_background():
+    with run_test_server(Schedule(ttft=0.005, itl=0.002)) as url:
+
+        async def go():
+            http = HttpClient(url)
+            t = Target(url, "m")
+            set_up = await http.warm(2, spare=2)
+            recs = []
+            for i in range(3):
+                req = one_request(f"w{i}", "x", 3, tags=RequestTags(workload_class="t"))
+                recs.append((await send(http, t, req, prompt="x", intended_send=0.0)).record)
+            again = await http.warm(2)  # a later stage: what is open already counts
+            await http.cold()
+            return set_up, recs, again, http.topped_up, http.connections_opened
+
+        set_up, recs, again, topped, opened = asyncio.run(go())
+    assert (set_up["kept"], set_up["opened"], set_up["failed"]) == (0, 2, 0)
+    assert all(r.ok and r.new_connection is False for r in recs)
+    # the first request left one idle (fewer than 2 spare): one more opened in the background
+    assert topped == 1 and opened == 3
+    assert (again["kept"], again["opened"]) == (3, 0)

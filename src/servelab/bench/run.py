@@ -86,6 +86,7 @@ class BenchOptions:
     quiet: bool = False
     strict_openai: bool = False
     request_id_header: bool = True  # X-Request-Id: a UUID per request (bench/client/requestid.py)
+    cold_connections: bool = False  # connections opened inside the window (bench/plan_runner.py)
     timeout: float = 600.0
     command: list[str] = field(default_factory=list)  # argv with the API key redacted
     overwrite: bool = False
@@ -424,6 +425,7 @@ class Bench:
             "scrapes": scraper.scrapes,
             "scrape": scraper.report(own.wall_seconds),
             **({"server_timelines": collector.report()} if collector else {}),
+            **({"connections": stage.result.connections} if stage.result.connections else {}),
             "timing_error_budget_s": dist.report["timing_error_budget_s"]
             if dist is not None
             else timing_error_budget(own.loop_lag.get("p99")),
@@ -610,6 +612,9 @@ class Bench:
                 "timeout_s": o.timeout,
                 "strict_openai": o.strict_openai,
                 "request_id_header": self.request_ids.describe() if self.request_ids else None,
+                # cold: set-up inside TTFT; warm: opened before each stage's clock (its plan's
+                # "connections" says how many and how long)
+                "connections": "cold" if o.cold_connections else "warm",
                 "sampling": o.sampling,
                 "datasets": self._dataset_pins(),
                 "run_tag": self.run_tag,
@@ -742,6 +747,7 @@ class Bench:
                 tokenizer=None if isinstance(self.tokenizer, ServerTokenizer) else self.tokenizer,
                 extra_body=o.sampling,
                 request_id_header=o.request_id_header,
+                cold_connections=o.cold_connections,
             )
             self.request_ids = target.ids
             http = HttpClient(self.info.url)

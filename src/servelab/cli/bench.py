@@ -140,6 +140,15 @@ NoRequestIdHeader = Annotated[
         rich_help_panel=opt.TARGET,
     ),
 ]
+ColdConnections = Annotated[
+    bool,
+    typer.Option(
+        "--cold-connections",
+        help="Open each stream's connection inside the measured window, its set-up counted in "
+        "TTFT (by default they are opened before the clock starts, and the set-up recorded apart).",
+        rich_help_panel=opt.TARGET,
+    ),
+]
 Timeout = Annotated[
     str, typer.Option(help="Per-request timeout (seconds, or 10min).", rich_help_panel=opt.TARGET)
 ]
@@ -300,6 +309,7 @@ def bench(
     server_config: ServerConfig = None,
     strict_openai: StrictOpenai = False,
     no_request_id_header: NoRequestIdHeader = False,
+    cold_connections: ColdConnections = False,
     timeout: Timeout = "600",
     workload: opt.Workload = None,
     trace: opt.Trace = None,
@@ -395,6 +405,7 @@ def bench_options(flags: Mapping[str, Any]) -> BenchOptions:
         quiet=flags["quiet"],
         strict_openai=flags["strict_openai"],
         request_id_header=not flags["no_request_id_header"],
+        cold_connections=flags["cold_connections"],
         timeout=seconds("--timeout", flags["timeout"]) or 600.0,
         command=redact(["servelab", *sys.argv[1:]]),
         overwrite=flags["overwrite"],

@@ -111,6 +111,9 @@ class Target:
     # X-Request-Id, a UUID per request (bench/client/requestid.py), so that every record joins the
     # server's own logs and, on a servelab server, its timelines.
     request_id_header: bool = True
+    # open each stage's connections inside its measured window (set-up counted in TTFT)
+    # instead of before its clock starts (bench/plan_runner.py)
+    cold_connections: bool = False
     ids: RequestIdHeader = field(init=False, repr=False, compare=False)
     # streams that sent data events after data: [DONE] (ignored), for the run's one warning
     streams_past_done: int = field(default=0, init=False, repr=False, compare=False)
