@@ -102,6 +102,10 @@ def test_no_tokenize_and_no_weights_package_uses_the_shipped_tokenizer(tmp_path)
     assert "shipped with servelab" in p.stdout and "server's usage" in p.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["tokenizer_source"] == "default model"
+    # the 2 streams' connections were opened before the clock, and the manifest says so
+    assert manifest["config"]["connections"] == "warm"
+    set_up = manifest["stages"][0]["plan"]["connections"]
+    assert set_up["mode"] == "warm" and set_up["opened"] + set_up["kept"] == 2
     assert any("shipped with servelab" in w for w in manifest["warnings"])
     recs = read_records(out / "requests.jsonl")
     assert all(r.ok for r in recs)

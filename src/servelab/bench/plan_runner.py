@@ -144,10 +144,26 @@ class PlanRunner:
         # a request is recorded once counted, while its stream goes on to the next one
         self._recounter = Recounter(target.tokenizer) if target.tokenizer is not None else None
         self._counting: set[asyncio.Task[None]] = set()
+        self.connections: dict[str, Any] | None = None  # the set-up ``warm`` did
+        self._topped = 0
 
     def _record(self, rec: ClientRecord) -> None:
         self.records.append(rec)
         self._on_record(rec)
+
+    async def warm(
+        self, plan: Iterable[PlannedRequest] | AsyncIterator[list[PlannedRequest]]
+    ) -> None:
+        """Open the stage's connections (or close the idle ones, cold) before anything times the
+        stage: ``run`` does it first itself unless this was called. An open loop sizes its pool
+        from ``plan``, which must then be a list."""
+        self._topped = self.http.topped_up
+        self.connections = await warm_connections(
+            self.http,
+            self.load,
+            plan if isinstance(plan, list) else None,
+            self.target.cold_connections,
+        )
 
     async def run(
         self,
@@ -160,15 +176,12 @@ class PlanRunner:
         the distributed workers' common start. A closed loop may also take an async
         iterator of sessions, which receives more sessions while the stage runs.
         """
-        if not self.load.closed and not isinstance(plan, (list, AsyncIterator)):
-            plan = list(plan)  # an open loop's whole plan is up front: sized once, sent once
-        topped = self.http.topped_up
-        connections = await warm_connections(
-            self.http,
-            self.load,
-            plan if isinstance(plan, list) else None,
-            self.target.cold_connections,
-        )
+        if self.connections is None:
+            if not self.load.closed and not isinstance(plan, (list, AsyncIterator)):
+                plan = list(plan)  # an open loop's whole plan is up front: sized once, sent once
+            await self.warm(plan)
+        connections = self.connections
+        assert connections is not None
         start = time.monotonic() if start_at is None else start_at
         tasks: set[asyncio.Task[None]] = set()
         interrupted = False
@@ -188,7 +201,7 @@ class PlanRunner:
             await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._counting, return_exceptions=True)  # every record is in
         if connections["mode"] == "warm":
-            connections["topped_up"] = self.http.topped_up - topped
+            connections["topped_up"] = self.http.topped_up - self._topped
         return StageResult(
             label=self.stage,
             start=start,

@@ -382,6 +382,20 @@ class Bench:
                 collector.finished(rec)
 
         run_tag = self.run_tag + (f"-{len(self.stages)}" if stage.label else "")
+        runner: PlanRunner | None = None
+        if self.pool is None:
+            runner = PlanRunner(
+                http,
+                target,
+                stage.load,
+                run_tag=run_tag,
+                stage=stage.label,
+                on_send=lambda _req: progress.on_send(),
+                on_record=on_record,
+            )
+            # the pool opens before the loop monitor starts, so that no set-up is charged to it
+            with self.console.status("opening connections ..."):
+                await runner.warm(plan)
         monitor = LoopMonitor()  # with workers, the driver's: informational
         await scraper.start()
         if collector is not None:
@@ -389,7 +403,6 @@ class Bench:
         monitor.start()
         progress.start()
         dist: DistributedStage | None = None
-        runner: PlanRunner | None = None
         try:
             if self.pool is not None:
                 dist = await self.pool.run_stage(
@@ -402,15 +415,7 @@ class Bench:
                 )
                 stage.result = dist.result
             else:
-                runner = PlanRunner(
-                    http,
-                    target,
-                    stage.load,
-                    run_tag=run_tag,
-                    stage=stage.label,
-                    on_send=lambda _req: progress.on_send(),
-                    on_record=on_record,
-                )
+                assert runner is not None
                 stage.result = await runner.run(plan)
         finally:
             await monitor.stop()
