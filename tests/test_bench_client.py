@@ -354,3 +354,55 @@ def test_a_class_temperature_is_sent_over_the_runs_sampling(smollm_tok):
     # Without either, the server's default: no temperature is sent.
     chat = next(r for r in plan if r.tags.workload_class == "chat")
     assert "temperature" not in request_body(Target("http://x", "m"), chat, "p")
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_a_stream_ends_at_done_and_what_follows_is_ignored(url, continuous):
+    # the server sends 2 more token chunks (with a usage one higher) after data: [DONE]
+    recs, tls, _, outs = _run(url, 2, 4, schedule={"after_done": 2}, strict=not continuous)
+    for r, out in zip(recs, outs):
+        tl = tls[r.request_id]
+        assert r.ok and r.output_tokens == 4 and sum(r.chunk_tokens) == 4
+        assert len(r.chunk_times) == 4 and out.text.count(" ") == 4
+        # done: the [DONE] event, before the extra chunks (an ITL apart) reached the client
+        assert r.done is not None and tl["finished"] <= r.done < tl["finished"] + SLOW.itl
+
+
+def test_the_run_warns_once_about_streams_past_done():
+    with run_test_server(Schedule(ttft=0.005, itl=0.002, after_done=1)) as url:
+
+        async def go():
+            http = HttpClient(url)
+            t = Target(url, "m")
+            for i in range(3):
+                req = one_request(f"d{i}", "x", 3, tags=RequestTags(workload_class="t"))
+                out = await send(http, t, req, prompt="x", intended_send=time.monotonic())
+                assert out.record.ok and out.record.output_tokens == 3
+            await http.close()
+            return t.streams_past_done, http.connections_opened
+
+        # every stream is counted; the connection is still reused (the body ended cleanly)
+        assert asyncio.run(go()) == (3, 1)
+
+
+def test_a_warm_pool_opens_before_and_tops_up_its_spares_in_the_background():
+    with run_test_server(Schedule(ttft=0.005, itl=0.002)) as url:
+
+        async def go():
+            http = HttpClient(url)
+            t = Target(url, "m")
+            set_up = await http.warm(2, spare=2)
+            recs = []
+            for i in range(3):
+                req = one_request(f"w{i}", "x", 3, tags=RequestTags(workload_class="t"))
+                recs.append((await send(http, t, req, prompt="x", intended_send=0.0)).record)
+            again = await http.warm(2)  # a later stage: what is open already counts
+            await http.cold()
+            return set_up, recs, again, http.topped_up, http.connections_opened
+
+        set_up, recs, again, topped, opened = asyncio.run(go())
+    assert (set_up["kept"], set_up["opened"], set_up["failed"]) == (0, 2, 0)
+    assert all(r.ok and r.new_connection is False for r in recs)
+    # the first request left one idle (fewer than 2 spare): one more opened in the background
+    assert topped == 1 and opened == 3
+    assert (again["kept"], again["opened"]) == (3, 0)

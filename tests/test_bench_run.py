@@ -511,3 +511,17 @@ def test_the_recount_warning_only_where_the_tokenizers_can_differ():
     assert not same("smollm2-135m", False, "smollm2-135m")  # another server's own counting
     assert not same("gpt2", True, "smollm2-135m")  # a servelab server, another model
     assert same("gpt2", False, "m", source="server /tokenize")
+
+
+def test_cold_connections_are_opened_in_the_window_and_the_manifest_says_so(server, tmp_path):
+    out = tmp_path / "cold"
+    p = bench("--url", server, "--api-key", SECRET, "--workload", "chat", "--requests", "6",
+              "--concurrency", "3", "--cold-connections", "--out", str(out), "--quiet")  # fmt: skip
+    assert p.returncode in (0, 3), p.stdout + p.stderr  # 3: written, but a busy machine's client
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["connections"] == "cold"
+    assert manifest["stages"][0]["plan"]["connections"] == {"mode": "cold"}
+    recs = read_records(out / "requests.jsonl")
+    # each of the 3 streams opened its own connection, its set-up inside its first TTFT
+    assert sum(bool(r.new_connection) for r in recs) == 3
+    assert all(r.connect_time is not None for r in recs if r.new_connection)

@@ -10,7 +10,7 @@ import pytest
 
 from servelab.bench.client.http import HttpClient
 from servelab.bench.client.send import Target
-from servelab.bench.plan_runner import PlanRunner, sessions
+from servelab.bench.plan_runner import PlanRunner, busiest_window, sessions
 from servelab.bench.workloads.request_plan import LoadSpec, PlannedRequest
 from servelab.testing.testserver import Schedule, run_test_server
 from servelab.vocab import RequestTags
@@ -37,11 +37,11 @@ def _req(
     )
 
 
-def _execute(url: str, load: LoadSpec, plan, schedule: dict | None = None):
+def _execute(url: str, load: LoadSpec, plan, schedule: dict | None = None, cold: bool = False):
     async def go():
         http = HttpClient(url)
         headers = {"X-Test-Schedule": json.dumps(schedule)} if schedule else {}
-        target = Target(url, "test-model", extra_headers=headers)
+        target = Target(url, "test-model", extra_headers=headers, cold_connections=cold)
         res = await PlanRunner(http, target, load, run_tag="t").run(plan)
         await http.close()
         return res
@@ -118,3 +118,36 @@ def test_a_stream_goes_on_while_its_last_output_is_counted(url):
     assert sent_at_count[:2] == [2, 3], "the next request waited for the previous count"
     assert all(c is not None and c > 0 for c in counts_at_record)
     assert [r.client_output_tokens for r in res.records] == counts_at_record
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_closed_loop_opens_its_connections_before_the_clock_unless_cold(url, cold):
+    res = _execute(
+        url, LoadSpec(concurrency=4, requests=12), [_req(i) for i in range(12)], cold=cold
+    )
+    recs = sorted(res.records, key=lambda r: r.actual_send)
+    assert len(recs) == 12 and all(r.ok for r in recs)
+    c = res.connections
+    if cold:  # each stream's first request opens its connection, inside the window
+        assert c == {"mode": "cold"}
+        assert sum(bool(r.new_connection) for r in recs) == 4
+        assert all(r.connect_time is not None for r in recs[:4])
+    else:  # all four opened before the clock started; no request waited for one
+        assert c is not None and c["mode"] == "warm" and (c["opened"], c["failed"]) == (4, 0)
+        assert c["seconds"] > 0 and c["topped_up"] == 0
+        assert not any(r.new_connection for r in recs)
+        assert all(r.dns_time is None and r.connect_time is None for r in recs)
+
+
+def test_an_open_loop_warms_its_busiest_second_and_keeps_spares(url):
+    # 6 sends in the first 0.1 s, then one every 0.3 s: the busiest second starts 6 or more
+    plan = [_req(i, send=0.02 * i) for i in range(6)] + [
+        _req(6 + i, send=0.3 + 0.3 * i) for i in range(4)
+    ]
+    assert busiest_window(plan) == 9 and busiest_window(plan, 0.1) == 5
+    res = _execute(url, LoadSpec(rate=10.0, requests=10), plan)
+    c = res.connections
+    assert c is not None and c["mode"] == "warm" and c["opened"] == c["spare"] == 9
+    recs = res.records
+    assert len(recs) == 10 and all(r.ok for r in recs)
+    assert not any(r.new_connection for r in recs)

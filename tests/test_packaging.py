@@ -85,3 +85,30 @@ def test_importing_the_cli_loads_no_torch_and_no_model_runtime():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_the_core_dependencies_hold_no_scipy_and_the_fit_extra_does():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "scipy" not in {_name(r) for r in project["dependencies"]}
+    assert "scipy" in {_name(r) for r in project["optional-dependencies"]["fit"]}
+
+
+def test_a_fit_without_scipy_says_which_extra_in_one_line(tmp_path):
+    # the core commands run without scipy; a fit (here calibrate) names the extra, exit 2
+    blocked = "import sys; sys.modules['scipy'] = None\nfrom servelab.cli import main\n"
+    run = tmp_path / "sim"
+
+    def servelab(*args: str) -> subprocess.CompletedProcess[str]:
+        code = blocked + f"sys.argv = ['servelab', *{list(args)!r}]\nmain()\n"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+    sim = servelab(
+        "sim", "--hardware", "h100", "--model", "qwen2.5-7b", "--workload", "chat",
+        "--requests", "20", "--out", str(run),
+    )  # fmt: skip
+    assert sim.returncode == 0, sim.stderr
+    r = servelab("calibrate", str(run), "--hardware", "h100", "--model", "qwen2.5-7b")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "pip install 'servelab[fit]'" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

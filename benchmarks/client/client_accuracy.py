@@ -24,11 +24,14 @@ arrived), their differences, and the error of every inter-chunk gap where the cl
     python -m benchmarks.client.client_accuracy --quick --peers   # and the clients side by side
 
 With ``--join``, the TTFT of every request is joined by its ``X-Request-Id`` with the server's
-own (first token written - request read) at 20 and 200 streams, each stream a closed loop of
-``--rounds`` requests, cold (every stream opens its connection inside the window) and warm (the
-client opens them before it): the per-request error at p50/p99, and the client's split of its
-TTFT into waiting for a connection, sending, and server to first token. Levels alternate and
-repeat (``--repeats``) so that a loaded machine shows as ranges.
+own (first token written - request read) at 20 and 200 streams (``--join-streams``), run as
+``servelab bench`` runs them (its ``PlanRunner``: a closed loop of N streams, ``--rounds``
+requests each), cold (``--cold-connections``: every stream opens its connection inside the
+window) and warm (the default: the pool opened before the clock starts): the per-request error
+at p50/p99, split into waiting for a connection, sending, the request's queue (written -> the
+server's handler starting: the wire and the server's read and dispatch, which its clock does
+not see) and the client's stamp of the first token (client stamp - server write). Levels alternate and repeat (``--repeats``) so that a loaded machine
+shows as ranges.
 
     python -m benchmarks.client.client_accuracy --join --repeats 3
 """
@@ -60,10 +63,12 @@ from benchmarks.peers.clients import (
 from servelab.bench.client.event_loop import run_loop
 from servelab.bench.client.http import HttpClient
 from servelab.bench.client.send import Target, send
+from servelab.bench.plan_runner import PlanRunner
+from servelab.bench.workloads.request_plan import LoadSpec
 from servelab.rundir import server_id
 from servelab.testing.testserver import Schedule, run_test_server
 from servelab.testing.tokenizers import one_request
-from servelab.vocab import ClientRecord, RequestTags
+from servelab.vocab import RequestTags
 
 
 @dataclass
@@ -165,27 +170,28 @@ async def measure(url: str, lv: Level, client: str, tag: str) -> dict[str, float
 
 
 async def _joined(url: str, streams: int, rounds: int, warm: bool) -> dict[str, float]:
-    """Closed-loop streams against the test server; each request's TTFT error joined by id."""
+    """``streams`` closed-loop streams run by the bench's own runner against the test server;
+    each request's TTFT error joined by id."""
     lv = Level(streams, 0.015, 20)
     http = HttpClient(url)
-    target = Target(url, "test-model", extra_headers=_schedule_header(lv))
-    if warm:
-        await http.open_connections(streams)
-
-    async def stream(i: int) -> list[ClientRecord]:
-        out = []
-        for k in range(rounds):
-            req = one_request(f"j{i}-{k}", "hello", lv.tokens, tags=RequestTags(workload_class="x"))
-            o = await send(http, target, req, prompt=req.prompt, intended_send=time.monotonic())
-            if not o.record.ok:
-                raise RuntimeError(o.record.error)
-            out.append(o.record)
-        return out
-
-    recs = [r for rs in await asyncio.gather(*(stream(i) for i in range(streams))) for r in rs]
+    target = Target(
+        url, "test-model", extra_headers=_schedule_header(lv), cold_connections=not warm
+    )
+    plan = [
+        one_request(f"j{i}", "hello", lv.tokens, tags=RequestTags(workload_class="x"))
+        for i in range(streams * rounds)
+    ]
+    load = LoadSpec(concurrency=streams, requests=len(plan))
+    res = await PlanRunner(http, target, load, run_tag=f"join{streams}").run(plan)
     await http.close()
+    recs = res.records
+    if bad := [r.error for r in recs if not r.ok]:
+        raise RuntimeError(f"{len(bad)} requests failed: {bad[0]}")
     tls = await fetch_timelines(url, [server_id(r) for r in recs])
-    rows: dict[str, list[float]] = {"err": [], "conn": [], "send": [], "s2ft_err": []}
+    # err = conn + send + queue + stamp: waiting for a connection, sending, the request's wait
+    # between its last byte written and the server's handler starting (the wire and the server's
+    # read and dispatch queue), and the client's stamp of the first token after its write
+    rows: dict[str, list[float]] = {"err": [], "conn": [], "send": [], "queue": [], "stamp": []}
     new_err: list[float] = []
     for r in recs:
         tl = tls[server_id(r)]
@@ -194,36 +200,44 @@ async def _joined(url: str, streams: int, rounds: int, warm: bool) -> dict[str, 
         rows["err"].append(r.ttft - true)
         rows["conn"].append(r.connection_wait or 0.0)
         rows["send"].append(r.send_time or 0.0)
-        rows["s2ft_err"].append(r.server_to_first_token - true)
+        assert r.request_written is not None
+        rows["queue"].append(tl["arrival"] - r.request_written)
+        rows["stamp"].append(r.chunk_times[0] - tl["first_token"])
         if r.new_connection:
             new_err.append(r.ttft - true)
     out = {"new": float(len(new_err)), "n": float(len(recs))}
+    out["setup_ms"] = 1e3 * float((res.connections or {}).get("seconds", 0.0))
     for k, v in rows.items():
         a = np.asarray(v) * 1e3
         out[f"{k}_p50"], out[f"{k}_p99"] = float(np.percentile(a, 50)), float(np.percentile(a, 99))
     return out
 
 
-def join_table(url: str, repeats: int, rounds: int) -> None:
-    """The TTFT error per request, joined by id, at 20 and 200 streams, cold and warm."""
+def join_table(url: str, repeats: int, rounds: int, levels: list[int]) -> None:
+    """The TTFT error per request, joined by id, at each stream count, cold and warm."""
     print(
         f"\nTTFT joined by X-Request-Id with the server's own (closed loop, {rounds} requests a "
-        "stream; ms): error = client TTFT - server TTFT, split = connection wait, sending, and "
-        "server-to-first-token error"
+        "stream; ms): error = client TTFT - server TTFT = connection wait + sending + queue "
+        "(written -> the server's handler) + stamp (first token: client stamp - server write); "
+        "set-up: the warm pool's, before the clock"
     )
     print(
         f"{'streams':>7} {'conns':>5} {'rep':>3} {'new':>4} {'err p50':>8} {'p99':>7} "
-        f"{'conn p50':>8} {'p99':>7} {'send p50':>8} {'p99':>6} {'s2ft p50':>8} {'p99':>7}"
+        f"{'conn p50':>8} {'p99':>7} {'send p50':>8} {'p99':>6} {'queue p50':>9} {'p99':>7} "
+        f"{'stamp p50':>9} {'p99':>6} "
+        f"{'set-up':>7}"
     )
     for rep in range(repeats):
-        for streams in (20, 200):
+        for streams in levels:
             for warm in (False, True):
                 m = run_loop(_joined(url, streams, rounds, warm))
                 print(
                     f"{streams:7d} {'warm' if warm else 'cold':>5} {rep:3d} {m['new']:4.0f} "
                     f"{m['err_p50']:8.2f} {m['err_p99']:7.2f} {m['conn_p50']:8.2f} "
                     f"{m['conn_p99']:7.2f} {m['send_p50']:8.3f} {m['send_p99']:6.3f} "
-                    f"{m['s2ft_err_p50']:8.2f} {m['s2ft_err_p99']:7.2f}",
+                    f"{m['queue_p50']:9.2f} {m['queue_p99']:7.2f} "
+                    f"{m['stamp_p50']:9.3f} {m['stamp_p99']:6.3f} "
+                    f"{m['setup_ms'] if warm else float('nan'):7.1f}",
                     flush=True,
                 )
 
@@ -334,6 +348,7 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=3, help="--join: rounds of all levels")
     ap.add_argument("--rounds", type=int, default=3, help="--join: requests per stream")
+    ap.add_argument("--join-streams", default="20,200", help="--join: the stream counts")
     ap.add_argument("--peer-streams", default="20,200", help="stream counts for --peers")
     ap.add_argument(
         "--peers-out",
@@ -362,7 +377,9 @@ def main() -> None:
     )
     with run_test_server(sched, cpu=server_cpu if len(cpus) > 1 else None) as url:
         if args.join:
-            join_table(url, args.repeats, args.rounds)
+            join_table(
+                url, args.repeats, args.rounds, [int(n) for n in args.join_streams.split(",")]
+            )
             return
         print(header)
         for i, lv in enumerate(levels):

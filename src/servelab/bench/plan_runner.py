@@ -9,6 +9,12 @@ take the next session when their previous one ends. A session's later turns go
 Every request ends as exactly one ClientRecord handed to ``on_record``: completed,
 failed, timed out, skipped (an earlier turn of its session failed) or aborted (the
 run was interrupted).
+
+Connections are opened before the stage's clock starts (``warm_connections``), unless the
+target asks for cold ones (``Target.cold_connections``: each stage starts with none open, and
+every new stream's set-up is part of its first TTFT). A closed loop opens one per stream; an
+open loop as many as its plan sends in its busiest second, and keeps as many spare while it
+runs. ``StageResult.connections`` records the set-up, apart from every request's figures.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from servelab.bench.client.http import HttpClient
 from servelab.bench.client.recount import Recounter
@@ -26,6 +33,8 @@ from servelab.bench.workloads.request_plan import LoadSpec, PlannedRequest, comp
 from servelab.vocab import ClientRecord
 
 START_DELAY_S = 0.05  # the first intended send is this far after the run starts
+WARM_WINDOW_S = 1.0  # an open loop pre-opens the connections its busiest such window sends on
+MAX_WARM = 256  # ... at most this many (and keeps as many spare)
 
 
 @dataclass(kw_only=True)
@@ -38,6 +47,7 @@ class StageResult:
     sent: int
     records: list[ClientRecord]
     interrupted: bool = False
+    connections: dict[str, Any] | None = None  # the set-up before the clock (warm_connections)
 
 
 def sessions(plan: Iterable[PlannedRequest]) -> Iterator[list[PlannedRequest]]:
@@ -51,6 +61,33 @@ def sessions(plan: Iterable[PlannedRequest]) -> Iterator[list[PlannedRequest]]:
         current.append(req)
     if current:
         yield current
+
+
+def busiest_window(plan: list[PlannedRequest], window: float = WARM_WINDOW_S) -> int:
+    """The most sessions an open-loop plan starts within any ``window`` seconds."""
+    times = sorted(turns[0].send_time or 0.0 for turns in sessions(plan))
+    most, lo = 0, 0
+    for hi, t in enumerate(times):
+        while t - times[lo] >= window:
+            lo += 1
+        most = max(most, hi - lo + 1)
+    return most
+
+
+async def warm_connections(
+    http: HttpClient, load: LoadSpec, plan: list[PlannedRequest] | None, cold: bool
+) -> dict[str, Any]:
+    """Open the stage's connections before its clock starts (or, ``cold``, close every idle
+    one); return what was done, for the manifest."""
+    if cold:
+        await http.cold()
+        return {"mode": "cold"}
+    if load.closed:
+        assert load.concurrency is not None
+        n, spare = load.concurrency, 0
+    else:
+        n = spare = min(MAX_WARM, busiest_window(plan or []))
+    return {"mode": "warm", "wanted": n, "spare": spare, **await http.warm(n, spare)}
 
 
 def request_id(run_tag: str, req: PlannedRequest) -> str:
@@ -107,10 +144,26 @@ class PlanRunner:
         # a request is recorded once counted, while its stream goes on to the next one
         self._recounter = Recounter(target.tokenizer) if target.tokenizer is not None else None
         self._counting: set[asyncio.Task[None]] = set()
+        self.connections: dict[str, Any] | None = None  # the set-up ``warm`` did
+        self._topped = 0
 
     def _record(self, rec: ClientRecord) -> None:
         self.records.append(rec)
         self._on_record(rec)
+
+    async def warm(
+        self, plan: Iterable[PlannedRequest] | AsyncIterator[list[PlannedRequest]]
+    ) -> None:
+        """Open the stage's connections (or close the idle ones, cold) before anything times the
+        stage: ``run`` does it first itself unless this was called. An open loop sizes its pool
+        from ``plan``, which must then be a list."""
+        self._topped = self.http.topped_up
+        self.connections = await warm_connections(
+            self.http,
+            self.load,
+            plan if isinstance(plan, list) else None,
+            self.target.cold_connections,
+        )
 
     async def run(
         self,
@@ -123,6 +176,12 @@ class PlanRunner:
         the distributed workers' common start. A closed loop may also take an async
         iterator of sessions, which receives more sessions while the stage runs.
         """
+        if self.connections is None:
+            if not self.load.closed and not isinstance(plan, (list, AsyncIterator)):
+                plan = list(plan)  # an open loop's whole plan is up front: sized once, sent once
+            await self.warm(plan)
+        connections = self.connections
+        assert connections is not None
         start = time.monotonic() if start_at is None else start_at
         tasks: set[asyncio.Task[None]] = set()
         interrupted = False
@@ -141,6 +200,8 @@ class PlanRunner:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._counting, return_exceptions=True)  # every record is in
+        if connections["mode"] == "warm":
+            connections["topped_up"] = self.http.topped_up - self._topped
         return StageResult(
             label=self.stage,
             start=start,
@@ -148,6 +209,7 @@ class PlanRunner:
             sent=self.sent,
             records=self.records,
             interrupted=interrupted,
+            connections=connections,
         )
 
     async def _open(

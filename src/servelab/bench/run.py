@@ -86,6 +86,7 @@ class BenchOptions:
     quiet: bool = False
     strict_openai: bool = False
     request_id_header: bool = True  # X-Request-Id: a UUID per request (bench/client/requestid.py)
+    cold_connections: bool = False  # connections opened inside the window (bench/plan_runner.py)
     timeout: float = 600.0
     command: list[str] = field(default_factory=list)  # argv with the API key redacted
     overwrite: bool = False
@@ -242,12 +243,32 @@ class Bench:
         self._default_tokenizer()
 
     def _default_tokenizer(self) -> None:
+        """The default model's tokenizer, which ships inside servelab (no package, no network)."""
         if self.o.url is not None or self.o.model is not None:
             self.warnings.append(
                 f"no --tokenizer given: prompt lengths are exact under {DEFAULT_MODEL}'s "
-                "tokenizer, which may not be the target's"
+                "tokenizer (shipped with servelab), which may not be the target's"
             )
         self.tokenizer, self.tokenizer_source = _load_tokenizer(DEFAULT_MODEL), "default model"
+
+    def _tokenizer_lines(self) -> list[str]:
+        """Which tokenizer built the prompts, and what that means for the token counts."""
+        lines = [
+            f"prompt lengths: tokenizer {getattr(self.tokenizer, 'name', '?')} "
+            f"(source: {self.tokenizer_source})"
+        ]
+        if self.tokenizer_source == "server /tokenize":
+            lines.append("  the server's own count; output tokens: its usage, else one per chunk")
+            return lines
+        if self.tokenizer_source == "default model" and self.o.url is not None:
+            lines.append(
+                "  shipped with servelab: lengths are exact under it, approximate under the "
+                "target's own (--tokenizer)"
+            )
+        lines.append(
+            "  token counts: the server's usage where it sends one, else this tokenizer's re-count"
+        )
+        return lines
 
     def _server_tokenizer(self) -> None:
         """No local tokenizer for the target's model: its own ``/tokenize``, else the default
@@ -271,11 +292,6 @@ class Bench:
             raise ValueError(f"--tokenizer server: {why}; give a local --tokenizer")
         else:
             self._default_tokenizer()
-        if not o.quiet:
-            self.console.print(
-                f"prompt lengths: tokenizer {getattr(self.tokenizer, 'name', '?')} "
-                f"(source: {self.tokenizer_source})"
-            )
 
     def _workload(self) -> WorkloadSpec:
         """The workload; ``--dataset`` gives every class its text (alone: one plain class)."""
@@ -366,6 +382,20 @@ class Bench:
                 collector.finished(rec)
 
         run_tag = self.run_tag + (f"-{len(self.stages)}" if stage.label else "")
+        runner: PlanRunner | None = None
+        if self.pool is None:
+            runner = PlanRunner(
+                http,
+                target,
+                stage.load,
+                run_tag=run_tag,
+                stage=stage.label,
+                on_send=lambda _req: progress.on_send(),
+                on_record=on_record,
+            )
+            # the pool opens before the loop monitor starts, so that no set-up is charged to it
+            with self.console.status("opening connections ..."):
+                await runner.warm(plan)
         monitor = LoopMonitor()  # with workers, the driver's: informational
         await scraper.start()
         if collector is not None:
@@ -373,7 +403,6 @@ class Bench:
         monitor.start()
         progress.start()
         dist: DistributedStage | None = None
-        runner: PlanRunner | None = None
         try:
             if self.pool is not None:
                 dist = await self.pool.run_stage(
@@ -386,15 +415,7 @@ class Bench:
                 )
                 stage.result = dist.result
             else:
-                runner = PlanRunner(
-                    http,
-                    target,
-                    stage.load,
-                    run_tag=run_tag,
-                    stage=stage.label,
-                    on_send=lambda _req: progress.on_send(),
-                    on_record=on_record,
-                )
+                assert runner is not None
                 stage.result = await runner.run(plan)
         finally:
             await monitor.stop()
@@ -409,6 +430,7 @@ class Bench:
             "scrapes": scraper.scrapes,
             "scrape": scraper.report(own.wall_seconds),
             **({"server_timelines": collector.report()} if collector else {}),
+            **({"connections": stage.result.connections} if stage.result.connections else {}),
             "timing_error_budget_s": dist.report["timing_error_budget_s"]
             if dist is not None
             else timing_error_budget(own.loop_lag.get("p99")),
@@ -595,6 +617,9 @@ class Bench:
                 "timeout_s": o.timeout,
                 "strict_openai": o.strict_openai,
                 "request_id_header": self.request_ids.describe() if self.request_ids else None,
+                # cold: set-up inside TTFT; warm: opened before each stage's clock (its plan's
+                # "connections" says how many and how long)
+                "connections": "cold" if o.cold_connections else "warm",
                 "sampling": o.sampling,
                 "datasets": self._dataset_pins(),
                 "run_tag": self.run_tag,
@@ -713,6 +738,9 @@ class Bench:
             assert self.info is not None
             if self.tokenizer is None:
                 self._server_tokenizer()
+            if not o.quiet:
+                for line in self._tokenizer_lines():
+                    self.console.print(line, highlight=False)
             target = Target(
                 url=self.info.url,
                 model=self._request_model(),
@@ -724,6 +752,7 @@ class Bench:
                 tokenizer=None if isinstance(self.tokenizer, ServerTokenizer) else self.tokenizer,
                 extra_body=o.sampling,
                 request_id_header=o.request_id_header,
+                cold_connections=o.cold_connections,
             )
             self.request_ids = target.ids
             http = HttpClient(self.info.url)
@@ -748,6 +777,11 @@ class Bench:
                             break
             finally:
                 gc.unfreeze()
+                if target.streams_past_done:
+                    self.warnings.append(
+                        f"{target.streams_past_done} stream(s) sent data events after "
+                        "data: [DONE]; a stream ends at [DONE], so they were ignored"
+                    )
                 self.stamping = http.stamping
                 await http.close()
                 if self.pool is not None:

@@ -90,7 +90,16 @@ _register_all()
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as e:  # a module an extra installs: one line, exit 2
+        from servelab.cli.errors import fail
+        from servelab.cli.extras import missing_extra_message
+
+        message = missing_extra_message(e)
+        if message is None:
+            raise
+        raise SystemExit(fail(message).exit_code) from None
 
 
 if __name__ == "__main__":

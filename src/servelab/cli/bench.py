@@ -81,6 +81,13 @@ class BenchFlags:
         panel=TARGET,
         decls=("--no-request-id-header",),
     )
+    cold_connections: bool = flag(
+        False,
+        "Open each stream's connection inside the measured window, its set-up counted in "
+        "TTFT (by default they are opened before the clock starts, and the set-up recorded apart).",
+        panel=TARGET,
+        decls=("--cold-connections",),
+    )
     timeout: str = flag("600", "Per-request timeout (seconds, or 10min).", panel=TARGET)
     dataset: str | None = flag(
         None,

@@ -97,6 +97,7 @@ def bench_options(flags: BenchFlags) -> BenchOptions:
         quiet=flags.quiet,
         strict_openai=flags.strict_openai,
         request_id_header=not flags.no_request_id_header,
+        cold_connections=flags.cold_connections,
         timeout=seconds("--timeout", flags.timeout) or 600.0,
         command=redact(["servelab", *sys.argv[1:]]),
         overwrite=flags.overwrite,

