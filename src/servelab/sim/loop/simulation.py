@@ -406,11 +406,13 @@ class Simulation:
         for rec in burst.records:
             self._keep(rec)
         if self.lag:
+            lag, delay, last, prev = self.lag, self.delay, replica.last_step, start
             client_times = []
-            prev = start
             for e in ends:
-                client_times.append(e + self.delay + self.lag * (replica.last_step or e - prev))
-                replica.last_step, prev = e - prev, e
+                dt = e - prev
+                client_times.append(e + delay + lag * (last or dt))
+                last, prev = dt, e
+            replica.last_step = last
         else:
             client_times = [end + self.delay for end in ends]
         ones = [1] * len(ends)
