@@ -31,6 +31,7 @@ weighs more than in the published runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -62,6 +63,9 @@ def simulate(p: dict[str, Any], eff: Efficiency, cap: int) -> tuple[dict[str, fl
         engine="vllm",
         offline=kind != "concurrency",
     )
+    if p["bound"] == "faster-engine":
+        # TensorRT-LLM and NIM: their server is not vLLM's, so not its fitted serving path.
+        target = dataclasses.replace(target, serving_path=None)
     c = p.get("concurrency")
     n = min(p["requests"] if "requests" in p else max(4 * c, 20), cap)
     isl, osl = p["input_len"], p["output_len"]

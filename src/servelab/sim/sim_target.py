@@ -18,6 +18,7 @@ from servelab.sim.costs.model_shapes import ModelSpec, load_model_spec
 from servelab.sim.costs.noise import StepNoise
 from servelab.sim.costs.profiled import ProfiledCostModel, ProfileTable
 from servelab.sim.costs.roofline import Efficiency, RooflineCostModel
+from servelab.sim.costs.serving_path import ServingPath
 from servelab.sim.engine_defaults import engine_defaults, sglang_max_running
 from servelab.sim.loop.history import Resend
 
@@ -47,6 +48,7 @@ class SimTarget:
     step_noise: StepNoise | None = None
     resend: Resend = field(default_factory=Resend)
     info: dict[str, Any] = field(default_factory=dict)
+    serving_path: ServingPath | None = None
 
     def make_executor(self, clock: VirtualClock | None = None, seed: int = 0) -> SimExecutor:
         """A virtual-time executor on ``clock``, or with no clock a :class:`PacedExecutor`
@@ -59,6 +61,7 @@ class SimTarget:
             "spec_acceptance": self.spec_acceptance,
             "seed": seed,
             "step_noise": self.step_noise.sampler(seed) if self.step_noise else None,
+            "serving_path": self.serving_path,
         }
         if clock is None:
             return PacedExecutor(self.cost_model, **kwargs)
@@ -124,14 +127,19 @@ def roofline_target(
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     spec = load_model_spec(model) if isinstance(model, str) else model
     precision = Precision.parse(dtype, kv_dtype, hw.dtype)
-    rm = RooflineCostModel(spec, hw, tp=tp, efficiency=efficiency, precision=precision)
     overrides = dict(engine_args or {})
     info: dict[str, Any] = {"hardware": hw.name, "model": spec.name, "tp": tp}
+    path: ServingPath | None = None
     if engine is None and engine_config is not None:
+        rm = RooflineCostModel(spec, hw, tp=tp, efficiency=efficiency, precision=precision)
         cfg = dataclasses.replace(engine_config, **overrides)
         util = 0.9 if gpu_memory_utilization is None else gpu_memory_utilization
     else:
         defaults = engine_defaults(engine or "servelab", hw, tp, offline)
+        # An engine's preset prices its steps and its server unless efficiencies are given.
+        eff = efficiency or defaults.efficiency
+        rm = RooflineCostModel(spec, hw, tp=tp, efficiency=eff, precision=precision)
+        path = defaults.serving_path
         cfg = EngineConfig(**{**defaults.config, **overrides})
         util = defaults.gpu_memory_utilization
         if gpu_memory_utilization is not None:
@@ -154,6 +162,7 @@ def roofline_target(
         kv_bytes_per_token=rm.kv_bytes_per_token_per_device,
         label=f"{hw.name}:{spec.name}" + (f":tp{tp}" if tp > 1 else ""),
         info=info,
+        serving_path=path,
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from servelab.engine.batch_plan import BatchPlan, StepOutput
+from servelab.sim.costs.serving_path import ServingPath
 from servelab.sim.costs.work import StepWork, work_of_plan
 
 
@@ -61,7 +62,9 @@ class SimExecutor:
     never an EOS id, so requests end by ``max_tokens``. Request ids in ``imported``
     had their prompt KV transferred in (disaggregated decode) and pay no prefill.
     With ``step_noise`` (a :class:`~servelab.sim.costs.noise.NoiseSampler`), each step's
-    predicted time is multiplied by its next factor.
+    predicted time is multiplied by its next factor. ``serving_path`` is the server around
+    this engine (:class:`~servelab.sim.costs.serving_path.ServingPath`; None: none), which
+    the simulation loop applies to the requests and chunks of this replica.
     """
 
     def __init__(
@@ -75,8 +78,10 @@ class SimExecutor:
         spec_acceptance: float = 0.7,
         seed: int = 0,
         step_noise: Callable[[], float] | None = None,
+        serving_path: ServingPath | None = None,
     ) -> None:
         self.cost_model = cost_model
+        self.serving_path = serving_path
         self.step_noise = step_noise
         self.clock = clock
         self.max_model_len = max_model_len

@@ -129,6 +129,20 @@ HARDWARE: dict[str, Hardware] = {
             fp8_flops=242.5e12,
         ),
         Hardware(
+            name="l40s",
+            peak_flops=362.05e12,
+            mem_bw=864 * GB,
+            memory_bytes=48 * GB,
+            link_bw=32 * GB,
+            link_latency=20e-6,
+            dtype="bf16",
+            dtype_bytes=2,
+            source="NVIDIA L40S datasheet: 362.05 TFLOPS BF16/FP16 tensor dense (733 with "
+            "sparsity), 733 FP8 dense (1,466 with sparsity), 864 GB/s GDDR6, 48 GB, PCIe Gen4 "
+            "x16 (64 GB/s bidirectional), no NVLink",
+            fp8_flops=733e12,
+        ),
+        Hardware(
             name="mi300x",
             peak_flops=1307.4e12,
             mem_bw=5.3 * TB,

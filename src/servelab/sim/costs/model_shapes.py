@@ -1,8 +1,10 @@
-"""Llama-family model shapes for the cost models: parameter counts, the FLOPs of a step's
-work, the bytes of the weights it streams, and KV bytes per token.
+"""Decoder shapes for the cost models: parameter counts, the FLOPs of a step's work, the
+bytes of the weights it streams, and KV bytes per token.
 
 A :class:`ModelSpec` comes from a preset name, or from an HF ``config.json`` (a file or a
-directory holding one) or a GGUF file, read by the model package's ``ModelConfig``. Only
+directory holding one) or a GGUF file. A ``config.json`` is read for its shapes whatever its
+``model_type`` (Qwen3, Mixtral, Llama 4 text...), as long as they are the standard keys;
+mixture-of-experts layers come from ``num_local_experts`` and ``num_experts_per_tok``. Only
 shapes matter here: no weights are read.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from servelab.modelcore.config import ModelConfig
 
@@ -21,9 +23,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shapes of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM).
+    """The shapes of a Llama-style decoder (Llama, Mistral, Qwen2/3, SmolLM, Mixtral).
 
-    ``qkv_bias`` adds the q/k/v biases Qwen2 has. Parameter counts include norms.
+    ``qkv_bias`` adds the q/k/v biases Qwen2 has. Parameter counts include norms. With
+    ``experts`` > 0 every layer's gated MLP is that many experts of ``intermediate`` columns
+    (plus a router), of which each token runs ``experts_per_token``, and
+    ``shared_intermediate`` columns of a shared expert every token runs (Llama 4). Tensor
+    parallelism splits every expert's columns, as vLLM does without expert parallelism.
     """
 
     name: str
@@ -37,6 +43,9 @@ class ModelSpec:
     tied_embeddings: bool
     max_model_len: int
     qkv_bias: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_intermediate: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -50,8 +59,30 @@ class ModelSpec:
     def layer_matrix_params(self) -> int:
         """Weights of one decoder layer's matrices: the q/k/v/o projections and the gated MLP
         (what a weight-only quantisation stores in its own format)."""
+        return self._attn_matrix_params + self._mlp_params(max(self.experts, 1))
+
+    @property
+    def _attn_matrix_params(self) -> int:
         h = self.hidden
-        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + 3 * h * self.intermediate
+        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+
+    def _mlp_params(self, experts: int) -> int:
+        """One layer's MLP weights with ``experts`` routed experts (1: a dense MLP)."""
+        h = self.hidden
+        router = h * self.experts
+        return 3 * h * (self.intermediate * experts + self.shared_intermediate) + router
+
+    @property
+    def active_layer_params(self) -> int:
+        """Weights of one layer one token multiplies through: all of a dense layer; the
+        attention, router, shared expert and ``experts_per_token`` experts of an MoE layer."""
+        if not self.experts:
+            return self.layer_params
+        return (
+            self.layer_params
+            - self._mlp_params(self.experts)
+            + self._mlp_params(self.experts_per_token)
+        )
 
     @property
     def layer_params(self) -> int:
@@ -61,7 +92,9 @@ class ModelSpec:
 
     @property
     def linear_params_per_token(self) -> int:
-        """Weights every token multiplies through: all layers' matrices (not the LM head)."""
+        """All layers' weights (every expert of an MoE layer; not the LM head): what the
+        layers hold and, since a batch of a dozen tokens already reaches every expert of a
+        top-2-of-8 layer, what a step streams."""
         return self.layers * self.layer_params
 
     @property
@@ -83,9 +116,10 @@ class ModelSpec:
 
     @property
     def flops_per_token(self) -> int:
-        """FLOPs of the layers for one computed token: 2 per weight (every layer's matrices,
-        norms and biases; not the LM head)."""
-        return 2 * self.linear_params_per_token
+        """FLOPs of the layers for one computed token: 2 per weight it multiplies through
+        (every layer's matrices, norms and biases, only the routed experts of an MoE layer;
+        not the LM head)."""
+        return 2 * self.layers * self.active_layer_params
 
     @property
     def flops_per_logit(self) -> int:
@@ -156,14 +190,50 @@ def from_model_config(cfg: ModelConfig, name: str) -> ModelSpec:
     )
 
 
-def _from_hf_config(d: dict, name: str) -> ModelSpec:
+def spec_from_hf_config(d: dict[str, Any], name: str) -> ModelSpec:
+    """The shapes of an HF ``config.json`` (a dict) whatever its ``model_type``.
+
+    Reads the standard keys (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``intermediate_size``, ``vocab_size``; ``num_key_value_heads``, ``head_dim``,
+    ``max_position_embeddings``, ``tie_word_embeddings``, ``attention_bias`` when given),
+    a ``text_config`` inside a multimodal one, and the experts of an MoE
+    (``num_local_experts`` or ``num_experts``, ``num_experts_per_tok``, a shared expert of
+    ``intermediate_size`` when ``num_shared_experts``/``shared_experts`` is set). Raises
+    ValueError naming a missing key.
+    """
+    if isinstance(d.get("text_config"), dict):
+        d = {**d, **d["text_config"]}
     try:
-        return from_model_config(ModelConfig.from_hf_dict(d), name)
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+        shared = int(d.get("num_shared_experts") or d.get("shared_experts") or 0)
+        max_len = int(d.get("max_position_embeddings", 2048))
+        window = d.get("sliding_window")
+        if d.get("model_type") == "qwen2" and not d.get("use_sliding_window", False):
+            window = None  # Qwen2 configs name a window they do not use
+        if window and int(window) < max_len:
+            max_len = int(window)  # as the engine serves it: capped at the window
+        return ModelSpec(
+            name=name,
+            hidden=hidden,
+            layers=int(d["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            intermediate=int(d["intermediate_size"]),
+            vocab=int(d["vocab_size"]),
+            tied_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_model_len=max_len,
+            qkv_bias=d.get("model_type") == "qwen2" or bool(d.get("attention_bias", False)),
+            experts=experts,
+            experts_per_token=int(d.get("num_experts_per_tok") or 0) if experts else 0,
+            shared_intermediate=shared * int(d["intermediate_size"]) if experts else 0,
+        )
     except KeyError as e:
         raise ValueError(
-            f"config.json of {name!r} lacks {e.args[0]!r}; a Llama-family config.json "
-            "(hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, "
-            "vocab_size) is required"
+            f"config.json of {name!r} lacks {e.args[0]!r}; the simulator needs hidden_size, "
+            "num_hidden_layers, num_attention_heads, intermediate_size and vocab_size"
         ) from None
 
 
@@ -189,7 +259,7 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
         return _from_gguf(path)
     if path.suffix == ".json" and path.is_file():
         name = path.parent.name if path.name == "config.json" else path.stem
-        return _from_hf_config(json.loads(path.read_text()), name)
+        return spec_from_hf_config(json.loads(path.read_text()), name)
     raise ValueError(
         f"unknown model {name_or_path!r}; presets: {', '.join(sorted(PRESETS))}. "
         "Or pass an HF config.json, a directory holding one, or a .gguf file."

@@ -10,7 +10,8 @@ its own roofline and their times add::
                 kv_bytes_per_token * (kv_read + tokens) / (bandwidth * mbu))  # KV read + write
     time  = gemm + attn
           + 2 * layers * allreduce(tokens * hidden)    # tensor parallel, ring
-          + step_overhead + layers * layer_overhead + seqs * seq_overhead
+          + step_overhead + layers * layer_overhead
+          + seqs * (seq_overhead + layers * seq_layer_overhead)
 
 ``weight_bytes`` are the weights a step streams: the decoder layers, the final norm and the
 LM head (the input embedding is a lookup of a few rows, not a read of the table).
@@ -38,6 +39,8 @@ class Efficiency:
 
     Defaults are typical of a well-tuned GPU engine with CUDA graphs: about half the
     dense peak in large GEMMs and three quarters of the bandwidth in decode.
+    ``seq_layer_overhead`` is paid per sequence per layer (the per-sequence work of the
+    attention and its metadata in every layer, beyond the KV bytes it reads).
     """
 
     mfu: float = 0.5
@@ -45,11 +48,13 @@ class Efficiency:
     step_overhead: float = 1.0e-3
     layer_overhead: float = 5e-6
     seq_overhead: float = 0.0
+    seq_layer_overhead: float = 0.0
 
     def validate(self) -> None:
         if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1):
             raise ValueError(f"mfu and mbu must be in (0, 1], got {self.mfu}, {self.mbu}")
-        if min(self.step_overhead, self.layer_overhead, self.seq_overhead) < 0:
+        fixed = (self.step_overhead, self.layer_overhead, self.seq_overhead)
+        if min(*fixed, self.seq_layer_overhead) < 0:
             raise ValueError("fixed costs must be >= 0 seconds")
 
     def to_dict(self) -> dict[str, float]:
@@ -190,7 +195,9 @@ class RooflineCostModel:
             attn / peak,
             kv / bw,
             comm,
-            e.step_overhead + self.model.layers * e.layer_overhead + seqs * e.seq_overhead,
+            e.step_overhead
+            + self.model.layers * (e.layer_overhead + seqs * e.seq_layer_overhead)
+            + seqs * e.seq_overhead,
         )
 
     def predict(self, w: StepWork) -> float:

@@ -16,6 +16,12 @@ Invariants:
   client gets that first token), its KV crosses ``link`` (``prompt tokens x KV bytes``
   per device), then a decode replica, whose executor is told the prompt's KV is
   already there, produces the rest. The two server timelines are merged into one.
+- A replica's serving path (``SimExecutor.serving_path``, the server around its engine)
+  delays each request's arrival at the engine by its inbound time and each streamed chunk
+  by ``output_steps`` of the replica's step before the one that made it (the engine's
+  pace: a step's output is processed while the next step runs, and a prefill step is
+  followed by decode steps like the one before it), never before the request's previous
+  chunk; without one, chunks reach the client when their step ends.
 """
 
 from __future__ import annotations
@@ -122,6 +128,7 @@ class Replica:
     executor: SimExecutor
     clock: VirtualClock
     outstanding: int = 0
+    last_step: float = 0.0  # the duration of its latest step (the serving path's pace)
 
 
 @dataclass
@@ -211,6 +218,9 @@ class Simulation:
             self.back_router = None
         self.front_router = make_router(topo.router, len(self.front), block_size)
         self.replicas = self.front + self.back
+        # Every replica of a deployment is one target's, so one server path for all.
+        self.path = self.front[0].executor.serving_path
+        self.lag = self.path.output_steps if self.path is not None else 0.0
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._clients: dict[str, _Client] = {}
@@ -236,7 +246,11 @@ class Simulation:
 
     def _send(self, t: float, req: SimRequest, intended: float) -> None:
         self._clients[req.request_id] = _Client(req=req, record=_client_record(req, intended, t))
-        self._push(t + self.delay, _ARRIVE, req.request_id)
+        if self.path is None:
+            self._push(t + self.delay, _ARRIVE, req.request_id)
+        else:
+            inbound = self.path.inbound(len(req.prompt_token_ids))
+            self._push(t + self.delay + inbound, _ARRIVE, req.request_id)
 
     def _add(
         self, replica: Replica, c: _Client, t: float, prompt: list[int], max_tokens: int
@@ -321,15 +335,21 @@ class Simulation:
                 "the KV pool may be too small for a request (raise num_kv_blocks)"
             )
         client_t = end + self.delay
+        if self.lag:
+            client_t += self.lag * (replica.last_step or end - before)
+            replica.last_step = end - before
         clients = self._clients
         for out in result.outputs:
             c = clients[out.request_id]
             rec_c = c.record
+            t_c = client_t
+            if self.lag and rec_c.chunk_times:
+                t_c = max(t_c, rec_c.chunk_times[-1])
             if out.new_token_ids:
-                rec_c.chunk_times.append(client_t)
+                rec_c.chunk_times.append(t_c)
                 rec_c.chunk_tokens.append(len(out.new_token_ids))
             if out.finished:
-                self._finished(replica, out, c, end, client_t)
+                self._finished(replica, out, c, end, t_c)
 
     def _finished(
         self, replica: Replica, out: RequestOutput, c: _Client, end: float, client_t: float
@@ -376,6 +396,7 @@ class Simulation:
         one; False if not. Nothing else can happen meanwhile: no event falls before the
         horizon, and only the burst's last step can finish requests (push events)."""
         want = self.keep_steps or self.step_sink is not None
+        start = replica.clock.now
         burst = replica.engine.decode_burst(horizon, keep_records=want)
         if burst is None:
             return False
@@ -384,15 +405,30 @@ class Simulation:
         self.num_burst_steps += len(ends)
         for rec in burst.records:
             self._keep(rec)
-        client_times = [end + self.delay for end in ends]
+        if self.lag:
+            lag, delay, last, prev = self.lag, self.delay, replica.last_step, start
+            client_times = []
+            for e in ends:
+                dt = e - prev
+                client_times.append(e + delay + lag * (last or dt))
+                last, prev = dt, e
+            replica.last_step = last
+        else:
+            client_times = [end + self.delay for end in ends]
         ones = [1] * len(ends)
         clients = self._clients
         for req in burst.requests:
             rec_c = clients[req.request_id].record
-            rec_c.chunk_times += client_times
+            if self.lag and rec_c.chunk_times and rec_c.chunk_times[-1] > client_times[0]:
+                # A decode step shorter than the step before: the stream keeps its order.
+                last = rec_c.chunk_times[-1]
+                rec_c.chunk_times += [max(t, last) for t in client_times]
+            else:
+                rec_c.chunk_times += client_times
             rec_c.chunk_tokens += ones
         for out in burst.finished:
-            self._finished(replica, out, clients[out.request_id], ends[-1], client_times[-1])
+            c = clients[out.request_id]
+            self._finished(replica, out, c, ends[-1], c.record.chunk_times[-1])
         return True
 
     # ---- main loop ----
