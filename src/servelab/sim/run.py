@@ -89,26 +89,29 @@ def sim_target(spec: TargetSpec, draw: int = 0) -> SimTarget:
         raise ValueError(
             "say what to simulate: --hardware NAME (with --model) or --profile TABLE.json"
         )
-    eff = Efficiency()
-    if spec.calibration is not None:
-        eff = Calibration.load(spec.calibration).efficiency
-    overrides = {"mfu": spec.mfu, "mbu": spec.mbu, "step_overhead": spec.step_overhead}
-    for k, v in overrides.items():
-        if v is not None:
-            setattr(eff, k, v)
     from servelab.sim.costs.hardware import get_hardware
-    from servelab.sim.engine_defaults import default_engine
+    from servelab.sim.engine_defaults import default_engine, engine_defaults
 
     hw = get_hardware(spec.hardware)
+    engine = spec.engine or default_engine(hw)
+    tp = dep.get("tp", 1)
+    # None keeps the engine preset's own step costs (fitted to real runs for vLLM on GPUs); a
+    # calibration replaces them, and each override changes one of whichever applies.
+    eff = Calibration.load(spec.calibration).efficiency if spec.calibration is not None else None
+    overrides = {"mfu": spec.mfu, "mbu": spec.mbu, "step_overhead": spec.step_overhead}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given:
+        start = eff or engine_defaults(engine, hw, tp).efficiency or Efficiency()
+        eff = dataclasses.replace(start, **given)
     return roofline_target(
         hw,
         spec.model,
-        tp=dep.get("tp", 1),
+        tp=tp,
         efficiency=eff,
         gpu_memory_utilization=dep.get("gpu_memory_utilization"),
         dtype=spec.dtype,
         kv_dtype=spec.kv_dtype,
-        engine=spec.engine or default_engine(hw),
+        engine=engine,
         engine_args=eng,
     )
 
