@@ -255,7 +255,7 @@ def test_verify_without_a_template_or_with_one_that_never_comes_up(foreign_run, 
     r = runner.invoke(app, ["tune", str(bare), "--verify", "--seeds", "2", "--jobs", "1"])
     assert r.exit_code == 2 and "--server-template" in " ".join(r.output.split())
     marker = f"never-healthy-{os.getpid()}"
-    hangs = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(120)' {marker} {{port}}"
+    hangs = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(120)' {marker} --host {{host}} --port {{port}}"
     spec = TuneSpec(
         bare, seeds=2, jobs=1, verify=True, repeats=1, out=tmp_path / "v",
         server_template=f"{hangs} {{flags}}", health_timeout=1.0, tolerance=ANY,
