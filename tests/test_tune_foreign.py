@@ -215,13 +215,17 @@ def _force_chunk_256(run, spec):
 def test_verify_relaunches_the_server_from_its_template_as_run_and_tuned(foreign_run, tmp_path):
     run = load_run(foreign_run)
     spec = TuneSpec(
-        foreign_run, seeds=2, jobs=1, verify=True, repeats=1, out=tmp_path / "v", tolerance=ANY
-    )
+        foreign_run, seeds=2, jobs=1, verify=True, repeats=1, out=tmp_path / "v", tolerance=ANY,
+        trust_run_template=True,
+    )  # fmt: skip
     t = _force_chunk_256(run, spec)
     console = Console(record=True, width=200)
     v = verify_choice(run, t, spec, console)
     said = " ".join(console.export_text().split())
     assert "--max-num-batched-tokens 256'" in said and "this takes about" in said
+    # the recorded template, then each command, printed before it runs
+    assert f"records (--trust-run-template): {TEMPLATE}" in said
+    assert said.count(f"launching: {shlex.quote(sys.executable)} {STANDIN}") == 2
     tuned = json.loads((tmp_path / "v" / "tuned-r0" / "manifest.json").read_text())["server"]
     assert tuned["engine_args"] == f"{AS_RUN_FLAGS} --enable-chunked-prefill " + (
         "--max-num-batched-tokens 256"
@@ -276,3 +280,15 @@ def test_a_template_with_a_secret_is_recorded_redacted_and_not_relaunched(foreig
     with pytest.raises(ValueError, match="redacted; pass the template again"):
         server_template(load_run(recorded), None)
     assert server_template(load_run(recorded), "given {port}") == "given {port}"
+
+
+def test_a_template_from_the_run_directory_runs_only_when_trusted(foreign_run, tmp_path):
+    out = tmp_path / "v"
+    r = runner.invoke(
+        app,
+        ["tune", str(foreign_run), "--verify", "--seeds", "2", "--jobs", "1", "--out", str(out)],
+    )
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "--trust-run-template" in said
+    assert TEMPLATE in said  # printed in full
+    assert not out.exists() and _alive(str(STANDIN)) == []  # refused before anything ran

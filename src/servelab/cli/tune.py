@@ -39,12 +39,21 @@ def tune_command(
     server_template: Annotated[
         str | None,
         typer.Option(
-            help="--verify on another server's run: its launch command with {port} and "
-            "{flags} (also {model}, {host}), e.g. "
+            help="--verify on another server's run: its launch command with {host}, {port} "
+            "and {flags} (also {model}), e.g. "
             "'vllm serve {model} --host {host} --port {port} {flags}'; "
-            "default: the template the run was launched from, if servelab recorded one"
+            "default: the template the run was launched from, if servelab recorded one "
+            "(with --trust-run-template)"
         ),
     ] = None,
+    trust_run_template: Annotated[
+        bool,
+        typer.Option(
+            "--trust-run-template",
+            help="--verify without --server-template: run the template the run's manifest "
+            "records (printed first); a run directory can come from anyone",
+        ),
+    ] = False,
     server_model: Annotated[
         str | None,
         typer.Option(help="--server-template's {model} (default: the run's tokenizer)"),
@@ -98,6 +107,7 @@ def tune_command(
         hardware=hardware,
         server_model=server_model,
         health_timeout=health_timeout,
+        trust_run_template=trust_run_template,
     )
     console = Console(quiet=json_out)
     try:
