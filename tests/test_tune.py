@@ -201,7 +201,8 @@ def test_a_run_without_step_records_replays_on_its_twin_if_it_streamed(mixed_run
     bare.mkdir()
     for name in ("manifest.json", "requests.jsonl", "metrics.json"):
         (bare / name).write_bytes((mixed_run / name).read_bytes())
-    r = runner.invoke(app, ["tune", str(bare), "--seeds", "2", "--jobs", "1"])
+    # a small run, to be quick: past the gate that asks for more requests
+    r = runner.invoke(app, ["tune", str(bare), "--seeds", "2", "--jobs", "1", "--ignore-gates"])
     assert r.exit_code == 0, r.output
     assert "replayed on the twin of this servelab server" in " ".join(r.output.split())
     # Without streams there are no chunk arrivals to infer its steps from.
@@ -218,14 +219,18 @@ def test_a_run_without_step_records_replays_on_its_twin_if_it_streamed(mixed_run
 def test_cli_tune_prints_the_decision_and_writes_json_and_html(mixed_run, tmp_path):
     html = tmp_path / "tune.html"
     r = runner.invoke(
-        app, ["tune", str(mixed_run), "--seeds", "2", "--jobs", "2", "--html", str(html)]
-    )
+        app,
+        ["tune", str(mixed_run), "--seeds", "2", "--jobs", "2", "--html", str(html),
+         "--ignore-gates"],  # a small run, to be quick
+    )  # fmt: skip
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "self-check" in said and "apply:" in said and "predicted before -> after" in said
     page = html.read_text()
     assert 'data-section="tune-check"' in page and 'data-section="tune-decision"' in page
-    r = runner.invoke(app, ["tune", str(mixed_run), "--seeds", "2", "--jobs", "1", "--json"])
+    r = runner.invoke(
+        app, ["tune", str(mixed_run), "--seeds", "2", "--jobs", "1", "--json", "--ignore-gates"]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["self_check"]["ok"] and doc["decision"]["chosen"] is not None

@@ -54,6 +54,15 @@ def tune_command(
             "records (printed first); a run directory can come from anyone",
         ),
     ] = False,
+    ignore_gates: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-gates",
+            help="tune a run the gates refuse (marked invalid, over 5% failed requests, too "
+            "few requests per class for the objective, an unflushed prefix cache); their "
+            "reasons become notes",
+        ),
+    ] = False,
     server_model: Annotated[
         str | None,
         typer.Option(help="--server-template's {model} (default: the run's tokenizer)"),
@@ -108,6 +117,7 @@ def tune_command(
         server_model=server_model,
         health_timeout=health_timeout,
         trust_run_template=trust_run_template,
+        ignore_gates=ignore_gates,
     )
     console = Console(quiet=json_out)
     try:

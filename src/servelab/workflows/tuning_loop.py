@@ -1,5 +1,9 @@
 """`servelab tune RUN`: replay a run as it ran, predict each candidate setting, decide, verify.
 
+0. **Gates** (``analyze.tuning.gates``): a run marked invalid, with more than a few percent
+   failed requests, too few requests per class to decide the objective, or started on a
+   prefix cache that was not flushed is refused with the reasons (``ignore_gates``: noted);
+   the requests that failed replay as failures.
 1. **Replay and self-check.** The run's own requests (``sim.fit.asrun``) replay through the
    simulator with its engine config and a cost model fitted to its steps -- for another
    server's run (vLLM, SGLang, llama.cpp), the twin calibrated on it, seed ``k`` on the
@@ -47,6 +51,7 @@ from servelab.analyze.tuning.candidates import (
     server_changes,
 )
 from servelab.analyze.tuning.decision import TOP, Objective, combine, decide, judge
+from servelab.analyze.tuning.gates import gates
 from servelab.analyze.tuning.prediction import TOLERANCE, Figures, Prediction, figures, self_check
 from servelab.analyze.tuning.result import Tuning
 from servelab.analyze.tuning.verification import AS_RUN, TUNED, Verification, verify
@@ -96,6 +101,7 @@ class TuneSpec:
     server_model: str | None = None  # the template's {model} (default: the run's tokenizer)
     health_timeout: float = HEALTH_TIMEOUT_S  # --verify: seconds for a server to come up
     trust_run_template: bool = False  # --verify may run the template the run's manifest records
+    ignore_gates: bool = False  # tune a run the gates refuse (analyze.tuning.gates), noted
 
 
 # Built before the worker processes fork, read by them (large: the requests and the target).
@@ -133,6 +139,9 @@ def _simulate_one(task: tuple[int, Candidate | None, int]) -> tuple[int, int, Fi
     key, cand, seed = task
     replica, asrun = _SHARED["replica"], _SHARED["asrun"]
     res = simulate(_scenario(replica, asrun, cand, seed), keep_steps=False)
+    for rec in res.records:  # a request that failed in the run fails in its replay
+        if rec.request_id in asrun.failed:
+            rec.error = f"failed as run: {asrun.failed[rec.request_id]}"
     return key, seed, figures(res.records, asrun.slos).values, res.sim_duration
 
 
@@ -322,8 +331,25 @@ def run_tune(
             server_template(run, spec.server_template, spec.trust_run_template)
         else:
             embedded_relaunch(run)
+    try:
+        has_slos = _has_slos(run_slos(run))
+    except NotReplayable:
+        has_slos = False  # predict() says why the run cannot be replayed
+    objective = Objective.parse(spec.objective, has_slos)
+    found = gates(run, objective.scope, objective.figure)
+    refusals = [g.reason for g in found if g.refused]
+    if refusals and not spec.ignore_gates:
+        return Tuning(
+            run.name,
+            refused=f"{run.name} is not a run to tune from: "
+            + "; ".join(refusals)
+            + " (--ignore-gates tunes it anyway)",
+            notes=[f"gate {g.name}: {g.reason}" for g in found if not g.refused],
+            seeds=spec.seeds,
+        )
     with console.status(f"replaying {run.name} and predicting its candidates ..."):
         tuning = predict(run, spec)
+    tuning.notes[:0] = [f"gate {g.name}: {g.reason}" for g in found]
     if spec.verify:
         chosen = tuning.decision.chosen if tuning.decision else None
         if chosen is None:
