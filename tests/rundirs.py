@@ -534,7 +534,7 @@ class StandIn:
         self.engine_args = engine_args
         self.command = ["stand-in", engine_args]
         if announce is not None:
-            announce(" ".join(self.command))
+            announce(f"launching: {' '.join(self.command)}")
         StandIn.models.append(model)
         itl = 0.02 if "--slow" in engine_args else 0.01
         self._cm = TestServer(Schedule(ttft=0.02, itl=itl)).running()

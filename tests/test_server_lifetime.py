@@ -102,6 +102,8 @@ def test_servers_die_with_their_launcher(tmp_path, sig):
 
 
 def test_a_server_an_earlier_crash_left_running_is_reported_not_killed(tmp_path, monkeypatch):
+    from servelab.bench.servers.template import TemplateServer
+
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     state = lifetime.state_dir()
     state.mkdir(parents=True)
@@ -123,6 +125,13 @@ def test_a_server_an_earlier_crash_left_running_is_reported_not_killed(tmp_path,
         # a server whose launcher still runs is someone's live server, not stale
         mine = {"launcher": os.getpid(), "launcher_started": psutil.Process().create_time()}
         (state / "1.json").write_text(json.dumps({"pid": 1, "started": 0.0, **mine}))
+        # the next launch warns of it first, once
+        said: list[str] = []
+        tpl = f"{sys.executable} -c 'import time; time.sleep(60)' --host {{host}} --port {{port}}"
+        for name in ("a", "b"):
+            TemplateServer(tpl, tmp_path / f"{name}.log", announce=said.append).stop(grace=1.0)
+        warnings = [s for s in said if s.startswith("warning: ")]
+        assert len(warnings) == 1 and f"pid {orphan.pid}" in warnings[0]
         (line,) = lifetime.stale()
         assert f"pid {orphan.pid}" in line and "vllm serve m" in line
         assert f"kill -TERM -{orphan.pid}" in line
@@ -145,7 +154,7 @@ def test_a_launch_is_printed_before_it_runs_and_recorded_until_it_stops(tmp_path
         announce=said.append,
     )
     try:
-        assert said == [shlex.join(srv.command)]
+        assert said == [f"launching: {shlex.join(srv.command)}"]
         assert [p.name for p in lifetime.state_dir().glob("*.json")] == [f"{srv.proc.pid}.json"]
     finally:
         srv.stop(grace=1.0)

@@ -47,7 +47,6 @@ from rich.markup import escape
 
 from servelab.analyze.compare import Comparison, compare
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
-from servelab.bench.servers.lifetime import stale
 from servelab.bench.servers.target import LaunchedServer
 from servelab.bench.servers.template import HEALTH_TIMEOUT_S, TemplateServer
 from servelab.engine_flags import read_flags
@@ -200,8 +199,8 @@ def start_servers(
     ``health_timeout`` seconds): the `servelab serve` the name's flags configure, or where
     ``templates`` gives the name a template, that command with the flags as its ``{flags}``
     (``bench.servers.template``). Each command is printed before it runs (or given to
-    ``announce``; every server's log starts with it too), after a warning for each server
-    an earlier crash left running (``bench.servers.lifetime.stale``).
+    ``announce``, with the warnings of servers an earlier crash left running,
+    ``bench.servers.lifetime.stale``; every server's log starts with its command too).
 
     On failure the ones already started are stopped before the error propagates; the
     servers die with this process however it ends (``bench.servers.lifetime``).
@@ -214,13 +213,7 @@ def start_servers(
         else:
             console.print(escape(line))
 
-    for line in stale():
-        say(f"warning: {line}")
-
-    def printed(command: str) -> None:
-        say(f"launching: {command}")
-
-    announce = announce or printed
+    announce = announce or say
 
     servers: dict[str, LaunchedServer | TemplateServer] = {}
     try:

@@ -20,7 +20,8 @@ reaches it. Four layers, each for what the one before cannot cover:
 
 Each live server is also recorded in a state file (``state_dir()``), removed when it stops;
 :func:`stale` finds servers whose launcher is gone but which still run (the watchdog was
-killed too), and says how to stop them: nothing is killed silently.
+killed too), and says how to stop them: each launch warns of them first
+(``target.Launched``), and nothing is killed silently.
 """
 
 from __future__ import annotations
@@ -235,9 +236,13 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def stale() -> list[str]:
+_reported: set[Path] = set()  # stale records this process has warned of
+
+
+def stale(new_only: bool = False) -> list[str]:
     """One line per server an earlier servelab launched that still runs while its launcher
-    is gone, saying how to stop it. Records of servers that are gone are removed."""
+    is gone, saying how to stop it (``new_only``: those this process has not reported
+    yet). Records of servers that are gone are removed."""
     out = []
     d = state_dir()
     for path in sorted(d.glob("*.json")) if d.is_dir() else []:
@@ -254,6 +259,9 @@ def stale() -> list[str]:
             with contextlib.suppress(OSError):
                 path.unlink()
             continue
+        if new_only and path in _reported:
+            continue
+        _reported.add(path)
         command = " ".join(entry.get("command") or [])
         out.append(
             f"a server launched by servelab (pid {launcher}, no longer running) still runs: "

@@ -222,9 +222,10 @@ def _unpin_client() -> None:
         os.sched_setaffinity(0, _client_affinity)
 
 
-def announce_to_stderr(command: str) -> None:
-    """The default ``announce`` of a launched server: the command, before it runs."""
-    print(f"launching: {command}", file=sys.stderr, flush=True)
+def announce_to_stderr(line: str) -> None:
+    """The default ``announce`` of a launched server: the lines it says before it starts
+    (``launching: COMMAND``, and a ``warning:`` for each stale server)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 class Launched:
@@ -246,8 +247,11 @@ class Launched:
     def _launch(
         self, argv: list[str], announce: Callable[[str], None], **popen: Any
     ) -> subprocess.Popen[bytes]:
-        """Print the (redacted) command, then start ``argv`` in a session of its own."""
-        announce(shlex.join(self.command))
+        """Warn of servers an earlier crash left running, print the (redacted) command,
+        then start ``argv`` in a session of its own."""
+        for line in lifetime.stale(new_only=True):
+            announce(f"warning: {line}")
+        announce(f"launching: {shlex.join(self.command)}")
         proc = subprocess.Popen(lifetime.launch_argv(argv), start_new_session=True, **popen)
         self.proc = proc
         lifetime.register(self)
