@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 GRACE_S = 20.0  # SIGTERM to SIGKILL, as a server's own stop()
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -140,6 +140,7 @@ def _watch(parent: int, grace: float) -> None:
 _live: dict[int, Live] = {}  # pgid -> server
 _saved: dict[int, Any] = {}  # signal -> the handler it had before ours
 _watchdog: subprocess.Popen[bytes] | None = None
+_watchdog_fd: int | None = None  # the write end of its pipe
 
 
 def state_dir() -> Path:
@@ -160,19 +161,35 @@ def _started(pid: int) -> float | None:
 
 
 def _tell(line: str) -> None:
-    global _watchdog
+    """A line to the watchdog, started at the first one. Its pipe's write end is a bare
+    descriptor (no file object), so a forked child can drop it safely."""
+    global _watchdog, _watchdog_fd
     if _watchdog is None or _watchdog.poll() is not None:
-        _watchdog = subprocess.Popen(
-            [sys.executable, "-m", "servelab.bench.servers.lifetime", "watch", str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    stdin: IO[bytes] | None = _watchdog.stdin
-    with contextlib.suppress(OSError, ValueError):
-        assert stdin is not None
-        stdin.write(line.encode() + b"\n")
-        stdin.flush()
+        read, write = os.pipe()
+        try:
+            _watchdog = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "servelab.bench.servers.lifetime",
+                    "watch",
+                    str(os.getpid()),
+                ],
+                stdin=read,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            os.close(read)
+        if _watchdog_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(_watchdog_fd)
+        _watchdog_fd = write
+        # a new watchdog (the last one died) watches every live server, not only the next
+        line = "\n".join([*(f"+{pgid}" for pgid in _live), line])
+    with contextlib.suppress(OSError):
+        assert _watchdog_fd is not None
+        os.write(_watchdog_fd, line.encode() + b"\n")
 
 
 def register(server: Live) -> None:
@@ -225,12 +242,13 @@ def _on_signal(signum: int, frame: Any) -> None:
 def _forget_in_child() -> None:
     """A forked child owns none of its parent's servers (nor its end of the watchdog's
     pipe, which would keep the watchdog from seeing the parent die)."""
-    global _watchdog
-    if _watchdog is not None and _watchdog.stdin is not None:
+    global _watchdog, _watchdog_fd
+    if _watchdog_fd is not None:
         with contextlib.suppress(OSError):
-            os.close(_watchdog.stdin.fileno())
-    _watchdog = None
+            os.close(_watchdog_fd)
+    _watchdog, _watchdog_fd = None, None
     _live.clear()
+    _saved.clear()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
