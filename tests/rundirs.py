@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -513,16 +514,28 @@ class StandIn:
 
     For tests of code that starts `servelab serve` (the matrix, the demo) without loading
     a model: "--slow" in the flags doubles the token gap. ``started`` lists the flags of
-    every stand-in started (reset it per test).
+    every stand-in started, ``models`` the model each was asked to serve (reset them per
+    test).
     """
 
     started: ClassVar[list[str]] = []
+    models: ClassVar[list[str]] = []
 
-    def __init__(self, model: str, engine_args: str, log_path: Path, api_key: str | None = None):
+    def __init__(
+        self,
+        model: str,
+        engine_args: str,
+        log_path: Path,
+        api_key: str | None = None,
+        announce: Callable[[str], None] | None = None,
+    ):
         from servelab.testing.testserver import Schedule, TestServer
 
         self.engine_args = engine_args
         self.command = ["stand-in", engine_args]
+        if announce is not None:
+            announce(f"launching: {' '.join(self.command)}")
+        StandIn.models.append(model)
         itl = 0.02 if "--slow" in engine_args else 0.01
         self._cm = TestServer(Schedule(ttft=0.02, itl=itl)).running()
         self.url = self._cm.__enter__()

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from servelab.bench.manifest import redact, redact_args, secrets_in
-from servelab.bench.servers.template import TemplateServer, _group_members, render
+from servelab.bench.servers.lifetime import group_members
+from servelab.bench.servers.template import TemplateServer, render
 
 PY = shlex.quote(sys.executable)
 STAND_IN = f"{PY} -m servelab.testing.testserver --host {{host}} --port {{port}} {{flags}}"
@@ -25,9 +26,9 @@ STAND_IN = f"{PY} -m servelab.testing.testserver --host {{host}} --port {{port}}
 
 def _gone(pgid: int, within: float = 5.0) -> bool:
     end = time.monotonic() + within
-    while _group_members(pgid) and time.monotonic() < end:
+    while group_members(pgid) and time.monotonic() < end:
         time.sleep(0.05)
-    return not _group_members(pgid)
+    return not group_members(pgid)
 
 
 def test_redact_hides_keys_tokens_headers_and_secret_variables():
@@ -68,28 +69,37 @@ def test_redact_hides_keys_tokens_headers_and_secret_variables():
     assert redact(["servelab", "bench", "--api-key=k"]) == ["servelab", "bench", "--api-key=***"]
 
 
+def test_a_template_must_say_where_its_server_listens():
+    with pytest.raises(ValueError, match=r"no \{host\}: without it a server may listen"):
+        render("vllm serve {model} --port {port} {flags}", "m", 1)
+    # an address of the user's own is their choice
+    assert render("srv --host 0.0.0.0 --port {port}", "m", 1)[2] == "0.0.0.0"
+    assert render("srv --host=::1 --port {port}", "m", 1)[1] == "--host=::1"
+
+
 def test_render_fills_placeholders_and_refuses_templates_without_a_port():
     argv = render("A=1 srv {model} --host {host} --port {port} {flags}", "my model", 8001, "-x 2")
     assert argv == ["A=1", "srv", "my model", "--host", "127.0.0.1", "--port", "8001", "-x", "2"]
     with pytest.raises(ValueError, match=r"no \{port\}"):
         render("srv {model}", "m", 1)
     with pytest.raises(ValueError, match="unknown placeholder"):
-        render("srv --port {port} {gpu}", "m", 1)
+        render("srv --host {host} --port {port} {gpu}", "m", 1)
     with pytest.raises(ValueError, match="names no program"):
-        render("A=1 B={port}", "m", 1)
+        render("A=1 B={port} C={host}", "m", 1)
 
 
 def test_a_template_that_cannot_start_says_so(tmp_path):
     with pytest.raises(RuntimeError, match="cannot start the server") as e:
         TemplateServer(
-            "/nonexistent/llama-server --port {port} --api-key sk-never-shown", tmp_path / "a.log"
+            "/nonexistent/llama-server --host {host} --port {port} --api-key sk-never-shown",
+            tmp_path / "a.log",
         )
     assert "sk-never-shown" not in str(e.value)
     assert "sk-never-shown" not in (tmp_path / "a.log").read_text()
 
 
 def test_a_server_that_exits_early_gives_its_code_and_log_and_leaves_nothing(tmp_path):
-    tpl = f"{PY} -c 'import sys; print(\"no such model\"); sys.exit(3)' --port {{port}}"
+    tpl = f"{PY} -c 'import sys; print(\"no such model\"); sys.exit(3)' --host {{host}} --port {{port}}"
     srv = TemplateServer(tpl, tmp_path / "b.log")
     with pytest.raises(RuntimeError, match="exited with code 3") as e:
         asyncio.run(srv.wait_healthy(timeout=30))
@@ -100,9 +110,11 @@ def test_a_server_that_exits_early_gives_its_code_and_log_and_leaves_nothing(tmp
 def test_a_server_that_never_becomes_healthy_is_stopped_with_its_children(tmp_path):
     # The server starts a child of its own (as vLLM starts its engine core) and never listens.
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"
-    srv = TemplateServer(f"{PY} -c {shlex.quote(code)} --port {{port}}", tmp_path / "c.log")
+    srv = TemplateServer(
+        f"{PY} -c {shlex.quote(code)} --host {{host}} --port {{port}}", tmp_path / "c.log"
+    )
     time.sleep(0.5)
-    assert len(_group_members(srv.proc.pid)) == 2
+    assert len(group_members(srv.proc.pid)) == 2
     with pytest.raises(RuntimeError, match="not healthy .* after 1 s"):
         asyncio.run(srv.wait_healthy(timeout=1.0))
     assert _gone(srv.proc.pid)
@@ -110,7 +122,9 @@ def test_a_server_that_never_becomes_healthy_is_stopped_with_its_children(tmp_pa
 
 def test_a_server_ignoring_sigterm_is_killed(tmp_path):
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
-    srv = TemplateServer(f"{PY} -c {shlex.quote(code)} --port {{port}}", tmp_path / "d.log")
+    srv = TemplateServer(
+        f"{PY} -c {shlex.quote(code)} --host {{host}} --port {{port}}", tmp_path / "d.log"
+    )
     time.sleep(0.3)
     t0 = time.monotonic()
     srv.stop(grace=0.5)
@@ -121,7 +135,7 @@ def test_secrets_of_a_template_reach_neither_the_command_nor_the_log(tmp_path):
     # The shell echoes its secrets (as vLLM logs its non-default args), then runs the server.
     tpl = (
         'HF_TOKEN=hf_secret_value sh -c \'echo token=$HF_TOKEN args="$*"; exec "$0" "$@"\' '
-        f"{PY} -m servelab.testing.testserver --port {{port}} --api-key sk-test-secret"
+        f"{PY} -m servelab.testing.testserver --host {{host}} --port {{port}} --api-key sk-test-secret"
     )
     log = tmp_path / "e.log"
     srv = TemplateServer(tpl, log)
@@ -196,7 +210,7 @@ def test_servers_started_together_all_keep_off_the_clients_cpu(tmp_path):
     # the first pins this process to the client's CPU; the second must not inherit it
     first = LaunchedServer("smollm2-135m", "", tmp_path / "first.log")
     second = LaunchedServer("smollm2-135m", "", tmp_path / "second.log")
-    sleeper = f"{PY} -c 'import time; time.sleep(300)' --port {{port}}"
+    sleeper = f"{PY} -c 'import time; time.sleep(300)' --host {{host}} --port {{port}}"
     template = TemplateServer(sleeper, tmp_path / "t.log")
     try:
         assert os.sched_getaffinity(0) == client

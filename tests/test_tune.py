@@ -6,7 +6,10 @@ like a real run's), so the whole loop runs in seconds without loading a model.
 
 from __future__ import annotations
 
+import io
 import json
+import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from servelab.cli import app
 from servelab.rundir import load_run
 from servelab.sim.fit.asrun import NotReplayable, requests_as_run
 from servelab.testing.testserver import Schedule, TestServer
+from servelab.workflows.relaunch import NotRelaunchable, embedded_relaunch
 from servelab.workflows.tuning_loop import TuneSpec, predict, verify_choice
 
 runner = CliRunner()
@@ -197,7 +201,8 @@ def test_a_run_without_step_records_replays_on_its_twin_if_it_streamed(mixed_run
     bare.mkdir()
     for name in ("manifest.json", "requests.jsonl", "metrics.json"):
         (bare / name).write_bytes((mixed_run / name).read_bytes())
-    r = runner.invoke(app, ["tune", str(bare), "--seeds", "2", "--jobs", "1"])
+    # a small run, to be quick: past the gate that asks for more requests
+    r = runner.invoke(app, ["tune", str(bare), "--seeds", "2", "--jobs", "1", "--ignore-gates"])
     assert r.exit_code == 0, r.output
     assert "replayed on the twin of this servelab server" in " ".join(r.output.split())
     # Without streams there are no chunk arrivals to infer its steps from.
@@ -214,14 +219,18 @@ def test_a_run_without_step_records_replays_on_its_twin_if_it_streamed(mixed_run
 def test_cli_tune_prints_the_decision_and_writes_json_and_html(mixed_run, tmp_path):
     html = tmp_path / "tune.html"
     r = runner.invoke(
-        app, ["tune", str(mixed_run), "--seeds", "2", "--jobs", "2", "--html", str(html)]
-    )
+        app,
+        ["tune", str(mixed_run), "--seeds", "2", "--jobs", "2", "--html", str(html),
+         "--ignore-gates"],  # a small run, to be quick
+    )  # fmt: skip
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "self-check" in said and "apply:" in said and "predicted before -> after" in said
     page = html.read_text()
     assert 'data-section="tune-check"' in page and 'data-section="tune-decision"' in page
-    r = runner.invoke(app, ["tune", str(mixed_run), "--seeds", "2", "--jobs", "1", "--json"])
+    r = runner.invoke(
+        app, ["tune", str(mixed_run), "--seeds", "2", "--jobs", "1", "--json", "--ignore-gates"]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["self_check"]["ok"] and doc["decision"]["chosen"] is not None
@@ -319,3 +328,74 @@ def test_values_of_one_knob_that_tie_on_the_objective_are_decided_by_their_targe
     # +30% against +35%: no tie, the objective decides whatever the targets say
     d = decide([judged(1.30, 0.5, "chunk-64"), judged(1.35, 1.0, "chunk-256")], obj)
     assert d.chosen is not None and d.chosen.candidate.id == "chunk-256"
+
+
+def _served(run_dir: Path, dst: Path, **server: object) -> Path:
+    """``run_dir`` as if `servelab bench` had launched `servelab serve` for it with
+    ``server`` recorded (a simulated run has no server to relaunch)."""
+    shutil.copytree(run_dir, dst)
+    man = json.loads((dst / "manifest.json").read_text())
+    man["simulated"] = False
+    man["server"].update(server)
+    (dst / "manifest.json").write_text(json.dumps(man))
+    return dst
+
+
+def _chunk_256_chosen(run, spec):
+    t = predict(run, spec)
+    assert t.refused is None and t.baseline is not None, t.refused
+    cands, _ = generate(
+        [_finding("itl_prefill_interference", ["batch_budget_down"])],
+        RunFacts(
+            config={"max_num_batched_tokens": 2048}, prompt_tokens=[400], priorities={}, peak_seqs=2
+        ),
+        ("overall", "goodput"),
+    )
+    obj = Objective.parse(None, has_slos=True)
+    t.decision = decide([], obj)
+    t.decision.chosen = judge(
+        t.baseline, next(c for c in cands if c.id == "chunk-256"), t.baseline, obj
+    )
+    return t
+
+
+def test_verify_relaunches_the_embedded_server_as_it_served_the_run(tmp_path, monkeypatch):
+    from rundirs import StandIn
+
+    from servelab.workflows import matrix
+
+    sim = _sim(
+        tmp_path / "sim", "--workload", "rag", "--concurrency", "2", "--requests", "6",
+        "--length-scale", "0.3", "--seed", "1",
+    )  # fmt: skip
+    model = "smollm2-360m"  # not the default model
+    served = _served(
+        sim, tmp_path / "served", launched=True,
+        command=["servelab", "serve", "--model", model, "--host", "127.0.0.1", "--port", "1"],
+        engine_args="--max-num-seqs 8 --kv-cache-memory 1G",
+        version={"engine": {"model": model, "quantization": "q4_1", "torch_threads": 3,
+                            "device": "cpu"}},
+    )  # fmt: skip
+    StandIn.started, StandIn.models = [], []
+    monkeypatch.setattr(matrix, "LaunchedServer", StandIn)
+    run = load_run(served)
+    spec = TuneSpec(served, seeds=2, jobs=1, verify=True, repeats=1, out=tmp_path / "v")
+    verify_choice(run, _chunk_256_chosen(run, spec), spec, Console(file=io.StringIO()))
+    assert StandIn.models == [model, model]
+    as_run, tuned = StandIn.started
+    said = shlex.split(as_run)
+    # every recorded flag, then what the core ran with: the last flag wins
+    assert said[:4] == ["--max-num-seqs", "8", "--kv-cache-memory", "1G"]
+    assert said[-6:] == ["--quantization", "q4_1", "--threads", "3", "--device", "cpu"]
+    assert "--num-gpu-blocks-override" in said  # the resolved config between them
+    assert tuned.startswith(as_run) and tuned.endswith("--max-num-batched-tokens 256")
+    # what the manifest does not record is named, and nothing is predicted or launched
+    bare = _served(sim, tmp_path / "bare", launched=True, command=None, version=None)
+    with pytest.raises(NotRelaunchable) as e:
+        embedded_relaunch(load_run(bare))
+    for what in ("the model", "quantization", "threads"):
+        assert what in str(e.value)
+    r = runner.invoke(app, ["tune", str(bare), "--verify", "--seeds", "2", "--jobs", "1"])
+    assert r.exit_code == 2 and "does not record" in r.output
+    r = runner.invoke(app, ["tune", str(sim), "--verify", "--seeds", "2", "--jobs", "1"])
+    assert r.exit_code == 2 and "ran in the simulator" in " ".join(r.output.split())

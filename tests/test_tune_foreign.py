@@ -145,7 +145,8 @@ def test_a_foreign_run_is_predicted_through_its_twin_in_its_own_flags(foreign_ru
     # Each seed after the first ran on its own draw of the twin: the replay has a range.
     seeds = [s["overall"]["ttft_p95"] for s in t.baseline.seeds] if t.baseline else []
     assert len(set(seeds)) > 1
-    r = runner.invoke(app, ["tune", str(foreign_run), "--seeds", "3", "--jobs", "1"])
+    args = ["tune", str(foreign_run), "--seeds", "3", "--jobs", "1", "--ignore-gates"]
+    r = runner.invoke(app, args)  # eight requests: past the gate that asks for more
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "twin of this vllm server" in said
@@ -215,13 +216,17 @@ def _force_chunk_256(run, spec):
 def test_verify_relaunches_the_server_from_its_template_as_run_and_tuned(foreign_run, tmp_path):
     run = load_run(foreign_run)
     spec = TuneSpec(
-        foreign_run, seeds=2, jobs=1, verify=True, repeats=1, out=tmp_path / "v", tolerance=ANY
-    )
+        foreign_run, seeds=2, jobs=1, verify=True, repeats=1, out=tmp_path / "v", tolerance=ANY,
+        trust_run_template=True,
+    )  # fmt: skip
     t = _force_chunk_256(run, spec)
     console = Console(record=True, width=200)
     v = verify_choice(run, t, spec, console)
     said = " ".join(console.export_text().split())
     assert "--max-num-batched-tokens 256'" in said and "this takes about" in said
+    # the recorded template, then each command, printed before it runs
+    assert f"records (--trust-run-template): {TEMPLATE}" in said
+    assert said.count(f"launching: {shlex.quote(sys.executable)} {STANDIN}") == 2
     tuned = json.loads((tmp_path / "v" / "tuned-r0" / "manifest.json").read_text())["server"]
     assert tuned["engine_args"] == f"{AS_RUN_FLAGS} --enable-chunked-prefill " + (
         "--max-num-batched-tokens 256"
@@ -255,7 +260,7 @@ def test_verify_without_a_template_or_with_one_that_never_comes_up(foreign_run, 
     r = runner.invoke(app, ["tune", str(bare), "--verify", "--seeds", "2", "--jobs", "1"])
     assert r.exit_code == 2 and "--server-template" in " ".join(r.output.split())
     marker = f"never-healthy-{os.getpid()}"
-    hangs = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(120)' {marker} {{port}}"
+    hangs = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(120)' {marker} --host {{host}} --port {{port}}"
     spec = TuneSpec(
         bare, seeds=2, jobs=1, verify=True, repeats=1, out=tmp_path / "v",
         server_template=f"{hangs} {{flags}}", health_timeout=1.0, tolerance=ANY,
@@ -276,3 +281,15 @@ def test_a_template_with_a_secret_is_recorded_redacted_and_not_relaunched(foreig
     with pytest.raises(ValueError, match="redacted; pass the template again"):
         server_template(load_run(recorded), None)
     assert server_template(load_run(recorded), "given {port}") == "given {port}"
+
+
+def test_a_template_from_the_run_directory_runs_only_when_trusted(foreign_run, tmp_path):
+    out = tmp_path / "v"
+    r = runner.invoke(
+        app,
+        ["tune", str(foreign_run), "--verify", "--seeds", "2", "--jobs", "1", "--out", str(out)],
+    )
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "--trust-run-template" in said
+    assert TEMPLATE in said  # printed in full
+    assert not out.exists() and _alive(str(STANDIN)) == []  # refused before anything ran

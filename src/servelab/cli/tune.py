@@ -35,10 +35,24 @@ class TuneFlags:
     )
     server_template: str | None = flag(
         None,
-        "--verify on another server's run: its launch command with {port} and "
-        "{flags} (also {model}, {host}), e.g. "
+        "--verify on another server's run: its launch command with {host}, {port} "
+        "and {flags} (also {model}), e.g. "
         "'vllm serve {model} --host {host} --port {port} {flags}'; "
-        "default: the template the run was launched from, if servelab recorded one",
+        "default: the template the run was launched from, if servelab recorded one "
+        "(with --trust-run-template)",
+    )
+    trust_run_template: bool = flag(
+        False,
+        "--verify without --server-template: run the template the run's manifest "
+        "records (printed first); a run directory can come from anyone",
+        decls=("--trust-run-template",),
+    )
+    ignore_gates: bool = flag(
+        False,
+        "tune a run the gates refuse (marked invalid, over 5% failed requests, too "
+        "few requests per class for the objective, an unflushed prefix cache); their "
+        "reasons become notes",
+        decls=("--ignore-gates",),
     )
     server_model: str | None = flag(
         None, "--server-template's {model} (default: the run's tokenizer)"
@@ -82,6 +96,8 @@ def tune_command(flags: TuneFlags) -> None:
         hardware=f.hardware,
         server_model=f.server_model,
         health_timeout=f.health_timeout,
+        trust_run_template=f.trust_run_template,
+        ignore_gates=f.ignore_gates,
     )
     console = Console(quiet=f.json_out)
     try:

@@ -433,7 +433,16 @@ def run_demo(
         "chunked prefill under mixed traffic, interactive vs batch priorities, what sets ITL, "
         f"speculative decoding, disaggregation; expect {size.budget}. Everything lands in {out}."
     )
-    servers = start_servers(SERVERS, out, console=console)
+    # Its own engines, at flags of its own: each command heads its server's log, and the
+    # terminal keeps to the answers (and the warnings of servers a crash left running).
+    servers = start_servers(
+        SERVERS,
+        out,
+        console=console,
+        announce=lambda line: (
+            None if line.startswith("launching: ") else console.print(line, markup=False)
+        ),
+    )
     console.print(f"{len(servers)} engines ready in {time.monotonic() - t0:.0f} s")
     plans = _plans(out, size)
     code = _write_workload(out, codegen_workload(size.scale))

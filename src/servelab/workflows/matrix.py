@@ -34,6 +34,7 @@ import asyncio
 import io
 import json
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -42,6 +43,7 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from servelab.analyze.compare import Comparison, compare
 from servelab.bench.run import DEFAULT_MODEL, BenchOptions, run_bench
@@ -191,24 +193,37 @@ def start_servers(
     console: Console | None = None,
     templates: dict[str, str | None] | None = None,
     health_timeout: float = HEALTH_TIMEOUT_S,
+    announce: Callable[[str], None] | None = None,
 ) -> dict[str, LaunchedServer | TemplateServer]:
     """Start one server per name, all at once, and wait until every one is healthy (within
     ``health_timeout`` seconds): the `servelab serve` the name's flags configure, or where
     ``templates`` gives the name a template, that command with the flags as its ``{flags}``
-    (``bench.servers.template``).
+    (``bench.servers.template``). Each command is printed before it runs (or given to
+    ``announce``, with the warnings of servers an earlier crash left running,
+    ``bench.servers.lifetime.stale``; every server's log starts with its command too).
 
-    On failure the ones already started are stopped before the error propagates.
+    On failure the ones already started are stopped before the error propagates; the
+    servers die with this process however it ends (``bench.servers.lifetime``).
     """
     console = console or Console()
+
+    def say(line: str) -> None:  # to stderr where the console is quiet (--json)
+        if console.quiet:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            console.print(escape(line))
+
+    announce = announce or say
+
     servers: dict[str, LaunchedServer | TemplateServer] = {}
     try:
         for name, args in engine_args.items():
             log = out / f"server-{name}.log"
             template = (templates or {}).get(name)
             if template:
-                servers[name] = TemplateServer(template, log, model, args)
+                servers[name] = TemplateServer(template, log, model, args, announce=announce)
             else:
-                servers[name] = LaunchedServer(model, args, log, api_key)
+                servers[name] = LaunchedServer(model, args, log, api_key, announce=announce)
 
         async def wait_all() -> None:
             await asyncio.gather(*(s.wait_healthy(health_timeout) for s in servers.values()))

@@ -1,5 +1,9 @@
 """`servelab tune RUN`: replay a run as it ran, predict each candidate setting, decide, verify.
 
+0. **Gates** (``analyze.tuning.gates``): a run marked invalid, with more than a few percent
+   failed requests, too few requests per class to decide the objective, or started on a
+   prefix cache that was not flushed is refused with the reasons (``ignore_gates``: noted);
+   the requests that failed replay as failures.
 1. **Replay and self-check.** The run's own requests (``sim.fit.asrun``) replay through the
    simulator with its engine config and a cost model fitted to its steps -- for another
    server's run (vLLM, SGLang, llama.cpp), the twin calibrated on it, seed ``k`` on the
@@ -34,6 +38,7 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from servelab.analyze.diagnosis.diagnose import diagnose
 from servelab.analyze.server_side.serversettings import SERVELAB, render_flags, server_kind
@@ -46,6 +51,7 @@ from servelab.analyze.tuning.candidates import (
     server_changes,
 )
 from servelab.analyze.tuning.decision import TOP, Objective, combine, decide, judge
+from servelab.analyze.tuning.gates import gates
 from servelab.analyze.tuning.prediction import TOLERANCE, Figures, Prediction, figures, self_check
 from servelab.analyze.tuning.result import Tuning
 from servelab.analyze.tuning.shape import run_shape
@@ -66,6 +72,7 @@ from servelab.sim.loop.simulation import Topology
 from servelab.sim.scenario import Scenario, simulate
 from servelab.units import SLO
 from servelab.vocab import DEFAULT_MODEL
+from servelab.workflows.relaunch import as_run_engine, embedded_relaunch
 from servelab.workflows.spec_probe import AcceptanceProbe, probe_acceptance, sample
 
 DEFAULT_SEEDS = 5
@@ -94,6 +101,8 @@ class TuneSpec:
     hardware: str | None = None  # what another server ran on (its engine's defaults)
     server_model: str | None = None  # the template's {model} (default: the run's tokenizer)
     health_timeout: float = HEALTH_TIMEOUT_S  # --verify: seconds for a server to come up
+    trust_run_template: bool = False  # --verify may run the template the run's manifest records
+    ignore_gates: bool = False  # tune a run the gates refuse (analyze.tuning.gates), noted
 
 
 # Built before the worker processes fork, read by them (large: the requests and the target).
@@ -131,6 +140,9 @@ def _simulate_one(task: tuple[int, Candidate | None, int]) -> tuple[int, int, Fi
     key, cand, seed = task
     replica, asrun = _SHARED["replica"], _SHARED["asrun"]
     res = simulate(_scenario(replica, asrun, cand, seed), keep_steps=False)
+    for rec in res.records:  # a request that failed in the run fails in its replay
+        if rec.request_id in asrun.failed:
+            rec.error = f"failed as run: {asrun.failed[rec.request_id]}"
     return key, seed, figures(res.records, asrun.slos).values, res.sim_duration
 
 
@@ -317,10 +329,30 @@ def run_tune(
     ``--verify`` would start."""
     console = console or Console()
     run = load_run(spec.run_dir)
-    if spec.verify and servers is None and is_foreign(run) and server_kind(run) != SERVELAB:
-        server_template(run, spec.server_template)  # no template: say so before predicting
+    if spec.verify and servers is None:  # what cannot be relaunched: say so before predicting
+        if is_foreign(run) and server_kind(run) != SERVELAB:
+            server_template(run, spec.server_template, spec.trust_run_template)
+        else:
+            embedded_relaunch(run)
+    try:
+        has_slos = _has_slos(run_slos(run))
+    except NotReplayable:
+        has_slos = False  # predict() says why the run cannot be replayed
+    objective = Objective.parse(spec.objective, has_slos)
+    found = gates(run, objective.scope, objective.figure)
+    refusals = [g.reason for g in found if g.refused]
+    if refusals and not spec.ignore_gates:
+        return Tuning(
+            run.name,
+            refused=f"{run.name} is not a run to tune from: "
+            + "; ".join(refusals)
+            + " (--ignore-gates tunes it anyway)",
+            notes=[f"gate {g.name}: {g.reason}" for g in found if not g.refused],
+            seeds=spec.seeds,
+        )
     with console.status(f"replaying {run.name} and predicting its candidates ..."):
         tuning = predict(run, spec)
+    tuning.notes[:0] = [f"gate {g.name}: {g.reason}" for g in found]
     if spec.verify:
         chosen = tuning.decision.chosen if tuning.decision else None
         if chosen is None:
@@ -335,10 +367,12 @@ def run_tune(
 # --------------------------------------------------------------------------- verify
 
 
-def server_template(run: Run, given: str | None) -> str:
+def server_template(run: Run, given: str | None, trusted: bool = False) -> str:
     """The launch template ``--verify`` relaunches another server's run from: ``given``
-    (``--server-template``), else the one the run's manifest recorded when servelab launched
-    it from a template. ValueError saying to pass one when neither holds."""
+    (``--server-template``), else, where ``trusted`` (``--trust-run-template``), the one the
+    run's manifest recorded when servelab launched it from a template: a run directory can
+    come from anyone, and its template runs any program. ValueError saying what to pass,
+    with the recorded template in full, otherwise."""
     if given:
         return given
     recorded = run.server.get("template") if run.server.get("launched") else None
@@ -347,6 +381,13 @@ def server_template(run: Run, given: str | None) -> str:
             raise ValueError(
                 f"--verify: the template {run.name} was launched from carried a secret, which "
                 "its manifest keeps redacted; pass the template again with --server-template"
+            )
+        if not trusted:
+            raise ValueError(
+                f"--verify would relaunch the server of {run.name} from the command template "
+                f"its manifest records:\n  {recorded}\nA run directory can come from anyone "
+                "and this runs whatever program it names, so it runs only with "
+                "--trust-run-template; or pass --server-template"
             )
         return recorded
     raise ValueError(
@@ -376,13 +417,6 @@ def as_run_flags(run: Run, settings: dict[str, Any]) -> str:
         except ValueError:
             continue  # not a launch flag of this server (the template holds the rest)
     return " ".join(f for f in flags if f)
-
-
-def _as_run_engine(run: Run) -> dict[str, Any]:
-    from servelab.sim.fit.asrun import engine_config_of
-
-    cfg = dataclasses.asdict(engine_config_of(run))
-    return {k: v for k, v in cfg.items() if v is not None and k != "kv_cache_memory_gb"}
 
 
 def _bench_options(run: Run, out: Path, workload: str | None) -> Any:
@@ -474,15 +508,24 @@ def verify_choice(
     cand = chosen.candidate
     out = spec.out or run.path.parent / f"{run.name}-tune-verify"
     out.mkdir(parents=True, exist_ok=True)
-    template = None
+    template, model = None, None
     if tuning.twin is not None and tuning.server != SERVELAB:
         if servers is None:
-            template = server_template(run, spec.server_template)
+            template = server_template(run, spec.server_template, spec.trust_run_template)
+            if not spec.server_template:
+                console.print(
+                    f"verify: relaunching from the template {run.name}'s manifest records "
+                    f"(--trust-run-template):\n  {escape(template)}"
+                )
         as_run_args = as_run_flags(run, tuning.twin["settings"])
         changes = render_flags(tuning.server, server_changes(cand.engine))
         tuned_args = " ".join(a for a in (as_run_args, changes) if a)  # the last flag wins
+    elif servers is None:
+        relaunch = embedded_relaunch(run)
+        model, as_run_args = relaunch.model, relaunch.flags
+        tuned_args = f"{as_run_args} {serve_flags(cand.engine)}".strip()  # the last flag wins
     else:
-        base = _as_run_engine(run)
+        base = as_run_engine(run)
         as_run_args = serve_flags(base)
         tuned_args = serve_flags({**base, **cand.engine})
     wl_as_run = _workload_file(run, out, AS_RUN, {})
@@ -496,6 +539,7 @@ def verify_choice(
     matrix = MatrixSpec(
         [MatrixConfig(AS_RUN, as_run_args, wl_as_run), MatrixConfig(TUNED, tuned_args, wl_tuned)],
         spec.repeats,
+        model=model,  # the embedded server's: the model the run was served
     )
     t0 = time.perf_counter()
     own = None

@@ -1,7 +1,9 @@
 """The server under test: launch the embedded one, or probe a given URL.
 
-``launch_server`` starts ``servelab serve`` as a child process on a free loopback port,
-waits for ``/health`` (with a spinner), and ``stop()`` ends it (SIGTERM, then SIGKILL).
+``LaunchedServer`` starts ``servelab serve`` as a child process on a free loopback port,
+printing its command first, waits for ``/health`` (with a spinner), and ``stop()`` ends it
+(SIGTERM, then SIGKILL); it dies with this process however that ends (``lifetime``).
+``Launched`` is what it shares with a server launched from a template (``template``).
 ``probe`` reads what a server says about itself: ``/version``, ``/v1/models``, the
 ``*_info`` gauges of ``/metrics`` (vLLM's ``vllm:cache_config_info``: block size, KV
 blocks, prefix caching...) and whether it serves servelab timelines.
@@ -19,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ import aiohttp
 
 from servelab.analyze.server_side.promscrape import info_metrics
 from servelab.bench.manifest import redact, redact_args
+from servelab.bench.servers import lifetime
 from servelab.engine_flags import read_flags
 
 HEALTH_TIMEOUT_S = 900.0  # loading and dequantising a model on 2 cores takes a while
@@ -219,13 +222,89 @@ def _unpin_client() -> None:
         os.sched_setaffinity(0, _client_affinity)
 
 
-class LaunchedServer:
+def announce_to_stderr(line: str) -> None:
+    """The default ``announce`` of a launched server: the lines it says before it starts
+    (``launching: COMMAND``, and a ``warning:`` for each stale server)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+class Launched:
+    """What a launched server has whatever launched it: its process (started through
+    ``lifetime.launch_argv`` and registered there, so it dies with this process), ``url``,
+    the redacted ``command``, its log, and the one health wait.
+
+    A subclass sets ``name`` (for messages) and ``health_paths`` (any one answering 200
+    means healthy), and its ``stop()`` ends the process and calls ``lifetime.unregister``.
+    """
+
+    name = "the server"
+    health_paths: tuple[str, ...] = ("/health",)
+    proc: subprocess.Popen[bytes]
+    url: str
+    command: list[str]
+    log_path: Path
+
+    def _launch(
+        self, argv: list[str], announce: Callable[[str], None], **popen: Any
+    ) -> subprocess.Popen[bytes]:
+        """Warn of servers an earlier crash left running, print the (redacted) command,
+        then start ``argv`` in a session of its own."""
+        for line in lifetime.stale(new_only=True):
+            announce(f"warning: {line}")
+        announce(f"launching: {shlex.join(self.command)}")
+        proc = subprocess.Popen(lifetime.launch_argv(argv), start_new_session=True, **popen)
+        self.proc = proc
+        lifetime.register(self)
+        return proc
+
+    def stop(self, grace: float = lifetime.GRACE_S) -> int | None:
+        raise NotImplementedError
+
+    def log_tail(self, n: int = 25) -> str:
+        return log_tail(self.log_path, n)
+
+    async def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S, status: Any = None) -> None:
+        """Poll ``health_paths`` until one answers 200. RuntimeError, with the log's tail,
+        when the process exits first or is not healthy within ``timeout`` seconds; the
+        server is stopped before it is raised."""
+        t0 = time.monotonic()
+        cmd = shlex.join(self.command)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+            while True:
+                if self.proc.poll() is not None:
+                    code = self.proc.returncode
+                    self.stop()
+                    raise RuntimeError(
+                        f"{self.name} `{cmd}` exited with code {code} before it was ready. "
+                        f"Its log ({self.log_path}) ends with:\n{self.log_tail()}"
+                    )
+                for path in self.health_paths:
+                    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                        async with s.get(f"{self.url}{path}") as r:
+                            if r.status == 200:
+                                return
+                waited = time.monotonic() - t0
+                if waited > timeout:
+                    self.stop()
+                    raise RuntimeError(
+                        f"{self.name} `{cmd}` was not healthy on {self.url} after "
+                        f"{timeout:.0f} s (no 200 from {' or '.join(self.health_paths)}); "
+                        f"stopped it. Its log ({self.log_path}) ends with:\n{self.log_tail()}"
+                    )
+                if status is not None:
+                    status.update(f"starting {self.name} on {self.url} ... {waited:.0f}s")
+                await asyncio.sleep(0.25)
+
+
+class LaunchedServer(Launched):
     """A ``servelab serve`` child process on a loopback port.
 
     With ``pin`` (the default) and two or more CPUs, the server runs under ``taskset`` on
     all CPUs but the first, and this process is moved to the first until ``stop()``
     restores its affinity; the recorded command shows the pinning.
     """
+
+    name = "`servelab serve`"
 
     def __init__(
         self,
@@ -234,6 +313,7 @@ class LaunchedServer:
         log_path: Path,
         api_key: str | None = None,
         pin: bool = True,
+        announce: Callable[[str], None] = announce_to_stderr,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -268,43 +348,13 @@ class LaunchedServer:
         if api_key:
             env["SERVELAB_API_KEY"] = api_key
         self._log = open(log_path, "ab")  # noqa: SIM115 -- closed in stop()
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        self._log.write(f"$ {shlex.join(self.command)}\n".encode())
+        self._log.flush()
+        self._launch(argv, announce, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         if split:
             _pin_client(split[0])
 
-    def log_tail(self, n: int = 25) -> str:
-        return log_tail(self.log_path, n)
-
-    async def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S, status: Any = None) -> None:
-        """Poll ``/health`` until 200; raise RuntimeError (with the log tail) on failure."""
-        t0 = time.monotonic()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"`servelab serve` exited with code {self.proc.returncode} before it was "
-                        f"ready. Its log ({self.log_path}) ends with:\n{self.log_tail()}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    async with s.get(f"{self.url}/health") as r:
-                        if r.status == 200:
-                            return
-                waited = time.monotonic() - t0
-                if waited > timeout:
-                    raise RuntimeError(
-                        f"`servelab serve` was not healthy after {timeout:.0f}s; see {self.log_path}"
-                    )
-                if status is not None:
-                    status.update(f"starting servelab serve on {self.url} ... {waited:.0f}s")
-                await asyncio.sleep(0.25)
-
-    def stop(self, grace: float = 20.0) -> int | None:
+    def stop(self, grace: float = lifetime.GRACE_S) -> int | None:
         """SIGTERM, wait ``grace`` seconds, then SIGKILL. Returns the exit code."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -315,6 +365,7 @@ class LaunchedServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        lifetime.unregister(self)
         if self._pinned:
             _unpin_client()
             self._pinned = False

@@ -7,41 +7,45 @@ configuration's own flags, in that server's spelling), e.g.::
     taskset -c 1 vllm serve {model} --host {host} --port {port} {flags}
     VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model {model} --port {port} {flags}
 
-Leading ``NAME=value`` words set the server's environment, as in a shell. The server gets a
-session and process group of its own (``start_new_session``), so ``stop()`` ends it and every
-process it started (vLLM's engine core) with SIGTERM to the group, then SIGKILL to whatever is
-left after the grace period. Its output goes to a log file through a pump that replaces every
+A template must say where its server listens: ``{host}`` (loopback), or a ``--host`` of the
+user's own; one that says neither is refused. Leading ``NAME=value`` words set the server's
+environment, as in a shell. The command is printed before it runs (``announce``). The server
+gets a session and process group of its own (``start_new_session``), so ``stop()`` ends it
+and every process it started (vLLM's engine core) with SIGTERM to the group, then SIGKILL to
+whatever is left after the grace period; it dies with this process however that ends
+(``lifetime``). Its output goes to a log file through a pump that replaces every
 secret of the command (``bench.manifest.secrets_in``: API keys, tokens, an Authorization
 header, secret-named variables) by ``***``; ``command`` is the redacted command, for manifests.
 
-``wait_healthy`` polls ``/health`` and ``/v1/models`` until either answers 200, and fails with
-the log's tail when the process exits first or the timeout passes (stopping the group).
+``wait_healthy`` (``target.Launched``'s, shared with `servelab serve`) polls ``/health`` and
+``/v1/models`` until either answers 200, and fails with the log's tail when the process exits
+first or the timeout passes (stopping the group).
 :class:`TemplateServer` has :class:`~servelab.bench.servers.target.LaunchedServer`'s interface, so a
 matrix (``workflows.matrix``) runs configurations of another server as it runs its own.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import aiohttp
-
 from servelab.analyze.server_side.serversettings import kind_of_command, parse_flags
 from servelab.bench.manifest import hide_secrets, redact, redact_args, secrets_in
-from servelab.bench.servers.target import free_port, log_tail, unpinned
+from servelab.bench.servers import lifetime
+from servelab.bench.servers.lifetime import GRACE_S, group_members
+from servelab.bench.servers.target import Launched, announce_to_stderr, free_port, unpinned
 
 HEALTH_TIMEOUT_S = 900.0
-STOP_GRACE_S = 20.0
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 PLACEHOLDERS = ("{model}", "{port}", "{host}", "{flags}")
 # Secrets shorter than this are not searched for in the log (every "1" would go).
@@ -52,11 +56,19 @@ def render(
     template: str, model: str, port: int, flags: str = "", host: str = "127.0.0.1"
 ) -> list[str]:
     """The template as an argument list, placeholders filled. ValueError when it has no
-    ``{port}``, an unknown ``{placeholder}`` or unbalanced quotes."""
+    ``{port}``, an unknown ``{placeholder}`` or unbalanced quotes, or says nowhere where the
+    server listens: without ``{host}`` (loopback) or a ``--host`` of its own, a server may
+    listen on every interface."""
     if "{port}" not in template:
         raise ValueError(
             f"the server template {template!r} has no {{port}}: write it where the server "
             "takes its port, e.g. 'vllm serve {model} --host {host} --port {port} {flags}'"
+        )
+    if "{host}" not in template and not re.search(r"(^|\s)--host[\s=]", template):
+        raise ValueError(
+            f"the server template {template!r} has no {{host}}: without it a server may "
+            "listen on every interface; write --host {host} (loopback), or an address of "
+            "your own with --host ADDRESS"
         )
     unknown = sorted(set(re.findall(r"\{[a-z_]+\}", template)) - set(PLACEHOLDERS))
     if unknown:
@@ -99,28 +111,14 @@ def _pump(src: IO[bytes], dst: IO[bytes], secrets: list[bytes]) -> None:
     src.close()
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry))
-    return out
-
-
-class TemplateServer:
+class TemplateServer(Launched):
     """A server started from a template on a free loopback port (see the module doc).
 
     ``flags`` fill ``{flags}`` and are this configuration's ``engine_args``; ``config`` is
     what the whole command sets, in engine-config names (``analyze.server_side.serversettings``);
     ``command``, ``template`` and ``engine_args`` are redacted."""
+
+    health_paths = ("/health", "/v1/models")
 
     def __init__(
         self,
@@ -130,6 +128,7 @@ class TemplateServer:
         flags: str = "",
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
+        announce: Callable[[str], None] = announce_to_stderr,
     ) -> None:
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
@@ -150,78 +149,44 @@ class TemplateServer:
         self._log = open(log_path, "ab")  # noqa: SIM115 -- closed in stop()
         self._log.write(f"$ {shlex.join(self.command)}\n".encode())
         self._log.flush()
-        try:
-            with unpinned():  # not on the client's CPU when a launched server pinned it
-                self.proc = subprocess.Popen(
-                    program,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=full_env,
-                    start_new_session=True,
-                )
-        except OSError as e:
+        if shutil.which(program[0], path=full_env.get("PATH")) is None:
             self._log.close()
             raise RuntimeError(
-                f"cannot start the server `{shlex.join(self.command)}`: {hide_secrets(str(e), secrets)}"
-            ) from None
+                f"cannot start the server `{shlex.join(self.command)}`: no program "
+                f"{hide_secrets(program[0], secrets)!r} (not a file nor on PATH)"
+            )
+        with unpinned():  # not on the client's CPU when a launched server pinned it
+            self._launch(
+                program,
+                announce,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+            )
         assert self.proc.stdout is not None
         self._thread = threading.Thread(
             target=_pump, args=(self.proc.stdout, self._log, self._secrets), daemon=True
         )
         self._thread.start()
 
-    def log_tail(self, n: int = 25) -> str:
-        return log_tail(self.log_path, n)
-
-    async def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S, status: Any = None) -> None:
-        """Poll ``/health`` and ``/v1/models`` until one answers 200. RuntimeError, with the
-        log's tail, when the server exits first or is not healthy within ``timeout``; the
-        server's process group is stopped before it is raised."""
-        t0 = time.monotonic()
-        cmd = shlex.join(self.command)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
-            while True:
-                if self.proc.poll() is not None:
-                    code = self.proc.returncode
-                    self.stop()
-                    raise RuntimeError(
-                        f"the server `{cmd}` exited with code {code} before it was ready. "
-                        f"Its log ({self.log_path}) ends with:\n{self.log_tail()}"
-                    )
-                for path in ("/health", "/v1/models"):
-                    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                        async with s.get(f"{self.url}{path}") as r:
-                            if r.status == 200:
-                                return
-                waited = time.monotonic() - t0
-                if waited > timeout:
-                    self.stop()
-                    raise RuntimeError(
-                        f"the server `{cmd}` was not healthy on {self.url} after {timeout:.0f} s "
-                        f"(neither /health nor /v1/models answered 200); stopped it. Its log "
-                        f"({self.log_path}) ends with:\n{self.log_tail()}"
-                    )
-                if status is not None:
-                    status.update(f"starting {self.command[0]} on {self.url} ... {waited:.0f}s")
-                await asyncio.sleep(0.25)
-
-    def stop(self, grace: float = STOP_GRACE_S) -> int | None:
+    def stop(self, grace: float = GRACE_S) -> int | None:
         """SIGTERM to the server's process group, SIGKILL to what is left after ``grace``
         seconds; returns the server's exit code. Safe to call twice."""
         pgid = self.proc.pid
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and (self.proc.poll() is None or _group_members(pgid)):
+        while time.monotonic() < deadline and (self.proc.poll() is None or group_members(pgid)):
             time.sleep(0.05)
-        if self.proc.poll() is None or _group_members(pgid):
+        if self.proc.poll() is None or group_members(pgid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
             self.proc.wait()
             end = time.monotonic() + 5.0
-            while _group_members(pgid) and time.monotonic() < end:
+            while group_members(pgid) and time.monotonic() < end:
                 time.sleep(0.05)
+        lifetime.unregister(self)
         self._thread.join(5.0)
         if not self._log.closed:
             self._log.close()

@@ -75,6 +75,9 @@ class AsRun:
     network_delay: float
     slos: dict[str, Any]  # class -> units.SLO, the workload's
     info: dict[str, Any]  # workload spec (a dict), load, seed, endpoint, tokenizer, run tag
+    # request id -> the error it failed with in the run: the replay sends it (it loaded the
+    # server as run) and counts it failed, whatever the simulated server made of it
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def plan_inputs(run: Run) -> dict[str, Any]:
@@ -240,6 +243,11 @@ def requests_as_run(run: Run, tokenizer: Any = None, replica: Replica | None = N
         network_delay=_one_way_delay(run, replica),
         slos=run_slos(run),
         info={**inputs, "requests": len(out)},
+        failed={
+            r.request_id: str(rec.error)
+            for r in out
+            if not (rec := records[f"{tag}-{r.request_id}" if tag else r.request_id]).ok
+        },
     )
 
 
