@@ -6,9 +6,9 @@ import rundirs
 
 from servelab.analyze.diagnosis.diagnose import diagnose
 from servelab.analyze.diagnosis.findings import Finding
+from servelab.analyze.lever_catalogue import COMPLEXITY, KNOBS, LEVERS, advice_flag
 from servelab.analyze.levers import BUILDERS
 from servelab.analyze.tuning.candidates import RunFacts, for_server, generate
-from servelab.analyze.tuning.catalogue import COMPLEXITY, KNOBS, LEVERS, advice_flag
 from servelab.rundir import load_run
 
 

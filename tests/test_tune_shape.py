@@ -7,9 +7,9 @@ import dataclasses
 import rundirs
 
 from servelab.analyze.diagnosis.findings import Finding
+from servelab.analyze.lever_catalogue import LEVERS
 from servelab.analyze.tuning import candidates
 from servelab.analyze.tuning.candidates import RunFacts, for_server, generate
-from servelab.analyze.tuning.catalogue import LEVERS
 from servelab.analyze.tuning.shape import run_shape, shape_knobs
 from servelab.rundir import load_run
 

@@ -1,7 +1,7 @@
 """Recommendations: the catalogued levers, each tied to the findings that call for it.
 
 The levers themselves -- title, knob, cost, complexity, when not worth it, each server's
-spelling of each setting -- are defined once in ``analyze.tuning.catalogue``, which tune's
+spelling of each setting -- are defined once in ``analyze.lever_catalogue``, which tune's
 candidates read too. Every recommendation states the action (engine arguments where servelab
 has them), the expected gain (quantified from this run's step cost model and evidence when
 possible), its cost, the operational complexity, and when it is NOT worth doing. Gains are
@@ -17,8 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from servelab.analyze.diagnosis.findings import Context, Finding
-from servelab.analyze.server_side.serversettings import server_kind as run_server_kind
-from servelab.analyze.tuning.catalogue import (
+from servelab.analyze.lever_catalogue import (
     ADMISSION,
     LAUNCH,
     LEVERS,
@@ -27,6 +26,7 @@ from servelab.analyze.tuning.catalogue import (
     cli_flag,
     neutral,
 )
+from servelab.analyze.server_side.serversettings import server_kind as run_server_kind
 from servelab.vocab import DEFAULT_TOKEN_BUDGET
 
 # KV bytes per token of the default model in fp32 (docs/reference-figures.md): the transfer
@@ -58,7 +58,7 @@ class Recommendation:
 
 
 def _recommendation(lever: str, **fields: Any) -> Recommendation:
-    """A recommendation of the catalogued ``lever`` (``analyze.tuning.catalogue``): its
+    """A recommendation of the catalogued ``lever`` (``analyze.lever_catalogue``): its
     title, cost, complexity and when it is not worth it, unless ``fields`` word them for
     this run."""
     lv = LEVERS[lever]

@@ -8,7 +8,7 @@ over a grid that covers both directions whenever any finding calls for the knob,
 decision (``analyze.tuning.decision``) keeps at most one value per knob.
 
 The levers, their knobs and how each knob's values are derived are catalogued in
-``analyze.tuning.catalogue`` (``KNOBS[...].values``); the grids are built here. Speculation
+``analyze.lever_catalogue`` (``KNOBS[...].values``); the grids are built here. Speculation
 is tried only when the run speculated or a probe of its traffic measured the acceptance
 (``RunFacts.probed_acceptance``): acceptance is a property of the text and the sampling,
 which the simulator cannot know otherwise. Replicas are hardware, reported as capacity.
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from servelab.analyze.diagnosis.findings import Finding
+from servelab.analyze.lever_catalogue import COMPLEXITY, LAUNCH, LEVERS, cli_flag, lever_knob
 from servelab.analyze.server_side.serversettings import SERVELAB, render_flags
-from servelab.analyze.tuning.catalogue import COMPLEXITY, LAUNCH, LEVERS, cli_flag, lever_knob
 from servelab.analyze.tuning.shape import MIN_BUDGET, RunFacts, shape_knobs
 from servelab.vocab import DEFAULT_TOKEN_BUDGET
 
