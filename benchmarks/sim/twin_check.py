@@ -6,7 +6,7 @@ its command to ``servelab bench``/``calibrate``, and how each measured run start
 cold prefix cache (an endpoint that empties it, or a server of its own). ``check`` runs the
 training case on two launches of the server (one, if asked), calibrates on them, and for
 each held-out case predicts it (``servelab sim
---calibration --seeds N``, the case's flags translated by ``sim.fit.twin.flag_changes``) and
+--calibration --seeds N``, the case's flags as the server spells them) and
 runs it for real; it prints and writes (``results.json``) predicted (median and range over
 the seeds) against measured TTFT p50/p90, ITL p50/p99, TPOT p50 and output tok/s: the
 share within ``tolerance`` and the share inside the predicted range, per case and overall,
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from servelab.bench.servers.template import TemplateServer
-from servelab.sim.fit.twin import TwinCalibration, flag_changes
 from servelab.sim.intervals import FIGURES
 
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
@@ -112,9 +111,7 @@ def bench(peer: Peer, case: Case, url: str, out: Path, logs: Path) -> float:
 
 
 def predict(case: Case, cal_path: Path, seeds: int, out: Path, logs: Path) -> float:
-    cal = TwinCalibration.load(cal_path)
-    changes = flag_changes(cal, case.flags)
-    eng = " ".join(f"{k}={v}" for k, v in changes.items())
+    eng = case.flags  # the server's own flags: `sim --calibration` reads them as it does
     cmd = [
         *SERVELAB, "sim", "--calibration", str(cal_path), "--workload", case.workload,
         "--length-scale", LENGTH_SCALE, *shlex.split(case.load), "--seed", "1",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from servelab.sim.fit.twin import TwinCalibration
     from servelab.sim.loop.simulation import Topology
     from servelab.sim.scenario import Scenario
     from servelab.sim.sim_target import SimTarget
@@ -64,14 +65,15 @@ def sim_target(spec: TargetSpec, draw: int = 0) -> SimTarget:
     from servelab.sim.fit.twin import TwinCalibration, is_twin_file
     from servelab.sim.sim_target import profile_target, roofline_target
 
-    eng, dep = split_deployment(parse_engine_args(spec.engine_args))
     if spec.calibration is not None and is_twin_file(spec.calibration):
         if spec.roofline_given():
             raise ValueError(
                 "a twin calibration is the measured server itself: drop --hardware, "
                 "--profile, --engine, --dtype, --kv-dtype and the efficiency overrides"
             )
-        return TwinCalibration.load(spec.calibration).target(draw).with_engine_args(**eng)
+        twin = TwinCalibration.load(spec.calibration)
+        return twin.target(draw).with_engine_args(**twin_engine_args(twin, spec.engine_args))
+    eng, dep = split_deployment(parse_engine_args(spec.engine_args))
     if spec.profile is not None:
         if spec.hardware is not None or spec.calibration is not None:
             raise ValueError("--profile replaces --hardware/--calibration; give one or the other")
@@ -111,6 +113,21 @@ def sim_target(spec: TargetSpec, draw: int = 0) -> SimTarget:
         engine=spec.engine or default_engine(hw),
         engine_args=eng,
     )
+
+
+def twin_engine_args(twin: TwinCalibration, text: str | None) -> dict[str, Any]:
+    """``--engine-args`` for a twin: in its server's own spelling where servelab knows that
+    server's flags (``sim.fit.twin.server_engine_args``), else in `servelab serve`'s."""
+    from servelab.analyze.server_side.serversettings import FLAGS
+    from servelab.sim.engine_args import parse_engine_args, split_deployment
+    from servelab.sim.fit.twin import server_engine_args
+
+    if twin.server in FLAGS:
+        return server_engine_args(twin, text)
+    eng, dep = split_deployment(parse_engine_args(text))
+    if dep:
+        raise ValueError(f"a twin is one measured server: drop {', '.join(sorted(dep))}")
+    return eng
 
 
 def _topology(spec: TopologySpec) -> Topology:

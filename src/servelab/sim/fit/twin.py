@@ -396,6 +396,35 @@ def flag_changes(cal: TwinCalibration, flags: str) -> dict[str, Any]:
     return changes
 
 
+def server_engine_args(cal: TwinCalibration, text: str | None) -> dict[str, Any]:
+    """``servelab sim --engine-args`` for the twin of vLLM, SGLang or llama-server: the
+    server's own flags (``--no-enable-chunked-prefill``, ``--chunked-prefill-size 512``,
+    ``-np 2``) as engine-config changes, each meaning what it means to that server
+    (``flag_changes``). ValueError naming the server for a word it takes no setting from."""
+    import shlex
+
+    from servelab.analyze.server_side.serversettings import FLAGS
+
+    table = {name: f for f in FLAGS[cal.server] for name in f.flags}
+    toks = shlex.split(text or "")
+    i = 0
+    while i < len(toks):
+        tok = toks[i].split("=", 1)[0]
+        f = table.get(tok) or table.get(f"--{tok[5:]}" if tok.startswith("--no-") else "")
+        if f is None or (tok.startswith("--no-") and f.kind != "bool"):
+            known = ", ".join(sorted(n for g in FLAGS[cal.server] for n in g.flags))
+            raise ValueError(
+                f"--engine-args {toks[i]!r}: the twin is of {cal.server}, whose flags it takes; "
+                f"{cal.server} flags the twin can change: {known}"
+            )
+        i += 1
+        if f.kind in ("value", "value_or_off") and "=" not in toks[i - 1]:
+            if i >= len(toks):
+                raise ValueError(f"--engine-args {tok}: give it a value")
+            i += 1
+    return flag_changes(cal, text or "")
+
+
 def engine_changes(cal: TwinCalibration, changes: dict[str, Any]) -> dict[str, Any]:
     """Engine-config ``changes`` as the twin takes them: written in the server's own flags
     and read back (``flag_changes``), so each means what it means to that server (vLLM
