@@ -85,3 +85,49 @@ def test_sim_applies_a_twins_flags_in_its_servers_spelling(tmp_path):
     assert twin_engine_args(other, "--max-num-seqs 4") == {"max_num_seqs": 4}
     with pytest.raises(ValueError, match="drop tp"):
         twin_engine_args(other, "--tp 2")
+
+
+# ------------------------------------------------------------ tokens, the twin's model's
+
+
+def _sim(tmp_path, twin: TwinCalibration, *extra: str) -> tuple[int, str, str]:
+    import subprocess
+    import sys
+
+    path = twin.save(tmp_path / "twin.json")
+    res = subprocess.run(
+        [sys.executable, "-m", "servelab.cli", "sim", "--calibration", str(path),
+         "--out", str(tmp_path / "sim"), *extra],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    return res.returncode, res.stdout, res.stderr
+
+
+def test_a_twin_plans_with_its_models_tokenizer_or_says_it_cannot(tmp_path):
+    from servelab.sim.run import planning_tokenizer
+
+    tok, note = planning_tokenizer(_twin(tokenizer="smollm2-135m").target())
+    assert tok is not None and tok.name == "smollm2-135m" and note is None
+    tok, note = planning_tokenizer(_twin(model="org/Big-70B").target())
+    assert tok is None and "'org/Big-70B'" in note and "by token length" in note
+    load = ("--workload", "chat", "--concurrency", "2", "--requests", "4", "--no-steps")
+    code, out, err = _sim(tmp_path, _twin(model="org/Big-70B"), *load)
+    assert code == 0, err
+    assert "no tokenizer 'org/Big-70B' here" in out
+    assert all(len(line) <= 100 for line in out.splitlines())
+
+
+def test_calibration_records_the_tokenizer_that_counted_the_models_tokens():
+    from types import SimpleNamespace
+
+    from servelab.sim.fit.twin import run_tokenizer
+
+    def run(**manifest):
+        return SimpleNamespace(manifest=manifest)
+
+    assert run_tokenizer(run(tokenizer="org/M", tokenizer_source="--tokenizer"), "m") == "org/M"
+    # servelab's default tokenizer stood in for the model's: the model names it
+    assert (
+        run_tokenizer(run(tokenizer="smollm2-135m", tokenizer_source="default model"), "m") == "m"
+    )
+    assert run_tokenizer(run(), "m") == "m"

@@ -39,6 +39,8 @@ def run_sim(spec: SimSpec, console: Console) -> None:
     used = scenario.target.info.get("engine_defaults")
     if used is not None:
         say(console, defaults_line(used, scenario.target.info))
+    for note in scenario.info.get("notes", []):
+        say(console, note)
     out = spec.output.out
     if spec.search.find_capacity is not None:
         _capacity(spec, scenario, console)
@@ -152,15 +154,19 @@ def build_scenario(spec: SimSpec) -> Scenario:
     topology = _topology(spec.topology)
     wl = spec.workload
     slos: dict[str, SLO] | SLO | None
+    tokenizer, note = planning_tokenizer(target)
     reqs, info, slos = load_requests(
         wl.workload_or_default(),
         wl.load,
         wl.seed,
         target.engine_config.max_model_len or target.max_model_len,
         wl.endpoint,
+        tokenizer=tokenizer,
         resend=target.resend,
         sim_seed=wl.sim_seed,
     )
+    if note is not None and wl.load.trace is None:
+        info.setdefault("notes", []).append(note)
     info["sim_seed"] = wl.sim_seed
     info["endpoint"] = wl.endpoint
     delay = spec.topology.network_delay
@@ -179,6 +185,26 @@ def build_scenario(spec: SimSpec) -> Scenario:
         info=info,
         sim_seed=wl.sim_seed,
     )
+
+
+def planning_tokenizer(target: SimTarget) -> tuple[Any, str | None]:
+    """The tokenizer a twin's prompts are planned with: the one its calibration recorded
+    for the served model, when it loads here (nothing is downloaded); else None (the
+    planner's default) and one line saying that the prompts keep their planned token
+    lengths but are not the served model's tokens. Not a twin: (None, None)."""
+    from servelab.modelcore.tokenizer import Tokenizer
+    from servelab.vocab import DEFAULT_MODEL
+
+    name = target.info.get("tokenizer") if "twin_of" in target.info else None
+    if not name:
+        return None, None
+    try:
+        return Tokenizer.from_model(str(name)), None
+    except (ValueError, OSError):
+        return None, (
+            f"note: no tokenizer {name!r} here: prompts planned by token length "
+            f"({DEFAULT_MODEL}'s tokens)"
+        )
 
 
 def _simulate_point(

@@ -327,6 +327,7 @@ class TwinCalibration:
     hardware: str | None = None  # the catalogue entry stated at calibration (None: unknown)
     speed_spread: float | None = None  # log sd of the run's speed over time (speed_spread)
     form_spread: float | None = None  # the form's log error off the run's own load (form_spread)
+    tokenizer: str | None = None  # what counts the served model's tokens (run_tokenizer)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -368,6 +369,7 @@ class TwinCalibration:
                 "api_overhead_s": self.api_overhead_s,
                 "bootstrap_draw": draw if draw > 0 and self.bootstrap else 0,
                 "speed_factor": speed,
+                "tokenizer": self.tokenizer or self.model,
             },
         )
 
@@ -593,7 +595,20 @@ def calibrate_runs(
         hardware=hardware,
         speed_spread=fit.speed_spread,
         form_spread=fit.form_spread,
+        tokenizer=run_tokenizer(first, name),
     )
+
+
+def run_tokenizer(run: Run, model: str) -> str:
+    """The tokenizer that counts ``model``'s tokens as the run's server did: the one the
+    bench planned with where it was the model's own (``--tokenizer``, ``--model``, the
+    server's ``/tokenize``), else the model's name; never servelab's default model's
+    tokenizer that stood in for an unknown one."""
+    source = str(run.manifest.get("tokenizer_source") or "")
+    name = run.manifest.get("tokenizer")
+    if isinstance(name, str) and name and source not in ("", "default model"):
+        return name
+    return model
 
 
 def _merged(diags: list[dict[str, Any]], weights: list[int]) -> dict[str, Any]:
