@@ -4,6 +4,8 @@ warns outside the twin's calibrated domain, and carries intervals derived out of
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from servelab.sim.fit.twin import TwinCalibration, server_engine_args
@@ -131,3 +133,75 @@ def test_calibration_records_the_tokenizer_that_counted_the_models_tokens():
         run_tokenizer(run(tokenizer="smollm2-135m", tokenizer_source="default model"), "m") == "m"
     )
     assert run_tokenizer(run(), "m") == "m"
+
+
+# ------------------------------------------------------------ a run directory as the trace
+
+
+def test_a_simulated_run_replays_as_planned_through_sim_trace(tmp_path):
+    load = ("--hardware", "h100", "--model", "smollm2-135m", "--no-steps")
+    first = _cli_sim(tmp_path / "a", *load, "--workload", "rag", "--rate", "4",
+                     "--requests", "12", "--seed", "3")  # fmt: skip
+    again = _cli_sim(tmp_path / "b", *load, "--trace", str(tmp_path / "a"))
+    a, b = _records(tmp_path / "a"), _records(tmp_path / "b")
+    assert first.returncode == 0 == again.returncode, again.stderr
+    assert [(r.input_tokens, r.output_tokens) for r in a] == [
+        (r.input_tokens, r.output_tokens) for r in b
+    ]
+    assert [r.intended_send - a[0].intended_send for r in a] == pytest.approx(
+        [r.intended_send - b[0].intended_send for r in b], abs=1e-6
+    )
+    man = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert man["sim"]["trace"]["replayed"].startswith("as planned")
+    res = _cli_sim(tmp_path / "c", *load, "--trace", str(tmp_path / "a"), "--rate", "8")
+    assert res.returncode != 0 and "drop --rate" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_an_imported_run_replays_its_sends_lengths_and_cache_hits(tmp_path):
+    import rundirs
+
+    from servelab.bench.workloads.request_plan import LoadSpec
+    from servelab.rundir import load_run
+    from servelab.sim.scenario import requests_from_run
+
+    path = rundirs.as_other_target(rundirs.shared_prefix(tmp_path / "r"), figures=True)
+    rows = [json.loads(line) for line in (path / "requests.jsonl").read_text().splitlines()]
+    seen: set[str] = set()
+    for row in rows:  # the server reports 256 cached tokens for each repeat of a prefix
+        row["cached_tokens"] = 256 if row["prefix_group"] in seen else 0
+        seen.add(row["prefix_group"])
+    (path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = load_run(path)
+    got = requests_from_run(str(path), _twin().target(), LoadSpec(trace=str(path)))
+    assert got.info["trace"]["replayed"].startswith("from its records")
+    assert "replays from its records" in got.info["notes"][0]
+    recs = sorted((r for r in run.records if r.ok), key=lambda r: r.actual_send)
+    assert [q.request_id for q in got.requests] == [r.request_id for r in recs]
+    assert [len(q.prompt_token_ids) for q in got.requests] == [r.input_tokens for r in recs]
+    assert [q.send_time for q in got.requests] == pytest.approx(
+        [r.actual_send - recs[0].actual_send for r in recs]
+    )
+    by_group: dict[str, list] = {}
+    for q in got.requests:
+        by_group.setdefault(q.tags.prefix_group, []).append(q.prompt_token_ids)
+    first, second, *_ = next(g for g in by_group.values() if len(g) > 1)
+    assert first[:256] == second[:256] and first[:259] != second[:259]
+    others = [g[0] for g in by_group.values()]
+    assert others[0][:3] != others[1][:3]  # no two groups share a block
+
+
+def _cli_sim(out, *args):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "servelab.cli", "sim", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+    )
+
+
+def _records(run_dir):
+    from servelab.rundir import load_run
+
+    return sorted(load_run(run_dir).records, key=lambda r: r.intended_send)

@@ -146,7 +146,7 @@ def _topology(spec: TopologySpec) -> Topology:
 
 def build_scenario(spec: SimSpec) -> Scenario:
     """The target, topology and requests ``spec`` asks for (ValueError if they cannot be)."""
-    from servelab.sim.scenario import Scenario, load_requests
+    from servelab.sim.scenario import Scenario, is_run_dir, load_requests, requests_from_run
     from servelab.units import SLO
 
     target = sim_target(spec.target)
@@ -154,19 +154,26 @@ def build_scenario(spec: SimSpec) -> Scenario:
     topology = _topology(spec.topology)
     wl = spec.workload
     slos: dict[str, SLO] | SLO | None
-    tokenizer, note = planning_tokenizer(target)
-    reqs, info, slos = load_requests(
-        wl.workload_or_default(),
-        wl.load,
-        wl.seed,
-        target.engine_config.max_model_len or target.max_model_len,
-        wl.endpoint,
-        tokenizer=tokenizer,
-        resend=target.resend,
-        sim_seed=wl.sim_seed,
-    )
-    if note is not None and wl.load.trace is None:
-        info.setdefault("notes", []).append(note)
+    concurrency = wl.load.concurrency
+    if is_run_dir(wl.load.trace):
+        assert wl.load.trace is not None
+        replay = requests_from_run(wl.load.trace, target, wl.load)
+        reqs, slos, concurrency = replay.requests, replay.slos, replay.max_concurrency
+        info: dict[str, Any] = {"load": wl.load.to_dict(), "seed": wl.seed, **replay.info}
+    else:
+        tokenizer, note = planning_tokenizer(target)
+        reqs, info, slos = load_requests(
+            wl.workload_or_default(),
+            wl.load,
+            wl.seed,
+            target.engine_config.max_model_len or target.max_model_len,
+            wl.endpoint,
+            tokenizer=tokenizer,
+            resend=target.resend,
+            sim_seed=wl.sim_seed,
+        )
+        if note is not None and wl.load.trace is None:
+            info.setdefault("notes", []).append(note)
     info["sim_seed"] = wl.sim_seed
     info["endpoint"] = wl.endpoint
     delay = spec.topology.network_delay
@@ -180,7 +187,7 @@ def build_scenario(spec: SimSpec) -> Scenario:
         requests=reqs,
         topology=topology,
         network_delay=delay,
-        max_concurrency=wl.load.concurrency,
+        max_concurrency=concurrency,
         slos=slos,
         info=info,
         sim_seed=wl.sim_seed,
