@@ -139,6 +139,13 @@ def test_calibrate_and_predict_with_ranges_from_the_cli(unchunked, tmp_path):
     assert cal.engine_sources["max_num_seqs"].startswith("the run")
     assert cal.fit["error_on_training_steps"]["median"] < 0.05
     assert len(cal.bootstrap) > 0 and cal.noise is not None
+    # the domain the run spanned: the closed loop's four streams, prompts of its lengths
+    records = load_run(path).records
+    assert cal.domain["in_flight"] == [1, 4] and 1 <= cal.domain["batch"][1] <= 4
+    assert cal.domain["prompt_tokens"] == [
+        min(r.input_tokens for r in records if r.ok),
+        max(r.input_tokens for r in records if r.ok),
+    ]
     out = tmp_path / "sim"
     res = _cli("sim", "--calibration", str(cal_path), "--workload", "chat", "--concurrency",
                "4", "--requests", "8", "--length-scale", "0.3", "--seed", "1", "--seeds", "3",

@@ -205,3 +205,40 @@ def _records(run_dir):
     from servelab.rundir import load_run
 
     return sorted(load_run(run_dir).records, key=lambda r: r.intended_send)
+
+
+# ------------------------------------------------------------ the twin's domain
+
+
+def _rec(i, send, done, prompt, output):
+    from servelab.vocab import ClientRecord
+
+    return ClientRecord(
+        request_id=f"r{i}", intended_send=send, actual_send=send, done=done,
+        input_tokens=prompt, output_tokens=output, workload_class="chat",
+    )  # fmt: skip
+
+
+def test_the_domain_is_what_the_runs_spanned_and_sim_says_how_far_past_it():
+    from servelab.sim.fit.twin import domain_of, outside_domain
+
+    recs = [_rec(0, 0.0, 2.0, 100, 10), _rec(1, 1.0, 3.0, 300, 50), _rec(2, 2.5, 4.0, 200, 20)]
+    dom = domain_of(recs)
+    assert dom == {"prompt_tokens": [100, 300], "output_tokens": [10, 50], "in_flight": [1, 2]}
+    assert outside_domain(dom, recs) is None
+    assert outside_domain(None, recs) is None
+    wider = [_rec(k, 0.0, 5.0, 1200, 20) for k in range(4)] + [_rec(9, 0.0, 1.0, 25, 20)]
+    line = outside_domain(dom, wider)
+    assert line == (
+        "warning: beyond the twin's domain: prompt 1200 vs <= 300 (4.0x); "
+        "also prompt 4.0x, in flight 2.5x"
+    )
+    assert len(line) <= 100
+
+
+def test_sim_warns_when_a_twins_scenario_leaves_its_domain(tmp_path):
+    domain = {"prompt_tokens": [50, 400], "output_tokens": [1, 400], "in_flight": [1, 2]}
+    load = ("--workload", "chat", "--concurrency", "8", "--requests", "8", "--no-steps")
+    code, out, err = _sim(tmp_path, _twin(domain=domain), *load)
+    assert code == 0, err
+    assert "warning: beyond the twin's domain:" in out and "in flight 8 vs <= 2 (4.0x)" in out

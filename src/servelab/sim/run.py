@@ -220,6 +220,7 @@ def _simulate_point(
     """Simulate ``scenario`` with the engine settings of one sweep point into the spec's run
     directory (in a sweep: one under it named for the point); return its row of the table."""
     from servelab.rundir import read_json
+    from servelab.sim.fit.twin import outside_domain
     from servelab.sim.run_writer import write_run_dir
     from servelab.sim.scenario import simulate
 
@@ -261,6 +262,9 @@ def _simulate_point(
         },
     )
     say(console, f"wrote {run_dir}")
+    beyond = outside_domain(scenario.target.info.get("domain"), res.records)
+    if beyond is not None:
+        say(console, beyond)
     return _summary_row(label, res, read_json(run_dir, "metrics.json") or {}, wall)
 
 

@@ -328,6 +328,7 @@ class TwinCalibration:
     speed_spread: float | None = None  # log sd of the run's speed over time (speed_spread)
     form_spread: float | None = None  # the form's log error off the run's own load (form_spread)
     tokenizer: str | None = None  # what counts the served model's tokens (run_tokenizer)
+    domain: dict[str, list[int]] | None = None  # what the calibration runs spanned (domain_of)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -370,6 +371,7 @@ class TwinCalibration:
                 "bootstrap_draw": draw if draw > 0 and self.bootstrap else 0,
                 "speed_factor": speed,
                 "tokenizer": self.tokenizer or self.model,
+                "domain": self.domain,
             },
         )
 
@@ -596,7 +598,71 @@ def calibrate_runs(
         speed_spread=fit.speed_spread,
         form_spread=fit.form_spread,
         tokenizer=run_tokenizer(first, name),
+        domain={
+            **domain_of([r for run in runs for r in run.records]),
+            **_step_ranges([s for inf in infs for s in inf.steps]),
+        },
     )
+
+
+def domain_of(records: Sequence[Any]) -> dict[str, list[int]]:
+    """What a set of client records spans: ``prompt_tokens`` and ``output_tokens`` (lowest,
+    highest over the completed requests) and ``in_flight`` (one, the most requests the client
+    had outstanding at once). Empty for no completed request."""
+    done = [r for r in records if r.ok and r.done is not None]
+    if not done:
+        return {}
+    events = sorted([(r.actual_send, 1) for r in done] + [(r.done, -1) for r in done])
+    now = peak = 0
+    for _, step in events:  # a finish before a send at the same moment
+        now += step
+        peak = max(peak, now)
+    prompts = [r.input_tokens for r in done]
+    outputs = [r.output_tokens for r in done]
+    return {
+        "prompt_tokens": [min(prompts), max(prompts)],
+        "output_tokens": [min(outputs), max(outputs)],
+        "in_flight": [1, peak],
+    }
+
+
+def _step_ranges(steps: Sequence[InferredStep]) -> dict[str, list[int]]:
+    """The streams one inferred step served and the tokens it computed, lowest to highest."""
+    if not steps:
+        return {}
+    batch = [sum(1 for q in s.seqs if q.sampled) for s in steps]
+    tokens = [sum(q.new_tokens for q in s.seqs) for s in steps]
+    return {"batch": [min(batch), max(batch)], "step_tokens": [min(tokens), max(tokens)]}
+
+
+# The figures of ``domain_of`` a simulated run is checked against, with their names.
+_CHECKED = (("prompt_tokens", "prompt"), ("output_tokens", "output"), ("in_flight", "in flight"))
+
+
+def outside_domain(domain: dict[str, list[int]] | None, records: Sequence[Any]) -> str | None:
+    """One line saying how far a simulated run's requests went beyond what the twin was
+    calibrated on (``domain``: prompt and output tokens, requests in flight; the farthest
+    as simulated against calibrated, each by its factor), or None when within it or the
+    twin records no domain (a calibration written before it did)."""
+    if not domain:
+        return None
+    seen = domain_of(records)
+    past: list[tuple[float, str, str]] = []  # (factor, figure, what was simulated)
+    for key, name in _CHECKED:
+        if key not in domain or key not in seen:
+            continue
+        (lo, hi), (slo, shi) = domain[key], seen[key]
+        if shi > hi:
+            past.append((shi / max(hi, 1), name, f"{name} {shi} vs <= {hi}"))
+        if slo < lo and key != "in_flight":
+            past.append((lo / max(slo, 1), name, f"{name} {slo} vs >= {lo}"))
+    if not past:
+        return None
+    past.sort(key=lambda p: -p[0])
+    # the farthest in full, the others by their factor alone (the line fits 100 columns)
+    line = f"warning: beyond the twin's domain: {past[0][2]} ({past[0][0]:.1f}x)"
+    others = ", ".join(f"{name} {x:.1f}x" for x, name, _ in past[1:])
+    return f"{line}; also {others}" if others else line
 
 
 def run_tokenizer(run: Run, model: str) -> str:
