@@ -242,3 +242,79 @@ def test_sim_warns_when_a_twins_scenario_leaves_its_domain(tmp_path):
     code, out, err = _sim(tmp_path, _twin(domain=domain), *load)
     assert code == 0, err
     assert "warning: beyond the twin's domain:" in out and "in flight 8 vs <= 2 (4.0x)" in out
+
+
+# ------------------------------------------------------------ intervals out of sample
+
+
+def test_a_prediction_states_the_twins_out_of_sample_intervals(tmp_path):
+    import math
+
+    from servelab.sim.intervals import FigureRanges
+
+    pred = FigureRanges([0, 1], [{"ttft_p50": 0.1}, {"ttft_p50": 0.3}], {"80": 0.1, "95": 0.5})
+    assert pred.levels("ttft_p50")["80"] == pytest.approx(
+        (0.2 / math.exp(0.1), 0.2 * math.exp(0.1))
+    )
+    assert pred.levels("itl_p50") == {}
+    assert (
+        "intervals" not in FigureRanges([0], [{"ttft_p50": 0.1}]).to_dict()["figures"]["ttft_p50"]
+    )
+    stated = {"80": 0.1, "95": 0.3, "errors": [0.1, -0.2, 0.05], "runs": 2, "derived": "x"}
+    load = ("--workload", "chat", "--concurrency", "2", "--requests", "4", "--seeds", "2")
+    code, out, err = _sim(tmp_path, _twin(intervals=stated), *load)
+    assert code == 0, err
+    doc = json.loads((tmp_path / "sim" / "prediction.json").read_text())
+    itl = doc["figures"]["itl_p50"]
+    lo, hi = itl["intervals"]["95"]
+    assert lo == pytest.approx(itl["median"] * math.exp(-0.3))
+    assert hi == pytest.approx(itl["median"] * math.exp(0.3))
+    assert doc["half_widths"] == {"80": 0.1, "95": 0.3}
+    line = next(x for x in out.splitlines() if x.startswith("80% and 95%"))
+    assert "a factor 1.11 and 1.35 either side of the median" in line and len(line) <= 100
+
+
+def test_twin_check_reports_coverage_and_width_from_run_directories(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from servelab.sim.intervals import FIGURES
+
+    def pair(k: int, measured: float) -> str:
+        pred, real = tmp_path / f"sim{k}", tmp_path / f"real{k}"
+        pred.mkdir()
+        real.mkdir()
+        figures = {
+            name: {"median": 1.0, "interval": [0.95, 1.05],
+                   "intervals": {"80": [0.9, 1.1], "95": [0.8, 1.25]}}
+            for name, _, _ in FIGURES
+        }  # fmt: skip
+        (pred / "prediction.json").write_text(json.dumps({"figures": figures}))
+        lat = {m: {p: measured for p in ("p50", "p90", "p99")} for m in ("ttft", "itl", "tpot")}
+        overall = {"latency": lat, "throughput": {"output_tokens_per_s": measured}}
+        (real / "metrics.json").write_text(json.dumps({"overall": overall}))
+        return f"{pred}:{real}"
+
+    repo = Path(__file__).resolve().parents[1]
+    res = subprocess.run(
+        [sys.executable, str(repo / "benchmarks/sim/twin_check.py"), "coverage",
+         pair(0, 1.0), pair(1, 1.2), pair(2, 1.5)],
+        capture_output=True, text=True, cwd=repo,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.splitlines()[-1])
+    n = 3 * len(FIGURES)
+    assert got["seeds range"] == {
+        "figures": n,
+        "coverage": pytest.approx(1 / 3),
+        "median_width": pytest.approx(0.1),
+    }
+    assert got["80"]["coverage"] == pytest.approx(1 / 3)
+    assert got["95"]["coverage"] == pytest.approx(2 / 3)
+    assert got["95"]["median_width"] == pytest.approx(0.45)
+    bad = subprocess.run(
+        [sys.executable, str(repo / "benchmarks/sim/twin_check.py"), "coverage", "nope"],
+        capture_output=True, text=True, cwd=repo,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "PRED_DIR:RUN_DIR" in bad.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -294,10 +295,18 @@ def _intervals(
         return dataclasses.replace(scenario, target=target, sim_seed=seed)
 
     label, run_dir = _point_dir(scenario, point, spec.output.out, in_sweep)
-    pred = predict(scenario_for, list(seeds))
+    stated = scenario.target.info.get("intervals") or {}
+    widths = {lvl: float(stated[lvl]) for lvl in ("80", "95") if lvl in stated}
+    pred = predict(scenario_for, list(seeds), half_widths=widths)
     (run_dir / "prediction.json").write_text(json.dumps(pred.to_dict(), indent=1))
     title = f"{label}: median and range over {len(pred.seeds)} seeds"
     console.print(prediction_table(pred, title))
+    if widths:
+        say(
+            console,
+            f"80% and 95% intervals: a factor {math.exp(widths['80']):.2f} and "
+            f"{math.exp(widths['95']):.2f} either side of the median (leave-one-run-out)",
+        )
 
 
 def _summary_row(label: str, res: Any, metrics: dict[str, Any], wall: float) -> dict[str, Any]:

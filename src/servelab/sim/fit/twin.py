@@ -215,6 +215,58 @@ def fit_steps(infs: Sequence[StepInference], bootstrap: int = BOOTSTRAP, seed: i
     )
 
 
+LEVELS = (0.8, 0.95)  # the intervals a twin of several runs states
+
+
+def held_out_intervals(infs: Sequence[StepInference]) -> dict[str, Any] | None:
+    """Interval half-widths from out-of-sample error: each run's steps priced by the twin
+    fitted to the other runs alone, the log of the median measured / priced ratio in each
+    ``DRIFT_WINDOW_S`` window of at least ``DRIFT_MIN_STEPS`` single steps (the run's
+    whole median where it has no such window) is one error, and the ``LEVELS`` quantiles
+    of their sizes are the half-widths in log space: a figure predicted at ``m`` lies in
+    ``m * exp(+-h)``. Nothing about the cases predicted later goes in. None with fewer
+    than two runs, or fewer than three errors (no run's fold could be fitted and priced)."""
+    import numpy as np
+
+    if len(infs) < 2:
+        return None
+    errors: list[float] = []
+    for k, held in enumerate(infs):
+        try:
+            fit = fit_steps([inf for j, inf in enumerate(infs) if j != k], bootstrap=0)
+        except ValueError:
+            continue  # the other runs alone cannot be fitted: this fold prices nothing
+        price = [*(fit.coef[t] for t in TERMS), fit.api]
+        points = []
+        for step in held.steps:
+            if not step.usable or step.start is None or step.hidden:
+                continue
+            x, y, _ = _row(step)
+            priced = float(np.dot(x, price))
+            if y > 0 and priced > 0:
+                points.append((step.end, math.log(y / priced)))
+        windows: dict[int, list[float]] = {}
+        for t, e in points:
+            windows.setdefault(int((t - points[0][0]) // DRIFT_WINDOW_S), []).append(e)
+        full = [float(np.median(v)) for v in windows.values() if len(v) >= DRIFT_MIN_STEPS]
+        if full:
+            errors += full
+        elif len(points) >= MIN_ROWS:
+            errors.append(float(np.median([e for _, e in points])))
+    if len(errors) < 3:
+        return None
+    sizes = np.abs(errors)
+    return {
+        **{f"{round(q * 100)}": float(np.quantile(sizes, q)) for q in LEVELS},
+        "errors": [round(e, 5) for e in errors],
+        "runs": len(infs),
+        "derived": (
+            "leave-one-run-out: each run's steps priced by the twin fitted to the others; "
+            f"log median measured/priced per {DRIFT_WINDOW_S:g} s window; quantiles of |error|"
+        ),
+    }
+
+
 def speed_spread(runs: Sequence[list[tuple[float, float]]]) -> float | None:
     """How far the server's speed wandered: the standard deviation of the log of the median
     measured / fitted ratio in each ``DRIFT_WINDOW_S`` window (of at least
@@ -329,6 +381,7 @@ class TwinCalibration:
     form_spread: float | None = None  # the form's log error off the run's own load (form_spread)
     tokenizer: str | None = None  # what counts the served model's tokens (run_tokenizer)
     domain: dict[str, list[int]] | None = None  # what the calibration runs spanned (domain_of)
+    intervals: dict[str, Any] | None = None  # out-of-sample half-widths (held_out_intervals)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -372,6 +425,7 @@ class TwinCalibration:
                 "speed_factor": speed,
                 "tokenizer": self.tokenizer or self.model,
                 "domain": self.domain,
+                "intervals": self.intervals,
             },
         )
 
@@ -602,6 +656,7 @@ def calibrate_runs(
             **domain_of([r for run in runs for r in run.records]),
             **_step_ranges([s for inf in infs for s in inf.steps]),
         },
+        intervals=held_out_intervals(infs),
     )
 
 
