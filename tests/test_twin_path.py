@@ -318,3 +318,18 @@ def test_twin_check_reports_coverage_and_width_from_run_directories(tmp_path):
         capture_output=True, text=True, cwd=repo,
     )  # fmt: skip
     assert bad.returncode != 0 and "PRED_DIR:RUN_DIR" in bad.stderr
+
+
+def test_a_sweep_over_a_twin_means_what_the_servers_flags_mean(tmp_path):
+    from servelab.sim.run import point_changes
+    from servelab.sim.spec import TargetSpec
+
+    spec = TargetSpec(calibration=str(_twin().save(tmp_path / "twin.json")))
+    assert point_changes(spec, {"enable_chunked_prefill": False}) == {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 8192,
+    }
+    llama = TargetSpec(calibration=str(_twin("llamacpp").save(tmp_path / "llama.json")))
+    with pytest.raises(ValueError, match="llamacpp has no launch flag"):
+        point_changes(llama, {"enable_chunked_prefill": False})
+    assert point_changes(TargetSpec(hardware="h100"), {"max_num_seqs": 4}) == {"max_num_seqs": 4}

@@ -195,6 +195,20 @@ def build_scenario(spec: SimSpec) -> Scenario:
     )
 
 
+def point_changes(spec: TargetSpec, point: dict[str, Any]) -> dict[str, Any]:
+    """A sweep point's engine-config changes as the target takes them: for the twin of
+    vLLM, SGLang or llama-server, written in that server's flags and read back
+    (``sim.fit.twin.engine_changes``: vLLM without chunking gets the context as its
+    budget; ValueError for a setting the server has no flag for); else as given."""
+    from servelab.analyze.server_side.serversettings import FLAGS
+    from servelab.sim.fit.twin import TwinCalibration, engine_changes, is_twin_file
+
+    if not point or spec.calibration is None or not is_twin_file(spec.calibration):
+        return point
+    twin = TwinCalibration.load(spec.calibration)
+    return engine_changes(twin, point) if twin.server in FLAGS else point
+
+
 def planning_tokenizer(target: SimTarget) -> tuple[Any, str | None]:
     """The tokenizer a twin's prompts are planned with: the one its calibration recorded
     for the served model, when it loads here (nothing is downloaded); else None (the
@@ -229,8 +243,9 @@ def _simulate_point(
     label, run_dir = _point_dir(scenario, point, spec.output.out, in_sweep)
     try:
         if point:
+            changes = point_changes(spec.target, point)
             scenario = dataclasses.replace(
-                scenario, target=scenario.target.with_engine_args(**point)
+                scenario, target=scenario.target.with_engine_args(**changes)
             )
             scenario.target.engine_config.validate()
     except (TypeError, ValueError) as e:
@@ -290,8 +305,10 @@ def _intervals(
     from servelab.report.twin_tables import prediction_table
     from servelab.sim.intervals import predict
 
+    changes = point_changes(spec.target, point)
+
     def scenario_for(seed: int) -> Any:
-        target = sim_target(spec.target, seed).with_engine_args(**point)
+        target = sim_target(spec.target, seed).with_engine_args(**changes)
         return dataclasses.replace(scenario, target=target, sim_seed=seed)
 
     label, run_dir = _point_dir(scenario, point, spec.output.out, in_sweep)

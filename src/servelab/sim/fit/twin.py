@@ -31,6 +31,12 @@ measured / priced ratio of each is one error. Simulation seed
 so repeating a prediction over seeds spreads it by the step noise, what one run could not
 pin down, the host's drift and the form's error away from the run's own load.
 
+With several runs, ``held_out_intervals`` prices each run by the twin fitted to the others
+and turns those errors into 80% and 95% interval half-widths. The calibration file also
+records the tokenizer that counted the served model's tokens (``run_tokenizer``) and what
+the runs spanned (``domain_of``), which ``servelab sim`` checks a scenario against
+(``outside_domain``).
+
 The scheduler settings are the server's (:mod:`servelab.analyze.server_side.serversettings`: what it
 reports, the launch command, what the user stated, published defaults), then the defaults of
 its engine on the stated hardware (:mod:`servelab.sim.engine_defaults`), then what the run
