@@ -139,6 +139,13 @@ def test_calibrate_and_predict_with_ranges_from_the_cli(unchunked, tmp_path):
     assert cal.engine_sources["max_num_seqs"].startswith("the run")
     assert cal.fit["error_on_training_steps"]["median"] < 0.05
     assert len(cal.bootstrap) > 0 and cal.noise is not None
+    # the domain the run spanned: the closed loop's four streams, prompts of its lengths
+    records = load_run(path).records
+    assert cal.domain["in_flight"] == [1, 4] and 1 <= cal.domain["batch"][1] <= 4
+    assert cal.domain["prompt_tokens"] == [
+        min(r.input_tokens for r in records if r.ok),
+        max(r.input_tokens for r in records if r.ok),
+    ]
     out = tmp_path / "sim"
     res = _cli("sim", "--calibration", str(cal_path), "--workload", "chat", "--concurrency",
                "4", "--requests", "8", "--length-scale", "0.3", "--seed", "1", "--seeds", "3",
@@ -416,3 +423,41 @@ def test_the_step_inference_figures_of_several_runs_add_up():
     assert m["steps"] == 400 and m["max_batch"] == 4 and m["tolerance_s"] == 0.004
     assert m["mean_batch"] == pytest.approx(2.75)
     assert m["running_vs_batch_mean"] == [2.0, 2.5]  # only the run that had it
+
+
+def _slowed(path: Path, out: Path, factor: float) -> Path:
+    """A copy of a run whose client saw everything ``factor`` times slower."""
+    import shutil
+
+    shutil.copytree(path, out)
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    t0 = min(r["actual_send"] for r in rows)
+    keys = ("intended_send", "actual_send", "first_byte", "done", "first_output", "connected",
+            "request_written")  # fmt: skip
+    for r in rows:
+        for k in keys:
+            if isinstance(r.get(k), (int, float)):
+                r[k] = t0 + factor * (r[k] - t0)
+        r["chunk_times"] = [t0 + factor * (t - t0) for t in r["chunk_times"]]
+    (out / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def test_intervals_come_from_the_error_on_runs_the_twin_was_not_fitted_on(unchunked, tmp_path):
+    import shutil
+
+    from servelab.sim.fit.twin import calibrate_runs
+
+    path, _ = unchunked
+    run = load_run(path)
+    assert calibrate_runs([run]).intervals is None  # one run: nothing held out
+    same = calibrate_runs([run, load_run(shutil.copytree(path, tmp_path / "same"))]).intervals
+    assert same is not None and same["80"] < 0.05 and same["runs"] == 2
+    # A run 30% slower than the other: each, priced by the twin of the other, is off by
+    # about log(1.3) either way, and the half-widths say so.
+    slow = load_run(_slowed(path, tmp_path / "slow", 1.3))
+    cal = calibrate_runs([run, slow])
+    got = cal.intervals
+    assert 0.15 < got["80"] < 0.4 and got["95"] >= got["80"]
+    assert "leave-one-run-out" in got["derived"] and len(got["errors"]) >= 3
+    assert cal.target(0).info["intervals"] == got

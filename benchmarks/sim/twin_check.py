@@ -6,12 +6,15 @@ its command to ``servelab bench``/``calibrate``, and how each measured run start
 cold prefix cache (an endpoint that empties it, or a server of its own). ``check`` runs the
 training case on two launches of the server (one, if asked), calibrates on them, and for
 each held-out case predicts it (``servelab sim
---calibration --seeds N``, the case's flags translated by ``sim.fit.twin.flag_changes``) and
+--calibration --seeds N``, the case's flags as the server spells them) and
 runs it for real; it prints and writes (``results.json``) predicted (median and range over
 the seeds) against measured TTFT p50/p90, ITL p50/p99, TPOT p50 and output tok/s: the
 share within ``tolerance`` and the share inside the predicted range, per case and overall,
-the training case's own replay listed apart (in-sample). The server runs on CPU 1, the
-client on CPU 0.
+the training case's own replay listed apart (in-sample); and on the held-out cases each
+stated interval's coverage and median width (``coverage``: the range over seeds, and the 80%
+and 95% intervals a twin of several runs derives from its leave-one-run-out error). The
+server runs on CPU 1, the client on CPU 0. ``python benchmarks/sim/twin_check.py coverage
+PRED_DIR:RUN_DIR ...`` reports that coverage for any predictions and the runs they predicted.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from servelab.bench.servers.template import TemplateServer
-from servelab.sim.fit.twin import TwinCalibration, flag_changes
 from servelab.sim.intervals import FIGURES
 
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
@@ -112,9 +114,7 @@ def bench(peer: Peer, case: Case, url: str, out: Path, logs: Path) -> float:
 
 
 def predict(case: Case, cal_path: Path, seeds: int, out: Path, logs: Path) -> float:
-    cal = TwinCalibration.load(cal_path)
-    changes = flag_changes(cal, case.flags)
-    eng = " ".join(f"{k}={v}" for k, v in changes.items())
+    eng = case.flags  # the server's own flags: `sim --calibration` reads them as it does
     cmd = [
         *SERVELAB, "sim", "--calibration", str(cal_path), "--workload", case.workload,
         "--length-scale", LENGTH_SCALE, *shlex.split(case.load), "--seed", "1",
@@ -150,9 +150,65 @@ def compare(pred_dir: Path, run_dir: Path, tolerance: float) -> list[dict]:
                 "error": err,
                 "within": err is not None and abs(err) <= tolerance,
                 "covered": m is not None and lo is not None and lo <= m <= hi,
+                "intervals": pred[name].get("intervals") or {},
             }
         )
     return rows
+
+
+def coverage(pairs: list[tuple[Path, Path]]) -> dict[str, dict[str, float | int | None]]:
+    """How the stated intervals did on held-out runs: for each (prediction directory of
+    ``sim --seeds``, the measured run directory it predicted) pair and every figure, whether
+    the measured figure fell inside the range over seeds and inside each level's interval
+    the twin stated (80%, 95%). Per interval: figures judged, the share covered and the
+    median width relative to the median prediction."""
+    import statistics
+
+    seen: dict[str, list[tuple[bool, float]]] = {}
+    for pred_dir, run_dir in pairs:
+        for row in compare(pred_dir, run_dir, 0.0):
+            m, p = row["measured"], row["predicted"]
+            if m is None or not p:
+                continue
+            spans = {"seeds range": row["range"], **row["intervals"]}
+            for level, (lo, hi) in spans.items():
+                if lo is not None:
+                    seen.setdefault(level, []).append((lo <= m <= hi, (hi - lo) / p))
+    return {
+        level: {
+            "figures": len(v),
+            "coverage": sum(c for c, _ in v) / len(v),
+            "median_width": statistics.median(w for _, w in v),
+        }
+        for level, v in seen.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``twin_check.py coverage PRED_DIR:RUN_DIR ...``: the coverage and width report."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    cov = sub.add_parser("coverage", help="intervals' coverage on held-out runs")
+    cov.add_argument("pairs", nargs="+", help="PRED_DIR:RUN_DIR (a sim --seeds run, the real run)")
+    args = ap.parse_args(argv)
+    pairs = []
+    for text in args.pairs:
+        pred, sep, real = text.partition(":")
+        if not sep or not (Path(pred) / "prediction.json").is_file():
+            ap.error(f"{text!r}: write PRED_DIR:RUN_DIR, PRED_DIR holding prediction.json")
+        if not (Path(real) / "metrics.json").is_file():
+            ap.error(f"{text!r}: {real} holds no metrics.json")
+        pairs.append((Path(pred), Path(real)))
+    report = coverage(pairs)
+    print("| interval | figures | coverage | median width |")
+    print("|---|---|---|---|")
+    for level, r in report.items():
+        print(f"| {level} | {r['figures']} | {r['coverage']:.0%} | {r['median_width']:.0%} |")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
 
 
 def _fmt(name: str, v: float | None) -> str:
@@ -270,6 +326,8 @@ def check(
             evaluate(case)
     timings["total_s"] = time.perf_counter() - t_start
     summary = score(results)
+    held_pairs = [(out / f"sim-{c.slug}", out / f"real-{c.slug}") for c in held]
+    summary["intervals"] = coverage([(p, r) for p, r in held_pairs if r.is_dir()])
     doc = {"results": results, "score": summary, "timings": timings}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     print(render(results))

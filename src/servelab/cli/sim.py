@@ -76,7 +76,8 @@ class SimFlags:
     engine_args: str | None = flag(
         None,
         "Engine settings as `servelab serve` spells them, plus --tp and "
-        "--gpu-memory-utilization, e.g. '--max-num-seqs 128 --no-enable-chunked-prefill --tp 2'.",
+        "--gpu-memory-utilization, e.g. '--max-num-seqs 128 --no-enable-chunked-prefill --tp 2'; "
+        "a twin of vLLM, SGLang or llama-server: that server's own flags.",
         panel=TARGET,
     )
     sim_seed: int = flag(

@@ -5,10 +5,15 @@ refit: ``TwinCalibration.target``), so the figures' spread over seeds is how far
 run of that load could land from the typical one, as far as the simulator knows. The
 prediction is the median over seeds and the interval the range (lowest to highest): with
 ``n`` seeds a further draw falls inside it with probability ``(n - 1) / (n + 1)``.
+
+That range is the simulator's own spread. A twin fitted to several runs also states how far
+it missed runs it was not fitted on (``sim.fit.twin.held_out_intervals``): ``half_widths``
+(level -> h, in log space) put each figure's 80% and 95% intervals at ``median * exp(+-h)``.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,10 +49,13 @@ def figures_of(records: Sequence[ClientRecord]) -> dict[str, float | None]:
 
 @dataclass
 class FigureRanges:
-    """Per-seed figures and, per figure, the median and the range over seeds."""
+    """Per-seed figures and, per figure, the median and the range over seeds, and where
+    ``half_widths`` are given (level, e.g. ``"80"``, -> log half-width) the intervals
+    at each level around the median."""
 
     seeds: list[int]
     per_seed: list[dict[str, float | None]] = field(default_factory=list)
+    half_widths: dict[str, float] = field(default_factory=dict)
 
     def _values(self, name: str) -> list[float]:
         return [v for f in self.per_seed if (v := f.get(name)) is not None]
@@ -60,14 +68,24 @@ class FigureRanges:
         vals = self._values(name)
         return (min(vals), max(vals)) if vals else None
 
+    def levels(self, name: str) -> dict[str, tuple[float, float]]:
+        """Level -> (low, high): the median times ``exp(-h)`` and ``exp(h)``."""
+        m = self.median(name)
+        if m is None:
+            return {}
+        return {lvl: (m * math.exp(-h), m * math.exp(h)) for lvl, h in self.half_widths.items()}
+
     def to_dict(self) -> dict[str, Any]:
+        figures: dict[str, Any] = {}
+        for name, _, _ in FIGURES:
+            figures[name] = {"median": self.median(name), "interval": self.interval(name)}
+            if self.half_widths:
+                figures[name]["intervals"] = self.levels(name)
         return {
             "seeds": self.seeds,
-            "figures": {
-                name: {"median": self.median(name), "interval": self.interval(name)}
-                for name, _, _ in FIGURES
-            },
+            "figures": figures,
             "per_seed": self.per_seed,
+            **({"half_widths": self.half_widths} if self.half_widths else {}),
         }
 
 
@@ -75,10 +93,12 @@ def predict(
     scenario_for: Callable[[int], Scenario],
     seeds: Sequence[int],
     first: Any = None,
+    half_widths: dict[str, float] | None = None,
 ) -> FigureRanges:
     """Simulate ``scenario_for(seed)`` for every seed. ``first``: the records of a run
-    already simulated for ``seeds[0]`` (the one written to disk), reused as is."""
-    pred = FigureRanges(list(seeds))
+    already simulated for ``seeds[0]`` (the one written to disk), reused as is;
+    ``half_widths``: the target's stated intervals (``FigureRanges``)."""
+    pred = FigureRanges(list(seeds), half_widths=dict(half_widths or {}))
     for k, seed in enumerate(seeds):
         if k == 0 and first is not None:
             recs = first

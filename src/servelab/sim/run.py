@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from servelab.sim.fit.twin import TwinCalibration
     from servelab.sim.loop.simulation import Topology
     from servelab.sim.scenario import Scenario
     from servelab.sim.sim_target import SimTarget
@@ -38,6 +40,8 @@ def run_sim(spec: SimSpec, console: Console) -> None:
     used = scenario.target.info.get("engine_defaults")
     if used is not None:
         say(console, defaults_line(used, scenario.target.info))
+    for note in scenario.info.get("notes", []):
+        say(console, note)
     out = spec.output.out
     if spec.search.find_capacity is not None:
         _capacity(spec, scenario, console)
@@ -64,14 +68,15 @@ def sim_target(spec: TargetSpec, draw: int = 0) -> SimTarget:
     from servelab.sim.fit.twin import TwinCalibration, is_twin_file
     from servelab.sim.sim_target import profile_target, roofline_target
 
-    eng, dep = split_deployment(parse_engine_args(spec.engine_args))
     if spec.calibration is not None and is_twin_file(spec.calibration):
         if spec.roofline_given():
             raise ValueError(
                 "a twin calibration is the measured server itself: drop --hardware, "
                 "--profile, --engine, --dtype, --kv-dtype and the efficiency overrides"
             )
-        return TwinCalibration.load(spec.calibration).target(draw).with_engine_args(**eng)
+        twin = TwinCalibration.load(spec.calibration)
+        return twin.target(draw).with_engine_args(**twin_engine_args(twin, spec.engine_args))
+    eng, dep = split_deployment(parse_engine_args(spec.engine_args))
     if spec.profile is not None:
         if spec.hardware is not None or spec.calibration is not None:
             raise ValueError("--profile replaces --hardware/--calibration; give one or the other")
@@ -116,6 +121,21 @@ def sim_target(spec: TargetSpec, draw: int = 0) -> SimTarget:
     )
 
 
+def twin_engine_args(twin: TwinCalibration, text: str | None) -> dict[str, Any]:
+    """``--engine-args`` for a twin: in its server's own spelling where servelab knows that
+    server's flags (``sim.fit.twin.server_engine_args``), else in `servelab serve`'s."""
+    from servelab.analyze.server_side.serversettings import FLAGS
+    from servelab.sim.engine_args import parse_engine_args, split_deployment
+    from servelab.sim.fit.twin import server_engine_args
+
+    if twin.server in FLAGS:
+        return server_engine_args(twin, text)
+    eng, dep = split_deployment(parse_engine_args(text))
+    if dep:
+        raise ValueError(f"a twin is one measured server: drop {', '.join(sorted(dep))}")
+    return eng
+
+
 def _topology(spec: TopologySpec) -> Topology:
     from servelab.sim.loop.links import parse_link
     from servelab.sim.loop.simulation import Topology
@@ -130,7 +150,7 @@ def _topology(spec: TopologySpec) -> Topology:
 
 def build_scenario(spec: SimSpec) -> Scenario:
     """The target, topology and requests ``spec`` asks for (ValueError if they cannot be)."""
-    from servelab.sim.scenario import Scenario, load_requests
+    from servelab.sim.scenario import Scenario, is_run_dir, load_requests, requests_from_run
     from servelab.units import SLO
 
     target = sim_target(spec.target)
@@ -138,15 +158,26 @@ def build_scenario(spec: SimSpec) -> Scenario:
     topology = _topology(spec.topology)
     wl = spec.workload
     slos: dict[str, SLO] | SLO | None
-    reqs, info, slos = load_requests(
-        wl.workload_or_default(),
-        wl.load,
-        wl.seed,
-        target.engine_config.max_model_len or target.max_model_len,
-        wl.endpoint,
-        resend=target.resend,
-        sim_seed=wl.sim_seed,
-    )
+    concurrency = wl.load.concurrency
+    if is_run_dir(wl.load.trace):
+        assert wl.load.trace is not None
+        replay = requests_from_run(wl.load.trace, target, wl.load)
+        reqs, slos, concurrency = replay.requests, replay.slos, replay.max_concurrency
+        info: dict[str, Any] = {"load": wl.load.to_dict(), "seed": wl.seed, **replay.info}
+    else:
+        tokenizer, note = planning_tokenizer(target)
+        reqs, info, slos = load_requests(
+            wl.workload_or_default(),
+            wl.load,
+            wl.seed,
+            target.engine_config.max_model_len or target.max_model_len,
+            wl.endpoint,
+            tokenizer=tokenizer,
+            resend=target.resend,
+            sim_seed=wl.sim_seed,
+        )
+        if note is not None and wl.load.trace is None:
+            info.setdefault("notes", []).append(note)
     info["sim_seed"] = wl.sim_seed
     info["endpoint"] = wl.endpoint
     delay = spec.topology.network_delay
@@ -160,11 +191,45 @@ def build_scenario(spec: SimSpec) -> Scenario:
         requests=reqs,
         topology=topology,
         network_delay=delay,
-        max_concurrency=wl.load.concurrency,
+        max_concurrency=concurrency,
         slos=slos,
         info=info,
         sim_seed=wl.sim_seed,
     )
+
+
+def point_changes(spec: TargetSpec, point: dict[str, Any]) -> dict[str, Any]:
+    """A sweep point's engine-config changes as the target takes them: for the twin of
+    vLLM, SGLang or llama-server, written in that server's flags and read back
+    (``sim.fit.twin.engine_changes``: vLLM without chunking gets the context as its
+    budget; ValueError for a setting the server has no flag for); else as given."""
+    from servelab.analyze.server_side.serversettings import FLAGS
+    from servelab.sim.fit.twin import TwinCalibration, engine_changes, is_twin_file
+
+    if not point or spec.calibration is None or not is_twin_file(spec.calibration):
+        return point
+    twin = TwinCalibration.load(spec.calibration)
+    return engine_changes(twin, point) if twin.server in FLAGS else point
+
+
+def planning_tokenizer(target: SimTarget) -> tuple[Any, str | None]:
+    """The tokenizer a twin's prompts are planned with: the one its calibration recorded
+    for the served model, when it loads here (nothing is downloaded); else None (the
+    planner's default) and one line saying that the prompts keep their planned token
+    lengths but are not the served model's tokens. Not a twin: (None, None)."""
+    from servelab.modelcore.tokenizer import Tokenizer
+    from servelab.vocab import DEFAULT_MODEL
+
+    name = target.info.get("tokenizer") if "twin_of" in target.info else None
+    if not name:
+        return None, None
+    try:
+        return Tokenizer.from_model(str(name)), None
+    except (ValueError, OSError):
+        return None, (
+            f"note: no tokenizer {name!r} here: prompts planned by token length "
+            f"({DEFAULT_MODEL}'s tokens)"
+        )
 
 
 def _simulate_point(
@@ -173,6 +238,7 @@ def _simulate_point(
     """Simulate ``scenario`` with the engine settings of one sweep point into the spec's run
     directory (in a sweep: one under it named for the point); return its row of the table."""
     from servelab.rundir import read_json
+    from servelab.sim.fit.twin import outside_domain
     from servelab.sim.run_writer import write_run_dir
     from servelab.sim.scenario import simulate
 
@@ -180,8 +246,9 @@ def _simulate_point(
     label, run_dir = _point_dir(scenario, point, spec.output.out, in_sweep)
     try:
         if point:
+            changes = point_changes(spec.target, point)
             scenario = dataclasses.replace(
-                scenario, target=scenario.target.with_engine_args(**point)
+                scenario, target=scenario.target.with_engine_args(**changes)
             )
             scenario.target.engine_config.validate()
     except (TypeError, ValueError) as e:
@@ -214,6 +281,9 @@ def _simulate_point(
         },
     )
     say(console, f"wrote {run_dir}")
+    beyond = outside_domain(scenario.target.info.get("domain"), res.records)
+    if beyond is not None:
+        say(console, beyond)
     return _summary_row(label, res, read_json(run_dir, "metrics.json") or {}, wall)
 
 
@@ -238,15 +308,25 @@ def _intervals(
     from servelab.report.twin_tables import prediction_table
     from servelab.sim.intervals import predict
 
+    changes = point_changes(spec.target, point)
+
     def scenario_for(seed: int) -> Any:
-        target = sim_target(spec.target, seed).with_engine_args(**point)
+        target = sim_target(spec.target, seed).with_engine_args(**changes)
         return dataclasses.replace(scenario, target=target, sim_seed=seed)
 
     label, run_dir = _point_dir(scenario, point, spec.output.out, in_sweep)
-    pred = predict(scenario_for, list(seeds))
+    stated = scenario.target.info.get("intervals") or {}
+    widths = {lvl: float(stated[lvl]) for lvl in ("80", "95") if lvl in stated}
+    pred = predict(scenario_for, list(seeds), half_widths=widths)
     (run_dir / "prediction.json").write_text(json.dumps(pred.to_dict(), indent=1))
     title = f"{label}: median and range over {len(pred.seeds)} seeds"
     console.print(prediction_table(pred, title))
+    if widths:
+        say(
+            console,
+            f"80% and 95% intervals: a factor {math.exp(widths['80']):.2f} and "
+            f"{math.exp(widths['95']):.2f} either side of the median (leave-one-run-out)",
+        )
 
 
 def _summary_row(label: str, res: Any, metrics: dict[str, Any], wall: float) -> dict[str, Any]:

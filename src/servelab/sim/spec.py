@@ -25,7 +25,8 @@ class TargetSpec:
     """What to simulate: ``hardware`` x ``model`` through the roofline (its efficiencies
     from a ``calibration`` file and the overrides), a measured ``profile``, or another
     server's twin (a twin ``calibration``). ``engine_args`` in `servelab serve`'s own
-    spelling, plus ``--tp`` and ``--gpu-memory-utilization``."""
+    spelling, plus ``--tp`` and ``--gpu-memory-utilization``; for the twin of vLLM, SGLang
+    or llama-server, in that server's spelling (``sim.fit.twin.server_engine_args``)."""
 
     model: str = DEFAULT_MODEL
     hardware: str | None = None

@@ -31,6 +31,12 @@ measured / priced ratio of each is one error. Simulation seed
 so repeating a prediction over seeds spreads it by the step noise, what one run could not
 pin down, the host's drift and the form's error away from the run's own load.
 
+With several runs, ``held_out_intervals`` prices each run by the twin fitted to the others
+and turns those errors into 80% and 95% interval half-widths. The calibration file also
+records the tokenizer that counted the served model's tokens (``run_tokenizer``) and what
+the runs spanned (``domain_of``), which ``servelab sim`` checks a scenario against
+(``outside_domain``).
+
 The scheduler settings are the server's (:mod:`servelab.analyze.server_side.serversettings`: what it
 reports, the launch command, what the user stated, published defaults), then the defaults of
 its engine on the stated hardware (:mod:`servelab.sim.engine_defaults`), then what the run
@@ -215,6 +221,58 @@ def fit_steps(infs: Sequence[StepInference], bootstrap: int = BOOTSTRAP, seed: i
     )
 
 
+LEVELS = (0.8, 0.95)  # the intervals a twin of several runs states
+
+
+def held_out_intervals(infs: Sequence[StepInference]) -> dict[str, Any] | None:
+    """Interval half-widths from out-of-sample error: each run's steps priced by the twin
+    fitted to the other runs alone, the log of the median measured / priced ratio in each
+    ``DRIFT_WINDOW_S`` window of at least ``DRIFT_MIN_STEPS`` single steps (the run's
+    whole median where it has no such window) is one error, and the ``LEVELS`` quantiles
+    of their sizes are the half-widths in log space: a figure predicted at ``m`` lies in
+    ``m * exp(+-h)``. Nothing about the cases predicted later goes in. None with fewer
+    than two runs, or fewer than three errors (no run's fold could be fitted and priced)."""
+    import numpy as np
+
+    if len(infs) < 2:
+        return None
+    errors: list[float] = []
+    for k, held in enumerate(infs):
+        try:
+            fit = fit_steps([inf for j, inf in enumerate(infs) if j != k], bootstrap=0)
+        except ValueError:
+            continue  # the other runs alone cannot be fitted: this fold prices nothing
+        price = [*(fit.coef[t] for t in TERMS), fit.api]
+        points = []
+        for step in held.steps:
+            if not step.usable or step.start is None or step.hidden:
+                continue
+            x, y, _ = _row(step)
+            priced = float(np.dot(x, price))
+            if y > 0 and priced > 0:
+                points.append((step.end, math.log(y / priced)))
+        windows: dict[int, list[float]] = {}
+        for t, e in points:
+            windows.setdefault(int((t - points[0][0]) // DRIFT_WINDOW_S), []).append(e)
+        full = [float(np.median(v)) for v in windows.values() if len(v) >= DRIFT_MIN_STEPS]
+        if full:
+            errors += full
+        elif len(points) >= MIN_ROWS:
+            errors.append(float(np.median([e for _, e in points])))
+    if len(errors) < 3:
+        return None
+    sizes = np.abs(errors)
+    return {
+        **{f"{round(q * 100)}": float(np.quantile(sizes, q)) for q in LEVELS},
+        "errors": [round(e, 5) for e in errors],
+        "runs": len(infs),
+        "derived": (
+            "leave-one-run-out: each run's steps priced by the twin fitted to the others; "
+            f"log median measured/priced per {DRIFT_WINDOW_S:g} s window; quantiles of |error|"
+        ),
+    }
+
+
 def speed_spread(runs: Sequence[list[tuple[float, float]]]) -> float | None:
     """How far the server's speed wandered: the standard deviation of the log of the median
     measured / fitted ratio in each ``DRIFT_WINDOW_S`` window (of at least
@@ -327,6 +385,9 @@ class TwinCalibration:
     hardware: str | None = None  # the catalogue entry stated at calibration (None: unknown)
     speed_spread: float | None = None  # log sd of the run's speed over time (speed_spread)
     form_spread: float | None = None  # the form's log error off the run's own load (form_spread)
+    tokenizer: str | None = None  # what counts the served model's tokens (run_tokenizer)
+    domain: dict[str, list[int]] | None = None  # what the calibration runs spanned (domain_of)
+    intervals: dict[str, Any] | None = None  # out-of-sample half-widths (held_out_intervals)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -368,6 +429,9 @@ class TwinCalibration:
                 "api_overhead_s": self.api_overhead_s,
                 "bootstrap_draw": draw if draw > 0 and self.bootstrap else 0,
                 "speed_factor": speed,
+                "tokenizer": self.tokenizer or self.model,
+                "domain": self.domain,
+                "intervals": self.intervals,
             },
         )
 
@@ -394,6 +458,35 @@ def flag_changes(cal: TwinCalibration, flags: str) -> dict[str, Any]:
             default = _defaults(VLLM, cal.hardware)[0]["max_num_batched_tokens"]
             changes["max_num_batched_tokens"] = default
     return changes
+
+
+def server_engine_args(cal: TwinCalibration, text: str | None) -> dict[str, Any]:
+    """``servelab sim --engine-args`` for the twin of vLLM, SGLang or llama-server: the
+    server's own flags (``--no-enable-chunked-prefill``, ``--chunked-prefill-size 512``,
+    ``-np 2``) as engine-config changes, each meaning what it means to that server
+    (``flag_changes``). ValueError naming the server for a word it takes no setting from."""
+    import shlex
+
+    from servelab.analyze.server_side.serversettings import FLAGS
+
+    table = {name: f for f in FLAGS[cal.server] for name in f.flags}
+    toks = shlex.split(text or "")
+    i = 0
+    while i < len(toks):
+        tok = toks[i].split("=", 1)[0]
+        f = table.get(tok) or table.get(f"--{tok[5:]}" if tok.startswith("--no-") else "")
+        if f is None or (tok.startswith("--no-") and f.kind != "bool"):
+            known = ", ".join(sorted(n for g in FLAGS[cal.server] for n in g.flags))
+            raise ValueError(
+                f"--engine-args {toks[i]!r}: the twin is of {cal.server}, whose flags it takes; "
+                f"{cal.server} flags the twin can change: {known}"
+            )
+        i += 1
+        if f.kind in ("value", "value_or_off") and "=" not in toks[i - 1]:
+            if i >= len(toks):
+                raise ValueError(f"--engine-args {tok}: give it a value")
+            i += 1
+    return flag_changes(cal, text or "")
 
 
 def engine_changes(cal: TwinCalibration, changes: dict[str, Any]) -> dict[str, Any]:
@@ -564,7 +657,85 @@ def calibrate_runs(
         hardware=hardware,
         speed_spread=fit.speed_spread,
         form_spread=fit.form_spread,
+        tokenizer=run_tokenizer(first, name),
+        domain={
+            **domain_of([r for run in runs for r in run.records]),
+            **_step_ranges([s for inf in infs for s in inf.steps]),
+        },
+        intervals=held_out_intervals(infs),
     )
+
+
+def domain_of(records: Sequence[Any]) -> dict[str, list[int]]:
+    """What a set of client records spans: ``prompt_tokens`` and ``output_tokens`` (lowest,
+    highest over the completed requests) and ``in_flight`` (one, the most requests the client
+    had outstanding at once). Empty for no completed request."""
+    done = [r for r in records if r.ok and r.done is not None]
+    if not done:
+        return {}
+    events = sorted([(r.actual_send, 1) for r in done] + [(r.done, -1) for r in done])
+    now = peak = 0
+    for _, step in events:  # a finish before a send at the same moment
+        now += step
+        peak = max(peak, now)
+    prompts = [r.input_tokens for r in done]
+    outputs = [r.output_tokens for r in done]
+    return {
+        "prompt_tokens": [min(prompts), max(prompts)],
+        "output_tokens": [min(outputs), max(outputs)],
+        "in_flight": [1, peak],
+    }
+
+
+def _step_ranges(steps: Sequence[InferredStep]) -> dict[str, list[int]]:
+    """The streams one inferred step served and the tokens it computed, lowest to highest."""
+    if not steps:
+        return {}
+    batch = [sum(1 for q in s.seqs if q.sampled) for s in steps]
+    tokens = [sum(q.new_tokens for q in s.seqs) for s in steps]
+    return {"batch": [min(batch), max(batch)], "step_tokens": [min(tokens), max(tokens)]}
+
+
+# The figures of ``domain_of`` a simulated run is checked against, with their names.
+_CHECKED = (("prompt_tokens", "prompt"), ("output_tokens", "output"), ("in_flight", "in flight"))
+
+
+def outside_domain(domain: dict[str, list[int]] | None, records: Sequence[Any]) -> str | None:
+    """One line saying how far a simulated run's requests went beyond what the twin was
+    calibrated on (``domain``: prompt and output tokens, requests in flight; the farthest
+    as simulated against calibrated, each by its factor), or None when within it or the
+    twin records no domain (a calibration written before it did)."""
+    if not domain:
+        return None
+    seen = domain_of(records)
+    past: list[tuple[float, str, str]] = []  # (factor, figure, what was simulated)
+    for key, name in _CHECKED:
+        if key not in domain or key not in seen:
+            continue
+        (lo, hi), (slo, shi) = domain[key], seen[key]
+        if shi > hi:
+            past.append((shi / max(hi, 1), name, f"{name} {shi} vs <= {hi}"))
+        if slo < lo and key != "in_flight":
+            past.append((lo / max(slo, 1), name, f"{name} {slo} vs >= {lo}"))
+    if not past:
+        return None
+    past.sort(key=lambda p: -p[0])
+    # the farthest in full, the others by their factor alone (the line fits 100 columns)
+    line = f"warning: beyond the twin's domain: {past[0][2]} ({past[0][0]:.1f}x)"
+    others = ", ".join(f"{name} {x:.1f}x" for x, name, _ in past[1:])
+    return f"{line}; also {others}" if others else line
+
+
+def run_tokenizer(run: Run, model: str) -> str:
+    """The tokenizer that counts ``model``'s tokens as the run's server did: the one the
+    bench planned with where it was the model's own (``--tokenizer``, ``--model``, the
+    server's ``/tokenize``), else the model's name; never servelab's default model's
+    tokenizer that stood in for an unknown one."""
+    source = str(run.manifest.get("tokenizer_source") or "")
+    name = run.manifest.get("tokenizer")
+    if isinstance(name, str) and name and source not in ("", "default model"):
+        return name
+    return model
 
 
 def _merged(diags: list[dict[str, Any]], weights: list[int]) -> dict[str, Any]:

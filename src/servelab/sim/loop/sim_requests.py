@@ -29,7 +29,7 @@ def _unique_head(key: int) -> list[int]:
     return [1 + key % _SPAN, 1 + (key // _SPAN) % _SPAN, 1 + key // (_SPAN * _SPAN)]
 
 
-def _synthetic(key: int, n: int) -> list[int]:
+def synthetic_ids(key: int, n: int) -> list[int]:
     """``n`` ids whose first three encode ``key``: no other key shares its first block."""
     head = _unique_head(key)[:n]
     return head + [_FILLER] * (n - len(head))
@@ -159,12 +159,12 @@ def requests_from_trace(
                 n = min(round((j + 1) * b), row.input_tokens) - len(ids)
                 if n <= 0:
                     break
-                ids += _synthetic(h, n)
+                ids += synthetic_ids(h, n)
             if len(ids) < row.input_tokens:  # the tail is the request's own
-                ids += _synthetic(10**9 + i, row.input_tokens - len(ids))
+                ids += synthetic_ids(10**9 + i, row.input_tokens - len(ids))
             group = f"trace:{row.hash_ids[0]}"
         else:
-            ids, group = _synthetic(i, row.input_tokens), None
+            ids, group = synthetic_ids(i, row.input_tokens), None
         out.append(
             SimRequest(
                 request_id=f"r{i:06d}",
