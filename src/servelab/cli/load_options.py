@@ -35,7 +35,7 @@ class LoadFlags:
     trace: str | None = flag(
         None,
         "Replay a trace (instead of --workload): azure-2023-conv, mooncake-synthetic, "
-        "or an Azure CSV / Mooncake JSONL file.",
+        "or an Azure CSV / Mooncake JSONL file (sim: also a run directory, replayed as it ran).",
         panel=WORKLOAD,
     )
     time_scale: float = flag(1.0, "Trace: multiply send times (2 = half the rate).", panel=WORKLOAD)
