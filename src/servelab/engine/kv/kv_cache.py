@@ -30,20 +30,17 @@ from __future__ import annotations
 
 from servelab.engine.kv.block_chain import Chain, DeferredGroup, extend_chain
 from servelab.engine.kv.cached_queue import CachedQueue
-from servelab.engine.kv.kv_cache_plain import ROOT_HASH, BlockKey, PrefixHit, check_pool
+from servelab.engine.kv.kv_cache_plain import ROOT_HASH, BlockKey, KVCacheBase, PrefixHit
 
 
-class KVCacheManager:
+class KVCacheManager(KVCacheBase):
     """``PlainKVCache``'s interface and behaviour (its docstrings are the contract), fast."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        check_pool(num_blocks, block_size)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
         # Per block, indexed by id (lists: a replay hands out, registers and frees millions
-        # of blocks, and a list slot is cheaper than an object's attribute or a dict entry).
-        self._refs = [0] * num_blocks
+        # of blocks, and a list slot is cheaper than an object's attribute or a dict entry);
+        # the reference counts ``_refs`` (KVCacheBase) too.
         # The registration: None, the key (in ``_cached`` under ``_hash``) or a DeferredGroup.
         self._key: list[BlockKey | DeferredGroup | None] = [None] * num_blocks
         self._hash = [0] * num_blocks

@@ -27,13 +27,21 @@ BlockKey = tuple[int, tuple[int, ...]]  # (parent chain hash, the block's token 
 ROOT_HASH = 0x5E12_7E1A  # the parent chain hash of a sequence's first block
 
 
-def check_pool(num_blocks: int, block_size: int) -> None:
-    """ValueError unless the pool has at least one block of at least one token."""
-    if num_blocks < 1 or block_size < 1:
-        raise ValueError(
-            f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
-            f"{block_size}"
-        )
+class KVCacheBase:
+    """What both KV caches are made with: ``num_blocks`` blocks of ``block_size`` tokens,
+    the prefix cache on or off, and a reference count per block id (all 0).
+    ValueError unless the pool has at least one block of at least one token."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
+                f"{block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refs = [0] * num_blocks
 
 
 @dataclass
@@ -45,15 +53,11 @@ class PrefixHit:
     num_queried_tokens: int = 0  # tokens looked up (the prefix-cache query, vLLM's meaning)
 
 
-class PlainKVCache:
+class PlainKVCache(KVCacheBase):
     """The policy in the module docstring, one list per state (each hand-out is O(blocks))."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        check_pool(num_blocks, block_size)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self._refs = [0] * num_blocks
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
         self._key: list[BlockKey | None] = [None] * num_blocks  # set while registered
         self._queue = list(range(num_blocks))  # the hand-out queue, front first
         self._cached: dict[int, int] = {}  # chain hash -> block
