@@ -52,15 +52,11 @@ class KVCacheManager(KVCacheBase):
         self._root_count: dict[int, int] = {}  # root hash -> keyed blocks of chains from it
         self._deferred: dict[int, DeferredGroup] = {}  # root hash -> its group
         self._num_deferred = 0  # blocks registered in deferred groups
-        self._tables: dict[str, list[int]] = {}
         # Per request, the chain hashes of its full blocks so far and their token tuples
         # (keys[i] == (hashes[i - 1] or the root's parent, tokens[i])).
         self._chains: dict[str, Chain] = {}
         self._groups: dict[str, DeferredGroup] = {}  # live requests registering deferred
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already cached
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.evictions = 0
 
     # ---- state ----
 
@@ -83,16 +79,6 @@ class KVCacheManager(KVCacheBase):
     def usage(self) -> float:
         """Fraction of blocks in use, 0..1 (vLLM's kv_cache_usage_perc)."""
         return self.num_used_blocks / self.num_blocks
-
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids in position order (empty if it holds none). Do not mutate."""
-        return self._tables.get(request_id, [])
-
-    def ref_count(self, block_id: int) -> int:
-        return self._refs[block_id]
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ----
 
