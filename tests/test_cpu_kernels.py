@@ -29,19 +29,19 @@ def test_linear_matches_torch(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["paged_attention", "prefill_attention"])
+@pytest.mark.parametrize("prefill", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("n_q", "n_kv", "d"), [(9, 3, 64), (4, 4, 16), (8, 1, 32), (12, 2, 64), (8, 2, 64), (4, 2, 128)]
 )
 def test_paged_attention_matches_sdpa(
-    kernel: str, threads: int, n_q: int, n_kv: int, d: int
+    prefill: bool, threads: int, n_q: int, n_kv: int, d: int
 ) -> None:
     """Sequences of different lengths, blocks scattered through the pool, several query
     tokens for one sequence (drafts), a whole prompt and a chunk over cached context (runs
     that span several 16-token tiles and key blocks): each query sees exactly its causal
     prefix, in both kernels."""
-    if kernel == "prefill_attention" and not cpu_kernels.prefill_attention_available():
+    if prefill and not cpu_kernels.prefill_attention_available():
         pytest.skip("the tiled prefill kernel is built for AVX-512 only")
     cpu_kernels.set_num_threads(threads)
     g = torch.Generator().manual_seed(n_q * 100 + d)
@@ -73,9 +73,9 @@ def test_paged_attention_matches_sdpa(
             t += 1
     out = torch.full((t, n_q, d), float("nan"))
     as_int = {"dtype": torch.int32}
-    getattr(cpu_kernels, kernel)(
+    cpu_kernels.paged_attention(
         q, k_cache, v_cache, out, torch.tensor(rows, **as_int), torch.tensor(seq, **as_int),
-        torch.tensor(pos, **as_int), torch.tensor(tables, **as_int),
+        torch.tensor(pos, **as_int), torch.tensor(tables, **as_int), prefill=prefill,
     )  # fmt: skip
     torch.testing.assert_close(out, torch.stack(refs), rtol=1e-4, atol=1e-5)
 

@@ -321,16 +321,12 @@ class ClientRecord:
     @property
     def connection_wait(self) -> float | None:
         """Actual send -> a connection to send on (0 for a kept-alive one; a new one's set-up)."""
-        if self.connected is None:
-            return None
-        return self.connected - self.actual_send
+        return _span(self.actual_send, self.connected)
 
     @property
     def send_time(self) -> float | None:
         """Connection ready -> the request's last byte written."""
-        if self.connected is None or self.request_written is None:
-            return None
-        return self.request_written - self.connected
+        return _span(self.connected, self.request_written)
 
     @property
     def server_to_first_token(self) -> float | None:
@@ -360,9 +356,7 @@ class ClientRecord:
     @property
     def e2e(self) -> float | None:
         """E2E: actual send -> last byte."""
-        if self.done is None:
-            return None
-        return self.done - self.actual_send
+        return _span(self.actual_send, self.done)
 
     @property
     def tpot(self) -> float | None:
@@ -413,6 +407,11 @@ class ClientRecord:
 # Metric names as used in metrics.json, tables and the report.
 LATENCY_METRICS = ("ttft", "ttfo", "ttft_intended", "itl", "tpot", "e2e")
 PERCENTILES = (50, 90, 95, 99)
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    """``end - start``; None where either mark is missing (not recorded, or not reached)."""
+    return None if start is None or end is None else end - start
 
 
 def finite(x: float | None) -> bool:

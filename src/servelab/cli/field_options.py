@@ -22,12 +22,23 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 R = TypeVar("R")
+S = TypeVar("S")
 
 
 def flag(default: Any, help: str, **declared: Any) -> Any:
     """A field of a flags record: its default, its ``--help`` text and how it is declared
     (the metadata keys above). ``default=...`` makes it required."""
     return dataclasses.field(default=default, metadata={"help": help, **declared})
+
+
+def spec_from_flags(spec: type[S], flags: object, **given: Any) -> S:
+    """``spec`` (a dataclass: what a workflow takes) with each field not in ``given`` read
+    from the attribute of ``flags`` that has its name: how a command hands its flags on.
+    ``given`` holds the fields a flag does not carry as they are (converted, renamed). No
+    field falls back on its default: one neither names raises AttributeError."""
+    fields = dataclasses.fields(spec)  # type: ignore[arg-type]
+    values = {f.name: getattr(flags, f.name) for f in fields if f.name not in given}
+    return spec(**values, **given)
 
 
 def command_from_fields(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import typer
 
 from servelab.cli.extras import require_engine
-from servelab.cli.field_options import command_from_fields, flag
+from servelab.cli.field_options import command_from_fields, flag, spec_from_flags
 from servelab.vocab import DEFAULT_MODEL
 
 
@@ -40,16 +40,7 @@ def generate(flags: GenerateFlags) -> None:
 
     from servelab.workflows.offline import GenerateSpec, run_generate
 
-    spec = GenerateSpec(
-        prompt=flags.prompt,
-        model=flags.model,
-        max_tokens=flags.max_tokens,
-        temperature=flags.temperature,
-        seed=flags.seed,
-        chat=flags.chat,
-        device=flags.device,
-        quantization=flags.quantization,
-    )
+    spec = spec_from_flags(GenerateSpec, flags)
     try:
         run_generate(spec, Console())
     except ValueError as e:

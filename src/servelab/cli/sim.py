@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from servelab.cli.errors import fail, note_old_spelling, seconds
-from servelab.cli.field_options import command_from_fields, flag
+from servelab.cli.field_options import command_from_fields, flag, spec_from_flags
 from servelab.cli.load_options import (
     LENGTH,
     LOAD,
@@ -163,25 +163,9 @@ def sim_spec(flags: SimFlags) -> SimSpec:
     )
 
     f, load = flags, flags.load
-    search = SearchSpec(
-        sweep=tuple(f.sweep or ()),
-        find_capacity=f.find_capacity,
-        attainment_target=f.attainment_target,
-        max_replicas=f.max_replicas,
-        seeds=f.seeds,
-    )
-    target = TargetSpec(
-        model=f.model,
-        hardware=f.hardware,
-        engine=f.engine,
-        dtype=f.dtype,
-        kv_dtype=f.kv_dtype,
-        profile=f.profile,
-        calibration=f.calibration,
-        mfu=f.mfu,
-        mbu=f.mbu,
-        step_overhead=seconds("--step-overhead", f.step_overhead),
-        engine_args=f.engine_args,
+    search = spec_from_flags(SearchSpec, f, sweep=tuple(f.sweep or ()))
+    target = spec_from_flags(
+        TargetSpec, f, step_overhead=seconds("--step-overhead", f.step_overhead)
     )
     workload = WorkloadSpec(
         load=load.load_spec(),
@@ -191,11 +175,10 @@ def sim_spec(flags: SimFlags) -> SimSpec:
         endpoint=load.endpoint,
         slo=load.slo,
     )
-    topology = TopologySpec(
-        replicas=f.replicas,
-        router=f.router,
+    topology = spec_from_flags(
+        TopologySpec,
+        f,
         pd=parse_pd(f.pd),
-        link=f.link,
         network_delay=seconds("--network-delay", f.network_delay),
     )
     out = Path(f.out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")

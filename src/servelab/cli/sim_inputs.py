@@ -9,7 +9,7 @@ import typer
 
 from servelab.cli.errors import fail, note_old_spelling
 from servelab.cli.extras import require_engine
-from servelab.cli.field_options import command_from_fields, flag
+from servelab.cli.field_options import command_from_fields, flag, spec_from_flags
 from servelab.vocab import DEFAULT_MODEL
 
 
@@ -49,14 +49,7 @@ def calibrate(flags: CalibrateFlags) -> None:
     from servelab.rundir import RunDirError
     from servelab.sim.calibration_run import CalibrateSpec, run_calibrate
 
-    spec = CalibrateSpec(
-        run_dirs=tuple(flags.run_dirs),
-        hardware=flags.hardware,
-        model=flags.model,
-        tp=flags.tp,
-        server_config=flags.server_config,
-        out=flags.out,
-    )
+    spec = spec_from_flags(CalibrateSpec, flags, run_dirs=tuple(flags.run_dirs))
     try:
         run_calibrate(spec, Console())
     except (RunDirError, ValueError) as e:
@@ -92,17 +85,7 @@ def profile(flags: ProfileFlags) -> None:
     from servelab.workflows.profile import ProfileSpec, run_profile
 
     note_old_spelling(flags.engine_args)
-    spec = ProfileSpec(
-        model=flags.model,
-        out=flags.out,
-        grid=flags.grid,
-        repeats=flags.repeats,
-        threads=flags.threads,
-        device=flags.device,
-        engine_args=flags.engine_args,
-        from_runs=tuple(flags.from_run or ()),
-        quantization=flags.quantization,
-    )
+    spec = spec_from_flags(ProfileSpec, flags, from_runs=tuple(flags.from_run or ()))
     try:
         run_profile(spec, typer.echo)
     except ValueError as e:

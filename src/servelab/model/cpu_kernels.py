@@ -19,8 +19,8 @@ Contract:
   ``bf16_dot_available()``); ``dequantize(w)`` its fp32 matrix.
 - ``paged_attention(...)``: causal attention of a few query tokens per sequence over K/V
   read in place from the paged cache (no gather); see its docstring.
-  ``prefill_attention(...)``: the same for prefill chunks, 32 tokens a tile (AVX-512 builds
-  only: ``prefill_attention_available()``).
+  ``paged_attention(..., prefill=True)``: the same for prefill chunks, 32 tokens a tile
+  (AVX-512 builds only: ``prefill_attention_available()``).
 - ``rms_norm``, ``silu_mul``, ``rope_store``: the per-token glue of a decoder layer, one
   call each (see ``servelab.model.ops``, which picks them or the torch equivalents).
 - ``decoder_stack(...)``: every decoder layer of a few-token batch whose attention is all
@@ -176,6 +176,8 @@ def paged_attention(
     seq: torch.Tensor,
     pos: torch.Tensor,
     tables: torch.Tensor,
+    *,
+    prefill: bool = False,
 ) -> None:
     """Write into ``out[rows[t]]`` the attention of query ``q[rows[t]]`` over positions
     ``0..pos[t]`` of sequence ``seq[t]``, whose cache blocks are ``tables[seq[t]]``.
@@ -183,53 +185,35 @@ def paged_attention(
     ``q`` [T, n_q, d] (any token stride, heads contiguous), ``out`` [T, n_q, d] contiguous,
     ``k_cache``/``v_cache`` [num_blocks, block_size, n_kv, d] contiguous, ``rows``/``seq``/
     ``pos`` int32 [N], ``tables`` int32 [B, max_blocks] contiguous.
+
+    ``prefill`` runs the kernel for query tokens that come in runs (prefill chunks:
+    consecutive rows and positions of one sequence): 32 tokens of a run share each read of
+    their context (flash attention, online softmax). Check ``prefill_attention_available``.
     """
-    _attend("sl_paged_attention", q, k_cache, v_cache, out, rows, seq, pos, tables)
-
-
-def _attend(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
-            tables: torch.Tensor) -> int:  # fmt: skip
-    """Call the attention kernel ``fn`` (both share one signature) on checked arguments."""
     lib = _load()
     assert lib is not None, "check cpu_kernels.available() first"
     _, n_q, d = q.shape
     _, bs, n_kv, _ = k_cache.shape
     if q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous():
         raise ValueError("paged attention needs heads contiguous in q and a contiguous out")
-    return getattr(lib, fn)(
+    kernel = lib.sl_prefill_attention if prefill else lib.sl_paged_attention
+    done = kernel(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.shape[1], rows.data_ptr(), seq.data_ptr(), pos.data_ptr(), rows.shape[0],
         out.data_ptr(), n_q, n_kv, d, bs, d**-0.5, _threads,
     )  # fmt: skip
+    assert done or not prefill, "check prefill_attention_available() first"
 
 
 @functools.cache
 def prefill_attention_available() -> bool:
-    """Whether ``prefill_attention`` is built (the AVX-512 library): asked once, with no
-    tokens."""
+    """Whether ``paged_attention(prefill=True)`` is built (the AVX-512 library): asked once,
+    with no tokens."""
     lib = _load()
     if lib is None:
         return False
     return bool(lib.sl_prefill_attention(None, 0, None, None, None, 0, None, None, None, 0,
                                          None, 1, 1, 16, 1, 1.0, 1))  # fmt: skip
-
-
-def prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    rows: torch.Tensor,
-    seq: torch.Tensor,
-    pos: torch.Tensor,
-    tables: torch.Tensor,
-) -> None:
-    """``paged_attention``'s contract, for query tokens that come in runs (prefill chunks:
-    consecutive rows and positions of one sequence): 32 tokens of a run share each read of
-    their context (flash attention, online softmax). Check ``prefill_attention_available``."""
-    done = _attend("sl_prefill_attention", q, k_cache, v_cache, out, rows, seq, pos, tables)
-    assert done, "check prefill_attention_available() first"
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -54,8 +54,8 @@ class AttentionGroup:
     Or (``tables`` set) the sequences go to servelab's CPU kernel, which reads K/V in place:
     query token ``rows[i]`` (int32 batch index) of sequence ``seq[i]`` at position ``pos[i]``,
     with block tables ``tables`` [B, max_blocks] int32 (see ``cpu_kernels.paged_attention``);
-    ``max_q`` above ``BATCHED_MAX_QUERY`` makes it a prefill chunk, for
-    ``cpu_kernels.prefill_attention``.
+    ``max_q`` above ``BATCHED_MAX_QUERY`` makes it a prefill chunk, for the kernel's
+    ``prefill`` form.
     """
 
     fresh: bool
@@ -208,12 +208,10 @@ def _attention(
         if not g.fresh and kv is None:
             raise ValueError("a paged attention group needs the KV cache")
         if g.tables is not None:
-            kernel = (
-                cpu_kernels.prefill_attention
-                if g.max_q > BATCHED_MAX_QUERY
-                else cpu_kernels.paged_attention
+            prefill = g.max_q > BATCHED_MAX_QUERY
+            cpu_kernels.paged_attention(
+                q, kv[0], kv[1], out, g.rows, g.seq, g.pos, g.tables, prefill=prefill
             )
-            kernel(q, kv[0], kv[1], out, g.rows, g.seq, g.pos, g.tables)
             continue
         if g.fresh:
             s = g.tokens

@@ -197,22 +197,33 @@ def render_comparison(
         console.print(f"[dim]note: {n}")
 
 
+def _figures_table(title: str, label: str, figures: tuple[str, ...], **table: Any) -> Table:
+    """A table whose first column (``label``) names the row and whose ``figures`` columns,
+    right-justified, hold numbers; ``table`` goes to rich's ``Table``."""
+    t = Table(title=title, **table)
+    t.add_column(label, justify="left")
+    for col in figures:
+        t.add_column(col, justify="right")
+    return t
+
+
 def render_summary(name: str, metrics: dict[str, Any], console: Console) -> None:
     """One line per class (and overall) with the headline percentiles and rates."""
-    t = Table(title=f"{name}: summary (latencies in ms)")
-    for col in (
+    t = _figures_table(
+        f"{name}: summary (latencies in ms)",
         "class",
-        "requests",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL p50",
-        "ITL p99",
-        "TPOT p50",
-        "E2E p50",
-        "out tok/s",
-        "goodput",
-    ):
-        t.add_column(col, justify="right" if col != "class" else "left")
+        (
+            "requests",
+            "TTFT p50",
+            "TTFT p99",
+            "ITL p50",
+            "ITL p99",
+            "TPOT p50",
+            "E2E p50",
+            "out tok/s",
+            "goodput",
+        ),
+    )
     groups = [("overall", metrics["overall"])] + list(metrics.get("by_class", {}).items())
     for label, g in groups:
         lat = g["latency"]
@@ -239,14 +250,23 @@ def _ms0(x: float | None) -> str:
 
 def timeline_table(timelines: list[RequestTimeline], title: str = "Request timelines") -> Table:
     """One row per request: queue, prefill chunks, cached tokens, TTFT, decode, tokens/s."""
-    from rich.table import Table
-
-    table = Table(title=f"{title} (times in ms)")
-    table.add_column("request")
-    for col in ("prompt", "cached", "queue", "chunks", "prefill", "TTFT", "out", "decode"):
-        table.add_column(col, justify="right")
-    for col in ("tok/s", "preempt", "finish"):
-        table.add_column(col, justify="right")
+    table = _figures_table(
+        f"{title} (times in ms)",
+        "request",
+        (
+            "prompt",
+            "cached",
+            "queue",
+            "chunks",
+            "prefill",
+            "TTFT",
+            "out",
+            "decode",
+            "tok/s",
+            "preempt",
+            "finish",
+        ),
+    )
     for t in timelines:
         ttft = None if t.first_token is None else t.first_token - t.arrival
         rate = (t.output_tokens - 1) / t.decode_time if t.decode_time > 0 else None
@@ -324,9 +344,12 @@ def summary_table(title: str, summary: dict[str, Any]) -> Table:
     o = summary["overall"]
     if _saturation(summary).get("length_dependent"):
         title += " [bold red](over-saturated: percentiles depend on the run's length)[/]"
-    t = Table(title=title, title_justify="left")
-    for col in ("metric (ms)", "n", "p50 [95% CI]", "p90", "p95", "p99 [95% CI]", "mean", "max"):
-        t.add_column(col, justify="right" if col != "metric (ms)" else "left")
+    t = _figures_table(
+        title,
+        "metric (ms)",
+        ("n", "p50 [95% CI]", "p90", "p95", "p99 [95% CI]", "mean", "max"),
+        title_justify="left",
+    )
     names = {
         "ttft": "TTFT",
         "ttfo": "TTFO (first non-reasoning)",
@@ -393,23 +416,21 @@ def slices_table(summary: dict[str, Any]) -> Table | None:
             f"; showing {MAX_WINDOW_ROWS} of {len(ts['slices']):,}, evenly spaced "
             "(all in --json and the HTML report)"
         )
-    t = Table(
-        title=f"time windows of {ts['slice_duration_s']:g} s (queue depth: {ts['depth_source']})"
-        + shown,
+    t = _figures_table(
+        f"time windows of {ts['slice_duration_s']:g} s (queue depth: {ts['depth_source']})" + shown,
+        "window (s)",
+        (
+            "sent",
+            "offered/s",
+            "achieved/s",
+            "queue",
+            "TTFT p50",
+            "TTFT p99",
+            "ITL p99",
+            "E2E p50",
+        ),
         title_justify="left",
     )
-    for col in (
-        "window (s)",
-        "sent",
-        "offered/s",
-        "achieved/s",
-        "queue",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL p99",
-        "E2E p50",
-    ):
-        t.add_column(col, justify="left" if col.startswith("window") else "right")
     for w in windows:
         depth = w["queue_depth"]
         t.add_row(
@@ -445,18 +466,20 @@ def similarity_line(summary: dict[str, Any]) -> str:
 
 def rates_table(summary: dict[str, Any]) -> Table:
     """Throughput and goodput overall and per class."""
-    t = Table(title="throughput over the measured window", title_justify="left")
-    for col in (
+    t = _figures_table(
+        "throughput over the measured window",
         "group",
-        "sent",
-        "failed",
-        "req/s",
-        "in tok/s",
-        "out tok/s",
-        "goodput req/s",
-        "met SLO",
-    ):
-        t.add_column(col, justify="left" if col == "group" else "right")
+        (
+            "sent",
+            "failed",
+            "req/s",
+            "in tok/s",
+            "out tok/s",
+            "goodput req/s",
+            "met SLO",
+        ),
+        title_justify="left",
+    )
     groups = {
         "overall": summary["overall"],
         **{f"class {k}": v for k, v in summary["by_class"].items()},
@@ -490,22 +513,24 @@ def _out_rate(th: dict[str, Any]) -> str:
 
 def stages_table(stages: list[tuple[str | None, dict[str, Any] | None, bool]]) -> Table:
     """One row per load stage: ``(label, summarize body, whether the client kept up)``."""
-    t = Table(title="stages", title_justify="left")
-    for col in (
+    t = _figures_table(
+        "stages",
         "stage",
-        "sent",
-        "failed",
-        "req/s",
-        "out tok/s",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL p50",
-        "ITL p99",
-        "met SLO",
-        "steady",
-        "client",
-    ):
-        t.add_column(col, justify="left" if col == "stage" else "right")
+        (
+            "sent",
+            "failed",
+            "req/s",
+            "out tok/s",
+            "TTFT p50",
+            "TTFT p99",
+            "ITL p50",
+            "ITL p99",
+            "met SLO",
+            "steady",
+            "client",
+        ),
+        title_justify="left",
+    )
     for label, m, valid in stages:
         assert m is not None
         o = m["overall"]

@@ -39,51 +39,12 @@ from servelab.vocab import FinishReason, RequestTimeline
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM v1's buckets, so that histograms from both servers compare bucket by bucket.
+# Both token-latency scales step from 0.5 s to 80 s alike.
+_HALF_TO_80_S = (0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
+    (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25) + _HALF_TO_80_S + (160.0, 640.0, 2560.0)
 )
-ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4) + _HALF_TO_80_S
 REQUEST_BUCKETS = (
     0.3,
     0.5,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from servelab.sim.loop.simulation import SimResult, Topology
 from servelab.sim.scenario import attainment, load_requests, simulate
@@ -64,6 +64,27 @@ def _point(label: str, res: SimResult, slos: Any, target: float, **extra: Any) -
     )
 
 
+T = TypeVar("T", int, float)
+
+
+def _bisect(
+    meets: Callable[[T], bool],
+    good: T,
+    bad: T,
+    close: Callable[[T, T], bool],
+    mid: Callable[[T, T], T],
+) -> T:
+    """Narrow a bracket of ``good`` (meets) and ``bad`` (does not) by testing their ``mid``
+    until the two are ``close``; return the last good value."""
+    while not close(good, bad):
+        m = mid(good, bad)
+        if meets(m):
+            good = m
+        else:
+            bad = m
+    return good
+
+
 def fewest_replicas(
     run: Callable[[int], SimResult], slos: Any, target: float = 0.9, max_replicas: int = 64
 ) -> CapacityResult:
@@ -81,12 +102,7 @@ def fewest_replicas(
             return CapacityResult(None, [points[k] for k in sorted(points)], target)
         hi = min(hi * 2, max_replicas)
     lo = hi // 2  # fails (or 0)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if meets(mid):
-            hi = mid
-        else:
-            lo = mid
+    hi = _bisect(meets, hi, lo, lambda g, b: g - b <= 1, lambda g, b: (g + b) // 2)
     return CapacityResult(hi, [points[k] for k in sorted(points)], target)
 
 
@@ -124,12 +140,7 @@ def highest_rate(
         return CapacityResult(None, [points[k] for k in sorted(points)], target)
     if hi is None:
         return CapacityResult(lo, [points[k] for k in sorted(points)], target)
-    while (hi - lo) / lo > rel_tol:
-        mid = (lo + hi) / 2
-        if meets(mid):
-            lo = mid
-        else:
-            hi = mid
+    lo = _bisect(meets, lo, hi, lambda g, b: (b - g) / g <= rel_tol, lambda g, b: (g + b) / 2)
     return CapacityResult(lo, [points[k] for k in sorted(points)], target)
 
 

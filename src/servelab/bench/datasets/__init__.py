@@ -169,13 +169,17 @@ def _hf_converter(row: Any) -> Any:
     return None
 
 
+def _not_a(expected: str, rec: Any, where: str, path: Path) -> DatasetError:
+    """The error for a record that is not ``expected``, naming what it holds instead."""
+    found = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+    return DatasetError(f"{path} {where}: expected {expected}; found {found}")
+
+
 def _sharegpt(rec: Any, i: int, path: Path) -> Conversation:
     turns = rec.get("conversations") if isinstance(rec, dict) else None
     if not isinstance(turns, list):
-        found = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-        raise DatasetError(
-            f"{path} record {i}: expected an object with 'conversations' (a list of "
-            f"{{from, value}}); found {found}"
+        raise _not_a(
+            "an object with 'conversations' (a list of {from, value})", rec, f"record {i}", path
         )
     msgs = []
     for j, t in enumerate(turns):
@@ -222,8 +226,7 @@ def _length(d: dict[str, Any], keys: tuple[str, ...], where: str, path: Path) ->
 
 def _openai_chat(row: Any, where: str, path: Path) -> Conversation:
     if not isinstance(row, dict) or "messages" not in row:
-        found = sorted(row) if isinstance(row, dict) else type(row).__name__
-        raise DatasetError(f"{path} {where}: expected an object with 'messages'; found {found}")
+        raise _not_a("an object with 'messages'", row, where, path)
     n = _length(row, ("max_completion_tokens", "max_tokens"), where, path)
     return Conversation(str(row.get("id", where)), _messages(row["messages"], where, path), n)
 
@@ -231,10 +234,7 @@ def _openai_chat(row: Any, where: str, path: Path) -> Conversation:
 def _openai_batch(row: Any, where: str, path: Path) -> Conversation:
     body = row.get("body") if isinstance(row, dict) else None
     if not isinstance(body, dict):
-        found = sorted(row) if isinstance(row, dict) else type(row).__name__
-        raise DatasetError(
-            f"{path} {where}: expected a Batch API line {{custom_id, method, url, body}}; found {found}"
-        )
+        raise _not_a("a Batch API line {custom_id, method, url, body}", row, where, path)
     n = _length(body, ("max_completion_tokens", "max_tokens"), where, path)
     rid = str(row.get("custom_id", where))
     if "messages" in body:

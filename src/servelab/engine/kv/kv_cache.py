@@ -30,20 +30,17 @@ from __future__ import annotations
 
 from servelab.engine.kv.block_chain import Chain, DeferredGroup, extend_chain
 from servelab.engine.kv.cached_queue import CachedQueue
-from servelab.engine.kv.kv_cache_plain import ROOT_HASH, BlockKey, PrefixHit, check_pool
+from servelab.engine.kv.kv_cache_plain import ROOT_HASH, BlockKey, KVCacheBase, PrefixHit
 
 
-class KVCacheManager:
+class KVCacheManager(KVCacheBase):
     """``PlainKVCache``'s interface and behaviour (its docstrings are the contract), fast."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        check_pool(num_blocks, block_size)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
         # Per block, indexed by id (lists: a replay hands out, registers and frees millions
-        # of blocks, and a list slot is cheaper than an object's attribute or a dict entry).
-        self._refs = [0] * num_blocks
+        # of blocks, and a list slot is cheaper than an object's attribute or a dict entry);
+        # the reference counts ``_refs`` (KVCacheBase) too.
         # The registration: None, the key (in ``_cached`` under ``_hash``) or a DeferredGroup.
         self._key: list[BlockKey | DeferredGroup | None] = [None] * num_blocks
         self._hash = [0] * num_blocks
@@ -55,15 +52,11 @@ class KVCacheManager:
         self._root_count: dict[int, int] = {}  # root hash -> keyed blocks of chains from it
         self._deferred: dict[int, DeferredGroup] = {}  # root hash -> its group
         self._num_deferred = 0  # blocks registered in deferred groups
-        self._tables: dict[str, list[int]] = {}
         # Per request, the chain hashes of its full blocks so far and their token tuples
         # (keys[i] == (hashes[i - 1] or the root's parent, tokens[i])).
         self._chains: dict[str, Chain] = {}
         self._groups: dict[str, DeferredGroup] = {}  # live requests registering deferred
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already cached
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.evictions = 0
 
     # ---- state ----
 
@@ -86,16 +79,6 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks in use, 0..1 (vLLM's kv_cache_usage_perc)."""
         return self.num_used_blocks / self.num_blocks
-
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids in position order (empty if it holds none). Do not mutate."""
-        return self._tables.get(request_id, [])
-
-    def ref_count(self, block_id: int) -> int:
-        return self._refs[block_id]
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ----
 

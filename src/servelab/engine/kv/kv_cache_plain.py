@@ -27,13 +27,37 @@ BlockKey = tuple[int, tuple[int, ...]]  # (parent chain hash, the block's token 
 ROOT_HASH = 0x5E12_7E1A  # the parent chain hash of a sequence's first block
 
 
-def check_pool(num_blocks: int, block_size: int) -> None:
-    """ValueError unless the pool has at least one block of at least one token."""
-    if num_blocks < 1 or block_size < 1:
-        raise ValueError(
-            f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
-            f"{block_size}"
-        )
+class KVCacheBase:
+    """What both KV caches hold alike: ``num_blocks`` blocks of ``block_size`` tokens, the
+    prefix cache on or off, a reference count per block id, each request's block table and
+    the prefix-cache counters. ValueError unless the pool has at least one block of at
+    least one token."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
+                f"{block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refs = [0] * num_blocks
+        self._tables: dict[str, list[int]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up by successful admissions
+        self.prefix_cache_hits = 0  # of those, tokens found cached
+        self.evictions = 0
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids in position order (empty if none); the cache's own list:
+        read it, never change or keep it."""
+        return self._tables.get(request_id, [])
+
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
 
 @dataclass
@@ -45,23 +69,15 @@ class PrefixHit:
     num_queried_tokens: int = 0  # tokens looked up (the prefix-cache query, vLLM's meaning)
 
 
-class PlainKVCache:
+class PlainKVCache(KVCacheBase):
     """The policy in the module docstring, one list per state (each hand-out is O(blocks))."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        check_pool(num_blocks, block_size)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self._refs = [0] * num_blocks
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
         self._key: list[BlockKey | None] = [None] * num_blocks  # set while registered
         self._queue = list(range(num_blocks))  # the hand-out queue, front first
         self._cached: dict[int, int] = {}  # chain hash -> block
-        self._tables: dict[str, list[int]] = {}
         self._registered: dict[str, int] = {}  # leading blocks of a table already registered
-        self.prefix_cache_queries = 0  # tokens looked up by successful admissions
-        self.prefix_cache_hits = 0  # of those, tokens found cached
-        self.evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,17 +97,6 @@ class PlainKVCache:
     def usage(self) -> float:
         """Fraction of blocks in use, 0..1 (vLLM's kv_cache_usage_perc)."""
         return self.num_used_blocks / self.num_blocks
-
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids in position order (empty if none); the cache's own list:
-        read it, never change or keep it."""
-        return self._tables.get(request_id, [])
-
-    def ref_count(self, block_id: int) -> int:
-        return self._refs[block_id]
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     def chain_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[int]:
         """The chain hashes of the first ``num_blocks`` full blocks of ``token_ids``: what the

@@ -29,38 +29,27 @@ class DisaggMetrics:
         labels = ["model_name", "engine"]
         self._values = (model_name, "0")
         v = self._values
-        self.transfer_seconds = Histogram(
+
+        def fine_histogram(name: str, doc: str) -> Any:
+            return Histogram(name, doc, labels, registry=registry, buckets=FINE_BUCKETS).labels(*v)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=registry).labels(*v)
+
+        self.transfer_seconds = fine_histogram(
             "servelab:kv_transfer_seconds",
             "KV transfer time: prefill worker reads the blocks -> decode worker has written them.",
-            labels,
-            registry=registry,
-            buckets=FINE_BUCKETS,
-        ).labels(*v)
-        self.handoff_wait = Histogram(
+        )
+        self.handoff_wait = fine_histogram(
             "servelab:kv_handoff_wait_seconds",
             "First token sampled -> KV transfer starts (decode room and reservation).",
-            labels,
-            registry=registry,
-            buckets=FINE_BUCKETS,
-        ).labels(*v)
-        self.bytes = Counter(
-            "servelab:kv_transfer_bytes",
-            "KV bytes sent to decode workers.",
-            labels,
-            registry=registry,
-        ).labels(*v)
-        self.blocks = Counter(
-            "servelab:kv_transfer_blocks",
-            "KV blocks sent to decode workers.",
-            labels,
-            registry=registry,
-        ).labels(*v)
-        self.skipped = Counter(
+        )
+        self.bytes = counter("servelab:kv_transfer_bytes", "KV bytes sent to decode workers.")
+        self.blocks = counter("servelab:kv_transfer_blocks", "KV blocks sent to decode workers.")
+        self.skipped = counter(
             "servelab:kv_transfer_skipped_blocks",
             "KV blocks not sent because the decode worker had them cached.",
-            labels,
-            registry=registry,
-        ).labels(*v)
+        )
         self._transfers = Counter(
             "servelab:kv_transfers",
             "KV transfers by result.",
@@ -80,30 +69,17 @@ class DisaggMetrics:
             registry=registry,
         )
         worker = [*labels, "worker", "role"]
-        self._up = Gauge(
-            "servelab:disagg_worker_up", "1 while the worker runs.", worker, registry=registry
+
+        def worker_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, worker, registry=registry)
+
+        self._up = worker_gauge("servelab:disagg_worker_up", "1 while the worker runs.")
+        self._used = worker_gauge("servelab:disagg_worker_kv_blocks_used", "KV blocks in use.")
+        self._total = worker_gauge(
+            "servelab:disagg_worker_kv_blocks_total", "KV blocks in the pool."
         )
-        self._used = Gauge(
-            "servelab:disagg_worker_kv_blocks_used", "KV blocks in use.", worker, registry=registry
-        )
-        self._total = Gauge(
-            "servelab:disagg_worker_kv_blocks_total",
-            "KV blocks in the pool.",
-            worker,
-            registry=registry,
-        )
-        self._running = Gauge(
-            "servelab:disagg_worker_requests_running",
-            "Requests running.",
-            worker,
-            registry=registry,
-        )
-        self._waiting = Gauge(
-            "servelab:disagg_worker_requests_waiting",
-            "Requests waiting.",
-            worker,
-            registry=registry,
-        )
+        self._running = worker_gauge("servelab:disagg_worker_requests_running", "Requests running.")
+        self._waiting = worker_gauge("servelab:disagg_worker_requests_waiting", "Requests waiting.")
         for stage in STAGES:
             self._stages.labels(*v, stage).set(0)
 

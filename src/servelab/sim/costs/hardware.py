@@ -45,130 +45,72 @@ class Hardware:
 GB = 1e9
 TB = 1e12
 
+# The GPUs, all in bf16: dense 16-bit FLOP/s, dense FP8 FLOP/s (None: no FP8 tensor cores),
+# memory bandwidth, memory, interconnect bandwidth one way per device, seconds per all-reduce.
+_GPUS: dict[str, tuple[float, float | None, float, float, float, float]] = {
+    "h100": (989e12, 1979e12, 3.35 * TB, 80 * GB, 450 * GB, 8e-6),
+    "h200": (989e12, 1979e12, 4.8 * TB, 141 * GB, 450 * GB, 8e-6),
+    "b200": (2.25e15, 4.5e15, 8 * TB, 180 * GB, 900 * GB, 8e-6),
+    "a100": (312e12, None, 2.039 * TB, 80 * GB, 300 * GB, 10e-6),
+    "a100-40gb": (312e12, None, 1.555 * TB, 40 * GB, 300 * GB, 10e-6),
+    "l4": (121e12, 242.5e12, 300 * GB, 24 * GB, 32 * GB, 20e-6),
+    "l40s": (362.05e12, 733e12, 864 * GB, 48 * GB, 32 * GB, 20e-6),
+    "mi300x": (1307.4e12, 2614.9e12, 5.3 * TB, 192 * GB, 448 * GB, 10e-6),
+}
+# Where each GPU's figures come from.
+_DATASHEETS = {
+    "h100": "NVIDIA H100 Tensor Core GPU datasheet, SXM5: 989 TFLOPS dense BF16 "
+    "(1,979 with sparsity), 1,979 dense FP8 (3,958 with sparsity), 3.35 TB/s HBM3, "
+    "80 GB, NVLink 900 GB/s bidirectional",
+    "h200": "NVIDIA H200 Tensor Core GPU datasheet, SXM: 989 TFLOPS dense BF16, "
+    "1,979 dense FP8 (3,958 with sparsity), 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s "
+    "bidirectional",
+    "b200": "NVIDIA DGX B200 datasheet, 8 GPUs: 72 PFLOPS FP8 and 36 PFLOPS FP16/BF16 "
+    "with sparsity, 1,440 GB HBM3e at 64 TB/s, NVLink 5 at 1.8 TB/s bidirectional per "
+    "GPU; per GPU dense: 4.5 PFLOPS FP8, 2.25 BF16, 180 GB, 8 TB/s",
+    "a100": "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: 312 TFLOPS dense BF16, "
+    "2,039 GB/s HBM2e, NVLink 600 GB/s bidirectional",
+    "a100-40gb": "NVIDIA A100 Tensor Core GPU datasheet, 40GB SXM: 312 TFLOPS dense BF16, "
+    "1,555 GB/s HBM2, NVLink 600 GB/s bidirectional",
+    "l4": "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOPS BF16 with sparsity "
+    "(121 dense), 485 FP8 with sparsity (242.5 dense), 300 GB/s GDDR6, 24 GB, PCIe "
+    "Gen4 x16 (64 GB/s bidirectional)",
+    "l40s": "NVIDIA L40S datasheet: 362.05 TFLOPS BF16/FP16 tensor dense (733 with "
+    "sparsity), 733 FP8 dense (1,466 with sparsity), 864 GB/s GDDR6, 48 GB, PCIe Gen4 "
+    "x16 (64 GB/s bidirectional), no NVLink",
+    "mi300x": "AMD Instinct MI300X data sheet: 1,307.4 TFLOPS dense BF16, 2,614.9 dense "
+    "FP8, 5.3 TB/s HBM3, 192 GB, 7 Infinity Fabric links at 128 GB/s (896 GB/s "
+    "aggregate, bidirectional)",
+}
+
 HARDWARE: dict[str, Hardware] = {
-    h.name: h
-    for h in (
-        Hardware(
-            name="h100",
-            peak_flops=989e12,
-            mem_bw=3.35 * TB,
-            memory_bytes=80 * GB,
-            link_bw=450 * GB,
-            link_latency=8e-6,
+    **{
+        name: Hardware(
+            name=name,
+            peak_flops=peak,
+            mem_bw=mem_bw,
+            memory_bytes=memory,
+            link_bw=link_bw,
+            link_latency=latency,
             dtype="bf16",
             dtype_bytes=2,
-            source="NVIDIA H100 Tensor Core GPU datasheet, SXM5: 989 TFLOPS dense BF16 "
-            "(1,979 with sparsity), 1,979 dense FP8 (3,958 with sparsity), 3.35 TB/s HBM3, "
-            "80 GB, NVLink 900 GB/s bidirectional",
-            fp8_flops=1979e12,
-        ),
-        Hardware(
-            name="h200",
-            peak_flops=989e12,
-            mem_bw=4.8 * TB,
-            memory_bytes=141 * GB,
-            link_bw=450 * GB,
-            link_latency=8e-6,
-            dtype="bf16",
-            dtype_bytes=2,
-            source="NVIDIA H200 Tensor Core GPU datasheet, SXM: 989 TFLOPS dense BF16, "
-            "1,979 dense FP8 (3,958 with sparsity), 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s "
-            "bidirectional",
-            fp8_flops=1979e12,
-        ),
-        Hardware(
-            name="b200",
-            peak_flops=2.25e15,
-            mem_bw=8 * TB,
-            memory_bytes=180 * GB,
-            link_bw=900 * GB,
-            link_latency=8e-6,
-            dtype="bf16",
-            dtype_bytes=2,
-            source="NVIDIA DGX B200 datasheet, 8 GPUs: 72 PFLOPS FP8 and 36 PFLOPS FP16/BF16 "
-            "with sparsity, 1,440 GB HBM3e at 64 TB/s, NVLink 5 at 1.8 TB/s bidirectional per "
-            "GPU; per GPU dense: 4.5 PFLOPS FP8, 2.25 BF16, 180 GB, 8 TB/s",
-            fp8_flops=4.5e15,
-        ),
-        Hardware(
-            name="a100",
-            peak_flops=312e12,
-            mem_bw=2.039 * TB,
-            memory_bytes=80 * GB,
-            link_bw=300 * GB,
-            link_latency=10e-6,
-            dtype="bf16",
-            dtype_bytes=2,
-            source="NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: 312 TFLOPS dense BF16, "
-            "2,039 GB/s HBM2e, NVLink 600 GB/s bidirectional",
-        ),
-        Hardware(
-            name="a100-40gb",
-            peak_flops=312e12,
-            mem_bw=1.555 * TB,
-            memory_bytes=40 * GB,
-            link_bw=300 * GB,
-            link_latency=10e-6,
-            dtype="bf16",
-            dtype_bytes=2,
-            source="NVIDIA A100 Tensor Core GPU datasheet, 40GB SXM: 312 TFLOPS dense BF16, "
-            "1,555 GB/s HBM2, NVLink 600 GB/s bidirectional",
-        ),
-        Hardware(
-            name="l4",
-            peak_flops=121e12,
-            mem_bw=300 * GB,
-            memory_bytes=24 * GB,
-            link_bw=32 * GB,
-            link_latency=20e-6,
-            dtype="bf16",
-            dtype_bytes=2,
-            source="NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOPS BF16 with sparsity "
-            "(121 dense), 485 FP8 with sparsity (242.5 dense), 300 GB/s GDDR6, 24 GB, PCIe "
-            "Gen4 x16 (64 GB/s bidirectional)",
-            fp8_flops=242.5e12,
-        ),
-        Hardware(
-            name="l40s",
-            peak_flops=362.05e12,
-            mem_bw=864 * GB,
-            memory_bytes=48 * GB,
-            link_bw=32 * GB,
-            link_latency=20e-6,
-            dtype="bf16",
-            dtype_bytes=2,
-            source="NVIDIA L40S datasheet: 362.05 TFLOPS BF16/FP16 tensor dense (733 with "
-            "sparsity), 733 FP8 dense (1,466 with sparsity), 864 GB/s GDDR6, 48 GB, PCIe Gen4 "
-            "x16 (64 GB/s bidirectional), no NVLink",
-            fp8_flops=733e12,
-        ),
-        Hardware(
-            name="mi300x",
-            peak_flops=1307.4e12,
-            mem_bw=5.3 * TB,
-            memory_bytes=192 * GB,
-            link_bw=448 * GB,
-            link_latency=10e-6,
-            dtype="bf16",
-            dtype_bytes=2,
-            source="AMD Instinct MI300X data sheet: 1,307.4 TFLOPS dense BF16, 2,614.9 dense "
-            "FP8, 5.3 TB/s HBM3, 192 GB, 7 Infinity Fabric links at 128 GB/s (896 GB/s "
-            "aggregate, bidirectional)",
-            fp8_flops=2614.9e12,
-        ),
-        Hardware(
-            name="cpu",
-            peak_flops=125e9,
-            mem_bw=17 * GB,
-            memory_bytes=None,
-            link_bw=15 * GB,
-            link_latency=5e-6,
-            dtype="fp32",
-            dtype_bytes=4,
-            source="measured on this 2-core AMD EPYC (AVX2), docs/reference-figures.md: fp32 "
-            "GEMM 70-125 GFLOP/s, streaming read 16-18 GB/s; fp32 because bf16 has no hardware",
-        ),
-    )
+            source=_DATASHEETS[name],
+            fp8_flops=fp8,
+        )
+        for name, (peak, fp8, mem_bw, memory, link_bw, latency) in _GPUS.items()
+    },
+    "cpu": Hardware(
+        name="cpu",
+        peak_flops=125e9,
+        mem_bw=17 * GB,
+        memory_bytes=None,
+        link_bw=15 * GB,
+        link_latency=5e-6,
+        dtype="fp32",
+        dtype_bytes=4,
+        source="measured on this 2-core AMD EPYC (AVX2), docs/reference-figures.md: fp32 "
+        "GEMM 70-125 GFLOP/s, streaming read 16-18 GB/s; fp32 because bf16 has no hardware",
+    ),
 }
 
 

@@ -23,13 +23,15 @@ runs also carries how far steps strayed from this fit (``meta["step_noise"]``,
 
 from __future__ import annotations
 
-import json
 import math
 from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from servelab.sim.costs.saved_doc import load_doc, save_doc
 from servelab.sim.costs.work import StepWork, decode_work
+
+FORMAT = "servelab-profile/1"
 
 LINEAR_TERMS = ("attn_pairs", "kv_read", "seqs", "logits")
 
@@ -63,26 +65,17 @@ class ProfileTable:
     meta: dict = field(default_factory=dict)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "format": "servelab-profile/1",
+        body = {
             "model": self.model,
             "device": self.device,
             "meta": self.meta,
             "samples": [s.to_dict() for s in self.samples],
         }
-        path.write_text(json.dumps(doc, indent=1))
-        return path
+        return save_doc(path, FORMAT, body)
 
     @classmethod
     def load(cls, path: str | Path) -> ProfileTable:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"no profile table at {path}; create one with `servelab profile`")
-        doc = json.loads(path.read_text())
-        if doc.get("format") != "servelab-profile/1":
-            raise ValueError(f"{path} is not a servelab profile table (format servelab-profile/1)")
+        doc = load_doc(path, FORMAT, "profile table", "create one with `servelab profile`")
         return cls(
             model=doc["model"],
             device=doc["device"],

@@ -17,7 +17,6 @@ default efficiencies and for the fitted ones.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from servelab.sim.costs.dtypes import Precision
 from servelab.sim.costs.hardware import Hardware
 from servelab.sim.costs.model_shapes import ModelSpec
 from servelab.sim.costs.roofline import Efficiency, RooflineCostModel
+from servelab.sim.costs.saved_doc import load_doc, save_doc
 from servelab.sim.fit.recorded_steps import MeasuredStep, busy_gap
 
 FORMAT = "servelab-calibration/1"
@@ -40,29 +40,19 @@ class Calibration:
     fit: dict[str, Any]
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "format": FORMAT,
+        body = {
             "hardware": self.hardware,
             "model": self.model,
             "tp": self.tp,
             "efficiency": self.efficiency.to_dict(),
             "fit": self.fit,
         }
-        p.write_text(json.dumps(doc, indent=1))
-        return p
+        return save_doc(path, FORMAT, body)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(
-                f"no calibration file at {p}; make one with `servelab calibrate RUN_DIR`"
-            )
-        doc = json.loads(p.read_text())
-        if doc.get("format") != FORMAT:
-            raise ValueError(f"{p} is not a servelab calibration file ({FORMAT})")
+        make = "make one with `servelab calibrate RUN_DIR`"
+        doc = load_doc(path, FORMAT, "calibration file", make)
         return cls(
             doc["hardware"], doc["model"], doc["tp"], Efficiency(**doc["efficiency"]), doc["fit"]
         )

@@ -19,35 +19,17 @@ class Link:
         return self.latency + nbytes / self.bandwidth
 
 
+# name, bandwidth (bytes/s one way per device), latency (s), where the figures come from
+_PRESETS = (
+    ("nvlink", 450e9, 5e-6, "NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional per GPU"),
+    ("ib", 50e9, 10e-6, "InfiniBand NDR 400 Gb/s per GPU (ConnectX-7), one way"),
+    ("roce", 25e9, 20e-6, "RoCE 200 Gb/s per GPU, one way"),
+    ("ethernet", 12.5e9, 50e-6, "100 Gb/s Ethernet with TCP, one way"),
+    ("pcie", 25e9, 10e-6, "PCIe Gen4 x16 through host memory, about 25 GB/s one way"),
+)
 LINKS: dict[str, Link] = {
-    link.name: link
-    for link in (
-        Link(
-            name="nvlink",
-            bandwidth=450e9,
-            latency=5e-6,
-            source="NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional per GPU",
-        ),
-        Link(
-            name="ib",
-            bandwidth=50e9,
-            latency=10e-6,
-            source="InfiniBand NDR 400 Gb/s per GPU (ConnectX-7), one way",
-        ),
-        Link(name="roce", bandwidth=25e9, latency=20e-6, source="RoCE 200 Gb/s per GPU, one way"),
-        Link(
-            name="ethernet",
-            bandwidth=12.5e9,
-            latency=50e-6,
-            source="100 Gb/s Ethernet with TCP, one way",
-        ),
-        Link(
-            name="pcie",
-            bandwidth=25e9,
-            latency=10e-6,
-            source="PCIe Gen4 x16 through host memory, about 25 GB/s one way",
-        ),
-    )
+    name: Link(name=name, bandwidth=bandwidth, latency=latency, source=source)
+    for name, bandwidth, latency, source in _PRESETS
 }
 
 _CUSTOM = re.compile(r"^\s*([0-9.]+)\s*(gb|GB|Gb|gbit|GBps)/s(?:\s*,\s*([0-9.]+)\s*(us|ms))?\s*$")
