@@ -87,9 +87,15 @@ def test_a_planted_cost_error_in_a_held_out_part_fails_the_check(chat_run, tmp_p
     assert "overall ttft_p50" in t.refused
 
 
-def test_a_class_too_small_for_the_objective_is_said_so_not_passed(tmp_path):
-    # mixed traffic for 40 s: 3 RAG requests in a half, where TTFT p50 needs 10
-    small = _sim(tmp_path / "small", "mixed", "--rate", "0.5", "--duration", "40s", "--seed", "3")
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """Mixed traffic for 40 s: 15 requests in a half, 3 of them RAG."""
+    out = tmp_path_factory.mktemp("selfcheck") / "mixed"
+    return _sim(out, "mixed", "--rate", "0.5", "--duration", "40s", "--seed", "3")
+
+
+def test_a_class_too_small_for_the_objective_is_said_so_not_passed(small):
+    # TTFT p50 needs 10 requests in each half: the run has 3 RAG requests in one
     run = load_run(small)
     t = predict(run, TuneSpec(small, objective="ttft_p50@rag", seeds=2, jobs=1))
     assert t.refused is not None, "a too-small objective was passed"
@@ -122,3 +128,17 @@ def test_every_part_is_checked_and_the_worst_one_is_shown():
     # a part with too few values is never passed, whatever the error
     (row,) = self_check([good, (_figs(1.0, 4), replay)], 0.15, ["ttft_p50"]).rows
     assert row.verdict == "too_small" and (row.n, row.needed) == (4, 10)
+
+
+def test_candidates_whose_target_the_run_cannot_check_are_not_predicted(small):
+    # TTFT p50 overall is pinned (15 requests a half); the priorities' targets, each class's
+    # TTFT p95, need 100 a half: those candidates are not predicted, the others are
+    t = predict(load_run(small), TuneSpec(small, objective="ttft_p50", seeds=2, jobs=1))
+    assert t.refused is None and t.decision is not None, t.refused
+    skipped = [u.reason for u in t.decision.unpredicted if u.lever == "priorities"]
+    assert skipped and all(
+        r.startswith("the run is too small for this decision: TTFT p95 rests on") for r in skipped
+    )
+    assert t.judged and all(j.candidate.knob != "priorities" for j in t.judged)
+    targets = {j.candidate.target for j in t.judged}
+    assert all(t.check.too_small(*target) is None for target in targets)
