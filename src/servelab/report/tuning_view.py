@@ -33,7 +33,7 @@ from servelab.report.html import CSS, esc, figure_div
 
 # Per class, the figures shown before -> after for a decision.
 SHOWN = ("ttft_p50", "ttft_p95", "itl_p99", "tpot_p50", "e2e_p95", "attainment")
-_VERDICT_STYLE = {"ok": "green", "thin": "yellow", "strayed": "red", "unmeasured": "dim"}
+_VERDICT_STYLE = {"ok": "green", "too_small": "yellow", "strayed": "red", "unmeasured": "dim"}
 
 
 def value(name: str, x: float | None) -> str:
@@ -91,8 +91,9 @@ def check_table(t: Tuning) -> Table | None:
     if t.check is None:
         return None
     tab = Table(
-        title=f"self-check: the run replayed as it ran, {t.seeds} simulator seeds "
-        f"(tolerance {t.check.tolerance:.0%})",
+        title=f"self-check: each of {t.check.parts} held-out parts of the run replayed by a "
+        f"model fitted to the rest, {t.seeds} simulator seeds (tolerance "
+        f"{t.check.tolerance:.0%}; the part furthest off)",
         title_justify="left",
     )
     for col in ("scope", "figure", "measured", "replay (range)", "error", "verdict"):
@@ -294,11 +295,14 @@ def check_html(t: Tuning) -> str:
     ]
     twin = f'<pre class="note">{esc(twin_text(t.twin))}</pre>' if t.twin is not None else ""
     return (
-        '<section data-section="tune-check"><h2>Self-check: the run replayed as it ran</h2>'
+        '<section data-section="tune-check"><h2>Self-check: the run replayed out of sample'
+        "</h2>"
         + twin
-        + f'<p class="note">Median [range] over {t.seeds} simulator seeds against the measured '
-        f"figure; tolerance {t.check.tolerance:.0%}. <i>thin</i>: outside the tolerance but "
-        "inside the run's own 95% interval.</p>"
+        + f'<p class="note">Each of {t.check.parts} held-out parts of the run (alternating '
+        "time windows) replayed by a model fitted to the rest of it: median [range] over "
+        f"{t.seeds} simulator seeds against the measured figure of the same requests, in the "
+        f"part furthest off; tolerance {t.check.tolerance:.0%}. <i>too_small</i>: a part has "
+        "too few values to pin the figure down, so it is not checked.</p>"
         + _table_html(["scope", "figure", "measured", "replay", "error", "verdict"], rows)
         + "</section>"
     )

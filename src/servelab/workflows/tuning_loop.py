@@ -7,8 +7,15 @@
 1. **Replay and self-check.** The run's own requests (``sim.fit.asrun``) replay through the
    simulator with its engine config and a cost model fitted to its steps -- for another
    server's run (vLLM, SGLang, llama.cpp), the twin calibrated on it, seed ``k`` on the
-   twin's ``k``-th draw -- under ``seeds`` simulator seeds; the replay's per-class figures must match the measured ones
+   twin's ``k``-th draw -- under ``seeds`` simulator seeds: that replay is what candidates
+   are compared with. The check is out of sample: for each held-out part of the run
+   (``sim.fit.asrun.folds``, alternating time windows) a model fitted to the other parts
+   replays the run, and on the held-out part's requests every checked figure, goodput and
+   SLO attainment, the objective and each candidate's target must match the measured ones
    within the tolerance (``analyze.tuning.prediction.self_check``), or nothing is predicted.
+   A figure the held-out parts have too few values to pin down is never passed: where the
+   objective rests on it nothing is predicted, where a target does, its candidates are not
+   (``ignore_gates``: predicted anyway, noted). The check costs ``FOLDS`` replays more.
 2. **Predict.** The findings' levers give candidate settings (``analyze.tuning.candidates``; for
    another server only those its own flags can set); each replays the same requests under the same seeds (in ``jobs`` forked processes: the
    target and the requests are built once, before the fork). Where a finding calls for
@@ -45,6 +52,7 @@ from servelab.analyze.server_side.serversettings import SERVELAB, render_flags, 
 from servelab.analyze.tuning.candidates import (
     Candidate,
     RunFacts,
+    Unpredicted,
     for_server,
     generate,
     serve_flags,
@@ -52,7 +60,17 @@ from servelab.analyze.tuning.candidates import (
 )
 from servelab.analyze.tuning.decision import TOP, Objective, combine, decide, judge
 from servelab.analyze.tuning.gates import gates
-from servelab.analyze.tuning.prediction import TOLERANCE, Figures, Prediction, figures, self_check
+from servelab.analyze.tuning.prediction import (
+    CHECKED,
+    SLO_FIGURES,
+    TOLERANCE,
+    Figures,
+    FigureSet,
+    Prediction,
+    SelfCheck,
+    figures,
+    self_check,
+)
 from servelab.analyze.tuning.result import Tuning
 from servelab.analyze.tuning.shape import run_shape
 from servelab.analyze.tuning.verification import AS_RUN, TUNED, Verification, verify
@@ -60,9 +78,12 @@ from servelab.bench.servers.template import HEALTH_TIMEOUT_S
 from servelab.rundir import Run, load_run
 from servelab.sim.fit.asrun import (
     AsRun,
+    Fold,
     NotReplayable,
     Replica,
     engine_config_of,
+    fold_replica,
+    folds,
     is_foreign,
     replay_target,
     requests_as_run,
@@ -136,28 +157,59 @@ def _scenario(replica: Replica, asrun: AsRun, cand: Candidate | None, seed: int)
     )
 
 
-def _simulate_one(task: tuple[int, Candidate | None, int]) -> tuple[int, int, Figures, float]:
-    key, cand, seed = task
-    replica, asrun = _SHARED["replica"], _SHARED["asrun"]
+# (key, candidate, seed, part): part -1 is the whole run on the replica fitted to all of it,
+# part i the requests of the i-th held-out part on the replica fitted to the other parts.
+Task = tuple[int, Candidate | None, int, int]
+
+
+def _simulate_one(task: Task) -> tuple[int, int, Figures, float]:
+    key, cand, seed, part = task
+    asrun = _SHARED["asrun"]
+    replica, held = (_SHARED["replica"], None) if part < 0 else _SHARED["parts"][part]
     res = simulate(_scenario(replica, asrun, cand, seed), keep_steps=False)
     for rec in res.records:  # a request that failed in the run fails in its replay
         if rec.request_id in asrun.failed:
             rec.error = f"failed as run: {asrun.failed[rec.request_id]}"
-    return key, seed, figures(res.records, asrun.slos).values, res.sim_duration
+    recs = res.records if held is None else [r for r in res.records if r.request_id in held]
+    return key, seed, figures(recs, asrun.slos).values, res.sim_duration
 
 
 class _Simulator:
     """Runs (candidate, seed) simulations inline or in a forked pool."""
 
-    def __init__(self, replica: Replica, asrun: AsRun, seeds: int, jobs: int) -> None:
-        _SHARED.update(replica=replica, asrun=asrun)
+    def __init__(
+        self,
+        replica: Replica,
+        asrun: AsRun,
+        seeds: int,
+        jobs: int,
+        parts: Sequence[tuple[Replica, frozenset[str]]] = (),
+    ) -> None:
+        _SHARED.update(replica=replica, asrun=asrun, parts=list(parts))
         self.seeds = seeds
         self.pool: ProcessPoolExecutor | None = None
         if jobs > 1 and "fork" in mp.get_all_start_methods():
             self.pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
 
-    def predict(self, cands: Sequence[tuple[str, Candidate | None]]) -> list[Prediction]:
-        tasks = [(k, c, s) for k, (_, c) in enumerate(cands) for s in range(self.seeds)]
+    def predict(
+        self, cands: Sequence[tuple[str, Candidate | None]], part: int = -1
+    ) -> list[Prediction]:
+        tasks = [(k, c, s, part) for k, (_, c) in enumerate(cands) for s in range(self.seeds)]
+        return self._run(cands, tasks)
+
+    def replay(self) -> tuple[Prediction, list[Prediction]]:
+        """The run as it ran on the replica fitted to all of it, and on each replica fitted
+        without one held-out part, that part's requests (one batch of simulations)."""
+        n = len(_SHARED["parts"])
+        cands: list[tuple[str, Candidate | None]] = [(AS_RUN, None)]
+        cands += [(f"held-out part {i + 1}", None) for i in range(n)]
+        tasks = [(k, None, s, k - 1) for k in range(n + 1) for s in range(self.seeds)]
+        whole, *parts = self._run(cands, tasks)
+        return whole, parts
+
+    def _run(
+        self, cands: Sequence[tuple[str, Candidate | None]], tasks: list[Task]
+    ) -> list[Prediction]:
         if self.pool is not None:
             results = list(self.pool.map(_simulate_one, tasks, chunksize=1))
         else:
@@ -237,6 +289,85 @@ def _has_slos(slos: dict[str, SLO]) -> bool:
     return any(getattr(s, k) is not None for s in slos.values() for k in SLO.KEYS)
 
 
+def _with_probe(replica: Replica, probe: AcceptanceProbe | None) -> Replica:
+    """``replica`` drafting and accepting as the speculation probe measured."""
+    if probe is None:
+        return replica
+    return Replica(
+        replace(
+            replica.target,
+            spec_acceptance=probe.acceptance,
+            spec_proposal_rate=probe.proposal_rate,
+        )
+    )
+
+
+def _measured_parts(run: Run, parts: Sequence[Fold], slos: dict[str, SLO]) -> list[FigureSet]:
+    return [figures([r for r in run.records if r.request_id in f.held_out], slos) for f in parts]
+
+
+def _checked(objective: Objective, cands: Sequence[Candidate], has_slos: bool) -> list[str]:
+    """What the self-check compares: the usual figures, what the SLOs decide, the objective
+    and every candidate's target."""
+    names = [*CHECKED, *(SLO_FIGURES if has_slos else ()), objective.figure]
+    names += [c.target[1] for c in cands]
+    return list(dict.fromkeys(names))
+
+
+def _refusal(check: SelfCheck, objective: Objective, spec: TuneSpec) -> tuple[str | None, str]:
+    """Why nothing is predicted after the self-check (None: predictions go ahead), and a
+    note. A figure that strays refuses whatever the flags; a run too small to check the
+    objective (or anything) refuses unless ``ignore_gates``, which notes it instead."""
+    if check.strayed:
+        strayed = ", ".join(
+            f"{r.scope} {r.name} ({r.error:+.0%}, held-out part {r.part + 1})"
+            for r in check.strayed
+        )
+        return (
+            f"the replay of the run's held-out parts, by a model fitted to the rest of it, "
+            f"strays from the measured figures by more than {spec.tolerance:.0%}: {strayed}. "
+            "Predictions from a model that does not match the run would not be worth reading, "
+            "so none are made"
+        ), ""
+    short = check.too_small(objective.scope, objective.figure)
+    if short is None and not any(r.verdict == "ok" for r in check.rows):
+        short = "the run is too small to check its replay: no figure is pinned down in each part"
+    if short is None:
+        return None, ""
+    if spec.ignore_gates:
+        return None, f"{short}; the objective is predicted anyway (--ignore-gates)"
+    return f"{short}; nothing is predicted: run it longer (--ignore-gates predicts anyway)", ""
+
+
+def _decidable(
+    check: SelfCheck,
+    cands: list[Candidate],
+    unpredicted: list[Unpredicted],
+    ignore_gates: bool,
+) -> tuple[list[Candidate], list[Unpredicted], list[str]]:
+    """The candidates whose target the self-check could check, the others joining the
+    unpredicted with why (``ignore_gates``: kept, with a note), and the notes."""
+    notes: list[str] = []
+    if ignore_gates:
+        reasons = {c.target: check.too_small(*c.target) for c in cands}
+        notes = [
+            f"{why} ({scope} {name}); predicted anyway (--ignore-gates)"
+            for (scope, name), why in reasons.items()
+            if why is not None
+        ]
+        return cands, unpredicted, notes
+    kept, skipped = [], list(unpredicted)
+    for c in cands:
+        why = check.too_small(*c.target)
+        if why is None:
+            kept.append(c)
+            continue
+        u = Unpredicted(c.lever, c.findings, why)
+        if u not in skipped:
+            skipped.append(u)
+    return kept, skipped, notes
+
+
 def predict(run: Run, spec: TuneSpec) -> Tuning:
     """Steps 1-3 of the module doc for a loaded run."""
     t0 = time.perf_counter()
@@ -271,36 +402,40 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
         timings["probe_s"] = probe.seconds
         tuning.probe = probe.to_dict()
         tuning.notes.append(probe.describe())
-        replica = Replica(
-            replace(
-                replica.target,
-                spec_acceptance=probe.acceptance,
-                spec_proposal_rate=probe.proposal_rate,
-            )
-        )
+        replica = _with_probe(replica, probe)
     tuning.measured = figures(run.records, asrun.slos, n_boot=MEASURED_N_BOOT)
-    sim = _Simulator(replica, asrun, spec.seeds, spec.jobs or os.cpu_count() or 1)
+    t1 = time.perf_counter()
+    try:
+        parts = folds(run)
+        fitted = [_with_probe(fold_replica(run, f, spec.hardware), probe) for f in parts]
+    except NotReplayable as e:
+        tuning.refused = str(e)
+        return tuning
+    timings["fit_parts_s"] = time.perf_counter() - t1
+    cands, unpredicted = generate(
+        d.findings, _facts(run, asrun, replica, probe), (objective.scope, objective.figure)
+    )
+    cands, unpredicted = for_server(replica.kind, cands, unpredicted)
+    tag = asrun.info.get("run_tag")
+    held = [frozenset(i.removeprefix(f"{tag}-") if tag else i for i in f.held_out) for f in parts]
+    sim = _Simulator(
+        replica, asrun, spec.seeds, spec.jobs or os.cpu_count() or 1, list(zip(fitted, held))
+    )
     try:
         t1 = time.perf_counter()
-        (tuning.baseline,) = sim.predict([(AS_RUN, None)])
-        tuning.check = self_check(tuning.measured, tuning.baseline, spec.tolerance)
+        tuning.baseline, replayed = sim.replay()
+        names = _checked(objective, cands, _has_slos(asrun.slos))
+        measured = _measured_parts(run, parts, asrun.slos)
+        tuning.check = self_check(list(zip(measured, replayed)), spec.tolerance, names)
         timings["replay_s"] = time.perf_counter() - t1
-        if not tuning.check.ok:
-            strayed = ", ".join(
-                f"{r.scope} {r.name} ({r.error:+.0%})" for r in tuning.check.strayed
-            )
-            tuning.refused = (
-                f"the replay of the run as it ran strays from the measured figures by more than "
-                f"{spec.tolerance:.0%}: {strayed or 'no figure could be compared'}. Predictions "
-                "from a twin that does not match the run would not be worth reading, so none "
-                "are made"
-            )
+        refusal, note = _refusal(tuning.check, objective, spec)
+        tuning.notes += [note] if note else []
+        if refusal is not None:
+            tuning.refused = refusal
             return tuning
         t2 = time.perf_counter()
-        cands, unpredicted = generate(
-            d.findings, _facts(run, asrun, replica, probe), (objective.scope, objective.figure)
-        )
-        cands, unpredicted = for_server(replica.kind, cands, unpredicted)
+        cands, unpredicted, notes = _decidable(tuning.check, cands, unpredicted, spec.ignore_gates)
+        tuning.notes += notes
         preds = sim.predict([(c.id, c) for c in cands])
         judged = [judge(tuning.baseline, c, p, objective) for c, p in zip(cands, preds)]
         first = decide(judged, objective, unpredicted, top=spec.top)

@@ -10,19 +10,22 @@ a run and its simulation are measured alike.
 
 A :class:`Prediction` holds the figures of one configuration simulated under several
 simulator seeds (each seed draws its own step noise and speculative acceptance): its
-interval is the range over the seeds. :func:`self_check` compares the replay of a run as
-it ran with the run's measured figures (module constant ``TOLERANCE``).
+interval is the range over the seeds. :func:`self_check` compares, in each held-out part of
+a run, the replay of its requests by a model fitted to the rest of the run with their
+measured figures (module constant ``TOLERANCE``).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from servelab.analyze.stats import describe
 from servelab.analyze.summary import measured_window, metric_values, summarize_group
+from servelab.analyze.tuning.gates import TAIL_REQUESTS
 from servelab.units import SLO
 from servelab.vocab import ClientRecord
 
@@ -31,6 +34,14 @@ from servelab.vocab import ClientRecord
 TOLERANCE = 0.15
 # The figures the self-check compares, per scope (overall and each class).
 CHECKED = ("ttft_p50", "ttft_p95", "itl_p50", "itl_p99", "tpot_p50", "e2e_p95", "output_tok_s")
+# ... and where the run has SLOs, what they decide (the objective's and each candidate's
+# target figure are checked too).
+SLO_FIGURES = ("goodput", "attainment")
+# A mean, a maximum or a rate of fewer values than this is not pinned down by a run (for
+# goodput and attainment the values are the requests that met their SLOs: a share of 1 in
+# 56 is one request, and the next one doubles it); a percentile needs ``TAIL_REQUESTS``
+# values beyond its quantile (the tune gates' rule).
+MIN_VALUES = 10
 METRICS = ("ttft", "itl", "tpot", "e2e", "max_itl")
 STATS = ("p50", "p90", "p95", "p99", "mean", "max")
 RATES = {
@@ -84,22 +95,19 @@ def is_latency(name: str) -> bool:
 class FigureSet:
     """A run's figures, their confidence intervals (where bootstrapped), and how many
     values each latency metric had per scope (``counts[scope][metric]``: requests, or
-    token gaps for ITL)."""
+    token gaps for ITL; ``counts[scope]["requests"]``: the requests sent)."""
 
     values: Figures
     ci: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def pinned(self, scope: str, name: str) -> bool:
-        """Whether the run has values beyond the figure's quantile: a p95 of fewer than 20
-        values is the largest one, whatever the server would do on the next 20."""
-        if not is_latency(name):
-            return True
-        metric, stat = split_name(name)
-        n = self.counts.get(scope, {}).get(metric, 0)
-        if stat.startswith("p"):
-            return n * (1 - int(stat[1:]) / 100) >= 1
-        return n >= 2
+    def count(self, scope: str, name: str) -> int:
+        """The values behind a figure: a latency metric's values, else the requests."""
+        if is_latency(name):
+            key = split_name(name)[0]
+        else:
+            key = "met" if name in SLO_FIGURES else "requests"
+        return self.counts.get(scope, {}).get(key, 0)
 
 
 def figures(
@@ -132,6 +140,9 @@ def figures(
                     cis[f"{m}_{st}"] = (float(ci[0]), float(ci[1]))
         for name, (section, key) in RATES.items():
             vals[name] = s[section][key]
+        counts["requests"] = len(recs)
+        share = vals["attainment"]
+        counts["met"] = round(share * len(recs)) if share is not None else 0
         out.values[scope] = vals
         out.ci[scope] = cis
         out.counts[scope] = counts
@@ -187,17 +198,22 @@ class Prediction:
 
 
 def rel_error(predicted: float | None, measured: float | None) -> float | None:
-    if predicted is None or measured is None or measured == 0:
+    """``(predicted - measured) / measured``; 0 where both are 0, None where only the
+    measured one is (no share of nothing) or either is missing."""
+    if predicted is None or measured is None:
         return None
+    if measured == 0:
+        return 0.0 if predicted == 0 else None
     return (predicted - measured) / measured
 
 
 @dataclass(frozen=True)
 class CheckRow:
-    """One figure of the self-check. ``verdict``: ``ok`` (within the tolerance), ``thin``
-    (outside it, but inside the run's own 95% interval or beyond what its values can
-    pin down: the run does not pin the figure down as tightly as the tolerance),
-    ``strayed`` or ``unmeasured``."""
+    """One figure of the self-check, over every held-out part of the run: the part where
+    the replay is furthest off (or, for ``too_small``, the one with the fewest values).
+    ``verdict``: ``ok`` (within the tolerance in every part), ``strayed`` (beyond it in a
+    part that pins the figure down), ``too_small`` (a part has fewer than ``needed``
+    values behind it: ``n``) or ``unmeasured``."""
 
     scope: str
     name: str
@@ -206,6 +222,9 @@ class CheckRow:
     replay: Spread | None
     error: float | None
     verdict: str
+    n: int = 0
+    needed: int = 0
+    part: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -216,13 +235,29 @@ class CheckRow:
             "replay": self.replay.to_dict() if self.replay else None,
             "error": self.error,
             "verdict": self.verdict,
+            "values": self.n,
+            "needed": self.needed,
+            "part": self.part,
         }
+
+    @property
+    def shortfall(self) -> str:
+        """What the run lacks to check this figure (``too_small``)."""
+        what = "token gaps" if self.name.startswith("itl_") else "requests"
+        if self.name in SLO_FIGURES:
+            what = "requests that met their SLOs"
+        where = "overall" if self.scope == "overall" else f"of class {self.scope}"
+        return (
+            f"{label(self.name)} rests on {self.n} {what} {where} in a held-out part, "
+            f"needs {self.needed}"
+        )
 
 
 @dataclass
 class SelfCheck:
     tolerance: float
     rows: list[CheckRow]
+    parts: int = 1
 
     @property
     def strayed(self) -> list[CheckRow]:
@@ -232,44 +267,78 @@ class SelfCheck:
     def ok(self) -> bool:
         return not self.strayed and any(r.verdict == "ok" for r in self.rows)
 
+    def too_small(self, scope: str, name: str) -> str | None:
+        """Why the run is too small to decide ``name`` of ``scope`` (None: it is not)."""
+        for r in self.rows:
+            if (r.scope, r.name) == (scope, name) and r.verdict in ("too_small", "unmeasured"):
+                if r.verdict == "unmeasured":
+                    return (
+                        f"{label(name)} of {scope} cannot be checked: held-out part "
+                        f"{r.part + 1} measured {r.measured if r.measured is not None else 'none'}"
+                        f" and the replay {r.replay.median if r.replay else 'none'}"
+                    )
+                return f"the run is too small for this decision: {r.shortfall}"
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "tolerance": self.tolerance,
+            "parts": self.parts,
             "ok": self.ok,
             "strayed": [f"{r.scope} {r.name}" for r in self.strayed],
+            "too_small": [f"{r.scope} {r.name}" for r in self.rows if r.verdict == "too_small"],
             "rows": [r.to_dict() for r in self.rows],
         }
 
 
+def needed(name: str) -> int:
+    """Values a figure needs behind it to be pinned down: ``MIN_VALUES``, and for a
+    percentile ``TAIL_REQUESTS`` beyond its quantile (p95: 100; with fewer, a p95 is one of
+    the largest few values, whatever the server would do on the next ones)."""
+    if is_latency(name):
+        stat = split_name(name)[1]
+        if stat.startswith("p"):
+            q = int(stat[1:]) / 100
+            return max(MIN_VALUES, math.ceil(TAIL_REQUESTS / (1 - q) - 1e-9))
+    return MIN_VALUES
+
+
 def self_check(
-    measured: FigureSet,
-    replay: Prediction,
+    parts: Sequence[tuple[FigureSet, Prediction]],
     tolerance: float = TOLERANCE,
     names: Sequence[str] = CHECKED,
 ) -> SelfCheck:
-    """Each checked figure of each scope: the replay's median over seeds against the
-    measured figure. It strays when it is off by more than ``tolerance`` of the measured
-    figure, lies outside the measured figure's 95% interval, and the run has values beyond
-    the figure's quantile (``FigureSet.pinned``). A thin figure, which the run itself does
-    not pin down to the tolerance, cannot refute the replay; it is shown as ``thin``."""
+    """Each of ``names`` of each scope, in each held-out part of the run (its measured
+    figures, and the replay of the same requests by a model that did not see them): the
+    replay's median over seeds against the measured figure. It strays when it is off by
+    more than ``tolerance`` of the measured figure in a part with ``needed`` values behind
+    it; a part with fewer makes it ``too_small``, never passed: the run cannot check it."""
     if not 0 < tolerance < 1:
         raise ValueError(f"the self-check tolerance must be between 0 and 1, got {tolerance}")
+    scopes: dict[str, None] = {}
+    for measured, _ in parts:
+        scopes.update(dict.fromkeys(measured.values))
     rows = []
-    for scope, vals in measured.values.items():
+    for scope in scopes:
         for name in names:
-            m = vals.get(name)
-            rep = replay.spread(scope, name)
-            ci = measured.ci.get(scope, {}).get(name)
-            err = rel_error(rep.median if rep else None, m)
-            if err is None or rep is None:
-                verdict = "unmeasured"
-            elif abs(err) <= tolerance:
-                verdict = "ok"
-            elif (ci is not None and ci[0] <= rep.median <= ci[1]) or not measured.pinned(
-                scope, name
-            ):
-                verdict = "thin"
+            need = needed(name)
+            each = []
+            for i, (measured, replay) in enumerate(parts):
+                m = measured.values.get(scope, {}).get(name)
+                rep = replay.spread(scope, name)
+                err = rel_error(rep.median if rep else None, m)
+                n = measured.count(scope, name)
+                ci = measured.ci.get(scope, {}).get(name)
+                each.append(CheckRow(scope, name, m, ci, rep, err, "", n, need, i))
+            pinned = [r for r in each if r.n >= need]
+            off = [r for r in pinned if r.error is not None and abs(r.error) > tolerance]
+            if off:
+                worst, verdict = max(off, key=lambda r: abs(r.error or 0.0)), "strayed"
+            elif len(pinned) < len(each):
+                worst, verdict = min(each, key=lambda r: r.n), "too_small"
+            elif any(r.error is None for r in each):
+                worst, verdict = next(r for r in each if r.error is None), "unmeasured"
             else:
-                verdict = "strayed"
-            rows.append(CheckRow(scope, name, m, ci, rep, err, verdict))
-    return SelfCheck(tolerance, rows)
+                worst, verdict = max(each, key=lambda r: abs(r.error or 0.0)), "ok"
+            rows.append(replace(worst, verdict=verdict))
+    return SelfCheck(tolerance, rows, len(parts))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -417,13 +418,70 @@ def replay_target(run: Run, hardware: str | None = None) -> Replica:
     return Replica(cal.target(0), cal)
 
 
-def target_from_run(run: Run) -> SimTarget:
-    """One replica priced by the run's own steps, with its engine config and KV pool."""
+@dataclass(frozen=True)
+class Fold:
+    """One held-out part of a run for the out-of-sample self-check: the run's span (first
+    send to last byte) cut into ``WINDOWS`` equal windows dealt to ``folds`` parts in turn,
+    this part's windows being ``index``, ``index + folds``, ... Its requests (``held_out``:
+    those sent inside its windows) replay on a replica fitted only to the steps (for a
+    twin: the streams) of the other windows. Alternating windows rather than halves, so
+    that every part sees the run's whole course (its start, its bursts, its drain)."""
+
+    index: int
+    folds: int
+    start: float
+    width: float
+    held_out: frozenset[str]
+
+    def holds(self, t: float) -> bool:
+        return int((t - self.start) // self.width) % self.folds == self.index
+
+    def fits(self, t: float) -> bool:
+        return not self.holds(t)
+
+
+FOLDS = 2
+WINDOWS = 10
+
+
+def folds(run: Run, k: int = FOLDS, windows: int = WINDOWS) -> list[Fold]:
+    """The run's ``k`` held-out parts (:class:`Fold`)."""
+    start = min(r.actual_send for r in run.records)
+    end = max(r.done if r.done is not None else r.actual_send for r in run.records)
+    width = max(end - start, 1e-9) / windows
+    out = []
+    for i in range(k):
+        part = Fold(i, k, start, width, frozenset())
+        held = frozenset(r.request_id for r in run.records if part.holds(r.actual_send))
+        out.append(dataclasses.replace(part, held_out=held))
+    return out
+
+
+def fold_replica(run: Run, fold: Fold, hardware: str | None = None) -> Replica:
+    """What the run replays on with ``fold`` held out: a replica priced by the other
+    windows' steps, or the twin calibrated on the other windows' requests only."""
+    if not is_foreign(run):
+        return Replica(target_from_run(run, keep=fold.fits))
+    fitted = [r for r in run.records if r.request_id not in fold.held_out]
+    try:
+        cal = calibrate_runs(
+            [dataclasses.replace(run, records=fitted, derived={})], hardware=hardware
+        )
+    except ValueError as e:
+        raise NotReplayable(
+            f"{run.name}: the twin cannot be fitted to part of this run to check it: {e}"
+        ) from None
+    return Replica(cal.target(0), cal)
+
+
+def target_from_run(run: Run, keep: Callable[[float], bool] | None = None) -> SimTarget:
+    """One replica priced by the run's own steps (``keep``: those whose start it keeps,
+    ``run_profile.table_from_runs``), with its engine config and KV pool."""
     from servelab.sim.fit.run_profile import table_from_runs
     from servelab.sim.sim_target import profile_target
 
     check_replayable(run)
-    table = table_from_runs([str(run.path)], run.model or DEFAULT_MODEL, monotone=True)
+    table = table_from_runs([str(run.path)], run.model or DEFAULT_MODEL, monotone=True, keep=keep)
     target = profile_target(table, engine_config_of(run))
     spec = target.engine_config.speculative_config
     if spec:

@@ -6,6 +6,8 @@ it loads the torch runtime. This module reads run directories only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from servelab.engine.engine_config import EngineConfig
@@ -29,10 +31,16 @@ def fit_overhead(rows: list[tuple[int, float]]) -> dict[str, float]:
 
 
 def table_from_runs(
-    run_dirs: list[str], model: str, device: str = "cpu", monotone: bool = False
+    run_dirs: list[str],
+    model: str,
+    device: str = "cpu",
+    monotone: bool = False,
+    keep: Callable[[float], bool] | None = None,
 ) -> ProfileTable:
     """A profile made of the steps of real runs ("profile on one set of workloads").
-    ``monotone`` fits a non-decreasing token term (``sim.costs.profiled``).
+    ``monotone`` fits a non-decreasing token term (``sim.costs.profiled``); ``keep`` (a
+    step's start -> whether to fit it) fits the steps it keeps only, every other step
+    still giving the context of the ones after it (an out-of-sample fit).
 
     Each recorded step becomes a sample (its rebuilt work and its duration). The overhead
     is fitted to the busy gaps between steps (``replay.busy_gaps``) against the sequences
@@ -58,7 +66,14 @@ def table_from_runs(
     runs = [load_run(d) for d in run_dirs]
     for run in runs:
         steps = measured_steps(run)
-        per_run.append([ProfileSample(m.work, m.duration) for m in steps if m.duration > 0])
+        fitted_steps = steps
+        if keep is not None:
+            starts = [s.start for s in sorted(run.steps, key=lambda s: s.step_id)]
+            kept = [keep(t) for t in starts]
+            fitted_steps = [m for m, k in zip(steps, kept, strict=True) if k]
+            # the gap before a held-out step is held out too (it is that step's overhead)
+            steps = [m if k else replace(m, gap=None) for m, k in zip(steps, kept, strict=True)]
+        per_run.append([ProfileSample(m.work, m.duration) for m in fitted_steps if m.duration > 0])
         gaps += busy_gaps(steps)
         mode = run.server.get("quantization")
         if mode is not None and meta.setdefault("quantization", mode) != mode:
