@@ -16,6 +16,7 @@ import os
 import shlex
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -203,6 +204,45 @@ def test_the_self_check_refuses_a_twin_told_the_wrong_settings(foreign_run, tmp_
     assert t.decision is None and t.check is not None and t.check.strayed
 
 
+def test_tune_predicts_from_the_twin_file_given_and_checks_it_fits_the_run(foreign_run, tmp_path):
+    from servelab.sim.fit.twin import calibrate_runs
+    from servelab.workflows.tuning_loop import twin_replica
+
+    run = load_run(foreign_run)
+    cal = calibrate_runs([run])
+    planted = {k: 2 * v for k, v in cal.cost.items()}
+    path = replace(cal, cost=planted, run="two launches").save(tmp_path / "twin.json")
+    spec = TuneSpec(foreign_run, seeds=2, jobs=1, calibration=path)
+    replica, _ = twin_replica(run, spec)
+    assert replica.twin is not None and replica.twin.run == "two launches"
+    t = predict(run, spec)
+    assert t.twin is not None and t.twin["cost"] == planted  # not a twin fitted to the run
+    # a twin of another server, or of other settings than the run stated, is refused
+    other = replace(cal, server="sglang").save(tmp_path / "sglang.json")
+    with pytest.raises(ValueError, match="a twin of sglang"):
+        twin_replica(run, replace(spec, calibration=other))
+    values = {**cal.settings["values"], "enable_chunked_prefill": True}
+    chunked = replace(cal, settings={**cal.settings, "values": values})
+    with pytest.raises(ValueError, match="other settings .*enable_chunked_prefill"):
+        twin_replica(run, replace(spec, calibration=chunked.save(tmp_path / "chunked.json")))
+    # without a file, the twin fitted to the run takes the launch command stated now
+    stated, _ = twin_replica(
+        run, replace(spec, calibration=None, server_config="vllm serve test-model --max-num-seqs 2")
+    )
+    assert stated.twin is not None and stated.twin.engine_config["max_num_seqs"] == 2
+    r = runner.invoke(
+        app,
+        [
+            "tune",
+            str(foreign_run),
+            "--ignore-gates",
+            "--calibration",
+            str(foreign_run / "manifest.json"),
+        ],
+    )
+    assert r.exit_code == 2 and "not a twin file" in " ".join(r.output.split())
+
+
 def _force_chunk_256(run, spec):
     """Predict, then make chunked prefill at 256 tokens the choice whatever was decided."""
     t = predict(run, spec)
@@ -241,7 +281,7 @@ def test_verify_relaunches_the_server_from_its_template_as_run_and_tuned(foreign
     # Chunking the RAG prompts shortens the longest stalls, predicted and measured.
     assert tuned.predicted.median < 0.8 * as_run.predicted.median
     assert tuned.measured < 0.8 * as_run.measured
-    assert v.key.p_value is not None
+    assert v.arms[0].objective.p_value is not None
 
 
 def _alive(marker: str) -> list[int]:

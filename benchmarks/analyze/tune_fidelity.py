@@ -149,6 +149,8 @@ def summarize_case(case: Case, doc: dict[str, Any]) -> dict[str, Any]:
     decision = doc.get("decision") or {}
     chosen = decision.get("chosen")
     v = doc.get("verification") or {}
+    key = ((v.get("arms") or [{}])[0]).get("key") or {}  # the top-1's key figure
+    tuned = {(r["scope"], r["figure"]): r for r in v.get("rows") or [] if r["config"] == "tuned"}
     t = doc.get("timings_s") or {}
     return {
         "case": case.name,
@@ -165,11 +167,13 @@ def summarize_case(case: Case, doc: dict[str, Any]) -> dict[str, Any]:
         "candidates": len(doc.get("candidates") or []),
         "chosen": chosen["candidate"]["title"] if chosen else None,
         "chosen_reason": chosen["reason"] if chosen else None,
-        "key_figure": v.get("target"),
-        "key_predicted_error": v.get("key_prediction_error"),
-        "key_predicted_error_adjusted": v.get("key_prediction_error_drift_adjusted"),
+        "key_figure": [key.get("scope"), key.get("figure")] if key else None,
+        "key_predicted_error": (tuned.get((key.get("scope"), key.get("figure"))) or {}).get(
+            "error"
+        ),
+        "key_predicted_error_adjusted": key.get("error"),
         "verified": v.get("verdict"),
-        "verified_p": (v.get("key") or {}).get("p_value"),
+        "verified_p": key.get("p_value"),
         "verified_sentence": v.get("sentence"),
         "verify_s": t.get("verify_s"),
         "verify_estimate_s": t.get("verify_estimate_s"),

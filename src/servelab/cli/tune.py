@@ -28,8 +28,9 @@ class TuneFlags:
     )
     verify: bool = flag(
         False,
-        "rerun the run's planned requests with the chosen setting and as run "
-        "(alternating repeats) and report measured vs predicted: on the embedded engine, "
+        "measure the config as run and the top three settings on fresh requests of the "
+        "run's workload (alternating, paired within each repeat) and report measured vs "
+        "predicted changes, the MAPE and whether the top-1 pays: on the embedded engine, "
         "or another server relaunched from --server-template",
         decls=("--verify",),
     )
@@ -63,7 +64,22 @@ class TuneFlags:
         "another server's run: the hardware it ran on (as `servelab calibrate --hardware`), "
         "for its engine's defaults there (default: its CPU build's)",
     )
-    repeats: int = flag(2, "--verify: runs of each config")
+    repeats: int = flag(2, "--verify: runs of each config, each on fresh requests (at least 2)")
+    min_uplift: float = flag(
+        0.05,
+        "--verify: the top-1's measured gain on the objective (share) below which the "
+        "answer is to keep the config as run",
+    )
+    calibration: Path | None = flag(
+        None,
+        "another server's run: predict from this twin file (`servelab calibrate`, e.g. on "
+        "two launches) instead of a twin fitted to the run alone",
+    )
+    server_config: str | None = flag(
+        None,
+        "another server's run: the launch command or flags it ran with, where the run did "
+        "not record them (as `servelab bench --server-config`)",
+    )
     tolerance: float = flag(0.15, "self-check: how far (share) the replay may stray from the run")
     seeds: int = flag(5, "simulator seeds per candidate")
     jobs: int | None = flag(None, "simulation processes (default: one per CPU)")
@@ -81,8 +97,10 @@ def tune_command(flags: TuneFlags) -> None:
     from servelab.workflows.tuning_loop import TuneSpec, run_tune
 
     f = flags
-    if f.seeds < 2 or f.repeats < 1:
-        raise fail("--seeds must be >= 2 and --repeats >= 1")
+    if f.seeds < 2 or f.repeats < 2:
+        raise fail("--seeds and --repeats must be >= 2 (--verify's tests pair arms by repeat)")
+    if not 0 <= f.min_uplift < 1:
+        raise fail("--min-uplift is a share of the objective: 0 <= it < 1, e.g. 0.05")
     spec = TuneSpec(
         f.run_dir,
         f.objective,
@@ -98,6 +116,9 @@ def tune_command(flags: TuneFlags) -> None:
         health_timeout=f.health_timeout,
         trust_run_template=f.trust_run_template,
         ignore_gates=f.ignore_gates,
+        min_uplift=f.min_uplift,
+        calibration=f.calibration,
+        server_config=f.server_config,
     )
     console = Console(quiet=f.json_out)
     try:

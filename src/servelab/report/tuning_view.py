@@ -3,8 +3,9 @@
 Both show the same four parts: the findings the decision rests on, the self-check (the
 replay of the run as it ran against its measured figures), the decision (the chosen
 setting with predicted before -> after per class, the best value of each other knob,
-capacity, rejected and unpredicted candidates) and, after ``--verify``, predicted against
-measured per class with intervals and the significance test. Every HTML section carries
+capacity, rejected and unpredicted candidates) and, after ``--verify``, each arm's predicted
+against measured change with its paired test, whether the top-1 was measured best, the
+MAPE of the predicted changes and the answer, then predicted against measured per class. Every HTML section carries
 ``data-section`` (``tune-findings``, ``tune-check``, ``tune-decision``, ``tune-verify``).
 """
 
@@ -28,7 +29,13 @@ from servelab.analyze.tuning.prediction import (
     label,
 )
 from servelab.analyze.tuning.result import Tuning
-from servelab.analyze.tuning.verification import AS_RUN, TUNED, Verification
+from servelab.analyze.tuning.verification import (
+    AS_RUN,
+    MAPE_LIMIT,
+    TUNED,
+    Change,
+    Verification,
+)
 from servelab.report.html import CSS, esc, figure_div
 
 # Per class, the figures shown before -> after for a decision.
@@ -236,8 +243,62 @@ def _render_decision(t: Tuning, d: Decision, console: Console) -> None:
             console.print(f"  [dim]- {u.lever}:[/] {u.reason}")
 
 
+def _figure(c: Change) -> str:
+    return label(c.name) + ("" if c.scope == "overall" else f" {c.scope}")
+
+
+def _p(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def change_rows(v: Verification) -> list[list[str]]:
+    """Per arm and figure tested: arm, figure, predicted, measured (per repeat), p, error."""
+    rows = []
+    for a in v.arms:
+        for c in a.changes:
+            reps = " ".join(f"{x:+.0%}" for x in c.per_repeat)
+            rows.append(
+                [
+                    a.name,
+                    _figure(c),
+                    _pct(c.predicted),
+                    f"{_pct(c.measured)} ({reps})" if reps else _pct(c.measured),
+                    _p(c.p_value),
+                    "-" if c.error is None else f"{c.error:.1%}",
+                ]
+            )
+    return rows
+
+
+def verdict_lines(v: Verification) -> list[str]:
+    """The arms' settings, which was measured best, the MAPE, the answer."""
+    lines = [f"{a.name}: {a.title}" for a in v.arms]
+    best = "the top-1" if v.top1_best else f"{v.best}, not the top-1"
+    lines.append(f"measured best on the objective: {best}")
+    if v.mape is not None:
+        way = "within" if v.mape_ok else "beyond"
+        lines.append(f"MAPE of the predicted changes: {v.mape:.1%} ({way} {MAPE_LIMIT:.0%})")
+    return lines
+
+
 def _render_verification(v: Verification, console: Console) -> None:
-    console.rule(f"[bold]verified[/] ({v.repeats} repeat(s) of each config)")
+    seeds = ", ".join(map(str, v.plan_seeds))
+    console.rule(
+        f"[bold]verified[/] ({v.repeats} repeat(s), fresh requests each"
+        + (f": plan seeds {seeds})" if seeds else ")")
+    )
+    test = v.arms[0].objective.test if v.arms else "-"
+    changes = Table(
+        title=f"change against the as-run arm (measured: mean, per repeat); p: {test}",
+        title_justify="left",
+    )
+    for h in ("arm", "figure", "predicted", "measured", "p", "error"):
+        changes.add_column(h, justify="left" if h in ("arm", "figure") else "right")
+    for row in change_rows(v):
+        changes.add_row(*row)
+    console.print(changes)
+    for line in verdict_lines(v):
+        console.print(f"  {line}")
     tab = Table(
         title="predicted: median (range over seeds); measured: mean of the repeats",
         title_justify="left",
@@ -260,8 +321,8 @@ def _render_verification(v: Verification, console: Console) -> None:
             cells += [spread_text(name, r.predicted), value(name, r.measured) + mark]
         tab.add_row(scope, label(name), *cells)
     console.print(tab)
-    style = {"better": "green", "worse": "red"}.get(v.verdict, "yellow")
-    console.print(f"[{style}]{v.verdict}[/]: {v.sentence}")
+    style = "green" if v.answer == "apply" else "yellow"
+    console.print(f"[{style}]{v.answer}[/]: {v.sentence}")
 
 
 # --------------------------------------------------------------------------- HTML
@@ -411,10 +472,13 @@ def verification_html(v: Verification | None) -> str:
                 esc("-" if r.inside is None else ("inside" if r.inside else "outside")),
             ]
         )
+    changes = [[esc(c) for c in row] for row in change_rows(v)]
     return (
         '<section data-section="tune-verify"><h2>Verified: predicted vs measured</h2>'
-        f'<p><span class="{ {"better": "better", "worse": "worse"}.get(v.verdict, "noise") }">'
-        f"{esc(v.verdict)}</span> {esc(v.sentence)}</p>"
+        f'<p><span class="{"better" if v.answer == "apply" else "noise"}">'
+        f"{esc(v.answer)}</span> {esc(v.sentence)}</p>"
+        + _table_html(["arm", "figure", "predicted", "measured", "p", "error"], changes)
+        + "".join(f'<p class="note">{esc(line)}</p>' for line in verdict_lines(v))
         + figure_div(verification_chart(v))
         + _table_html(["config", "figure", "predicted", "measured", "error", "range"], rows)
         + "</section>"

@@ -69,6 +69,9 @@ class MatrixSpec:
     repeats: int = 1
     template: str | None = None  # launch every config from this (bench.servers.template)
     model: str | None = None  # the template's {model} (default: bench --model)
+    # repeat r plans its requests with seed ``seeds[r]``, the same for every config (None:
+    # every run the command line's seed)
+    seeds: list[int] | None = None
 
     @classmethod
     def parse(cls, data: Any, source: str = "the matrix") -> MatrixSpec:
@@ -284,6 +287,7 @@ def execute_matrix(
                 tokenizer=base.tokenizer or model,
                 workload=c.workload or base.workload,
                 out=run_dir,
+                seed=spec.seeds[rep] if spec.seeds else base.seed,
             )
             result.exit_codes[run_dir.name] = bench_logged(opts, console, on_run)
             record_server(run_dir, servers[c.name])

@@ -24,11 +24,21 @@
    the target drafts and accepts as the probe measured.
 3. **Decide** (``analyze.tuning.decision``): rank by the objective, one value per knob, the best
    knobs combined and simulated once more.
-4. **Verify** (``verify=True``): rerun the same planned requests against the embedded
-   server -- another server relaunched from its command template, as-run flags and those
-   plus the chosen setting's in its own spelling -- as-run config and the chosen setting
-   alternating over ``repeats`` (``workflows.matrix``), and compare measured with
-   predicted (``analyze.tuning.verification``).
+4. **Verify** (``verify=True``): measure the as-run config and the top three settings the
+   decision ranked (``Decision.leaders``, the chosen one first) on the embedded server --
+   another server relaunched from its command template, as-run flags and those plus each
+   setting's in its own spelling -- over ``repeats`` repeats (``workflows.matrix``: the arms
+   alternate, each repeat rotating their order). Every repeat plans fresh requests of the
+   run's workload with a seed of its own (the run's seed + ``VERIFY_SEED_OFFSET`` + the
+   repeat), the same for every arm of that repeat, so the arms are paired within a repeat
+   and repeats are blocks; measured changes are compared with predicted ones, tested
+   paired and blocked, and the top-1 is applied only above ``min_uplift``
+   (``analyze.tuning.verification``).
+
+The twin of another server's run is, by default, calibrated on the run alone (with
+``server_config``, the launch command it ran with, where the run did not record it); a
+twin file that ``servelab calibrate`` wrote (``calibration``, e.g. fitted on two launches
+for honest ranges) replaces it (:func:`twin_replica`).
 """
 
 from __future__ import annotations
@@ -48,7 +58,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from servelab.analyze.diagnosis.diagnose import diagnose
-from servelab.analyze.server_side.serversettings import SERVELAB, render_flags, server_kind
+from servelab.analyze.server_side.serversettings import (
+    SERVELAB,
+    render_flags,
+    server_kind,
+    server_settings,
+)
 from servelab.analyze.tuning.candidates import (
     Candidate,
     RunFacts,
@@ -58,7 +73,7 @@ from servelab.analyze.tuning.candidates import (
     serve_flags,
     server_changes,
 )
-from servelab.analyze.tuning.decision import TOP, Objective, combine, decide, judge
+from servelab.analyze.tuning.decision import TOP, Judged, Objective, combine, decide, judge
 from servelab.analyze.tuning.gates import gates
 from servelab.analyze.tuning.prediction import (
     CHECKED,
@@ -73,7 +88,14 @@ from servelab.analyze.tuning.prediction import (
 )
 from servelab.analyze.tuning.result import Tuning
 from servelab.analyze.tuning.shape import run_shape
-from servelab.analyze.tuning.verification import AS_RUN, TUNED, Verification, verify
+from servelab.analyze.tuning.verification import (
+    AS_RUN,
+    MIN_UPLIFT,
+    Arm,
+    Verification,
+    arm_name,
+    verify,
+)
 from servelab.bench.servers.template import HEALTH_TIMEOUT_S
 from servelab.rundir import Run, load_run
 from servelab.sim.fit.asrun import (
@@ -81,6 +103,7 @@ from servelab.sim.fit.asrun import (
     Fold,
     NotReplayable,
     Replica,
+    check_replayable,
     engine_config_of,
     fold_replica,
     folds,
@@ -89,6 +112,7 @@ from servelab.sim.fit.asrun import (
     requests_as_run,
     run_slos,
 )
+from servelab.sim.fit.twin import TwinCalibration, calibrate_runs, outside_domain
 from servelab.sim.loop.simulation import Topology
 from servelab.sim.scenario import Scenario, simulate
 from servelab.units import SLO
@@ -98,6 +122,7 @@ from servelab.workflows.spec_probe import AcceptanceProbe, probe_acceptance, sam
 
 DEFAULT_SEEDS = 5
 DEFAULT_REPEATS = 2
+VERIFY_SEED_OFFSET = 1000  # repeat r of --verify plans with the run's seed + this + r
 # What a verify run costs beyond its requests: the benchmark's start, the model's tokenizer,
 # its summary; and the servers' start (once, in parallel). Measured on this machine.
 BENCH_OVERHEAD_S = 5.0
@@ -124,6 +149,9 @@ class TuneSpec:
     health_timeout: float = HEALTH_TIMEOUT_S  # --verify: seconds for a server to come up
     trust_run_template: bool = False  # --verify may run the template the run's manifest records
     ignore_gates: bool = False  # tune a run the gates refuse (analyze.tuning.gates), noted
+    min_uplift: float = MIN_UPLIFT  # --verify: the top-1's measured gain that pays
+    calibration: Path | None = None  # another server's run: a twin file to predict from
+    server_config: str | None = None  # another server's run: its launch command, if unrecorded
 
 
 # Built before the worker processes fork, read by them (large: the requests and the target).
@@ -285,6 +313,52 @@ def _twin_summary(replica: Replica) -> dict[str, Any]:
     }
 
 
+def twin_replica(run: Run, spec: TuneSpec) -> tuple[Replica, str | None]:
+    """What ``run`` replays on (``sim.fit.asrun.replay_target``); for another server's run
+    the twin file ``spec.calibration``, or else the twin calibrated on the run, with the
+    launch command ``spec.server_config`` where given. The note: where the run's requests go
+    beyond the twin file's domain. ValueError for a twin file that cannot be read, is of
+    another server or of other settings than the run stated, or for either option on a run
+    of servelab's engine; NotReplayable as ``replay_target``."""
+    if not is_foreign(run):
+        if spec.calibration is not None or spec.server_config is not None:
+            raise ValueError(
+                f"--calibration and --server-config are for another server's run (vLLM, "
+                f"SGLang, llama.cpp); {run.name} ran on servelab's engine, whose own steps "
+                "price its replay"
+            )
+        return replay_target(run, spec.hardware), None
+    if spec.calibration is None and spec.server_config is None:
+        return replay_target(run, spec.hardware), None
+    check_replayable(run)
+    if spec.calibration is None:
+        try:
+            cal = calibrate_runs([run], stated=spec.server_config, hardware=spec.hardware)
+        except ValueError as e:
+            raise NotReplayable(f"{run.name}: the twin cannot be fitted to this run: {e}") from None
+        return Replica(cal.target(0), cal), None
+    try:
+        cal = TwinCalibration.load(spec.calibration)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(
+            f"--calibration {spec.calibration}: not a twin file to read: {e}"
+        ) from None
+    kind = server_kind(run)
+    if cal.server != kind:
+        raise ValueError(
+            f"--calibration {spec.calibration} is a twin of {cal.server}; {run.name} ran on {kind}"
+        )
+    ran = server_settings(run, spec.server_config)
+    twin = cal.settings.get("values") or {}
+    differ = [k for k in sorted(ran.values) if k in twin and ran.stated(k) not in (None, twin[k])]
+    if differ:
+        raise ValueError(
+            f"--calibration {spec.calibration} was calibrated with other settings than "
+            f"{run.name} ran with ({', '.join(differ)}): calibrate on runs of its configuration"
+        )
+    return Replica(cal.target(0), cal), outside_domain(cal.domain, run.records)
+
+
 def _has_slos(slos: dict[str, SLO]) -> bool:
     return any(getattr(s, k) is not None for s in slos.values() for k in SLO.KEYS)
 
@@ -377,7 +451,8 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
     # The tokenizer's thread pool must not be running when the simulations fork.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        replica = replay_target(run, spec.hardware)
+        replica, note = twin_replica(run, spec)
+        tuning.notes += [note] if note else []
         tuning.server = replica.kind
         if replica.twin is not None:
             tuning.twin = _twin_summary(replica)
@@ -615,14 +690,38 @@ def _unflushed(runs: dict[str, list[Run]]) -> list[str]:
     return notes
 
 
+def verify_arms(tuning: Tuning) -> list[tuple[Arm, Candidate | None]]:
+    """The as-run arm, then the decision's leaders that one machine can try (no hardware),
+    the chosen one first, each with its candidate."""
+    assert tuning.decision is not None and tuning.baseline is not None
+    obj = tuning.decision.objective
+    arms: list[tuple[Arm, Candidate | None]] = [
+        (Arm(AS_RUN, "as run", tuning.baseline, (obj.scope, obj.figure)), None)
+    ]
+    leaders: list[Judged] = [j for j in tuning.decision.leaders(TOP) if not j.candidate.hardware]
+    for k, j in enumerate(leaders, 1):
+        c = j.candidate
+        arms.append((Arm(arm_name(k), c.title, j.prediction, c.target), c))
+    return arms
+
+
+def plan_seeds(run: Run, repeats: int) -> list[int]:
+    """The requests' seed of each verify repeat: fresh requests of the run's workload."""
+    from servelab.sim.fit.asrun import plan_inputs
+
+    seed = int(plan_inputs(run)["seed"] or 0)
+    return [seed + VERIFY_SEED_OFFSET + r for r in range(repeats)]
+
+
 def verify_estimate(run: Run, tuning: Tuning, repeats: int, servers_given: bool) -> float:
     """Seconds the verification will take: each repeat runs the as-run load for about as long
-    as the run did and the tuned one as long as predicted, plus each run's and the servers'
-    start."""
+    as the run did and each candidate's as long as predicted, plus each run's and the
+    servers' start."""
     as_run = run.window[1] - run.window[0]
-    chosen = tuning.decision.chosen if tuning.decision else None
-    tuned = min(chosen.prediction.durations) if chosen and chosen.prediction.durations else as_run
-    per_repeat = as_run + tuned + 2 * BENCH_OVERHEAD_S
+    per_repeat = as_run + BENCH_OVERHEAD_S
+    for arm, _ in verify_arms(tuning)[1:]:
+        durations = arm.prediction.durations
+        per_repeat += (min(durations) if durations else as_run) + BENCH_OVERHEAD_S
     return repeats * per_repeat + (0.0 if servers_given else SERVER_START_S)
 
 
@@ -633,14 +732,12 @@ def verify_choice(
     console: Console,
     servers: dict[str, Any] | None = None,
 ) -> Verification:
-    """Step 4 of the module doc."""
+    """Step 4 of the module doc; ``servers`` (arm name -> a running server) replaces the ones
+    it would start."""
     from servelab.sim.fit.asrun import plan_inputs
     from servelab.workflows.matrix import MatrixConfig, MatrixSpec, execute_matrix, start_servers
 
-    assert tuning.decision is not None and tuning.decision.chosen is not None
-    assert tuning.baseline is not None
-    chosen = tuning.decision.chosen
-    cand = chosen.candidate
+    arms = verify_arms(tuning)
     out = spec.out or run.path.parent / f"{run.name}-tune-verify"
     out.mkdir(parents=True, exist_ok=True)
     template, model = None, None
@@ -653,56 +750,84 @@ def verify_choice(
                     f"(--trust-run-template):\n  {escape(template)}"
                 )
         as_run_args = as_run_flags(run, tuning.twin["settings"])
-        changes = render_flags(tuning.server, server_changes(cand.engine))
-        tuned_args = " ".join(a for a in (as_run_args, changes) if a)  # the last flag wins
+
+        def flags(c: Candidate) -> str:  # the last flag wins
+            changes = render_flags(tuning.server, server_changes(c.engine))
+            return " ".join(a for a in (as_run_args, changes) if a)
+
     elif servers is None:
         relaunch = embedded_relaunch(run)
         model, as_run_args = relaunch.model, relaunch.flags
-        tuned_args = f"{as_run_args} {serve_flags(cand.engine)}".strip()  # the last flag wins
+
+        def flags(c: Candidate) -> str:  # the last flag wins
+            return f"{as_run_args} {serve_flags(c.engine)}".strip()
+
     else:
         base = as_run_engine(run)
         as_run_args = serve_flags(base)
-        tuned_args = serve_flags({**base, **cand.engine})
-    wl_as_run = _workload_file(run, out, AS_RUN, {})
-    wl_tuned = _workload_file(run, out, TUNED, cand.priorities)
+
+        def flags(c: Candidate) -> str:
+            return serve_flags({**base, **c.engine})
+
+    args = {a.name: as_run_args if c is None else flags(c) for a, c in arms}
+    workloads = {
+        a.name: _workload_file(run, out, a.name, c.priorities if c is not None else {})
+        for a, c in arms
+    }
+    seeds = plan_seeds(run, spec.repeats)
     est = verify_estimate(run, tuning, spec.repeats, servers is not None)
     console.print(
-        f"verify: {cand.title} against the as-run config, the run's {len(run.records)} planned "
-        f"requests each, {spec.repeats} repeat(s) in alternating order; this takes about "
+        f"verify: {', '.join(a.title for a, _ in arms)}: fresh requests of the run's workload "
+        f"in each of {spec.repeats} repeat(s) (plan seeds {', '.join(map(str, seeds))}), the "
+        f"same for every config of a repeat, in alternating order; this takes about "
         f"{est / 60:.1f} min ({est:.0f} s). Runs go to {out}."
     )
     matrix = MatrixSpec(
-        [MatrixConfig(AS_RUN, as_run_args, wl_as_run), MatrixConfig(TUNED, tuned_args, wl_tuned)],
+        [MatrixConfig(a.name, args[a.name], workloads[a.name]) for a, _ in arms],
         spec.repeats,
         model=model,  # the embedded server's: the model the run was served
+        seeds=seeds,
     )
     t0 = time.perf_counter()
     own = None
     if template is not None and servers is None:
-        console.print(
-            f"  as run: {{flags}} = {as_run_args!r}\n  tuned:  {{flags}} = {tuned_args!r}"
-        )
+        console.print("\n".join(f"  {name}: {{flags}} = {a!r}" for name, a in args.items()))
         model = spec.server_model or plan_inputs(run)["tokenizer"]
         own = start_servers(
-            {AS_RUN: as_run_args, TUNED: tuned_args},
+            args,
             out,
             model,
             console=console,
-            templates={AS_RUN: template, TUNED: template},
+            templates=dict.fromkeys(args, template),
             health_timeout=spec.health_timeout,
         )
         servers = own
     try:
-        res = execute_matrix(matrix, _bench_options(run, out, wl_as_run), console, servers=servers)
+        res = execute_matrix(
+            matrix, _bench_options(run, out, workloads[AS_RUN]), console, servers=servers
+        )
     finally:
         for srv in (own or {}).values():
             srv.stop()
     tuning.timings["verify_s"] = time.perf_counter() - t0
     tuning.timings["verify_estimate_s"] = est
-    runs = {name: [load_run(p) for p in paths] for name, paths in res.runs.items()}
-    if not runs.get(AS_RUN) or not runs.get(TUNED):
-        raise RuntimeError(f"--verify: a configuration left no run (see {out})")
+    # repeat -> arm -> run dir (``<arm>-r<repeat>``): only repeats every arm completed pair
+    done: dict[int, dict[str, Path]] = {}
+    for name, paths in res.runs.items():
+        for p in paths:
+            done.setdefault(int(p.name.rpartition("-r")[2]), {})[name] = p
+    kept = sorted(r for r, by in done.items() if all(a.name in by for a, _ in arms))
+    if not kept:
+        raise RuntimeError(f"--verify: no repeat left a run of every configuration (see {out})")
+    runs = {a.name: [load_run(done[r][a.name]) for r in kept] for a, _ in arms}
     tuning.notes += _unflushed(runs)
+    obj = tuning.decision.objective if tuning.decision else None
+    assert obj is not None
     return verify(
-        {AS_RUN: tuning.baseline, TUNED: chosen.prediction}, runs, cand.target, run_slos(run)
+        [a for a, _ in arms],
+        runs,
+        (obj.scope, obj.figure),
+        run_slos(run),
+        min_uplift=spec.min_uplift,
+        plan_seeds=[seeds[r] for r in kept],
     )

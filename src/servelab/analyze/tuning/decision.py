@@ -230,6 +230,19 @@ class Decision:
     unpredicted: list[Unpredicted] = field(default_factory=list)
     why: str = ""  # why ``chosen``: the best gain, or how a tie was decided
 
+    def leaders(self, n: int = TOP) -> list[Judged]:
+        """The chosen setting, then the next best distinct settings ranked: at most ``n``
+        (what ``--verify`` measures beside the as-run config)."""
+        if self.chosen is None:
+            return []
+        out = [self.chosen]
+        for j in self.ranked:
+            if len(out) >= n:
+                break
+            if all(j.candidate.id != o.candidate.id for o in out):
+                out.append(j)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "objective": self.objective.to_dict(),
