@@ -65,7 +65,7 @@ def test_calibrate_refuses_and_tune_predicts_nothing_naming_the_missing_token_ti
     assert r.exit_code == 2, r.output
     assert reason in " ".join(r.output.split())
     assert not (tmp_path / "c.json").exists()
-    r = CliRunner().invoke(app, ["tune", str(run_dir)])
+    r = CliRunner().invoke(app, ["tune", str(run_dir), "--ignore-gates"])
     assert r.exit_code == 0, r.output
     flat = " ".join(r.output.split())
     assert "no prediction" in flat and reason in flat
