@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from servelab.cli.errors import fail
-from servelab.cli.field_options import command_from_fields, flag
+from servelab.cli.field_options import command_from_fields, flag, spec_from_flags
 
 
 @dataclass(frozen=True)
@@ -101,25 +101,8 @@ def tune_command(flags: TuneFlags) -> None:
         raise fail("--seeds and --repeats must be >= 2 (--verify's tests pair arms by repeat)")
     if not 0 <= f.min_uplift < 1:
         raise fail("--min-uplift is a share of the objective: 0 <= it < 1, e.g. 0.05")
-    spec = TuneSpec(
-        f.run_dir,
-        f.objective,
-        f.tolerance,
-        f.seeds,
-        f.jobs,
-        verify=f.verify,
-        repeats=f.repeats,
-        out=f.out,
-        server_template=f.server_template,
-        hardware=f.hardware,
-        server_model=f.server_model,
-        health_timeout=f.health_timeout,
-        trust_run_template=f.trust_run_template,
-        ignore_gates=f.ignore_gates,
-        min_uplift=f.min_uplift,
-        calibration=f.calibration,
-        server_config=f.server_config,
-    )
+    # the flags carry every field of the spec but the number of candidates --verify measures
+    spec = spec_from_flags(TuneSpec, f, top=TuneSpec.top)
     console = Console(quiet=f.json_out)
     try:
         tuning = run_tune(spec, console)
