@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 
 from servelab.bench.client.event_loop import run_loop
 from servelab.testing.teststeps import StepLoop, StepPlan
@@ -58,6 +58,36 @@ WORDS = (" the", " of", " and", " to", " in", " a", " is", " that")
 # stream counts the client benchmarks open at once: the kernel drops the SYNs past it and the
 # client retries after 1 s, a delay the server's timelines never see (TTFT "errors" of ~1 s).
 BACKLOG = 4096
+
+
+class _ReadStamped(web_protocol.RequestHandler):
+    """aiohttp's connection handler, stamping when a request's first bytes are read off its
+    socket: the arrival a server's own clock means. A handler's clock starts only after the
+    loop has read and dispatched every request that arrived with it (up to 200 at once in the
+    client benchmarks), a queue no client can see. Requests on one connection come one at a
+    time (no pipelining), so the first read since the last request was taken is this one's."""
+
+    received_at: float | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+        super().data_received(data)
+
+
+@web.middleware
+async def _take_arrival(request: web.Request, handler: Any) -> web.StreamResponse:
+    """``request["arrival"]``: when its first bytes were read (now, for another handler)."""
+    proto = request.protocol
+    request["arrival"] = getattr(proto, "received_at", None) or time.monotonic()
+    if isinstance(proto, _ReadStamped):
+        proto.received_at = None
+    return await handler(request)
+
+
+# aiohttp builds its connection handlers by this module-level name and offers no hook for
+# another class; the swap is the test double's alone (the engine's server never imports it).
+web_server.RequestHandler = _ReadStamped  # type: ignore[misc]
 
 
 @dataclass
@@ -128,7 +158,7 @@ class TestServer:
     # ------------------------------------------------------------------ routes
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[_take_arrival])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -242,13 +272,17 @@ class TestServer:
     # ------------------------------------------------------------------ generation
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        arrival = time.monotonic()
+        arrival = request["arrival"]
+        raw = await request.read()
+        if isinstance(request.protocol, _ReadStamped):
+            # A body read in a later segment stamped again: the next bytes are the next request.
+            request.protocol.received_at = None
         if (
             self.api_key is not None
             and request.headers.get("Authorization") != f"Bearer {self.api_key}"
         ):
             return _error(401, "Missing or wrong API key.")
-        body = msgspec.json.decode(await request.read())
+        body = msgspec.json.decode(raw)
         sched = self.schedule
         override = request.headers.get("X-Test-Schedule")
         if override:
