@@ -96,7 +96,11 @@ def test_tune_refuses_with_the_reasons_and_tunes_with_ignore_gates(clean, tmp_pa
     doc = json.loads(r.output)
     assert "not a run to tune from" in doc["refused"]
     assert "marked invalid: lag" in doc["refused"] and "8 of its 80" in doc["refused"]
-    assert doc["self_check"] is None  # refused before the replay
+    assert doc["self_check"] is None and doc["gated"]  # refused before the replay
+    # the terminal leads with the refusal: a run never diagnosed has no "no findings" line
+    r = runner.invoke(app, ["tune", str(bad), "--seeds", "2", "--jobs", "1"])
+    flat = " ".join(r.output.split())
+    assert "no prediction" in flat and "no findings" not in flat
     args = ["tune", str(bad), "--json", "--seeds", "2", "--jobs", "1", "--ignore-gates"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output

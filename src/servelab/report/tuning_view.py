@@ -158,7 +158,7 @@ def render_tuning(t: Tuning, console: Console) -> None:
         for f in t.findings:
             levers = ", ".join(f.levers) or "no lever"
             console.print(f"  [yellow]> {f.title}[/] [dim]({f.confidence_label}; {levers})[/]")
-    else:
+    elif not t.gated:  # a gated run was never diagnosed: its refusal is the answer
         console.print("[green]no findings[/]: nothing in this run calls for a change")
     if t.twin is not None:
         console.print(twin_text(t.twin))

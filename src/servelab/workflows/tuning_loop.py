@@ -559,6 +559,7 @@ def run_tune(
             + " (--ignore-gates tunes it anyway)",
             notes=[f"gate {g.name}: {g.reason}" for g in found if not g.refused],
             seeds=spec.seeds,
+            gated=True,
         )
     with console.status(f"replaying {run.name} and predicting its candidates ..."):
         tuning = predict(run, spec)

@@ -37,6 +37,7 @@ class Tuning:
     )
     twin: dict[str, Any] | None = None  # another server's run: the twin it replays on
     probe: dict[str, Any] | None = None  # the speculation probe of the run's traffic, if run
+    gated: bool = False  # refused by the gates before the run was diagnosed: no findings read
 
     @property
     def predicted(self) -> bool:
@@ -46,6 +47,7 @@ class Tuning:
         return {
             "run": self.run,
             "refused": self.refused,
+            "gated": self.gated,
             "findings": [f.to_dict() for f in self.findings],
             "measured": self.measured.values if self.measured else None,
             "self_check": self.check.to_dict() if self.check else None,
