@@ -461,3 +461,33 @@ def test_intervals_come_from_the_error_on_runs_the_twin_was_not_fitted_on(unchun
     assert 0.15 < got["80"] < 0.4 and got["95"] >= got["80"]
     assert "leave-one-run-out" in got["derived"] and len(got["errors"]) >= 3
     assert cal.target(0).info["intervals"] == got
+
+
+def test_a_held_out_parts_twin_infers_steps_from_every_stream_and_fits_its_own_windows(unchunked):
+    import dataclasses
+
+    from servelab.sim.fit.asrun import fold_replica, folds
+    from servelab.sim.fit.twin import calibrate_runs
+
+    run = load_run(unchunked[0])
+    whole = calibrate_runs([run])
+    assert calibrate_runs([run], fits=lambda t: True).cost == whole.cost
+    with pytest.raises(ValueError, match="could be timed"):
+        calibrate_runs([run], fits=lambda t: False)  # no window to fit: no row
+    parts = folds(run)
+    twins = [fold_replica(run, p).twin for p in parts]
+    assert all(t is not None for t in twins)
+    for part, cal in zip(parts, twins):
+        # The steps are the whole run's, inferred from every stream: the held-out streams
+        # still ran in the batches of the fitting windows' steps.
+        assert cal.fit["inference"] == whole.fit["inference"]
+        assert cal.engine_config == whole.engine_config
+        alone = [r for r in run.records if r.request_id not in part.held_out]
+        half = calibrate_runs([dataclasses.replace(run, records=alone, derived={})])
+        assert half.fit["inference"]["requests"] < whole.fit["inference"]["requests"]
+        # Fitted to its own windows' steps only, and the planted prices come back from them.
+        assert 0 < cal.fit["rows"] < whole.fit["rows"]
+        assert cal.cost["decode_seqs"] == pytest.approx(PLAN["per_decode"], rel=0.15)
+        assert cal.cost["prefill_tokens"] == pytest.approx(PLAN["per_prefill_token"], rel=0.15)
+    # Each step's row is in exactly one part's fitting windows.
+    assert sum(t.fit["rows"] for t in twins) == whole.fit["rows"]

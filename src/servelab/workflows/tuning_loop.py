@@ -482,7 +482,10 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
     t1 = time.perf_counter()
     try:
         parts = folds(run)
-        fitted = [_with_probe(fold_replica(run, f, spec.hardware), probe) for f in parts]
+        fitted = [
+            _with_probe(fold_replica(run, f, spec.hardware, spec.server_config), probe)
+            for f in parts
+        ]
     except NotReplayable as e:
         tuning.refused = str(e)
         return tuning

@@ -423,8 +423,8 @@ class Fold:
     """One held-out part of a run for the out-of-sample self-check: the run's span (first
     send to last byte) cut into ``WINDOWS`` equal windows dealt to ``folds`` parts in turn,
     this part's windows being ``index``, ``index + folds``, ... Its requests (``held_out``:
-    those sent inside its windows) replay on a replica fitted only to the steps (for a
-    twin: the streams) of the other windows. Alternating windows rather than halves, so
+    those sent inside its windows) replay on a replica fitted only to the steps of the
+    other windows (for a twin: steps inferred from every stream). Alternating windows rather than halves, so
     that every part sees the run's whole course (its start, its bursts, its drain)."""
 
     index: int
@@ -457,16 +457,18 @@ def folds(run: Run, k: int = FOLDS, windows: int = WINDOWS) -> list[Fold]:
     return out
 
 
-def fold_replica(run: Run, fold: Fold, hardware: str | None = None) -> Replica:
+def fold_replica(
+    run: Run, fold: Fold, hardware: str | None = None, stated: str | None = None
+) -> Replica:
     """What the run replays on with ``fold`` held out: a replica priced by the other
-    windows' steps, or the twin calibrated on the other windows' requests only."""
+    windows' steps, or the twin (``stated``: the server's launch command, as for the whole
+    run's) whose steps are inferred from all the run's streams, as the whole run's twin's
+    are, and whose cost is fitted to the other windows' steps only: the held-out streams
+    still shaped the batches the others' steps ran in."""
     if not is_foreign(run):
         return Replica(target_from_run(run, keep=fold.fits))
-    fitted = [r for r in run.records if r.request_id not in fold.held_out]
     try:
-        cal = calibrate_runs(
-            [dataclasses.replace(run, records=fitted, derived={})], hardware=hardware
-        )
+        cal = calibrate_runs([run], stated=stated, hardware=hardware, fits=fold.fits)
     except ValueError as e:
         raise NotReplayable(
             f"{run.name}: the twin cannot be fitted to part of this run to check it: {e}"

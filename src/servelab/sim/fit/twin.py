@@ -48,10 +48,11 @@ separate prefill and decode batches and llama.cpp's slots are approximated by it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -575,6 +576,7 @@ def calibrate_runs(
     hardware: str | None = None,
     model: str | None = None,
     tolerance: float | None = None,
+    fits: Callable[[float], bool] | None = None,
 ) -> TwinCalibration:
     """Infer the steps of ``runs`` (of one server, another's than servelab's, in one
     configuration), fit the twin to them all, gather its settings. With several runs the
@@ -582,7 +584,12 @@ def calibrate_runs(
     hour of the host) as well as within each.
 
     ``stated``: the server's launch command or flags, secrets redacted by the caller;
-    ``hardware``: the catalogue entry it ran on (for the engine's hardware defaults).
+    ``hardware``: the catalogue entry it ran on (for the engine's hardware defaults);
+    ``fits``: the client-clock times the fit may learn from (None: all). The steps are
+    still inferred from every stream and the settings from every step, as for the whole
+    run, since fewer streams seen make other batches and other steps; only the step cost,
+    its noise and spreads are fitted to the steps that end at a kept time, and the API's
+    reported time to the requests sent at one (an out-of-sample check's fitting part).
     ValueError when the runs' settings differ."""
     first = runs[0]
     for r in runs:
@@ -613,11 +620,24 @@ def calibrate_runs(
         infer_steps(r.records, budget, chunked=chunked, scrapes=r.scrapes, tolerance=tolerance)
         for r in runs
     ]
-    fit = fit_steps(infs)
+    fitted = infs
+    if fits is not None:
+        fitted = [
+            dataclasses.replace(inf, steps=[s for s in inf.steps if fits(s.end)]) for inf in infs
+        ]
+    fit = fit_steps(fitted)
     config, sources, length = engine_settings(
         settings, [s for inf in infs for s in inf.steps], hardware
     )
-    reported = reported_api_overhead(runs, [[s.end for s in inf.steps] for inf in infs])
+    sent = runs
+    if fits is not None:
+        sent = [
+            dataclasses.replace(
+                r, records=[q for q in r.records if fits(q.actual_send)], derived={}
+            )
+            for r in runs
+        ]
+    reported = reported_api_overhead(sent, [[s.end for s in inf.steps] for inf in infs])
     api = reported if reported is not None else fit.api
     name = model or first.model or "unknown"
     kv_bytes = 1.0
@@ -662,7 +682,7 @@ def calibrate_runs(
             **domain_of([r for run in runs for r in run.records]),
             **_step_ranges([s for inf in infs for s in inf.steps]),
         },
-        intervals=held_out_intervals(infs),
+        intervals=held_out_intervals(fitted),
     )
 
 
