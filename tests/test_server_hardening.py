@@ -398,6 +398,26 @@ def test_an_idle_connection_outlives_the_header_timeout_until_keep_alive(
         assert time.monotonic() - t0 > 1.5  # closed by --keep-alive-timeout (3 s), not 0.5 s
 
 
+def test_body_bytes_never_start_the_header_timer(keyed: ServerThread) -> None:
+    # Body bytes that came after their head while no handler ran were taken for a new
+    # head's first byte: --header-timeout later the connection was closed, which cut a
+    # stream whose body came a loop iteration after its head (a GuideLLM stream ended
+    # after 7 tokens). A body sent after the answer (/health does not read it) reaches
+    # the same state every time; the connection must then live on as an idle one.
+    host, port = keyed.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = s.recv(65536)
+            assert chunk, f"closed after {reply!r}"
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200")
+        s.sendall(b"hello")
+        time.sleep(1.5)  # 3x --header-timeout
+        assert _get_health(s).startswith(b"HTTP/1.1 200")
+
+
 def test_body_timeout_answers_408_and_closes_a_trickling_body(keyed: ServerThread) -> None:
     # Headers in time, then a body of 1000 bytes at 5 bytes/s: it would take 200 s.
     host, port = keyed.url.removeprefix("http://").split(":")

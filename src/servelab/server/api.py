@@ -476,15 +476,20 @@ class _Handler(web.RequestHandler):
       (aiohttp issues 2682 and 9138). So
       aiohttp's timer closes idle connections (``--keep-alive-timeout``), and a request
       head must arrive whole within ``head_timeout`` (``--header-timeout``) of the
-      connection's opening or of its first byte after the previous request.
+      connection's opening or of its first byte after the previous request. Only a head's
+      bytes start that timer, never a body's (nor aiohttp's own empty re-feeds): body
+      bytes that came just after the head, before aiohttp's handler task started, once
+      armed it and cut that request's stream ``head_timeout`` seconds later, with nothing
+      in the log.
     """
 
-    __slots__ = ("head_timeout", "_head_handle")
+    __slots__ = ("head_timeout", "_head_handle", "_in_body")
 
     def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.head_timeout = head_timeout
         self._head_handle: asyncio.TimerHandle | None = None
+        self._in_body = False  # the last head's body has not all arrived
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -492,18 +497,34 @@ class _Handler(web.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         heads = self._request_count
-        if self._head_handle is None and not self._request_in_progress and not self._messages:
+        if (
+            data  # aiohttp calls this with b"" itself, to reparse what it buffered
+            and self._head_handle is None
+            and not self._in_body
+            and not self._request_in_progress
+            and not self._messages
+        ):
             self._arm_head()  # the first byte of a new head
         super().data_received(data)
-        if self._request_count != heads and self._head_handle is not None:
-            self._head_handle.cancel()  # the head is whole
-            self._head_handle = None
+        if self._request_count != heads:
+            if self._head_handle is not None:
+                self._head_handle.cancel()  # the head is whole
+                self._head_handle = None
+            # Until the newest head's body is whole, what comes is that body, even while
+            # neither a handler runs nor a request waits (aiohttp starts the handler task
+            # a loop iteration after it takes the request). Earlier heads' bodies are
+            # whole: the parser reads a head only after the previous body.
+            self._in_body = True
+            self._messages[-1][1].on_eof(self._body_done)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_handle is not None:
             self._head_handle.cancel()
             self._head_handle = None
         super().connection_lost(exc)
+
+    def _body_done(self) -> None:
+        self._in_body = False
 
     def _arm_head(self) -> None:
         self._head_handle = self._loop.call_later(
