@@ -45,7 +45,8 @@ def test_calibrate_fits_the_twin_of_the_stated_server(tmp_path):
 
 
 def test_tune_replays_the_imported_run_on_its_twin(tmp_path):
-    run_dir = import_sample(tmp_path, "aiperf", "--server-config", VLLM)
+    # moved after the import: the replay finds the run's trace inside the directory
+    run_dir = import_sample(tmp_path, "aiperf", "--server-config", VLLM).rename(tmp_path / "moved")
     r = CliRunner().invoke(app, ["tune", str(run_dir), "--seeds", "2", "--json", "--ignore-gates"])
     assert r.exit_code == 0, r.output
     tuning = json.loads(r.output)

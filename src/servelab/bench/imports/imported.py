@@ -108,7 +108,8 @@ def write_imported(
         trace.close()
     metrics = summarize(records)
     run.write_json("metrics.json", metrics)
-    load = {"trace": str((run.path / TRACE).resolve()), "concurrency": imp.concurrency}
+    # relative: the replay finds it in the run directory, wherever the directory moves
+    load = {"trace": TRACE, "concurrency": imp.concurrency}
     server: dict[str, Any] = {"kind": "other", "url": imp.url, "model": imp.model}
     if server_config:
         server["stated_command"] = redact(shlex.split(server_config))

@@ -39,6 +39,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from servelab.analyze.server_side.serversettings import SERVELAB
@@ -98,6 +99,10 @@ def plan_inputs(run: Run) -> dict[str, Any]:
             f"{run.name}: the manifest does not record the workload spec and load the run "
             "was planned from, so its requests cannot be rebuilt"
         )
+    trace = load.get("trace")
+    if isinstance(trace, str) and (run.path / trace).is_file() and not Path(trace).is_absolute():
+        # a trace kept inside the run directory (an import's): found wherever the run moved
+        load = {**load, "trace": str(run.path / trace)}
     seed = config.get("seed", sim.get("seed"))
     if seed is None:
         raise NotReplayable(
