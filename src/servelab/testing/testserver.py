@@ -68,6 +68,7 @@ class _ReadStamped(web_protocol.RequestHandler):
     time (no pipelining), so the first read since the last request was taken is this one's."""
 
     received_at: float | None = None
+    arrival: float | None = None  # the request being handled: its first read (_take_arrival)
 
     def data_received(self, data: bytes) -> None:
         if self.received_at is None:
@@ -77,11 +78,11 @@ class _ReadStamped(web_protocol.RequestHandler):
 
 @web.middleware
 async def _take_arrival(request: web.Request, handler: Any) -> web.StreamResponse:
-    """``request["arrival"]``: when its first bytes were read (now, for another handler)."""
+    """Moves the connection's read stamp to ``arrival``, this request's (one request at a time
+    on a connection, so the protocol can hold it)."""
     proto = request.protocol
-    request["arrival"] = getattr(proto, "received_at", None) or time.monotonic()
     if isinstance(proto, _ReadStamped):
-        proto.received_at = None
+        proto.arrival, proto.received_at = proto.received_at, None
     return await handler(request)
 
 
@@ -272,7 +273,7 @@ class TestServer:
     # ------------------------------------------------------------------ generation
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        arrival = request["arrival"]
+        arrival = getattr(request.protocol, "arrival", None) or time.monotonic()
         raw = await request.read()
         if isinstance(request.protocol, _ReadStamped):
             # A body read in a later segment stamped again: the next bytes are the next request.
