@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from aiohttp import web, web_protocol, web_server
+from aiohttp import web, web_protocol
 
 from servelab.bench.client.event_loop import run_loop
 from servelab.testing.teststeps import StepLoop, StepPlan
@@ -86,9 +86,19 @@ async def _take_arrival(request: web.Request, handler: Any) -> web.StreamRespons
     return await handler(request)
 
 
-# aiohttp builds its connection handlers by this module-level name and offers no hook for
-# another class; the swap is the test double's alone (the engine's server never imports it).
-web_server.RequestHandler = _ReadStamped  # type: ignore[misc]
+class _StampedServer(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        return _ReadStamped(self, loop=self._loop, **self._kwargs)
+
+
+class _StampedRunner(web.AppRunner):
+    """web.AppRunner whose connections are ``_ReadStamped``: aiohttp has no public hook for a
+    handler class, so the server it builds is given ours (as ``server.api.ApiAppRunner``)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _StampedServer
+        return server
 
 
 @dataclass
@@ -442,7 +452,7 @@ class TestServer:
         def main() -> None:
             loop = asyncio.new_event_loop()
             box["loop"] = loop
-            runner = web.AppRunner(self.app(), access_log=None)
+            runner = _StampedRunner(self.app(), access_log=None)
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, host, port, backlog=BACKLOG)
             loop.run_until_complete(site.start())
@@ -600,7 +610,7 @@ def main(argv: list[str] | None = None) -> None:
     server = TestServer(Schedule(**fields), api_key=args.api_key)
 
     async def serve() -> None:
-        runner = web.AppRunner(server.app(), access_log=None)
+        runner = _StampedRunner(server.app(), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port, backlog=BACKLOG)
         await site.start()
