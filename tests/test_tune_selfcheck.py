@@ -130,15 +130,18 @@ def test_every_part_is_checked_and_the_worst_one_is_shown():
     assert row.verdict == "too_small" and (row.n, row.needed) == (4, 10)
 
 
-def test_candidates_whose_target_the_run_cannot_check_are_not_predicted(small):
+def test_candidates_whose_target_the_run_cannot_check_are_judged_on_the_objective(small):
     # TTFT p50 overall is pinned (15 requests a half); the priorities' targets, each class's
-    # TTFT p95, need 100 a half: those candidates are not predicted, the others are
+    # TTFT p95, need 100 a half: those candidates are judged on the objective alone, and a
+    # note says why
     t = predict(load_run(small), TuneSpec(small, objective="ttft_p50", seeds=2, jobs=1))
     assert t.refused is None and t.decision is not None, t.refused
-    skipped = [u.reason for u in t.decision.unpredicted if u.lever == "priorities"]
-    assert skipped and all(
-        r.startswith("the run is too small for this decision: TTFT p95 rests on") for r in skipped
-    )
-    assert t.judged and all(j.candidate.knob != "priorities" for j in t.judged)
+    prio = [j.candidate for j in t.judged if j.candidate.knob == "priorities"]
+    assert prio and all(c.target == ("overall", "ttft_p50") for c in prio)
+    assert any(
+        n.startswith("the run is too small for this decision: TTFT p95 rests on")
+        and n.endswith("judged on the objective alone")
+        for n in t.notes
+    ), t.notes
     targets = {j.candidate.target for j in t.judged}
     assert all(t.check.too_small(*target) is None for target in targets)

@@ -156,3 +156,12 @@ def test_two_findings_on_two_knobs_are_also_tried_together():
     # a pair is not combined again, and another server keeps it only if it has both flags
     assert {c.id for c in for_server("vllm", cands, [])[0]} >= {pair.id}
     assert pair.id not in {c.id for c in for_server("llamacpp", cands, [])[0]}
+
+
+def test_serving_a_class_first_targets_that_class_s_own_objective():
+    facts = dataclasses.replace(QUIET, priorities={"chat": 0, "batch": 0})
+    cands, _ = generate([], facts, ("chat", "ttft_mean"))
+    target = {c.id: c.target for c in cands if c.knob == "priorities"}
+    # the objective names chat's figure: serving chat first is judged on it; the other
+    # class keeps its tail TTFT
+    assert target == {"first-chat": ("chat", "ttft_mean"), "first-batch": ("batch", "ttft_p95")}

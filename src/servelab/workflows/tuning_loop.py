@@ -67,7 +67,6 @@ from servelab.analyze.server_side.serversettings import (
 from servelab.analyze.tuning.candidates import (
     Candidate,
     RunFacts,
-    Unpredicted,
     for_server,
     generate,
     serve_flags,
@@ -416,30 +415,26 @@ def _refusal(check: SelfCheck, objective: Objective, spec: TuneSpec) -> tuple[st
 def _decidable(
     check: SelfCheck,
     cands: list[Candidate],
-    unpredicted: list[Unpredicted],
+    objective: Objective,
     ignore_gates: bool,
-) -> tuple[list[Candidate], list[Unpredicted], list[str]]:
-    """The candidates whose target the self-check could check, the others joining the
-    unpredicted with why (``ignore_gates``: kept, with a note), and the notes."""
-    notes: list[str] = []
+) -> tuple[list[Candidate], list[str]]:
+    """The candidates, each judged on a figure the self-check could check, and the notes.
+    A candidate whose own target the run cannot pin down (a class's TTFT p95 in a run
+    of 30 requests a half) is judged on the objective alone, which the run does pin down
+    (``_refusal`` came first), and a note says so; ``ignore_gates`` keeps the targets."""
+    reasons = {c.target: why for c in cands if (why := check.too_small(*c.target))}
     if ignore_gates:
-        reasons = {c.target: check.too_small(*c.target) for c in cands}
         notes = [
             f"{why} ({scope} {name}); predicted anyway (--ignore-gates)"
             for (scope, name), why in reasons.items()
-            if why is not None
         ]
-        return cands, unpredicted, notes
-    kept, skipped = [], list(unpredicted)
-    for c in cands:
-        why = check.too_small(*c.target)
-        if why is None:
-            kept.append(c)
-            continue
-        u = Unpredicted(c.lever, c.findings, why)
-        if u not in skipped:
-            skipped.append(u)
-    return kept, skipped, notes
+        return cands, notes
+    goal = (objective.scope, objective.figure)
+    notes = [
+        f"{why} ({scope} {name}): its candidates are judged on the objective alone"
+        for (scope, name), why in reasons.items()
+    ]
+    return [replace(c, target=goal) if c.target in reasons else c for c in cands], notes
 
 
 def predict(run: Run, spec: TuneSpec) -> Tuning:
@@ -512,7 +507,7 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
             tuning.refused = refusal
             return tuning
         t2 = time.perf_counter()
-        cands, unpredicted, notes = _decidable(tuning.check, cands, unpredicted, spec.ignore_gates)
+        cands, notes = _decidable(tuning.check, cands, objective, spec.ignore_gates)
         tuning.notes += notes
         preds = sim.predict([(c.id, c) for c in cands])
         judged = [judge(tuning.baseline, c, p, objective) for c, p in zip(cands, preds)]

@@ -423,7 +423,9 @@ def generate(
                     title=f"serve {cls} first (priority 0, the others 1)",
                     priorities=prio,
                     findings=tuple(f.id for f in levers.get("priorities", [])),
-                    target=(cls, "ttft_p95"),
+                    # the class's own objective where the user named one: a run that
+                    # decides chat's TTFT mean may be too short to pin down its p95
+                    target=objective if objective[0] == cls else (cls, "ttft_p95"),
                     cost="the other classes wait behind it, and are the ones preempted",
                     complexity=LEVERS["priorities"].complexity,
                     operates=LEVERS["priorities"].operates,
