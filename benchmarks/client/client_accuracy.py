@@ -23,15 +23,17 @@ arrived), their differences, and the error of every inter-chunk gap where the cl
     python -m benchmarks.client.client_accuracy --quick    # a short check
     python -m benchmarks.client.client_accuracy --quick --peers   # and the clients side by side
 
-With ``--join``, the TTFT of every request is joined by its ``X-Request-Id`` with the server's
-own (first token written - request read) at 20 and 200 streams (``--join-streams``), run as
-``servelab bench`` runs them (its ``PlanRunner``: a closed loop of N streams, ``--rounds``
-requests each), cold (``--cold-connections``: every stream opens its connection inside the
-window) and warm (the default: the pool opened before the clock starts): the per-request error
-at p50/p99, split into waiting for a connection, sending, the request's queue (written -> the
-server's handler starting: the wire and the server's read and dispatch, which its clock does
-not see) and the client's stamp of the first token (client stamp - server write). Levels alternate and repeat (``--repeats``) so that a loaded machine
-shows as ranges.
+With ``--join``, the test server serves over kernel-stamped sockets (``testing/stampserver.py``)
+and the TTFT of every request is joined by its ``X-Request-Id`` with the server's own (first
+token written - the kernel's receive stamp of the request) at 20 and 200 streams
+(``--join-streams``), run as ``servelab bench`` runs them (its ``PlanRunner``: a closed loop of N
+streams, ``--rounds`` requests each), cold (``--cold-connections``: every stream opens its
+connection inside the window) and warm (the default: the pool opened before the clock starts):
+the per-request error at p50/p99, split into waiting for a connection, sending, the wire (last
+byte written -> the kernel received it) and the client's stamp of the first token (client stamp
+- server write); beside it, the error against the server's event-loop clock (the read of the
+request's first bytes, as the aiohttp server stamps it) and the difference, the server's read
+lag. Levels alternate and repeat (``--repeats``) so that a loaded machine shows as ranges.
 
     python -m benchmarks.client.client_accuracy --join --repeats 3
 """
@@ -169,9 +171,21 @@ async def measure(url: str, lv: Level, client: str, tag: str) -> dict[str, float
     }
 
 
+async def _fetch_arrivals(url: str, ids: list[str]) -> dict[str, dict[str, float]]:
+    """The stamp server's arrival stamps of the requests ``ids`` (100 ids a query)."""
+    out: dict[str, dict[str, float]] = {}
+    async with aiohttp.ClientSession() as s:
+        for i in range(0, len(ids), 100):
+            q = {"ids": ",".join(ids[i : i + 100])}
+            async with s.get(f"{url}/test/arrivals", params=q) as r:
+                out.update(await r.json())
+    return out
+
+
 async def _joined(url: str, streams: int, rounds: int, warm: bool) -> dict[str, float]:
-    """``streams`` closed-loop streams run by the bench's own runner against the test server;
-    each request's TTFT error joined by id."""
+    """``streams`` closed-loop streams run by the bench's own runner against the stamp server;
+    each request's TTFT error joined by id, against the kernel's receive stamp and the server's
+    event-loop read."""
     lv = Level(streams, 0.015, 20)
     http = HttpClient(url)
     target = Target(
@@ -187,25 +201,28 @@ async def _joined(url: str, streams: int, rounds: int, warm: bool) -> dict[str, 
     recs = res.records
     if bad := [r.error for r in recs if not r.ok]:
         raise RuntimeError(f"{len(bad)} requests failed: {bad[0]}")
-    tls = await fetch_timelines(url, [server_id(r) for r in recs])
-    # err = conn + send + queue + stamp: waiting for a connection, sending, the request's wait
-    # between its last byte written and the server's handler starting (the wire and the server's
-    # read and dispatch queue), and the client's stamp of the first token after its write
-    rows: dict[str, list[float]] = {"err": [], "conn": [], "send": [], "queue": [], "stamp": []}
-    new_err: list[float] = []
+    ids = [server_id(r) for r in recs]
+    tls, arrivals = await fetch_timelines(url, ids), await _fetch_arrivals(url, ids)
+    # err = conn + send + wire + stamp: waiting for a connection, sending, the request's way from
+    # its last byte written to the kernel's receipt of it, and the client's stamp of the first
+    # token after the server's write; loop = err + lag, the server's read after the kernel's
+    keys = ("err", "loop", "conn", "send", "wire", "lag", "stamp")
+    rows: dict[str, list[float]] = {k: [] for k in keys}
+    new = unstamped = 0
     for r in recs:
-        tl = tls[server_id(r)]
-        true = tl["first_token"] - tl["arrival"]
-        assert r.ttft is not None and r.server_to_first_token is not None
-        rows["err"].append(r.ttft - true)
+        tl, a = tls[server_id(r)], arrivals[server_id(r)]
+        kernel = a.get("kernel", a["read"])
+        unstamped += "kernel" not in a
+        assert r.ttft is not None and r.request_written is not None
+        rows["err"].append(r.ttft - (tl["first_token"] - kernel))
+        rows["loop"].append(r.ttft - (tl["first_token"] - a["read"]))
         rows["conn"].append(r.connection_wait or 0.0)
         rows["send"].append(r.send_time or 0.0)
-        assert r.request_written is not None
-        rows["queue"].append(tl["arrival"] - r.request_written)
+        rows["wire"].append(kernel - r.request_written)
+        rows["lag"].append(a["read"] - kernel)
         rows["stamp"].append(r.chunk_times[0] - tl["first_token"])
-        if r.new_connection:
-            new_err.append(r.ttft - true)
-    out = {"new": float(len(new_err)), "n": float(len(recs))}
+        new += bool(r.new_connection)
+    out = {"new": float(new), "n": float(len(recs)), "unstamped": float(unstamped)}
     out["setup_ms"] = 1e3 * float((res.connections or {}).get("seconds", 0.0))
     for k, v in rows.items():
         a = np.asarray(v) * 1e3
@@ -213,19 +230,23 @@ async def _joined(url: str, streams: int, rounds: int, warm: bool) -> dict[str, 
     return out
 
 
+JOIN_LEGEND = """
+TTFT joined by X-Request-Id with the server's (closed loop, {rounds} requests a stream; ms)
+err   client TTFT - the server's, from the kernel's receive stamp: conn + send + wire + stamp
+loop  the same error against the server's event-loop read of the request: err + lag
+conn  waiting for a connection      send  connection ready -> the request's last byte written
+wire  last byte written -> the kernel received it   lag   -> the server's event loop read it
+stamp the client's stamp of the first token - the server's write of it
+setup the warm pool's set-up, before the clock""".strip("\n")
+
+
 def join_table(url: str, repeats: int, rounds: int, levels: list[int]) -> None:
     """The TTFT error per request, joined by id, at each stream count, cold and warm."""
+    print("\n" + JOIN_LEGEND.format(rounds=rounds))
     print(
-        f"\nTTFT joined by X-Request-Id with the server's own (closed loop, {rounds} requests a "
-        "stream; ms): error = client TTFT - server TTFT = connection wait + sending + queue "
-        "(written -> the server's handler) + stamp (first token: client stamp - server write); "
-        "set-up: the warm pool's, before the clock"
-    )
-    print(
-        f"{'streams':>7} {'conns':>5} {'rep':>3} {'new':>4} {'err p50':>8} {'p99':>7} "
-        f"{'conn p50':>8} {'p99':>7} {'send p50':>8} {'p99':>6} {'queue p50':>9} {'p99':>7} "
-        f"{'stamp p50':>9} {'p99':>6} "
-        f"{'set-up':>7}"
+        f"{'streams':>7} {'conns':>5} {'rep':>3} {'new':>4} {'err50':>6} {'err99':>6} "
+        f"{'loop50':>6} {'loop99':>6} {'conn99':>6} {'send99':>6} {'wire99':>6} "
+        f"{'lag50':>6} {'lag99':>6} {'stamp99':>7} {'setup':>5}"
     )
     for rep in range(repeats):
         for streams in levels:
@@ -233,13 +254,14 @@ def join_table(url: str, repeats: int, rounds: int, levels: list[int]) -> None:
                 m = run_loop(_joined(url, streams, rounds, warm))
                 print(
                     f"{streams:7d} {'warm' if warm else 'cold':>5} {rep:3d} {m['new']:4.0f} "
-                    f"{m['err_p50']:8.2f} {m['err_p99']:7.2f} {m['conn_p50']:8.2f} "
-                    f"{m['conn_p99']:7.2f} {m['send_p50']:8.3f} {m['send_p99']:6.3f} "
-                    f"{m['queue_p50']:9.2f} {m['queue_p99']:7.2f} "
-                    f"{m['stamp_p50']:9.3f} {m['stamp_p99']:6.3f} "
-                    f"{m['setup_ms'] if warm else float('nan'):7.1f}",
+                    f"{m['err_p50']:6.2f} {m['err_p99']:6.2f} {m['loop_p50']:6.2f} "
+                    f"{m['loop_p99']:6.2f} {m['conn_p99']:6.2f} {m['send_p99']:6.3f} "
+                    f"{m['wire_p99']:6.3f} {m['lag_p50']:6.2f} {m['lag_p99']:6.2f} "
+                    f"{m['stamp_p99']:7.3f} {m['setup_ms'] if warm else float('nan'):5.1f}",
                     flush=True,
                 )
+                if m["unstamped"]:
+                    print(f"  ({m['unstamped']:.0f} requests had no kernel stamp: err = loop)")
 
 
 def compare(reported: list[Reported], tls: dict[str, dict]) -> dict[str, float | int]:
@@ -375,7 +397,8 @@ def main() -> None:
         f"{'client':9} {'streams':>7} {'itl ms':>6} {'err p50':>8} {'err p99':>8} "
         f"{'err max':>8} {'TTFT err p99':>12} {'us/token':>8} {'tok/s':>8} {'tok/s/core':>10}"
     )
-    with run_test_server(sched, cpu=server_cpu if len(cpus) > 1 else None) as url:
+    server_cpu_arg = server_cpu if len(cpus) > 1 else None
+    with run_test_server(sched, cpu=server_cpu_arg, kernel_stamps=args.join) as url:
         if args.join:
             join_table(
                 url, args.repeats, args.rounds, [int(n) for n in args.join_streams.split(",")]

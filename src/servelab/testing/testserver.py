@@ -21,6 +21,12 @@ With ``steps`` (the fields of ``bench.teststeps.StepPlan``) streams are not time
 one: one loop of engine steps of planted cost serves them all, and ``GET /test/steps``
 returns the steps it ran.
 
+A request's clock starts when the event loop reads its first bytes off the socket (before the
+handler is dispatched); ``GET /test/arrivals?ids=...`` gives that read stamp per request
+(``{"read": t}``). ``testing/stampserver.py`` serves the same generation over sockets the
+kernel stamps, and starts the clock at the kernel's receipt instead (``kernel_stamps=True``
+below).
+
 In-process: ``with TestServer(Schedule(...)).running() as url: ...`` (a background
 thread). Out of process (to pin it to a CPU): ``with run_test_server(schedule,
 cpu=1) as url: ...`` or ``python -m servelab.testing.testserver --port 0 --itl 0.015``
@@ -42,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +153,19 @@ class _Served:
     timeline: RequestTimeline
     body: dict[str, Any]
     headers: dict[str, str]
+    arrivals: dict[str, float]  # TestServer.admit's
+
+
+@dataclass
+class Admitted:
+    """A generation request ``TestServer.admit`` took: what to answer it with."""
+
+    rid: str
+    body: dict[str, Any]
+    n: int  # output tokens
+    sched: Schedule
+    chat: bool
+    timeline: RequestTimeline
 
 
 @dataclass
@@ -182,6 +201,7 @@ class TestServer:
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/test/requests", self._requests)
         app.router.add_get("/test/steps", self._steps)
+        app.router.add_get("/test/arrivals", self._arrivals)
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -251,12 +271,27 @@ class TestServer:
         return web.json_response({"prompt": text, "content": text})
 
     async def _timelines(self, request: web.Request) -> web.Response:
-        if self.schedule.report != "servelab":  # emulating another server: it has none
+        doc = self.timelines_doc(request.query.get("ids"))
+        if doc is None:
             return web.Response(status=404, text="404: Not Found")
-        ids = request.query.get("ids")
+        return web.json_response(doc)
+
+    def timelines_doc(self, ids: str | None) -> dict[str, Any] | None:
+        """``GET /v1/timelines``'s answer for the comma-separated ``ids`` (None: all); None
+        when the schedule emulates another server, which has none."""
+        if self.schedule.report != "servelab":
+            return None
         keys = ids.split(",") if ids else list(self.served)
         tls = [self.served[k].timeline.to_dict() for k in keys if k in self.served]
-        return web.json_response({"timelines": tls, "steps": []})
+        return {"timelines": tls, "steps": []}
+
+    async def _arrivals(self, request: web.Request) -> web.Response:
+        return web.json_response(self.arrivals_doc(request.query.get("ids")))
+
+    def arrivals_doc(self, ids: str | None) -> dict[str, dict[str, float]]:
+        """``GET /test/arrivals``: each request's arrival stamps (``admit``'s), by id."""
+        keys = ids.split(",") if ids else list(self.served)
+        return {k: self.served[k].arrivals for k in keys if k in self.served}
 
     async def _requests(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -283,42 +318,51 @@ class TestServer:
     # ------------------------------------------------------------------ generation
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        arrival = getattr(request.protocol, "arrival", None) or time.monotonic()
+        read = getattr(request.protocol, "arrival", None) or time.monotonic()
         raw = await request.read()
         if isinstance(request.protocol, _ReadStamped):
             # A body read in a later segment stamped again: the next bytes are the next request.
             request.protocol.received_at = None
-        if (
-            self.api_key is not None
-            and request.headers.get("Authorization") != f"Bearer {self.api_key}"
-        ):
-            return _error(401, "Missing or wrong API key.")
+        got = self.admit(request.headers, raw, chat, {"read": read})
+        if isinstance(got, tuple):
+            return _error(*got)
+        if not got.body.get("stream") or got.sched.ignore_stream:
+            return web.json_response(await self.full_doc(got), headers={"X-Request-Id": got.rid})
+        return await self._stream(request, got)
+
+    def admit(
+        self, headers: Mapping[str, str], raw: bytes, chat: bool, arrivals: dict[str, float]
+    ) -> Admitted | tuple[int, str]:
+        """Check a generation request and record it, or say the status and message to answer
+        instead. ``arrivals`` (monotonic seconds): ``"read"``, when the server's event loop
+        read the request's first bytes, and ``"kernel"`` where known, when the kernel received
+        them; the timeline's arrival is the kernel's, else the read's."""
+        if self.api_key is not None and headers.get("Authorization") != f"Bearer {self.api_key}":
+            return 401, "Missing or wrong API key."
         body = msgspec.json.decode(raw)
         sched = self.schedule
-        override = request.headers.get("X-Test-Schedule")
+        override = headers.get("X-Test-Schedule")
         if override:
             sched = dataclasses.replace(sched, **json.loads(override))
         if sched.status != 200:
-            return _error(sched.status, f"planted error {sched.status}")
+            return sched.status, f"planted error {sched.status}"
         self._counter += 1
-        rid = request.headers.get("X-Request-Id") or f"test-{self._counter}"
+        rid = headers.get("X-Request-Id") or f"test-{self._counter}"
         # Chat clients may send OpenAI's newer name for the same limit.
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         n = int(limit or sched.default_max_tokens)
         prompt = _prompt_text(body, chat)
+        arrival = arrivals.get("kernel", arrivals["read"])
         tl = RequestTimeline(rid, arrival, prompt_tokens=len(prompt.split()), queued=[arrival])
         tl.scheduled.append(arrival + min(sched.queue, sched.ttft))
-        headers = {k: v for k, v in request.headers.items() if k.lower() != "authorization"}
-        headers["has_authorization"] = str("Authorization" in request.headers)
-        self.served[rid] = _Served(tl, body, headers)
-        if not body.get("stream") or sched.ignore_stream:
-            return await self._full(rid, body, n, sched, chat)
-        return await self._stream(request, rid, body, n, sched, chat)
+        kept = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        kept["has_authorization"] = str("Authorization" in headers)
+        self.served[rid] = _Served(tl, body, kept, dict(arrivals))
+        return Admitted(rid, body, n, sched, chat, tl)
 
-    async def _full(
-        self, rid: str, body: dict[str, Any], n: int, sched: Schedule, chat: bool
-    ) -> web.Response:
-        tl = self.served[rid].timeline
+    async def full_doc(self, req: Admitted) -> dict[str, Any]:
+        """The whole (non-stream) answer to ``req``, once its last token is due."""
+        tl, n, sched = req.timeline, req.n, req.sched
         offsets = sched.chunk_offsets(math.ceil(n / sched.tokens_per_chunk))
         await _sleep_until(tl.arrival + offsets[-1])
         now = time.monotonic()
@@ -326,38 +370,39 @@ class TestServer:
         tl.output_tokens, tl.finish_reason = n, FinishReason.LENGTH
         text = "".join(WORDS[i % len(WORDS)] for i in range(n))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-        if chat:
+        if req.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         usage = _usage(tl.prompt_tokens, round(n * sched.usage_factor))
-        return web.json_response(
-            {"id": rid, "choices": [choice], "usage": usage, **_figures(tl, sched.report)},
-            headers={"X-Request-Id": rid},
-        )
+        return {"id": req.rid, "choices": [choice], "usage": usage, **_figures(tl, sched.report)}
 
-    async def _stream(self, *args: Any) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: Admitted) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "X-Request-Id": req.rid}
+        )
         try:
-            return await self._stream_body(*args)
+            await resp.prepare(request)
+            async for data in self.stream_writes(req):
+                await resp.write(data)
+            if req.timeline.error == "cut":
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            await resp.write_eof()
         except ConnectionResetError:  # the client went away (a timeout test): nothing to do
             return web.Response(status=499)
+        return resp
 
-    async def _stream_body(
-        self,
-        request: web.Request,
-        rid: str,
-        body: dict[str, Any],
-        n: int,
-        sched: Schedule,
-        chat: bool,
-    ) -> web.StreamResponse:
-        tl = self.served[rid].timeline
+    async def stream_writes(self, req: Admitted) -> AsyncIterator[bytes]:
+        """The SSE body of ``req``'s stream, one socket write at a time, each yielded when it
+        is due and stamped in the timeline just before (the caller writes it at once). After a
+        planted cut (``fail_after``) it stops with the timeline's error ``"cut"``: the caller
+        closes the connection instead of ending the body."""
+        rid, body, n, sched, tl = req.rid, req.body, req.n, req.sched, req.timeline
+        chat = req.chat
         opts = body.get("stream_options") or {}
         continuous = bool(opts.get("continuous_usage_stats"))
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "X-Request-Id": rid}
-        )
-        await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def event(
@@ -380,7 +425,7 @@ class TestServer:
             return b"data: " + msgspec.json.encode(d) + b"\n\n"
 
         if chat and sched.role_chunk:
-            await resp.write(event(None, role=True))
+            yield event(None, role=True)
         k = sched.tokens_per_chunk
         n_chunks = 0 if sched.no_tokens else math.ceil(n / k)
         offsets = sched.chunk_offsets(n_chunks)
@@ -411,15 +456,13 @@ class TestServer:
                     FinishReason.ABORT,
                     "cut",
                 )
-                assert request.transport is not None
-                request.transport.close()
-                return resp
+                return
             now = time.monotonic()
-            await resp.write(b"".join(pending))
-            pending = []
             if tl.first_token is None:
                 tl.first_token = now
             tl.token_times.extend([now] * (sent - len(tl.token_times)))
+            yield b"".join(pending)
+            pending = []
         tl.finished, tl.output_tokens, tl.finish_reason = (
             time.monotonic(),
             sent,
@@ -433,45 +476,58 @@ class TestServer:
                 "usage": _usage(tl.prompt_tokens, round(sent * sched.usage_factor)),
                 **_figures(tl, sched.report),
             }
-            await resp.write(b"data: " + msgspec.json.encode(final) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+            yield b"data: " + msgspec.json.encode(final) + b"\n\n"
+        yield b"data: [DONE]\n\n"
         for _ in range(sched.after_done):
             await asyncio.sleep(sched.itl)
-            await resp.write(event(WORDS[0], None, _usage(tl.prompt_tokens, sent + 1)))
-        await resp.write_eof()
-        return resp
+            yield event(WORDS[0], None, _usage(tl.prompt_tokens, sent + 1))
 
     # ------------------------------------------------------------------ running
 
-    @contextlib.contextmanager
-    def running(self, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    async def serve(self, host: str, port: int) -> tuple[int, Callable[[], Awaitable[None]]]:
+        """Listen on ``host:port`` (0: any free port) on the running loop; returns the port
+        and the coroutine function that stops serving."""
+        runner = _StampedRunner(self.app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port, backlog=BACKLOG).start()
+        return runner.addresses[0][1], runner.cleanup
+
+    def running(
+        self, host: str = "127.0.0.1", port: int = 0
+    ) -> contextlib.AbstractContextManager[str]:
         """Serve from a background thread; yields the base URL; stops on exit."""
-        ready = threading.Event()
-        box: dict[str, Any] = {}
+        return serve_in_thread(lambda: self.serve(host, port), host)
 
-        def main() -> None:
-            loop = asyncio.new_event_loop()
-            box["loop"] = loop
-            runner = _StampedRunner(self.app(), access_log=None)
-            loop.run_until_complete(runner.setup())
-            site = web.TCPSite(runner, host, port, backlog=BACKLOG)
-            loop.run_until_complete(site.start())
-            box["port"] = runner.addresses[0][1]
-            ready.set()
-            loop.run_until_complete(box.setdefault("stop", loop.create_future()))
-            loop.run_until_complete(runner.cleanup())
-            loop.close()
 
-        thread = threading.Thread(target=main, name="testserver", daemon=True)
-        thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("the test server did not start within 10 s")
-        try:
-            yield f"http://{host}:{box['port']}"
-        finally:
-            loop = box["loop"]
-            loop.call_soon_threadsafe(lambda: box["stop"].done() or box["stop"].set_result(None))
-            thread.join(10)
+Serve = Callable[[], Awaitable[tuple[int, Callable[[], Awaitable[None]]]]]
+
+
+@contextlib.contextmanager
+def serve_in_thread(serve: Serve, host: str) -> Iterator[str]:
+    """Run a server on an event loop of its own in a background thread: ``serve`` (a server's
+    ``serve`` bound to its address) starts it; yields the base URL; stops it on exit."""
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    def main() -> None:
+        loop = asyncio.new_event_loop()
+        box["loop"] = loop
+        box["port"], stop = loop.run_until_complete(serve())
+        ready.set()
+        loop.run_until_complete(box.setdefault("stop", loop.create_future()))
+        loop.run_until_complete(stop())
+        loop.close()
+
+    thread = threading.Thread(target=main, name="testserver", daemon=True)
+    thread.start()
+    if not ready.wait(10):
+        raise RuntimeError("the test server did not start within 10 s")
+    try:
+        yield f"http://{host}:{box['port']}"
+    finally:
+        loop = box["loop"]
+        loop.call_soon_threadsafe(lambda: box["stop"].done() or box["stop"].set_result(None))
+        thread.join(10)
 
 
 class _WordVocab:
@@ -542,11 +598,13 @@ def _prompt_text(body: dict[str, Any], chat: bool) -> str:
     return p if isinstance(p, str) else " ".join(map(str, p))
 
 
+def error_doc(status: int, message: str) -> dict[str, Any]:
+    """An OpenAI error body."""
+    return {"error": {"message": message, "type": "test_error", "param": None, "code": status}}
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": "test_error", "param": None, "code": status}},
-        status=status,
-    )
+    return web.json_response(error_doc(status, message), status=status)
 
 
 async def _sleep_until(t: float) -> None:
@@ -557,14 +615,19 @@ async def _sleep_until(t: float) -> None:
 
 @contextlib.contextmanager
 def run_test_server(
-    schedule: Schedule | None = None, cpu: int | None = None, api_key: str | None = None
+    schedule: Schedule | None = None,
+    cpu: int | None = None,
+    api_key: str | None = None,
+    kernel_stamps: bool = False,
 ) -> Iterator[str]:
-    """Run the test server in a child process (pinned to ``cpu`` with taskset if given)."""
+    """Run the test server in a child process (pinned to ``cpu`` with taskset if given); with
+    ``kernel_stamps``, its streams over stamped sockets (``testing/stampserver.py``)."""
     sched = schedule or Schedule()
+    module = "servelab.testing.stampserver" if kernel_stamps else "servelab.testing.testserver"
     cmd = [
         sys.executable,
         "-m",
-        "servelab.testing.testserver",
+        module,
         "--port",
         "0",
         "--schedule",
@@ -590,8 +653,9 @@ def run_test_server(
             proc.wait()
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def server_from_args(argv: list[str] | None, description: str) -> tuple[TestServer, str, int]:
+    """The test server the command line describes, and the host and port to serve it on."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--schedule", default="{}", help="Schedule fields as JSON")
@@ -607,18 +671,25 @@ def main(argv: list[str] | None = None) -> None:
         v = getattr(args, f.name, None)
         if v is not None:
             fields[f.name] = v
-    server = TestServer(Schedule(**fields), api_key=args.api_key)
+    return TestServer(Schedule(**fields), api_key=args.api_key), args.host, args.port
 
-    async def serve() -> None:
-        runner = _StampedRunner(server.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port, backlog=BACKLOG)
-        await site.start()
-        print(f"READY {runner.addresses[0][1]}", flush=True)
+
+def serve_until_killed(serve: Serve) -> None:
+    """Start a server (``serve``: as ``serve_in_thread``'s), print ``READY <port>``, and serve
+    until the process is stopped."""
+
+    async def forever() -> None:
+        port, _ = await serve()
+        print(f"READY {port}", flush=True)
         await asyncio.Event().wait()
 
     with contextlib.suppress(KeyboardInterrupt):
-        run_loop(serve())
+        run_loop(forever())
+
+
+def main(argv: list[str] | None = None) -> None:
+    server, host, port = server_from_args(argv, __doc__.split("\n")[0])
+    serve_until_killed(lambda: server.serve(host, port))
 
 
 if __name__ == "__main__":

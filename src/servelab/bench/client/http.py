@@ -30,19 +30,14 @@ import asyncio
 import contextlib
 import socket
 import ssl
-import struct
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-# Linux software receive timestamps: SO_TIMESTAMPNS (not exported by Python's socket
-# module) makes recvmsg return, per read, when the kernel received the data (CLOCK_REALTIME
-# timespec; for a read spanning several segments, the last one).
-_SO_TIMESTAMPNS = 35
-_ANC_SIZE = socket.CMSG_SPACE(16) if hasattr(socket, "CMSG_SPACE") else 0
+from servelab.bench.client.kernelstamp import recv_stamped, stamp_receives
+
 _READ_SIZE = 256 * 1024
 
 
@@ -140,24 +135,18 @@ class _SockConn(_Reads):
 
     def _readable(self) -> None:
         try:
-            data, anc, _, _ = self.sock.recvmsg(_READ_SIZE, _ANC_SIZE)
+            data, now, kernel = recv_stamped(self.sock, _READ_SIZE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
             self._stop_reading()
             self._close(e)
             return
-        real, now = time.time(), time.monotonic()
         if not data:
             self._stop_reading()
             self._close(None)
             return
-        t = now
-        for level, kind, raw in anc:
-            if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(raw) >= 16:
-                sec, nsec = struct.unpack_from("qq", raw)
-                t = min(now, sec + nsec * 1e-9 - (real - now))
-        self._push(t, data)
+        self._push(now if kernel is None else min(now, kernel), data)
 
     def _stop_reading(self) -> None:
         with contextlib.suppress(Exception):
@@ -171,17 +160,6 @@ class _SockConn(_Reads):
             self._stop_reading()
             self.sock.close()
         self.closed = True
-
-
-def _stamp_receives(sock: socket.socket) -> bool:
-    """Ask the kernel for receive stamps on ``sock``; False where the platform has none."""
-    if not _ANC_SIZE or not sys.platform.startswith("linux"):
-        return False
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
-    except OSError:
-        return False
-    return True
 
 
 async def _open_socket(
@@ -201,7 +179,7 @@ async def _open_socket(
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            kernel = stamped and _stamp_receives(sock)
+            kernel = stamped and stamp_receives(sock)
             await loop.sock_connect(sock, addr)
         except OSError as e:
             sock.close()
