@@ -15,13 +15,35 @@ from servelab.vocab import DEFAULT_MODEL
 
 @dataclass(frozen=True)
 class CalibrateFlags:
-    run_dirs: list[str] = flag(
-        ...,
+    run_dirs: list[str] | None = flag(
+        None,
         "A run directory: of a servelab server on the target hardware, or of another "
         "server (vLLM, SGLang, llama.cpp), whose twin is fitted from its client timestamps; "
         "several runs of that server in one configuration (e.g. before and after a restart) "
         "make the twin's ranges carry how far its speed moves between runs.",
         argument=True,
+        show_default=False,
+    )
+    plan: bool = flag(
+        False,
+        "Measure the server at --url with a ladder of short runs (prompt lengths up to "
+        "--max-prompt, a concurrency ladder, a shared prefix), a few minutes, and fit its "
+        "twin to them: the twin's domain then spans what you will predict.",
+    )
+    url: str | None = flag(None, "With --plan: the base URL of the server to measure.")
+    max_prompt: int | None = flag(
+        None,
+        "With --plan: the longest prompt the ladder sends, in tokens: the longest you will "
+        "predict (default 2048, capped by the server's context).",
+        show_default=False,
+    )
+    concurrency: str = flag("1,2,4,8", "With --plan: the stream counts of the decode ladder.")
+    api_key: str | None = flag(
+        None,
+        "With --plan: bearer token; never written to the run directories.",
+        envvar=["OPENAI_API_KEY", "SERVELAB_API_KEY"],
+        show_default=False,
+        show_envvar=True,
     )
     hardware: str | None = flag(
         None,
@@ -38,22 +60,67 @@ class CalibrateFlags:
         "Another server's launch command or flags, e.g. 'vllm serve M "
         "--no-enable-chunked-prefill', where the run did not record them.",
     )
-    out: str = flag("calibration.json", "Where to write the fitted efficiencies.")
+    out: str | None = flag(
+        None,
+        "Where to write the fit (default calibration.json); with --plan, the directory of "
+        "the ladder's runs and its twin.json (default runs/calibrate-STAMP).",
+        show_default=False,
+    )
+
+
+_PLAN_ONLY = ("url", "max_prompt")
 
 
 def calibrate(flags: CalibrateFlags) -> None:
     """Fit the roofline's efficiencies and fixed costs to a measured run, or a twin of another
-    server to its runs' client timestamps; report the fit error."""
+    server to its runs' client timestamps, or (--plan) measure a live server with a ladder of
+    short runs and fit its twin to them; report the fit error."""
     from rich.console import Console
 
     from servelab.rundir import RunDirError
+
+    if flags.plan:
+        _calibrate_plan(flags)
+        return
+    given = [f"--{k.replace('_', '-')}" for k in _PLAN_ONLY if getattr(flags, k) is not None]
+    if given:
+        raise fail(f"{given[0]} measures a live server: add --plan", "calibrate")
+    if not flags.run_dirs:
+        raise fail("give a run directory, or --plan --url URL to measure a server", "calibrate")
     from servelab.sim.calibration_run import CalibrateSpec, run_calibrate
 
-    spec = spec_from_flags(CalibrateSpec, flags, run_dirs=tuple(flags.run_dirs))
+    spec = spec_from_flags(
+        CalibrateSpec,
+        flags,
+        run_dirs=tuple(flags.run_dirs),
+        out=flags.out or "calibration.json",
+    )
     try:
         run_calibrate(spec, Console())
     except (RunDirError, ValueError) as e:
         raise fail(str(e)) from None
+
+
+def _calibrate_plan(flags: CalibrateFlags) -> None:
+    from rich.console import Console
+
+    from servelab.rundir import RunDirError
+    from servelab.workflows.calibration_plan import CalibrationPlanSpec, run_calibration_plan
+
+    if flags.run_dirs:
+        raise fail("--plan makes its own runs: drop the run directories", "calibrate")
+    try:
+        streams = tuple(int(c) for c in flags.concurrency.split(","))
+    except ValueError:
+        raise fail(
+            f"--concurrency {flags.concurrency!r}: give stream counts such as 1,2,4,8",
+            "calibrate",
+        ) from None
+    spec = spec_from_flags(CalibrationPlanSpec, flags, concurrency=streams)
+    try:
+        run_calibration_plan(spec, Console())
+    except (RunDirError, ValueError) as e:
+        raise fail(str(e), "calibrate") from None
 
 
 @dataclass(frozen=True)
