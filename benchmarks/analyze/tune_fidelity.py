@@ -1,269 +1,365 @@
-"""`servelab tune` against reality: does the replay match the run, and does the chosen
-setting do, when run for real, what was predicted?
+"""`servelab tune --verify` against reality: the pre-registered evaluation.
 
-    .venv/bin/python -m benchmarks.analyze.tune_fidelity [--cases NAME,...] [--duration 120]
-        [--repeats 2] [--seeds 5] [--out runs/tune-fidelity-<time>] [--reuse DIR] [--no-verify]
+    .venv/bin/python -m benchmarks.analyze.tune_fidelity [--cases NAME,...] [--out DIR]
+        [--repeats 2] [--seeds 5] [--list] [--dev-seed N]
 
-Cases (``--cases``, default all but the two demo ones; ``--list`` prints them): RAG with
-shared prefixes, RAG with unique prompts, chat, mixed chat+RAG, long-output codegen, bursty
-arrivals, a multi-turn replay of recorded conversations (ShareGPT), and the demo's two
-mixed-traffic runs (unchunked, and chunked at 256 tokens). For each:
+The cases are written down in docs/design/tune.md ("The pre-registered evaluation") and in
+:data:`CASES` below, committed before any of them was measured, and not changed after.
+Each case serves a workload with one setting planted wrong (prefix caching off on shared
+prompts, a sequence cap below the load, a KV pool too small, no class priorities, ...), on
+the embedded engine or on live vLLM-CPU, and then:
 
-1. ``servelab bench`` runs the case for real on the embedded engine (default model) ->
-   ``CASE/run``. The benchmark never tunes anything against these runs.
-2. ``servelab tune CASE/run --json --verify`` replays it, self-checks the replay, predicts
-   the findings' candidates, decides, and reruns the same planned requests with the chosen
-   setting and as run (``--repeats`` each, alternating) -> ``CASE/tune.json``,
-   ``CASE/verify/``.
-3. Prints per case: the findings, the self-check (figures within the tolerance of 15%, the
-   worst error), the time to predict every candidate, the chosen setting, its key figure
-   predicted vs measured, and the verified verdict (permutation test, alpha 0.05); then the
-   totals against the targets: every replay within 15%; the key-figure prediction within
-   20% of its verified measurement in at least 5 of 6 cases; where a finding fired, the
-   verified setting better than as run, significantly, in at least 5 of 6; prediction under
-   30 s for a 2-minute run. Writes ``tune_fidelity.json``.
+1. ``servelab bench`` runs it for real (the embedded engine, or vLLM launched from
+   ``benchmarks.sim.twin_vllm``'s template with the case's flags, warmed up first) ->
+   ``CASE/run``. Nothing is tuned against these runs.
+2. ``servelab tune CASE/run --json --verify --repeats 2`` gates the run, self-checks the
+   replay out of sample, predicts every candidate the run's shape and findings call for,
+   decides, and measures the as-run config and the top three on fresh requests (a new seed
+   per repeat, alternating, paired within a repeat) -> ``CASE/tune.json``, ``CASE/verify``.
+3. Prints per case the decision and the verification (per arm: predicted and measured
+   change of the objective and of its key figure, the paired test), then the totals
+   against the issue's targets: where a setting was chosen, the top-1 measured better and
+   significant on the objective in at least 80%; MAPE of the predicted changes at most
+   20% on the objective and on the key figure; the top-1 measured best of its three in at
+   least 70%; no verified regression of the objective; the levers chosen (at least 6
+   distinct, at least 8 choices that are not a chunk budget). Writes
+   ``tune_fidelity.json`` after every case, so a stopped evaluation keeps what finished.
 
-``--reuse DIR`` takes the as-run runs of an earlier ``--out`` and redoes step 2 (with
-``--no-verify``, only the replay and the predictions: a few seconds per case).
+``--dev-seed N`` runs the same cases with another request seed and without ``--verify``:
+the cases to develop on, never scored.
 
-RAG with unique prompts runs 240 s whatever ``--duration`` says: at 0.2 requests/s a 90 s
-run held 13 requests, and its longest-ITL mean moved 40% between two runs of one config.
-
-Time: each case is one run of ``--duration`` seconds plus its drain, the prediction
-(seconds), and ``2 x --repeats`` verify runs of about the same length plus the servers'
-start: about 10 minutes per case at the defaults, 80-90 minutes for all of them on the
-2-core machine. Run it on a quiet machine: other work on the cores shifts the step times
-between the run and its verification.
+Time: a case is one run plus up to eight verification runs of about its length and the
+servers' starts: 6-10 minutes on the embedded engine, 10-15 on vLLM, about two hours for
+all twelve on the 2-core machine. Run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import shlex
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 import yaml
 
-from servelab.workflows.demo import mixed_workload
+from benchmarks.sim.twin_check import run as run_logged
+from benchmarks.sim.twin_vllm import SERVED, VLLM_PYTHON, vllm_peer
+from servelab.bench.servers.template import TemplateServer
+from servelab.workflows.matrix import record_server
 
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
-INVALID_RUN = 3  # `servelab bench`: finished, but the client could not keep its timing
-REPLAY_TOLERANCE = 0.15
-KEY_TOLERANCE = 0.20
-PREDICT_BUDGET_S = 30.0
+EMBEDDED, VLLM = "servelab", "vllm"
+CASE_SEED = 7  # every case's as-run requests; the verification's repeats use 1007, 1008
+TARGETS = {"better": 0.80, "mape": 0.20, "top1_best": 0.70, "levers": 6, "not_chunk": 8}
+CHUNK_BUDGET_LEVERS = {"batch_budget_down", "batch_budget_up", "chunked_prefill"}
 
-# A RAG class whose prompts share nothing (each a unique question over its own text).
-RAG_UNIQUE = {
-    "name": "rag-unique",
+# Two classes with different needs: short interactive chats with a tight TTFT SLO, and
+# long non-streamed batch jobs that only need to finish.
+CHAT_AND_BATCH = {
+    "name": "chat-and-batch",
     "classes": [
         {
-            "name": "rag",
-            "text": "question",
-            "input": {"dist": "uniform", "min": 600, "max": 900},
-            "output": {"dist": "uniform", "min": 16, "max": 64},
-            "slo": {"ttft": "6s", "itl": "500ms"},
-        }
+            "name": "chat",
+            "weight": 2,
+            "input": {"dist": "uniform", "min": 32, "max": 128},
+            "output": {"dist": "uniform", "min": 16, "max": 48},
+            "slo": {"ttft": "1s", "itl": "300ms"},
+        },
+        {
+            "name": "batch",
+            "weight": 1,
+            "input": {"dist": "uniform", "min": 256, "max": 768},
+            "output": {"dist": "uniform", "min": 64, "max": 160},
+            "stream": False,
+            "slo": {"e2e": "60s"},
+        },
     ],
 }
-# the demo's own mixed traffic: two short chats per long unique RAG prompt
-WORKLOAD_FILES = {"rag-unique": RAG_UNIQUE, "demo-mixed": mixed_workload(1.0)}
+# Short chats decoding while long unique prompts arrive (the demo's traffic).
+CHAT_AND_LONG = {
+    "name": "chat-and-long",
+    "classes": [
+        {
+            "name": "chat",
+            "weight": 2,
+            "input": {"dist": "uniform", "min": 32, "max": 128},
+            "output": {"dist": "uniform", "min": 32, "max": 96},
+            "slo": {"ttft": "2s", "itl": "150ms"},
+        },
+        {
+            "name": "long",
+            "weight": 1,
+            "text": "question",
+            "input": {"dist": "uniform", "min": 600, "max": 1000},
+            "output": {"dist": "uniform", "min": 8, "max": 24},
+            "slo": {"ttft": "6s"},
+        },
+    ],
+}
+WORKLOAD_FILES = {"chat-and-batch": CHAT_AND_BATCH, "chat-and-long": CHAT_AND_LONG}
 
 
 @dataclass(frozen=True)
 class Case:
+    """One pre-registered case: a workload served with ``flags`` on ``server`` under
+    ``load``; ``plant`` says what was set wrong and ``lever`` the lever an operator would
+    expect (what the evaluation reports beside what tune chose; never used to score)."""
+
     name: str
-    what: str
-    args: tuple[str, ...]  # `servelab bench` load and workload flags
-    timed: bool = True  # open loop for --duration (False: a fixed closed loop)
-    # seconds of sends where --duration would hold too few requests to judge a percentile
-    duration: float | None = None
+    server: str
+    plant: str
+    lever: str
+    workload: str  # a preset, or @NAME of WORKLOAD_FILES
+    load: tuple[str, ...]
+    flags: str
+    objective: str | None = None
 
 
 CASES = (
-    Case("rag-shared", "RAG, shared system prompt and documents", ("--workload", "rag", "--rate", "0.25")),
-    Case("rag-unique", "RAG, unique 600-900-token prompts", ("--workload", "@rag-unique", "--rate", "0.2"), duration=240),
-    Case("chat", "chat sessions of 1-3 turns", ("--workload", "chat", "--rate", "0.4")),
-    Case("mixed", "chat and RAG mixed (the demo's traffic, open loop)", ("--workload", "@demo-mixed", "--rate", "0.5")),
-    Case("codegen", "code prompts, long outputs", ("--workload", "codegen", "--rate", "0.1")),
-    Case("bursty", "chat, gamma arrivals (CV 2.2)", ("--workload", "chat", "--rate", "0.4", "--arrival", "gamma", "--burstiness", "0.2")),
-    Case(
-        "multiturn",
-        "recorded ShareGPT conversations replayed turn by turn",
-        ("--dataset", "sharegpt", "--conversation", "multi-turn", "--endpoint", "chat",
-         "--max-input-len", "1024", "--rate", "0.1"),
-    ),
-    Case(
-        "demo-unchunked",
-        "the demo's mixed run, chunked prefill off",
-        ("--workload", "@demo-mixed", "--concurrency", "6", "--requests", "18", "--seed", "1",
-         "--engine-args", "--no-enable-chunked-prefill --kv-cache-memory 1G"),
-        timed=False,
-    ),
-    Case(
-        "demo-chunked",
-        "the demo's mixed run, 256-token chunks",
-        ("--workload", "@demo-mixed", "--concurrency", "6", "--requests", "18", "--seed", "1",
-         "--engine-args", "--max-num-batched-tokens 256 --kv-cache-memory 1G"),
-        timed=False,
-    ),
+    Case("e-prefix-off", EMBEDDED, "prefix caching off; RAG prompts share documents",
+         "prefix_caching", "rag", ("--length-scale", "0.5", "--concurrency", "2", "--requests", "40"),
+         "--no-enable-prefix-caching", objective="ttft_mean"),
+    Case("v-prefix-off", VLLM, "vLLM: prefix caching off; RAG prompts share documents",
+         "prefix_caching", "rag", ("--length-scale", "0.5", "--concurrency", "2", "--requests", "40"),
+         "--no-enable-prefix-caching", objective="ttft_mean"),
+    Case("e-seqs-low", EMBEDDED, "at most 2 sequences per step under 8 concurrent chats",
+         "max_num_seqs_up", "chat", ("--length-scale", "0.5", "--concurrency", "8", "--requests", "40"),
+         "--max-num-seqs 2", objective="e2e_mean"),
+    Case("v-seqs-low", VLLM, "vLLM: --max-num-seqs 2 under 8 concurrent chats",
+         "max_num_seqs_up", "chat", ("--length-scale", "0.5", "--concurrency", "8", "--requests", "40"),
+         "--max-num-seqs 2", objective="e2e_mean"),
+    Case("e-priorities", EMBEDDED, "chats and batch jobs in one FIFO queue, at 4 sequences",
+         "priorities", "@chat-and-batch", ("--rate", "0.9", "--duration", "50s"),
+         "--max-num-seqs 4", objective="ttft_mean@chat"),
+    Case("e-kv-small", EMBEDDED, "a 48-block KV pool (768 tokens) for 8 concurrent chats",
+         "kv_memory", "chat", ("--length-scale", "0.5", "--concurrency", "8", "--requests", "40"),
+         "--num-gpu-blocks-override 48", objective="e2e_mean"),
+    Case("v-unchunked", VLLM, "vLLM: chunked prefill off; long prompts stall the chats",
+         "chunked_prefill", "@chat-and-long", ("--rate", "0.6", "--duration", "60s"),
+         "--no-enable-chunked-prefill", objective="max_itl_mean@chat"),
+    Case("e-unchunked", EMBEDDED, "chunked prefill off; long prompts stall the chats",
+         "chunked_prefill", "@chat-and-long", ("--rate", "0.6", "--duration", "60s"),
+         "--no-enable-chunked-prefill", objective="max_itl_mean@chat"),
+    Case("e-spec-k8", EMBEDDED, "n-gram speculation with 8 drafts on code",
+         "speculative_decoding", "codegen", ("--length-scale", "0.25", "--concurrency", "4", "--requests", "32"),
+         "--speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":8}'", objective="tpot_mean"),
+    Case("v-agent-prefix-off", VLLM, "vLLM: prefix caching off; agent sessions share two tool prompts",
+         "prefix_caching", "agent", ("--length-scale", "0.5", "--concurrency", "2", "--requests", "16"),
+         "--no-enable-prefix-caching", objective="ttft_mean"),
+    Case("e-agent-prefix-off", EMBEDDED, "prefix caching off; agent sessions share two tool prompts",
+         "prefix_caching", "agent", ("--length-scale", "0.5", "--concurrency", "2", "--requests", "16"),
+         "--no-enable-prefix-caching", objective="ttft_mean"),
+    Case("e-budget-2048", EMBEDDED, "the default 2048-token budget; long prompts stall the chats",
+         "batch_budget_down", "@chat-and-long", ("--rate", "0.6", "--duration", "60s"), "", objective="max_itl_mean@chat"),
 )  # fmt: skip
-DEFAULT_CASES = [c.name for c in CASES if not c.name.startswith("demo-")]
 
 
-def run(cmd: list[str], quiet: bool = True) -> int:
-    print("$", " ".join(cmd[2:] if cmd[:2] == SERVELAB[:2] else cmd), flush=True)
-    out = subprocess.DEVNULL if quiet else None
-    code = subprocess.run(cmd, check=False, stdout=out).returncode
-    if code == INVALID_RUN:
-        print("  (the benchmark marked this run invalid: client timing; kept)", flush=True)
-    elif code != 0:
-        raise SystemExit(f"command failed with exit status {code}: {' '.join(cmd)}")
-    return code
+def workload_arg(case: Case, out: Path) -> str:
+    if not case.workload.startswith("@"):
+        return case.workload
+    name = case.workload[1:]
+    path = out / "workloads" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(WORKLOAD_FILES[name], sort_keys=False))
+    return str(path)
 
 
-def bench_args(case: Case, out: Path, duration: float) -> list[str]:
-    args = []
-    for a in case.args:
-        if a.startswith("@"):
-            path = out / "workloads" / f"{a[1:]}.yaml"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(yaml.safe_dump(WORKLOAD_FILES[a[1:]], sort_keys=False))
-            a = str(path)
-        args.append(a)
-    if case.timed:
-        args += ["--duration", f"{case.duration or duration:g}s"]
-    return args
+def bench_cmd(case: Case, out: Path, run_dir: Path, seed: int) -> list[str]:
+    return [*SERVELAB, "bench", "--workload", workload_arg(case, out), *case.load,
+            "--seed", str(seed), "--out", str(run_dir), "--quiet", "--overwrite"]  # fmt: skip
 
 
-def summarize_case(case: Case, doc: dict[str, Any]) -> dict[str, Any]:
+def bench_embedded(case: Case, out: Path, run_dir: Path, seed: int, logs: Path) -> None:
+    cmd = bench_cmd(case, out, run_dir, seed)
+    if case.flags:
+        cmd += ["--engine-args", case.flags]
+    print("$", shlex.join(cmd[2:]), flush=True)
+    run_logged(cmd, logs / f"bench-{case.name}.log")
+
+
+def vllm_weights(out: Path, logs: Path) -> Path:
+    weights = out / "weights"
+    if not (weights / "config.json").exists():
+        run_logged([*SERVELAB, "export-hf", "--model", SERVED, str(weights)], logs / "export.log")
+    return weights
+
+
+def bench_vllm(case: Case, out: Path, run_dir: Path, seed: int, logs: Path) -> str:
+    """Launch vLLM with the case's flags, warm it, bench it; returns the template."""
+    weights = vllm_weights(out, logs)
+    peer = vllm_peer(VLLM_PYTHON, weights)
+    server = TemplateServer(peer.template, logs / f"vllm-{case.name}.log", str(weights), case.flags)
+    try:
+        asyncio.run(server.wait_healthy(timeout=900))
+        warm = [*SERVELAB, "bench", "--url", server.url, "--tokenizer", str(weights),
+                "--workload", "chat", "--concurrency", "4", "--requests", "4",
+                "--out", str(out / case.name / "warm-up"), "--quiet", "--overwrite"]  # fmt: skip
+        run_logged(["taskset", "-c", "0", *warm], logs / f"warm-{case.name}.log")
+        cmd = bench_cmd(case, out, run_dir, seed) + [
+            "--url", server.url, "--tokenizer", str(weights),
+            "--server-config", f"{peer.stated} {case.flags}".strip(),
+        ]  # fmt: skip
+        print("$", shlex.join(cmd[2:]), flush=True)
+        run_logged(["taskset", "-c", "0", *cmd], logs / f"bench-{case.name}.log")
+        record_server(run_dir, server)
+    finally:
+        server.stop()
+    return peer.template
+
+
+def tune_case(case: Case, out: Path, a: argparse.Namespace) -> dict[str, Any]:
+    d = out / case.name
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    run_dir = d / "run"
+    seed = a.dev_seed if a.dev_seed is not None else CASE_SEED
+    verify = a.dev_seed is None
+    t0 = time.perf_counter()
+    cmd = [*SERVELAB, "tune", str(run_dir), "--json", "--seeds", str(a.seeds)]
+    if case.objective:
+        cmd += ["--objective", case.objective]
+    if verify:
+        cmd += ["--verify", "--repeats", str(a.repeats), "--out", str(d / "verify")]
+    if case.server == EMBEDDED:
+        bench_embedded(case, out, run_dir, seed, logs)
+    else:
+        template = bench_vllm(case, out, run_dir, seed, logs)
+        cmd = ["taskset", "-c", "0", *cmd, "--server-template", template,
+               "--server-model", str(out / "weights")]  # fmt: skip
+    bench_s = time.perf_counter() - t0
+    print("$", shlex.join(c for c in cmd if c not in SERVELAB[:2]), flush=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    (logs / f"tune-{case.name}.err").write_text(proc.stderr)
+    # The JSON document is the last thing printed; the run's own warnings may come first.
+    out_text = proc.stdout
+    text = out_text if out_text.startswith("{") else out_text[out_text.rfind("\n{\n") + 1 :]
+    if proc.returncode != 0 or not text:
+        raise SystemExit(f"servelab tune exited {proc.returncode}: {proc.stderr[-1500:]}")
+    (d / "tune.json").write_text(text)
+    row = summarize(case, json.loads(text))
+    row["bench_s"], row["case_s"] = bench_s, time.perf_counter() - t0
+    return row
+
+
+def _change(c: dict[str, Any] | None) -> dict[str, Any]:
+    c = c or {}
+    keep = ("scope", "figure", "predicted_change", "measured_change", "p_value", "error")
+    return {k: c.get(k) for k in keep}
+
+
+def summarize(case: Case, doc: dict[str, Any]) -> dict[str, Any]:
     """The figures the targets are judged on, from `servelab tune --json`."""
-    check = doc.get("self_check") or {}
-    rows = check.get("rows") or []
-    errs = [abs(r["error"]) for r in rows if r.get("error") is not None]
-    within = sum(e <= REPLAY_TOLERANCE for e in errs)
     decision = doc.get("decision") or {}
-    chosen = decision.get("chosen")
+    chosen = (decision.get("chosen") or {}).get("candidate") or {}
     v = doc.get("verification") or {}
-    key = ((v.get("arms") or [{}])[0]).get("key") or {}  # the top-1's key figure
-    tuned = {(r["scope"], r["figure"]): r for r in v.get("rows") or [] if r["config"] == "tuned"}
-    t = doc.get("timings_s") or {}
+    arms = [
+        {"arm": arm["arm"], "title": arm["title"], "objective": _change(arm["objective"]),
+         "key": _change(arm["key"])}  # fmt: skip
+        for arm in v.get("arms") or []
+    ]
+    check = doc.get("self_check") or {}
     return {
         "case": case.name,
-        "what": case.what,
-        "findings": [f["id"] for f in doc.get("findings", [])],
+        "server": case.server,
+        "plant": case.plant,
+        "expected_lever": case.lever,
+        "gated": doc.get("gated"),
         "refused": doc.get("refused"),
-        "replay_figures": len(errs),
-        "replay_within_15pct": within,
-        "replay_worst_error": max(errs) if errs else None,
-        "replay_strayed": check.get("strayed"),
-        "replay_thin": [f"{r['scope']} {r['figure']}" for r in rows if r["verdict"] == "thin"],
+        "findings": [f["id"] for f in doc.get("findings") or []],
         "self_check_ok": check.get("ok"),
-        "predict_s": t.get("total_s"),
-        "candidates": len(doc.get("candidates") or []),
-        "chosen": chosen["candidate"]["title"] if chosen else None,
-        "chosen_reason": chosen["reason"] if chosen else None,
-        "key_figure": [key.get("scope"), key.get("figure")] if key else None,
-        "key_predicted_error": (tuned.get((key.get("scope"), key.get("figure"))) or {}).get(
-            "error"
-        ),
-        "key_predicted_error_adjusted": key.get("error"),
-        "verified": v.get("verdict"),
-        "verified_p": key.get("p_value"),
-        "verified_sentence": v.get("sentence"),
-        "verify_s": t.get("verify_s"),
-        "verify_estimate_s": t.get("verify_estimate_s"),
+        "objective": (decision.get("objective") or {}).get("text"),
+        "chosen": chosen.get("title"),
+        "chosen_lever": chosen.get("lever"),
+        "why": decision.get("why"),
+        "arms": arms,
+        "answer": v.get("answer"),
+        "verdict": v.get("verdict"),
+        "top1_best": v.get("top1_measured_best"),
+        "best_measured": v.get("best_measured"),
+        "mape": v.get("mape"),
+        "sentence": v.get("sentence"),
+        "verify_s": (doc.get("timings_s") or {}).get("verify_s"),
     }
 
 
-def _fmt(x: Any, pct: bool = False) -> str:
-    if x is None:
-        return "-"
-    if pct:
-        return f"{x:+.1%}" if x < 0 else f"{x:.1%}"
-    return f"{x:.3g}" if isinstance(x, float) else str(x)
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
 
 
 def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    print()
     for r in rows:
-        print(f"== {r['case']}: {r['what']}")
-        print(f"   findings: {', '.join(r['findings']) or 'none'}")
-        if r["refused"]:
-            print(f"   NO PREDICTION: {r['refused']}")
-        print(
-            f"   replay: {r['replay_within_15pct']}/{r['replay_figures']} figures within 15%, "
-            f"worst {_fmt(r['replay_worst_error'], True)}; self-check "
-            f"{'passed' if r['self_check_ok'] else 'FAILED'}; predicted {r['candidates']} "
-            f"candidates in {_fmt(r['predict_s'])} s"
-        )
-        if r["replay_thin"]:
-            print(f"   thin (not pinned down by the run): {', '.join(r['replay_thin'])}")
-        print(f"   chosen: {r['chosen'] or '-'} ({r['chosen_reason'] or 'nothing pays'})")
-        if r["verified"]:
-            print(
-                f"   verified: {r['verified']} (p {_fmt(r['verified_p'])}); key figure "
-                f"{r['key_figure']} predicted {_fmt(r['key_predicted_error'], True)} from the "
-                f"measurement ({_fmt(r['key_predicted_error_adjusted'], True)} as a change from "
-                f"the as-run arm); verify took {_fmt(r['verify_s'])} s (stated "
-                f"{_fmt(r['verify_estimate_s'])} s)"
-            )
-            print(f"   {r['verified_sentence']}")
-    replayed = [r for r in rows if r["replay_figures"]]
-    keyed = [r for r in rows if r["key_predicted_error"] is not None]
-    fired = [r for r in rows if r["findings"] and r["verified"]]
-    totals = {
-        "replays_within_15pct": sum(
-            r["replay_within_15pct"] == r["replay_figures"] for r in replayed
-        ),
-        "replays": len(replayed),
-        "self_checks_passed": sum(bool(r["self_check_ok"]) for r in replayed),
-        "key_within_20pct": sum(abs(r["key_predicted_error"]) <= KEY_TOLERANCE for r in keyed),
-        "key_change_within_20pct": sum(
-            abs(r["key_predicted_error_adjusted"] or 1e9) <= KEY_TOLERANCE for r in keyed
-        ),
-        "keyed": len(keyed),
-        "verified_better": sum(r["verified"] == "better" for r in fired),
-        "verified_where_fired": len(fired),
-        "predict_under_30s": sum((r["predict_s"] or 1e9) < PREDICT_BUDGET_S for r in rows),
+        print(f"\n== {r['case']} ({r['server']}): {r['plant']}")
+        print(f"   findings: {', '.join(r['findings']) or 'none'}; objective: {r['objective']}")
+        if r["refused"] or r["gated"]:
+            print(f"   REFUSED: {r['refused'] or r['gated']}")
+        print(f"   chosen: {r['chosen'] or '-'} [{r['chosen_lever'] or '-'}; expected "
+              f"{r['expected_lever']}]  {r['why'] or ''}")  # fmt: skip
+        for arm in r["arms"]:
+            o, k = arm["objective"], arm["key"]
+            print(f"   {arm['arm']:6} {arm['title'][:44]:44} objective "
+                  f"{_pct(o['predicted_change'])} pred / {_pct(o['measured_change'])} meas "
+                  f"(p {o['p_value'] if o['p_value'] is None else round(o['p_value'], 4)}); key "
+                  f"{k['figure']} {_pct(k['predicted_change'])} / {_pct(k['measured_change'])}")  # fmt: skip
+        if r["sentence"]:
+            print(f"   {r['sentence']}")
+    return totals(rows)
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    chose = [r for r in rows if r["chosen"] and r["arms"]]
+    obj_err = [e for r in chose for a in r["arms"] if (e := a["objective"]["error"]) is not None]
+    key_err = [e for r in chose for a in r["arms"] if (e := a["key"]["error"]) is not None]
+    levers = [r["chosen_lever"] for r in rows if r["chosen_lever"]]
+    t = {
         "cases": len(rows),
+        "chose_a_setting": len(chose),
+        "top1_better_significant": sum(r["verdict"] == "better" for r in chose),
+        "top1_measured_best": sum(bool(r["top1_best"]) for r in chose),
+        "verified_regressions": sum(r["verdict"] == "worse" for r in chose),
+        "mape_objective": fmean(obj_err) if obj_err else None,
+        "mape_key": fmean(key_err) if key_err else None,
+        "levers_chosen": sorted(set(levers)),
+        "not_chunk_budget_choices": sum(lv not in CHUNK_BUDGET_LEVERS for lv in levers),
+        "applied": sum(r["answer"] == "apply" for r in chose),
     }
-    print()
+    n = t["chose_a_setting"] or 1
     print(
-        f"replay within 15% on every figure: {totals['replays_within_15pct']} of "
-        f"{totals['replays']} cases; self-check passed (no figure strayed beyond 15% and the "
-        f"run's own interval): {totals['self_checks_passed']} of {totals['replays']}\n"
-        f"key-figure prediction within 20% of the verified measurement: "
-        f"{totals['key_within_20pct']} of {totals['keyed']} (target: 5 of 6); as a change "
-        f"from the as-run arm: {totals['key_change_within_20pct']} of {totals['keyed']}\n"
-        f"verified better than as run, significant, where a finding fired: "
-        f"{totals['verified_better']} of {totals['verified_where_fired']} (target: 5 of 6)\n"
-        f"all candidates predicted in under {PREDICT_BUDGET_S:.0f} s: "
-        f"{totals['predict_under_30s']} of {totals['cases']}"
+        f"\n{t['cases']} cases; a setting chosen in {t['chose_a_setting']}.\n"
+        f"top-1 better than as run, significant: {t['top1_better_significant']} of "
+        f"{t['chose_a_setting']} ({t['top1_better_significant'] / n:.0%}; target 80%)\n"
+        f"top-1 measured best of its arms: {t['top1_measured_best']} of {t['chose_a_setting']} "
+        f"({t['top1_measured_best'] / n:.0%}; target 70%)\n"
+        f"MAPE of predicted changes: objective {_pct(t['mape_objective'])}, key figure "
+        f"{_pct(t['mape_key'])} (target 20%)\n"
+        f"verified regressions of the objective: {t['verified_regressions']} (target 0)\n"
+        f"levers chosen: {', '.join(t['levers_chosen']) or 'none'} "
+        f"({len(t['levers_chosen'])}; target 6); choices not a chunk budget: "
+        f"{t['not_chunk_budget_choices']} (target 8)"
     )
-    return totals
+    return t
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--cases", default=",".join(DEFAULT_CASES))
+    ap.add_argument("--cases", default=",".join(c.name for c in CASES))
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
-    ap.add_argument("--duration", type=float, default=120.0, help="seconds of sends per run")
     ap.add_argument("--repeats", type=int, default=2, help="verify runs per config")
     ap.add_argument("--seeds", type=int, default=5, help="simulator seeds per candidate")
     ap.add_argument("--out", default=f"runs/tune-fidelity-{time.strftime('%Y%m%d-%H%M%S')}")
-    ap.add_argument("--reuse", metavar="DIR", help="the as-run runs of an earlier --out")
-    ap.add_argument("--no-verify", action="store_true", help="replay and predict only")
+    ap.add_argument("--dev-seed", type=int, default=None, help="develop: other requests, no verify")
     a = ap.parse_args()
     if a.list:
         for c in CASES:
-            print(f"{c.name:15} {c.what}: {' '.join(c.args)}")
+            print(f"{c.name:14} {c.server:8} {c.plant}\n{'':24}{' '.join(c.load)} {c.flags}")
         return
     by_name = {c.name: c for c in CASES}
     unknown = [n for n in a.cases.split(",") if n not in by_name]
@@ -275,49 +371,25 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     failed: list[dict[str, str]] = []
 
-    def write(totals: dict[str, Any] | None) -> None:
-        doc = {"cases": rows, "failed": failed, "totals": totals,
-               "wall_s": time.perf_counter() - t0, "args": vars(a)}  # fmt: skip
+    def write(t: dict[str, Any] | None) -> None:
+        doc = {"cases": rows, "failed": failed, "totals": t, "args": vars(a),
+               "wall_s": time.perf_counter() - t0}  # fmt: skip
         (out / "tune_fidelity.json").write_text(json.dumps(doc, indent=1))
 
     for name in a.cases.split(","):
-        # A case that fails is recorded and the others still run; the file is rewritten
-        # after every case, so a stopped benchmark keeps what finished.
+        print(f"\n### {name} ({(time.perf_counter() - t0) / 60:.1f} min in)", flush=True)
         try:
-            rows.append(fidelity_case(by_name[name], a, out))
-        except SystemExit as e:
+            rows.append(tune_case(by_name[name], out, a))
+            print(json.dumps({k: rows[-1][k] for k in ("chosen", "answer", "verdict")}), flush=True)
+        except (SystemExit, RuntimeError) as e:
             print(f"   case {name} FAILED: {e}", flush=True)
             failed.append({"case": name, "error": str(e)})
         write(None)
-    totals = report(rows)
+    t = report(rows)
     if failed:
         print(f"failed cases: {', '.join(f['case'] for f in failed)}")
-    write(totals)
+    write(t)
     print(f"wrote {out / 'tune_fidelity.json'} ({(time.perf_counter() - t0) / 60:.1f} min)")
-
-
-def fidelity_case(case: Case, a: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Bench ``case`` (or take its run from ``--reuse``), tune it, and summarize; raises
-    SystemExit when a command fails."""
-    d = out / case.name
-    run_dir = Path(a.reuse) / case.name / "run" if a.reuse else d / "run"
-    if not a.reuse:
-        run([*SERVELAB, "bench", *bench_args(case, out, a.duration), "--out", str(run_dir),
-             "--quiet"])  # fmt: skip
-    elif not (run_dir / "requests.jsonl").is_file():
-        raise SystemExit(f"--reuse: no run at {run_dir}")
-    d.mkdir(parents=True, exist_ok=True)
-    cmd = [*SERVELAB, "tune", str(run_dir), "--json", "--seeds", str(a.seeds)]
-    if not a.no_verify:
-        cmd += ["--verify", "--repeats", str(a.repeats), "--out", str(d / "verify")]
-    print("$", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"servelab tune failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    # The JSON document is the last thing printed; a run's own warnings may come first.
-    text = proc.stdout[proc.stdout.rfind("\n{\n") + 1 :] if "\n{\n" in proc.stdout else proc.stdout
-    (d / "tune.json").write_text(text)
-    return summarize_case(case, json.loads(text))
 
 
 if __name__ == "__main__":
