@@ -260,8 +260,12 @@ def summarize(case: Case, doc: dict[str, Any]) -> dict[str, Any]:
     chosen = (decision.get("chosen") or {}).get("candidate") or {}
     v = doc.get("verification") or {}
     arms = [
-        {"arm": arm["arm"], "title": arm["title"], "objective": _change(arm["objective"]),
-         "key": _change(arm["key"])}  # fmt: skip
+        {
+            "arm": arm["arm"],
+            "title": arm["title"],
+            "objective": _change(arm["objective"]),
+            "key": _change(arm["key"]),
+        }  # fmt: skip
         for arm in v.get("arms") or []
     ]
     check = doc.get("self_check") or {}
