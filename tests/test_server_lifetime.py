@@ -56,6 +56,11 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
+def _default_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _everything_gone(groups: list[int], within: float) -> bool:
     end = time.monotonic() + within
     while time.monotonic() < end:
@@ -75,6 +80,9 @@ def test_servers_die_with_their_launcher(tmp_path, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
+        # as from a terminal: under `nohup` (a CI runner's shell, say) SIGHUP is inherited
+        # ignored, and the launcher rightly keeps an ignored signal ignored
+        preexec_fn=_default_signals,
     )
     groups: list[int] = []
     try:
