@@ -411,3 +411,26 @@ def test_verify_relaunches_the_embedded_server_as_it_served_the_run(tmp_path, mo
     assert r.exit_code == 2 and "does not record" in r.output
     r = runner.invoke(app, ["tune", str(sim), "--verify", "--seeds", "2", "--jobs", "1"])
     assert r.exit_code == 2 and "ran in the simulator" in " ".join(r.output.split())
+
+
+def test_a_server_that_chose_its_own_device_relaunches_with_flags_serve_takes(
+    tmp_path, monkeypatch
+):
+    # `servelab serve` without --device records the core's device as "auto", which serve's
+    # own parser refuses: the relaunch leaves the choice to the relaunched server
+
+    sim = _sim(tmp_path / "sim", "--workload", "chat", "--requests", "4", "--seed", "1")
+    served = _served(
+        sim, tmp_path / "served", launched=True,
+        command=["servelab", "serve", "--host", "127.0.0.1", "--port", "1"],
+        version={"engine": {"model": "smollm2-135m", "quantization": "none",
+                            "torch_threads": 1, "device": "auto"}},
+    )  # fmt: skip
+    relaunch = embedded_relaunch(load_run(served))
+    assert "--device" not in shlex.split(relaunch.flags)
+    served_args: list = []
+    monkeypatch.setattr("servelab.server.main.run_server", lambda a: served_args.append(a) or 0)
+    argv = ["serve", "--model", relaunch.model, *shlex.split(relaunch.flags)]
+    r = runner.invoke(app, argv, env={"SERVELAB_API_KEY": "", "OPENAI_API_KEY": ""})
+    assert r.exit_code == 0, r.output
+    assert served_args[0].threads == 1 and served_args[0].device is None

@@ -86,7 +86,9 @@ def embedded_relaunch(run: Run) -> Relaunch:
             f"not record {'; '.join(missing)}: relaunching without it would measure another "
             "server"
         )
-    device = core.get("device")
+    # "auto" is what a core reports when `serve` was given no --device: the relaunch then
+    # makes the same choice on this machine (serve takes no --device auto)
+    device = core.get("device") if core.get("device") != "auto" else None
     own = [
         f"--quantization {shlex.quote(str(quantization))}",
         f"--threads {int(threads)}",
