@@ -548,6 +548,8 @@ def check(
     clashes = [p for p in problems if "seed" in p]
     if clashes:
         raise SystemExit("; ".join(clashes))
+    if len(train) < 2 and not train_plan:
+        problems.append("one training run: the twin states no leave-one-run-out intervals")
     if problems:
         print("not the full protocol: " + "; ".join(problems))
     logs = out / "logs"

@@ -17,8 +17,8 @@
    and run for real; ``benchmarks.sim.twin_check`` scores them (MAPE per figure, the naive
    baseline, the change error, the intervals' coverage) and writes ``results.json``.
 
-Expected time on a quiet 2-core machine: 12 launches of 35-40 s with a 5-6 s warm-up each
-(about 9 minutes), 12 bench runs of 10-60 s (about 6 minutes), 11 predictions of a few
+Expected time on a quiet 2-core machine: 11 launches of 35-40 s with a 5-6 s warm-up each
+(about 8 minutes), 11 bench runs of 10-60 s (about 5 minutes), 10 predictions of a few
 seconds: about 15-20 minutes; ``--train-plan`` adds a launch and the ladder (3-5 minutes);
 a busy host stretches it to 30-40. ``--reuse`` calibrates and predicts again on the real
 runs already in ``--out`` (a minute). ``--cases smoke`` is one held-out case (about 4
