@@ -144,7 +144,11 @@ def protocol_problems(
     used = {c.seed for c in train} | (training_seeds or set())
     problems = [f"{c.name}: seed {c.seed} was used in training" for c in held if c.seed in used]
     seeds = [c.seed for c in held]
-    problems += [f"seed {s} is given to several cases" for s in set(seeds) if seeds.count(s) > 1]
+    problems += [
+        f"seed {s} is given to several cases"
+        for s in sorted(set(seeds), key=seeds.index)
+        if seeds.count(s) > 1
+    ]
     if len(held) < MIN_CASES:
         problems.append(f"{len(held)} held-out cases, fewer than {MIN_CASES}")
     shapes = {shape_of(c) for c in held} - {shape_of(c) for c in train}
