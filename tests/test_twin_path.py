@@ -291,7 +291,8 @@ def test_twin_check_reports_coverage_and_width_from_run_directories(tmp_path):
             for name, _, _ in FIGURES
         }  # fmt: skip
         (pred / "prediction.json").write_text(json.dumps({"figures": figures}))
-        lat = {m: {p: measured for p in ("p50", "p90", "p99")} for m in ("ttft", "itl", "tpot")}
+        stats = ("mean", "p50", "p90", "p99")
+        lat = {m: {p: measured for p in stats} for m in ("ttft", "itl", "tpot", "e2e")}
         overall = {"latency": lat, "throughput": {"output_tokens_per_s": measured}}
         (real / "metrics.json").write_text(json.dumps({"overall": overall}))
         return f"{pred}:{real}"

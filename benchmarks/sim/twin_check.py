@@ -1,20 +1,31 @@
-"""A twin of a live server checked against it: calibrate on one run, predict held-out runs, run them.
+"""A twin of a live server checked against it by a held-out protocol that cannot flatter.
 
 The parts the live-server benchmarks share (``twin_vllm``, ``twin_llamacpp``): a ``Peer``
 says how to launch the server (a ``bench.servers.template`` command template), how the run states
-its command to ``servelab bench``/``calibrate``, and how each measured run starts from a
-cold prefix cache (an endpoint that empties it, or a server of its own). ``check`` runs the
-training case on two launches of the server (one, if asked), calibrates on them, and for
-each held-out case predicts it (``servelab sim
---calibration --seeds N``, the case's flags as the server spells them) and
-runs it for real; it prints and writes (``results.json``) predicted (median and range over
-the seeds) against measured TTFT p50/p90, ITL p50/p99, TPOT p50 and output tok/s: the
-share within ``tolerance`` and the share inside the predicted range, per case and overall,
-the training case's own replay listed apart (in-sample); and on the held-out cases each
-stated interval's coverage and median width (``coverage``: the range over seeds, and the 80%
-and 95% intervals a twin of several runs derives from its leave-one-run-out error). The
-server runs on CPU 1, the client on CPU 0. ``python benchmarks/sim/twin_check.py coverage
-PRED_DIR:RUN_DIR ...`` reports that coverage for any predictions and the runs they predicted.
+its command to ``servelab bench``/``calibrate``, and how a fresh server is readied (a
+warm-up, and an endpoint that empties its prefix cache where it has one). ``check`` runs
+the protocol of docs/design/twin.md, "The held-out protocol (pre-registered)":
+
+- **training**: the training case (its own seed, ``TRAIN_SEED``) on two launches of the
+  server, the twin calibrated on both (so that its 80%/95% intervals come from
+  leave-one-run-out error); with ``--train-plan`` the twin is instead
+  ``servelab calibrate --plan`` against a launch of its own, and the training runs stay the
+  reference of the naive baseline and the change error;
+- **held out**: every case has a seed no training run used and a freshly launched server of
+  its own (``launches``), never one shared with training or another case; the case list
+  must meet the protocol's minimums (``protocol_problems``: ``MIN_CASES`` cases, three
+  workload shapes and two flag sets and two loads that training did not have);
+- **figures**: ``PROTOCOL_FIGURES``, predicted (the median over ``--seeds`` simulator
+  seeds, ``sim --calibration``'s ``prediction.json``) against measured (``metrics.json``);
+- **scores** per figure over the held-out cases (``score``): the twin's MAPE, the naive
+  baseline's MAPE (every held-out figure predicted to be the training runs' mean) and the
+  change error (``row``), beside the targets (``TARGETS``); each stated interval's coverage
+  and median width (``coverage``) beside ``COVERAGE_TARGETS``.
+
+It prints the per-case and summary tables (within 100 columns) and writes ``results.json``.
+The server runs on CPU 1, the client on CPU 0. ``python benchmarks/sim/twin_check.py
+coverage PRED_DIR:RUN_DIR ...`` reports the coverage for any predictions and the runs they
+predicted.
 """
 
 from __future__ import annotations
@@ -24,11 +35,12 @@ import asyncio
 import json
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from servelab.bench.servers.template import TemplateServer
@@ -36,17 +48,36 @@ from servelab.sim.intervals import FIGURES
 
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
 LENGTH_SCALE = "0.5"
+TRAIN_SEED = 1
+# The figures the protocol scores, in the issue's order (all of them in sim.intervals'
+# FIGURES, so prediction.json states each one).
+PROTOCOL_FIGURES = (
+    "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50",
+    "e2e_mean", "e2e_p99", "output_tok_s",
+)  # fmt: skip
+# The twin's MAPE (%) each figure must stay at or under; the other figures are reported only.
+TARGETS = {"e2e_mean": 7.0, "ttft_p50": 15.0, "ttft_p99": 25.0, "tpot_p50": 10.0}
+# The share of held-out figures each stated interval must cover: (at least, at most).
+COVERAGE_TARGETS = {"80": (0.70, 0.90), "95": (0.88, 0.99)}
+MIN_CASES = 8
+IN_SAMPLE = " (in-sample)"  # a training run's mark where the twin was fitted to it
+MIN_NEW_SHAPES = 3
+MIN_NEW_FLAGS = 2
+MIN_NEW_LOADS = 2
+PLAN_MAX_PROMPT = 2048  # calibrate --plan: past the longest context a case sends (agent, 1.1k)
 
 
 @dataclass(frozen=True)
 class Case:
-    """One run: a workload preset, its load flags (``servelab bench``'s), the server's flags."""
+    """One run: a workload preset, its load flags (``servelab bench``'s), the server's flags
+    and the seed its requests are planned from."""
 
     name: str
     workload: str
     load: str
     flags: str = ""
     train: bool = False
+    seed: int = TRAIN_SEED
 
     @property
     def slug(self) -> str:
@@ -58,8 +89,8 @@ class Peer:
     """A server under test. ``template``: its launch command template (``{model}``,
     ``{host}``, ``{port}``, ``{flags}``); ``stated``: the command as the run states it,
     flags appended; ``model``/``tokenizer``: what it serves and how prompts are counted;
-    ``reset``: empties its prefix cache at a URL, or None to start a server per measured
-    run; ``warm_up``: readies a fresh server (first batches are not the server predicted)."""
+    ``reset``: empties its prefix cache at a URL, or None where it has no such endpoint;
+    ``warm_up``: readies a fresh server (first batches are not the server predicted)."""
 
     name: str
     template: str
@@ -70,9 +101,99 @@ class Peer:
     warm_up: Callable[[str, Case, Path, Path], float]  # (url, case, run dir, logs) -> s
 
 
+# ---------------------------------------------------------------- the protocol's rules
+
+
+def _load_options(case: Case) -> dict[str, str]:
+    """``--name value`` pairs of a case's load flags."""
+    words = shlex.split(case.load)
+    return {w: v for w, v in zip(words, [*words[1:], ""]) if w.startswith("--")}
+
+
+def shape_of(case: Case) -> str:
+    """The workload shape: the preset, and the arrival process where the load names one
+    other than Poisson (bursty gamma arrivals are a shape of their own)."""
+    arrival = _load_options(case).get("--arrival", "poisson")
+    if arrival == "poisson":
+        return case.workload
+    return f"{case.workload} {arrival} {_load_options(case).get('--burstiness', '')}".strip()
+
+
+def load_of(case: Case) -> str:
+    """The load: ``concurrency N`` (a closed loop) or ``rate R`` (an open loop)."""
+    opts = _load_options(case)
+    if "--rate" in opts:
+        return f"rate {opts['--rate']}"
+    return f"concurrency {opts.get('--concurrency', '1')}"
+
+
+def plan_seeds(max_prompt: int = PLAN_MAX_PROMPT) -> set[int]:
+    """The seeds ``calibrate --plan`` plans its rungs from (the warm-up 0, rung k seed k)."""
+    from servelab.workflows.calibration_plan import ladder
+
+    return set(range(len(ladder(max_prompt, (1, 2, 4, 8)))))
+
+
+def protocol_problems(
+    train: Sequence[Case], held: Sequence[Case], training_seeds: set[int] | None = None
+) -> list[str]:
+    """What keeps ``held`` from being the protocol's held-out set against ``train``: a seed
+    a training run used (``training_seeds`` adds others, e.g. ``plan_seeds()``) or another
+    case's, fewer than ``MIN_CASES`` cases, fewer new workload shapes, flag sets or loads
+    than the minimums (a load: one open loop among them). Empty when it meets them all."""
+    used = {c.seed for c in train} | (training_seeds or set())
+    problems = [f"{c.name}: seed {c.seed} was used in training" for c in held if c.seed in used]
+    seeds = [c.seed for c in held]
+    problems += [
+        f"seed {s} is given to several cases"
+        for s in sorted(set(seeds), key=seeds.index)
+        if seeds.count(s) > 1
+    ]
+    if len(held) < MIN_CASES:
+        problems.append(f"{len(held)} held-out cases, fewer than {MIN_CASES}")
+    shapes = {shape_of(c) for c in held} - {shape_of(c) for c in train}
+    if len(shapes) < MIN_NEW_SHAPES:
+        problems.append(f"{len(shapes)} workload shapes not in training, want {MIN_NEW_SHAPES}")
+    flags = {c.flags for c in held} - {c.flags for c in train}
+    if len(flags) < MIN_NEW_FLAGS:
+        problems.append(f"{len(flags)} flag changes, want {MIN_NEW_FLAGS}")
+    loads = {load_of(c) for c in held} - {load_of(c) for c in train}
+    if len(loads) < MIN_NEW_LOADS or not any(x.startswith("rate") for x in loads):
+        problems.append(f"new loads {sorted(loads)}: want {MIN_NEW_LOADS}, one an open loop")
+    return problems
+
+
+def launches(train: Sequence[Case], held: Sequence[Case]) -> list[tuple[str, Case]]:
+    """Every measured run with the label of the server launched for it alone, training
+    first: no held-out case shares a process with training or with another case (a server
+    keeps caches and warms up; a shared one would favour the later runs)."""
+    return [(c.slug, c) for c in [*train, *held]]
+
+
+def select(held: Sequence[Case], text: str, named: dict[str, tuple[str, ...]]) -> list[Case]:
+    """The held-out cases ``--cases`` asks for: ``all``, a name of ``named`` (a subset) or
+    case names joined by commas. SystemExit naming an unknown case."""
+    wanted = named.get(text) or (
+        tuple(c.name for c in held) if text == "all" else tuple(text.split(","))
+    )
+    unknown = sorted(set(wanted) - {c.name for c in held})
+    if unknown:
+        raise SystemExit(f"--cases: no case named {', '.join(unknown)}")
+    return [c for c in held if c.name in wanted]
+
+
+def training(case: Case, runs: int) -> list[Case]:
+    """The training case, and with ``runs`` 2 the same again on a relaunched server."""
+    again = Case(f"{case.name} relaunched", case.workload, case.load, case.flags, True, case.seed)
+    return [case, again][:runs]
+
+
+# ---------------------------------------------------------------- running it
+
+
 def add_check_arguments(ap: argparse.ArgumentParser, health_timeout: float) -> None:
     """The options every live twin check takes (``check``'s parameters)."""
-    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--seeds", type=int, default=8, help="simulator seeds per prediction")
     ap.add_argument(
         "--train-runs",
         type=int,
@@ -80,17 +201,16 @@ def add_check_arguments(ap: argparse.ArgumentParser, health_timeout: float) -> N
         choices=(1, 2),
         help="training runs, each on its own launch",
     )
-    ap.add_argument("--tolerance", type=float, default=0.2)
+    ap.add_argument(
+        "--train-plan",
+        action="store_true",
+        help="fit the twin to `servelab calibrate --plan` (a launch of its own) instead of "
+        "the training runs, which stay the naive baseline's reference",
+    )
     ap.add_argument("--health-timeout", type=float, default=health_timeout)
     ap.add_argument(
         "--reuse", action="store_true", help="calibrate and predict again on --out's real runs"
     )
-
-
-def training(case: Case, runs: int) -> list[Case]:
-    """The training case, and with ``runs`` 2 the same again on a relaunched server."""
-    again = Case(f"{case.name} relaunched", case.workload, case.load, case.flags, train=True)
-    return [case, again][:runs]
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -108,7 +228,7 @@ def bench(peer: Peer, case: Case, url: str, out: Path, logs: Path) -> float:
         "taskset", "-c", "0", *SERVELAB, "bench", "--url", url, "--tokenizer", peer.tokenizer,
         "--workload", case.workload, "--length-scale", LENGTH_SCALE, *shlex.split(case.load),
         "--server-config", f"{peer.stated} {case.flags}".strip(), "--out", str(out),
-        "--quiet", "--seed", "1",
+        "--quiet", "--seed", str(case.seed),
     ]  # fmt: skip
     return run(cmd, logs / f"bench-{out.name}.log")
 
@@ -117,43 +237,124 @@ def predict(case: Case, cal_path: Path, seeds: int, out: Path, logs: Path) -> fl
     eng = case.flags  # the server's own flags: `sim --calibration` reads them as it does
     cmd = [
         *SERVELAB, "sim", "--calibration", str(cal_path), "--workload", case.workload,
-        "--length-scale", LENGTH_SCALE, *shlex.split(case.load), "--seed", "1",
+        "--length-scale", LENGTH_SCALE, *shlex.split(case.load), "--seed", str(case.seed),
         "--seeds", str(seeds), "--out", str(out), *(["--engine-args", eng] if eng else []),
     ]  # fmt: skip
     return run(cmd, logs / f"sim-{out.name}.log")
 
 
+# ---------------------------------------------------------------- scoring
+
+
 def measured(run_dir: Path) -> dict[str, float | None]:
+    """Every ``FIGURES`` figure of a run's ``metrics.json`` (None where it has none)."""
     o = json.loads((run_dir / "metrics.json").read_text())["overall"]
     out: dict[str, float | None] = {}
-    for name, metric, pct in FIGURES:
-        out[name] = (
-            o["throughput"]["output_tokens_per_s"] if metric is None else o["latency"][metric][pct]
-        )
+    for name, metric, stat in FIGURES:
+        if metric is None:
+            out[name] = o.get("throughput", {}).get("output_tokens_per_s")
+        else:
+            out[name] = o.get("latency", {}).get(metric, {}).get(stat)
     return out
 
 
-def compare(pred_dir: Path, run_dir: Path, tolerance: float) -> list[dict]:
+def compare(pred_dir: Path, run_dir: Path) -> list[dict]:
+    """Per figure: the prediction (median), its range over seeds, the stated intervals,
+    the measured figure, the relative error and whether the range covered it."""
     pred = json.loads((pred_dir / "prediction.json").read_text())["figures"]
     real = measured(run_dir)
     rows = []
     for name, _, _ in FIGURES:
-        p, m = pred[name]["median"], real[name]
-        lo, hi = pred[name]["interval"] or (None, None)
-        err = (p - m) / m if p is not None and m else None
+        f = pred.get(name) or {}
+        p, m = f.get("median"), real[name]
+        lo, hi = f.get("interval") or (None, None)
         rows.append(
             {
                 "figure": name,
                 "predicted": p,
                 "range": [lo, hi],
                 "measured": m,
-                "error": err,
-                "within": err is not None and abs(err) <= tolerance,
+                "error": (p - m) / m if p is not None and m else None,
                 "covered": m is not None and lo is not None and lo <= m <= hi,
-                "intervals": pred[name].get("intervals") or {},
+                "intervals": f.get("intervals") or {},
             }
         )
     return rows
+
+
+def predictions(pred_dir: Path) -> dict[str, float | None]:
+    """Every ``FIGURES`` figure's prediction (the median over seeds) in ``prediction.json``."""
+    figs = json.loads((pred_dir / "prediction.json").read_text())["figures"]
+    return {name: (figs.get(name) or {}).get("median") for name, _, _ in FIGURES}
+
+
+def reference(train_runs: Sequence[Path]) -> dict[str, float | None]:
+    """The naive baseline's figures: each figure's mean over the training runs."""
+    figs = [measured(r) for r in train_runs]
+    out: dict[str, float | None] = {}
+    for name, _, _ in FIGURES:
+        vals = [v for f in figs if (v := f[name]) is not None]
+        out[name] = statistics.fmean(vals) if vals else None
+    return out
+
+
+def row(
+    predicted: float | None,
+    measured_: float | None,
+    ref: float | None,
+    ref_predicted: float | None,
+) -> dict[str, float | None]:
+    """One held-out figure scored. ``ref``: the training runs' measured figure (the naive
+    prediction); ``ref_predicted``: the twin's prediction of the training case. Relative
+    errors (signed, of the measured figure): the twin's ``error`` and the naive one's
+    ``naive_error``. The change from training, measured ``m / ref - 1`` and predicted
+    ``p / ref_predicted - 1``, and ``change_error``, their absolute difference in
+    percentage points: a twin off by one factor everywhere has none. None where a figure
+    is missing or zero."""
+
+    def rel(a: float | None, b: float | None) -> float | None:
+        return a / b - 1 if a is not None and b else None
+
+    m_change = rel(measured_, ref)
+    p_change = rel(predicted, ref_predicted)
+    return {
+        "error": rel(predicted, measured_),
+        "naive_error": rel(ref, measured_),
+        "measured_change": m_change,
+        "predicted_change": p_change,
+        "change_error": (
+            abs(p_change - m_change) * 100
+            if p_change is not None and m_change is not None
+            else None
+        ),
+    }
+
+
+def _mean_abs(rows: list[dict], key: str, scale: float) -> float | None:
+    vals = [abs(r[key]) * scale for r in rows if r[key] is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def score(results: list[dict]) -> dict[str, dict]:
+    """Per ``PROTOCOL_FIGURES`` figure over the held-out cases of ``results`` (each with
+    ``train`` and ``rows`` of ``row`` figures): the cases scored, the twin's and the naive
+    baseline's MAPE (%), the mean change error (percentage points) and, where the figure
+    has one, its target and whether the twin's MAPE met it."""
+    out: dict[str, dict] = {}
+    for name in PROTOCOL_FIGURES:
+        rows = [r for c in results if not c["train"] for r in c["rows"] if r["figure"] == name]
+        scored = [r for r in rows if r["error"] is not None and r["naive_error"] is not None]
+        twin = _mean_abs(scored, "error", 100)
+        target = TARGETS.get(name)
+        out[name] = {
+            "cases": len(scored),
+            "twin_mape": twin,
+            "naive_mape": _mean_abs(scored, "naive_error", 100),
+            "change_error_pp": _mean_abs(scored, "change_error", 1),
+            "target_mape": target,
+            "met": None if target is None or twin is None else twin <= target,
+        }
+    return out
 
 
 def coverage(pairs: list[tuple[Path, Path]]) -> dict[str, dict[str, float | int | None]]:
@@ -162,15 +363,13 @@ def coverage(pairs: list[tuple[Path, Path]]) -> dict[str, dict[str, float | int 
     the measured figure fell inside the range over seeds and inside each level's interval
     the twin stated (80%, 95%). Per interval: figures judged, the share covered and the
     median width relative to the median prediction."""
-    import statistics
-
     seen: dict[str, list[tuple[bool, float]]] = {}
     for pred_dir, run_dir in pairs:
-        for row in compare(pred_dir, run_dir, 0.0):
-            m, p = row["measured"], row["predicted"]
-            if m is None or not p:
+        for r in compare(pred_dir, run_dir):
+            m, p = r["measured"], r["predicted"]
+            if not m or not p:  # a figure missing or zero is not judged, as in ``score``
                 continue
-            spans = {"seeds range": row["range"], **row["intervals"]}
+            spans = {"seeds range": r["range"], **r["intervals"]}
             for level, (lo, hi) in spans.items():
                 if lo is not None:
                     seen.setdefault(level, []).append((lo <= m <= hi, (hi - lo) / p))
@@ -182,6 +381,236 @@ def coverage(pairs: list[tuple[Path, Path]]) -> dict[str, dict[str, float | int 
         }
         for level, v in seen.items()
     }
+
+
+def coverage_met(report: dict[str, dict]) -> dict[str, bool | None]:
+    """Per level of ``COVERAGE_TARGETS``: whether its coverage fell in the target band
+    (None where the twin stated no such interval)."""
+    out: dict[str, bool | None] = {}
+    for level, (lo, hi) in COVERAGE_TARGETS.items():
+        got = report.get(level, {}).get("coverage")
+        out[level] = None if got is None else lo <= got <= hi
+    return out
+
+
+def evaluate(out: Path, train: Sequence[Case], held: Sequence[Case], in_sample: bool) -> list[dict]:
+    """Every measured case in ``out`` scored (``row``): a case's run is ``real-SLUG``, its
+    prediction ``sim-SLUG`` (a training run's: the first training case's); the reference,
+    the training runs' mean, and the twin's prediction of the training case. ``in_sample``:
+    the twin was fitted to the training runs (their rows say so). Cases not run are left
+    out."""
+    trained = [out / f"real-{c.slug}" for c in train if (out / f"real-{c.slug}").is_dir()]
+    ref = reference(trained)
+    ref_pred = predictions(out / f"sim-{train[0].slug}")
+    results: list[dict] = []
+    for case in [*train, *held]:
+        real = out / f"real-{case.slug}"
+        if not real.is_dir():
+            continue
+        rows = compare(out / f"sim-{(train[0] if case.train else case).slug}", real)
+        for r in rows:
+            r.update(row(r["predicted"], r["measured"], ref[r["figure"]], ref_pred[r["figure"]]))
+        results.append(
+            {
+                "case": case.name + (IN_SAMPLE if case.train and in_sample else ""),
+                "train": case.train,
+                "seed": case.seed,
+                "workload": case.workload,
+                "load": case.load,
+                "flags": case.flags,
+                "rows": rows,
+            }
+        )
+    return results
+
+
+def summarize(out: Path, results: list[dict], held: Sequence[Case]) -> dict:
+    """``results.json``'s ``score``: ``score``'s figures, the stated intervals' coverage on
+    the held-out runs in ``out`` and whether each met its band."""
+    pairs = [(out / f"sim-{c.slug}", out / f"real-{c.slug}") for c in held]
+    intervals = coverage([(p, r) for p, r in pairs if r.is_dir()])
+    return {
+        "figures": score(results),
+        "intervals": intervals,
+        "intervals_met": coverage_met(intervals),
+    }
+
+
+# ---------------------------------------------------------------- tables
+
+
+def _fmt(name: str, v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if name == "output_tok_s" else f"{v * 1e3:.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.0%}"
+
+
+def render_cases(results: list[dict]) -> str:
+    """Every case's figures in ``PROTOCOL_FIGURES`` order: predicted and measured (times in
+    ms), the twin's and the naive baseline's error, the predicted and measured change from
+    training; the training runs first, named without their in-sample mark (a line says it)."""
+    lines = [
+        "| case | figure | predicted | measured | twin | naive | change pred/meas |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in results:
+        by_name = {r["figure"]: r for r in c["rows"]}
+        for n in PROTOCOL_FIGURES:
+            r = by_name[n]
+            change = "-"
+            if not c["train"]:
+                change = f"{_pct(r['predicted_change'])}/{_pct(r['measured_change'])}"
+            lines.append(
+                f"| {c['case'].removesuffix(IN_SAMPLE)[:24]} | {n} | {_fmt(n, r['predicted'])} | "
+                f"{_fmt(n, r['measured'])} | {_pct(r['error'])} | {_pct(r['naive_error'])} | "
+                f"{change} |"
+            )
+    if any(c["case"].endswith(IN_SAMPLE) for c in results):
+        lines.append("training runs: in-sample (the twin was fitted to them), not scored")
+    return "\n".join(lines)
+
+
+def render_score(figures: dict[str, dict], intervals: dict[str, dict]) -> str:
+    """Per figure: the cases, the twin's and the naive MAPE, the change error and the
+    target; then each interval's coverage and median width against its band."""
+
+    def pc(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}%"
+
+    lines = [
+        "| figure | cases | twin MAPE | naive MAPE | change error | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in figures.items():
+        target = "-"
+        if s["target_mape"] is not None:
+            verdict = {True: "met", False: "missed", None: "-"}[s["met"]]
+            target = f"<= {s['target_mape']:.0f}% {verdict}"
+        change = "-" if s["change_error_pp"] is None else f"{s['change_error_pp']:.1f} pp"
+        lines.append(
+            f"| {name} | {s['cases']} | {pc(s['twin_mape'])} | {pc(s['naive_mape'])} | "
+            f"{change} | {target} |"
+        )
+    lines += ["", "| interval | figures | coverage | target | median width |"]
+    lines.append("|---|---|---|---|---|")
+    for level, r in intervals.items():
+        band = COVERAGE_TARGETS.get(level)
+        target = f"{band[0]:.0%}-{band[1]:.0%}" if band else "-"
+        lines.append(
+            f"| {level} | {r['figures']} | {r['coverage']:.0%} | {target} | "
+            f"{r['median_width']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the check
+
+
+def _serve(
+    peer: Peer, case: Case, label: str, out: Path, logs: Path, timings: dict[str, float],
+    health_timeout: float, job: Callable[[str], float],
+) -> None:  # fmt: skip
+    """Launch a server with ``case``'s flags, warm it up, empty its prefix cache (the
+    warm-up's prompts are not the case's) and run ``job(url)`` on it; stop it."""
+    t0 = time.perf_counter()
+    server = TemplateServer(
+        peer.template, logs / f"{peer.name}-{label}.log", peer.model, case.flags
+    )
+    try:
+        asyncio.run(server.wait_healthy(timeout=health_timeout))
+        timings[f"start {label}"] = time.perf_counter() - t0
+        timings[f"warm-up {label}"] = peer.warm_up(server.url, case, out / f"warmup-{label}", logs)
+        if peer.reset is not None:
+            peer.reset(server.url)
+        timings[f"run {label}"] = job(server.url)
+    finally:
+        server.stop()
+
+
+def check(
+    peer: Peer,
+    train: list[Case],
+    held: list[Case],
+    out: Path,
+    seeds: int = 8,
+    health_timeout: float = 900.0,
+    reuse: bool = False,
+    timings: dict[str, float] | None = None,
+    train_plan: bool = False,
+) -> dict:
+    """Run the protocol (the module doc) and return what ``results.json`` holds. ``train``:
+    the training runs, each on a server launched for it; ``held``: the held-out cases (a
+    list short of the protocol's minimums runs, said and recorded as ``complete: false``;
+    a seed training used is refused); ``train_plan``: fit the twin to ``calibrate --plan``;
+    ``reuse``: calibrate and predict again on the real runs already in ``out``."""
+    used = plan_seeds() if train_plan else set()
+    problems = protocol_problems(train, held, used)
+    clashes = [p for p in problems if "seed" in p]
+    if clashes:
+        raise SystemExit("; ".join(clashes))
+    if len(train) < 2 and not train_plan:
+        problems.append("one training run: the twin states no leave-one-run-out intervals")
+    if problems:
+        print("not the full protocol: " + "; ".join(problems))
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    timings = {} if timings is None else timings
+
+    for label, case in [] if reuse else launches(train, held):
+        real = out / f"real-{case.slug}"
+        _serve(peer, case, label, out, logs, timings, health_timeout,
+               lambda url, c=case, d=real: bench(peer, c, url, d, logs))  # fmt: skip
+    trained = [out / f"real-{c.slug}" for c in train if (out / f"real-{c.slug}").is_dir()]
+    if not trained:
+        raise SystemExit(f"no training run in {out}")
+    t1 = time.perf_counter()
+    stated = f"{peer.stated} {train[0].flags}".strip()
+    if train_plan:
+        cal_path = out / "plan" / "twin.json"
+        if not (reuse and cal_path.is_file()):
+
+            def ladder(url: str) -> float:
+                return run([*SERVELAB, "calibrate", "--plan", "--url", url, "--max-prompt",
+                            str(PLAN_MAX_PROMPT), "--hardware", "cpu", "--server-config",
+                            stated, "--out", str(out / "plan")],
+                           logs / "calibrate-plan.log")  # fmt: skip
+
+            _serve(peer, train[0], "plan", out, logs, timings, health_timeout, ladder)
+    else:
+        cal_path = out / "twin.json"
+        run([*SERVELAB, "calibrate", *map(str, trained), "--hardware", "cpu",
+             "--server-config", stated, "--out", str(cal_path)], logs / "calibrate.log")  # fmt: skip
+    timings["calibrate"] = time.perf_counter() - t1
+
+    for case in [train[0], *(c for c in held if (out / f"real-{c.slug}").is_dir())]:
+        pred = out / f"sim-{case.slug}"
+        shutil.rmtree(pred, ignore_errors=True)  # reuse predicts again
+        timings[f"predict {case.name}"] = predict(case, cal_path, seeds, pred, logs)
+    results = evaluate(out, train, held, in_sample=not train_plan)
+    timings["total_s"] = time.perf_counter() - t_start
+    summary = summarize(out, results, held)
+    intervals = summary["intervals"]
+    protocol = {
+        "complete": not problems,
+        "problems": problems,
+        "training": "calibrate --plan" if train_plan else f"{len(trained)} training runs",
+        "train_seeds": sorted({c.seed for c in train} | used),
+        "held_out": [asdict(c) for c in held],
+        "length_scale": float(LENGTH_SCALE),
+        "sim_seeds": seeds,
+    }
+    doc = {"protocol": protocol, "results": results, "score": summary, "timings": timings}
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    print(render_cases(results))
+    print()
+    print(render_score(summary["figures"], intervals))
+    print("timings (s):", json.dumps({k: round(v, 1) for k, v in timings.items()}))
+    return doc
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,128 +638,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _fmt(name: str, v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v * 1e3:.1f}" if name != "output_tok_s" else f"{v:.1f}"
-
-
-def render(results: list[dict]) -> str:
-    lines = [
-        "| case | figure | predicted | range over seeds | measured | error | in range |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        for row in r["rows"]:
-            n = row["figure"]
-            lo, hi = row["range"]
-            err = "-" if row["error"] is None else f"{row['error']:+.0%}"
-            lines.append(
-                f"| {r['case']} | {n}{' (ms)' if n != 'output_tok_s' else ''} | "
-                f"{_fmt(n, row['predicted'])} | {_fmt(n, lo)}-{_fmt(n, hi)} | "
-                f"{_fmt(n, row['measured'])} | {err} | {'yes' if row['covered'] else 'no'} |"
-            )
-    return "\n".join(lines)
-
-
-def score(results: list[dict]) -> dict:
-    rows = [row for r in results if not r["train"] for row in r["rows"] if row["error"] is not None]
-    cases = [r for r in results if not r["train"]]
-    return {
-        "figures": len(rows),
-        "within_tolerance": sum(r["within"] for r in rows),
-        "covered": sum(r["covered"] for r in rows),
-        "cases_mostly_covered": sum(
-            sum(row["covered"] for row in r["rows"]) > len(r["rows"]) / 2 for r in cases
-        ),
-        "cases": len(cases),
-    }
-
-
-def check(
-    peer: Peer,
-    train: list[Case],
-    held: list[Case],
-    out: Path,
-    seeds: int = 8,
-    tolerance: float = 0.2,
-    health_timeout: float = 900.0,
-    reuse: bool = False,
-    timings: dict[str, float] | None = None,
-) -> dict:
-    """Run, calibrate, predict and compare (the module doc). ``train``: the training runs,
-    each on a server launched for it, first (the twin is fitted to them all, so that its
-    ranges carry how far a relaunched server's speed moves); ``reuse``: calibrate and
-    predict again on the real runs already in ``out``. Returns what ``results.json`` holds."""
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    timings = {} if timings is None else timings
-    cal_path = out / "twin.json"
-    results: list[dict] = []
-
-    def evaluate(case: Case) -> None:
-        real = out / f"real-{case.slug}"
-        pred = out / f"sim-{case.slug}"
-        shutil.rmtree(pred, ignore_errors=True)  # reuse predicts again
-        timings[f"predict {case.name}"] = predict(case, cal_path, seeds, pred, logs)
-        results.append(
-            {
-                "case": case.name + (" (in-sample)" if case.train else ""),
-                "train": case.train,
-                "flags": case.flags,
-                "rows": compare(pred, real, tolerance),
-            }
-        )
-
-    # A server for each training run, then one per other set of flags (the held-out cases
-    # with the training flags on the last training run's); with no cache reset, one server
-    # per measured run.
-    groups: list[list[Case]] = []
-    for c in [*train, *held]:
-        same = next((g for g in reversed(groups) if g[0].flags == c.flags), None)
-        if same is not None and peer.reset is not None and not c.train:
-            same.append(c)
-        else:
-            groups.append([c])
-    for cases in [] if reuse else groups:
-        t0 = time.perf_counter()
-        flags = cases[0].flags
-        name = flags.strip("-").replace(" ", "_") or "default"
-        label = name if peer.reset is not None and not cases[0].train else cases[0].slug
-        server = TemplateServer(peer.template, logs / f"{peer.name}-{label}.log", peer.model, flags)
-        try:
-            asyncio.run(server.wait_healthy(timeout=health_timeout))
-            timings[f"start {peer.name} {label}"] = time.perf_counter() - t0
-            warm_dir = out / f"warmup-{label}"
-            timings[f"warm-up {label}"] = peer.warm_up(server.url, cases[0], warm_dir, logs)
-            for case in cases:
-                if peer.reset is not None:
-                    # The warm-up and the earlier cases sent the same sessions (seed 1):
-                    # without this, the first turns hit blocks a cold twin never has.
-                    peer.reset(server.url)
-                real = out / f"real-{case.slug}"
-                timings[f"bench {case.name}"] = bench(peer, case, server.url, real, logs)
-        finally:
-            server.stop()
-    t1 = time.perf_counter()
-    trained = [c for c in train if (out / f"real-{c.slug}").is_dir()]
-    run([*SERVELAB, "calibrate", *(str(out / f"real-{c.slug}") for c in trained),
-         "--hardware", "cpu", "--server-config", f"{peer.stated} {train[0].flags}".strip(),
-         "--out", str(cal_path)], logs / "calibrate.log")  # fmt: skip
-    timings["calibrate"] = time.perf_counter() - t1
-    for case in [*trained, *held]:
-        if (out / f"real-{case.slug}").is_dir():
-            evaluate(case)
-    timings["total_s"] = time.perf_counter() - t_start
-    summary = score(results)
-    held_pairs = [(out / f"sim-{c.slug}", out / f"real-{c.slug}") for c in held]
-    summary["intervals"] = coverage([(p, r) for p, r in held_pairs if r.is_dir()])
-    doc = {"results": results, "score": summary, "timings": timings}
-    (out / "results.json").write_text(json.dumps(doc, indent=1))
-    print(render(results))
-    print(json.dumps(summary))
-    print("timings (s):", json.dumps({k: round(v, 1) for k, v in timings.items()}))
-    return doc

@@ -23,7 +23,9 @@ from servelab.analyze.summary import measured_window, summarize_group
 from servelab.sim.scenario import Scenario, simulate
 from servelab.vocab import ClientRecord
 
-# (name, latency metric, percentile): the figures a prediction reports.
+# (name, latency metric, statistic): the figures a prediction reports; the statistic is one
+# of ``metrics.json``'s (p50, p90, p99, mean), None for the output throughput. New figures
+# go at the end: readers of prediction.json key on the names.
 FIGURES: tuple[tuple[str, str | None, str | None], ...] = (
     ("ttft_p50", "ttft", "p50"),
     ("ttft_p90", "ttft", "p90"),
@@ -31,6 +33,10 @@ FIGURES: tuple[tuple[str, str | None, str | None], ...] = (
     ("itl_p99", "itl", "p99"),
     ("tpot_p50", "tpot", "p50"),
     ("output_tok_s", None, None),
+    ("ttft_mean", "ttft", "mean"),
+    ("ttft_p99", "ttft", "p99"),
+    ("e2e_mean", "e2e", "mean"),
+    ("e2e_p99", "e2e", "p99"),
 )
 
 
