@@ -165,3 +165,25 @@ def test_serving_a_class_first_targets_that_class_s_own_objective():
     # the objective names chat's figure: serving chat first is judged on it; the other
     # class keeps its tail TTFT
     assert target == {"first-chat": ("chat", "ttft_mean"), "first-batch": ("batch", "ttft_p95")}
+
+
+def test_a_run_without_steps_shows_its_cap_by_what_its_client_had_in_flight():
+    from servelab.analyze.tuning.shape import arrived_at_cap
+    from servelab.vocab import ClientRecord
+
+    def rec(send: float, done: float) -> ClientRecord:
+        return ClientRecord(
+            request_id=f"r{send}", workload_class="chat", intended_send=send,
+            actual_send=send, done=done,
+        )  # fmt: skip
+
+    # 0-10 and 1-10 in flight: the one sent at 2 finds two; at 11 both have ended
+    records = [rec(0, 10), rec(1, 10), rec(2, 3), rec(11, 12)]
+    assert arrived_at_cap(records, 2) == 1
+    assert arrived_at_cap(records, 3) == 0
+    facts = dataclasses.replace(QUIET, arrived_at_cap=7)
+    assert shape_knobs(facts) == {
+        "max_num_seqs": "7 requests were sent with the cap of 8 sequences already in flight"
+    }
+    cands, _ = generate([], facts, ("overall", "e2e_mean"))
+    assert {c.engine["max_num_seqs"] for c in cands if c.knob == "max_num_seqs"} >= {16, 32}

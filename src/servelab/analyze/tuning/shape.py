@@ -5,7 +5,9 @@ traffic and its server's settings make relevant (``shape_knobs``), each with the
 calls for it:
 
 - ``chunking``: a prompt of at least ``LONG_PROMPT`` tokens ran while other sequences did;
-- ``max_num_seqs``: steps ran at the sequence cap while requests waited;
+- ``max_num_seqs``: steps ran at the sequence cap while requests waited (for a run without
+  step records, another server's: requests were sent while the cap's worth of requests
+  was already in flight, as the client saw them);
 - ``prefix_caching``: requests share a prompt prefix and prefix caching is off;
 - ``kv_memory``: requests were preempted (the KV pool ran out);
 - ``priorities``: the workload has more than one class;
@@ -18,11 +20,13 @@ predicted, with the catalogue's reason.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from servelab.rundir import Run
+from servelab.vocab import ClientRecord
 
 MIN_BUDGET = 64
 LONG_PROMPT = 4 * MIN_BUDGET  # a prompt at least this long stalls decodes for several chunks
@@ -35,7 +39,9 @@ class RunFacts:
     run speculated, and where it did not, the acceptance a probe of its traffic measured
     (None: not measured). The shape: requests that share a prompt prefix with another,
     steps that ran at the sequence cap while requests waited, steps with requests waiting,
-    and preemptions (0 where the run has no step records)."""
+    and preemptions (0 where the run has no step records); for a run without step records,
+    the requests sent while at least the sequence cap's worth were in flight
+    (``arrived_at_cap``)."""
 
     config: dict[str, Any]
     prompt_tokens: Sequence[int]
@@ -47,6 +53,7 @@ class RunFacts:
     waited_at_cap: int = 0
     waited: int = 0
     preemptions: int = 0
+    arrived_at_cap: int = 0
 
 
 def shape_knobs(facts: RunFacts) -> dict[str, str]:
@@ -63,6 +70,11 @@ def shape_knobs(facts: RunFacts) -> dict[str, str]:
         out["max_num_seqs"] = (
             f"{facts.waited_at_cap} steps ran at the cap of {cfg.get('max_num_seqs')} "
             "sequences while requests waited"
+        )
+    elif facts.arrived_at_cap:
+        out["max_num_seqs"] = (
+            f"{facts.arrived_at_cap} requests were sent with the cap of "
+            f"{cfg.get('max_num_seqs')} sequences already in flight"
         )
     if facts.shared_prefix_requests > 1 and cfg.get("enable_prefix_caching") is False:
         out["prefix_caching"] = (
@@ -86,8 +98,9 @@ def shape_knobs(facts: RunFacts) -> dict[str, str]:
 
 
 def run_shape(run: Run, max_num_seqs: int | None) -> dict[str, int]:
-    """The shape fields of :class:`RunFacts` from a run's records and steps (a run without
-    step records -- another server's -- has no waits or preemptions to count)."""
+    """The shape fields of :class:`RunFacts` from a run's records and steps. A run without
+    step records (another server's) has no waits or preemptions to count; what its client
+    saw stands in for the cap: the requests sent while ``max_num_seqs`` were in flight."""
     groups: dict[str, int] = {}
     for r in run.records:
         if r.prefix_group:
@@ -99,4 +112,21 @@ def run_shape(run: Run, max_num_seqs: int | None) -> dict[str, int]:
         "waited_at_cap": sum(cap > 0 and s.decode_seqs + len(s.prefill) >= cap for s in waiting),
         "waited": len(waiting),
         "preemptions": sum(len(s.preempted) for s in run.steps),
+        "arrived_at_cap": 0 if run.steps or cap <= 0 else arrived_at_cap(run.records, cap),
     }
+
+
+def arrived_at_cap(records: Sequence[ClientRecord], cap: int) -> int:
+    """Requests sent while at least ``cap`` earlier ones were still in flight (sent, and
+    not yet done or failed), as the client timed them."""
+    spans = sorted(
+        (r.actual_send, r.done if r.done is not None else r.actual_send) for r in records
+    )
+    ends: list[float] = []  # a min-heap of the in-flight requests' ends
+    n = 0
+    for start, end in spans:
+        while ends and ends[0] <= start:
+            heapq.heappop(ends)
+        n += len(ends) >= cap
+        heapq.heappush(ends, end)
+    return n
