@@ -311,6 +311,10 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         print(f"\n== {r['case']} ({r['server']}): {r['plant']}")
@@ -354,8 +358,8 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         f"{t['chose_a_setting']} ({t['top1_better_significant'] / n:.0%}; target 80%)\n"
         f"top-1 measured best of its arms: {t['top1_measured_best']} of {t['chose_a_setting']} "
         f"({t['top1_measured_best'] / n:.0%}; target 70%)\n"
-        f"MAPE of predicted changes: objective {_pct(t['mape_objective'])}, key figure "
-        f"{_pct(t['mape_key'])} (target 20%)\n"
+        f"MAPE of predicted changes: objective {_share(t['mape_objective'])}, key figure "
+        f"{_share(t['mape_key'])} (target 20%)\n"
         f"verified regressions of the objective: {t['verified_regressions']} (target 0)\n"
         f"levers chosen: {', '.join(t['levers_chosen']) or 'none'} "
         f"({len(t['levers_chosen'])}; target 6); choices not a chunk budget: "
