@@ -151,6 +151,7 @@ def requests_from_trace(
         target_rate=target_rate,
     )
     out = []
+    tags: dict[str | None, RequestTags] = {}  # one (frozen) per prefix group, not per row
     for i, row in enumerate(rows):
         if row.hash_ids:
             ids: list[int] = []
@@ -171,7 +172,8 @@ def requests_from_trace(
                 send_time=row.time,
                 prompt_token_ids=ids,
                 max_tokens=row.output_tokens,
-                tags=RequestTags(workload_class="trace", prefix_group=group),
+                tags=tags.get(group)
+                or tags.setdefault(group, RequestTags(workload_class="trace", prefix_group=group)),
             )
         )
     return out, {"trace": {"file": str(path), "format": fmt, **report}}
