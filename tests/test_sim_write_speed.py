@@ -209,3 +209,12 @@ def test_output_tokens_in_the_window_follow_the_definition(times, tokens, out):
         carried, counted = len(times), len(inside)
     want = counted * (out / carried) if inside else 0.0
     assert summary._tokens_in_window(rec, window) == want
+
+
+def test_synthetic_ids_are_the_unique_head_then_the_filler():
+    from servelab.sim.loop.sim_requests import _FILLER, _unique_head, synthetic_ids
+
+    for key in (0, 1, 29_999, 30_000, 10**9 + 7):
+        for n in (0, 1, 2, 3, 4, 1155):
+            head = _unique_head(key)[:n]
+            assert synthetic_ids(key, n) == head + [_FILLER] * (n - len(head))
