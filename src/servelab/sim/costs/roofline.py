@@ -222,8 +222,10 @@ class RooflineCostModel:
         attn = self._attn_flops_per_pair * float(kv_read)
         kv = self._kv_per_token * (kv_read + n)
         peak, bw = hw.peak_flops * e.mfu, hw.mem_bw * e.mbu
-        gemm = max((layers * self._gemm_scale + head) / peak, self._streamed_weight_bytes / bw)
-        t = gemm + max(attn / peak, kv / bw)
+        # max(a, b) spelled out (``b if b > a else a`` is what max returns): two calls a step
+        gemm_c, gemm_m = (layers * self._gemm_scale + head) / peak, self._streamed_weight_bytes / bw
+        attn_c, attn_m = attn / peak, kv / bw
+        t = (gemm_m if gemm_m > gemm_c else gemm_c) + (attn_m if attn_m > attn_c else attn_c)
         if self.tp > 1:
             t += 2 * self.model.layers * self.allreduce_time(n * self._act_bytes_per_token)
         return t + (
