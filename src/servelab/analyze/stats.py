@@ -154,9 +154,10 @@ def describe(
     """
     v = np.asarray(values, dtype=np.float64)
     keep = np.isfinite(v)
-    v = v[keep]
-    if groups is not None:
-        groups = np.asarray(groups)[keep]
+    if not keep.all():  # else no copies: a pooled ITL runs to millions of values
+        v = v[keep]
+        if groups is not None:
+            groups = np.asarray(groups)[keep]
     if v.size == 0:
         return Stat(confidence=confidence)
     # one selection for all four (the same order statistics as four separate calls)
@@ -216,7 +217,8 @@ def _woodruff(
     levels: list[float] = []
     for p, xq in zip(PERCENTILES, pcts):
         q = p / 100.0
-        se = se_of((v <= xq).astype(np.float64) - q)
+        # (v <= xq) - q in one pass: 1.0 - q where at or below, -q (0.0 - q) elsewhere
+        se = se_of(np.where(v <= xq, 1.0 - q, -q))
         levels += [max(0.0, q - z * se), min(1.0, q + z * se)]
     ends = np.quantile(v, levels).tolist()  # one selection for all eight
     out: dict[str, tuple[float, float]] = {

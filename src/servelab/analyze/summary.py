@@ -30,7 +30,8 @@ from __future__ import annotations
 import bisect
 import copy
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,8 +169,10 @@ def _tokens_in_window(r: ClientRecord, window: Window) -> float:
         if i1 <= i0:
             return 0.0
         if len(r.chunk_tokens) == len(r.chunk_times):
-            carried = sum(r.chunk_tokens) or len(r.chunk_times)
-            inside = sum(r.chunk_tokens[i0:i1])
+            total = sum(r.chunk_tokens)
+            carried = total or len(r.chunk_times)
+            # every chunk inside (most records): the same sum, not a copy summed again
+            inside = total if i1 - i0 == len(r.chunk_times) else sum(r.chunk_tokens[i0:i1])
         else:
             carried, inside = len(r.chunk_times), i1 - i0
         scale = r.output_tokens / carried if r.output_tokens else 1.0
@@ -299,7 +302,8 @@ def _slo_lookup(
 ) -> Callable[[ClientRecord], SLO]:
     """Normalise "no SLO", one SLO, ``{class: SLO}`` or a function into a function."""
     if slo is None:
-        return lambda r: SLO()
+        none = SLO()  # one for all records, not one made per record
+        return lambda r: none
     if isinstance(slo, SLO):
         return lambda r: slo
     if isinstance(slo, dict):
@@ -351,6 +355,29 @@ def _count_by(
     return out
 
 
+@contextmanager
+def _ordinary_pages() -> Iterator[None]:
+    """numpy's arrays on ordinary pages for the duration (its setting restored after).
+
+    numpy asks for transparent huge pages (``MADV_HUGEPAGE``) under every large array. A
+    long run's summary makes and drops arrays of millions of gaps, each fresh from the
+    allocator, and faulting each in as huge pages, with the kernel compacting memory to
+    find them, took 0.3-0.7 s of system time summarizing a whole-trace simulated run on this
+    machine (0.1-0.2 s on ordinary pages; docs/design/sim.md "Speed"). A numpy without
+    the setting is left as it is.
+    """
+    core = getattr(np, "_core", None)
+    set_huge = getattr(getattr(core, "multiarray", None), "_set_madvise_hugepage", None)
+    if set_huge is None:
+        yield
+        return
+    was = set_huge(False)
+    try:
+        yield
+    finally:
+        set_huge(was)
+
+
 def summarize(
     records: Sequence[ClientRecord],
     *,
@@ -381,57 +408,58 @@ def summarize(
     "by_input_bucket", "timeslices"}``; ``overall``, ``by_class`` and ``by_input_bucket``
     hold ``summarize_group`` dicts.
     """
-    if window is None:
-        window = measured_window(records, warmup, cooldown)
-    slo_of = _slo_lookup(slos)
-    if isinstance(slos, dict):
-        slo_dump = {k: v.to_dict() for k, v in slos.items()}
-    else:
-        slo_dump = {"*": (slos or SLO()).to_dict()}
-    kw: dict[str, Any] = {"n_boot": n_boot, "seed": seed, "confidence": confidence}
-    gaps = Gaps.of(records)
-    cols = _Columns(records, window, slo_of, gaps)
-    by_class: dict[str, list[int]] = {}
-    by_bucket: dict[str, list[int]] = {}
-    for i, r in enumerate(records):
-        by_class.setdefault(r.workload_class, []).append(i)
-        by_bucket.setdefault(bucket_label(r.input_tokens, bucket_edges), []).append(i)
-    bucket_order = [bucket_label(e - 1, bucket_edges) for e in bucket_edges] + [
-        bucket_label(bucket_edges[-1], bucket_edges)
-    ]
+    with _ordinary_pages():
+        if window is None:
+            window = measured_window(records, warmup, cooldown)
+        slo_of = _slo_lookup(slos)
+        if isinstance(slos, dict):
+            slo_dump = {k: v.to_dict() for k, v in slos.items()}
+        else:
+            slo_dump = {"*": (slos or SLO()).to_dict()}
+        kw: dict[str, Any] = {"n_boot": n_boot, "seed": seed, "confidence": confidence}
+        gaps = Gaps.of(records)
+        cols = _Columns(records, window, slo_of, gaps)
+        by_class: dict[str, list[int]] = {}
+        by_bucket: dict[str, list[int]] = {}
+        for i, r in enumerate(records):
+            by_class.setdefault(r.workload_class, []).append(i)
+            by_bucket.setdefault(bucket_label(r.input_tokens, bucket_edges), []).append(i)
+        bucket_order = [bucket_label(e - 1, bucket_edges) for e in bucket_edges] + [
+            bucket_label(bucket_edges[-1], bucket_edges)
+        ]
 
-    overall = cols.group(np.arange(len(records)), **kw)
+        overall = cols.group(np.arange(len(records)), **kw)
 
-    def group(idx: list[int]) -> dict[str, Any]:
-        if len(idx) == len(records):  # one class or bucket holds every record
-            return copy.deepcopy(overall)
-        return cols.group(np.asarray(idx, dtype=np.int64), **kw)
+        def group(idx: list[int]) -> dict[str, Any]:
+            if len(idx) == len(records):  # one class or bucket holds every record
+                return copy.deepcopy(overall)
+            return cols.group(np.asarray(idx, dtype=np.int64), **kw)
 
-    by_class_summary = {k: group(v) for k, v in sorted(by_class.items())}
-    by_bucket_summary = {k: group(by_bucket[k]) for k in bucket_order if k in by_bucket}
-    overall["prefix_reuse_ideal"] = similarity["overall"] if similarity else None
-    for k, g in by_class_summary.items():
-        g["prefix_reuse_ideal"] = similarity["by_class"].get(k) if similarity else None
-    return {
-        "window": window.to_dict(),
-        "similarity": {k: v for k, v in similarity.items() if k != "by_class"}
-        if similarity
-        else None,
-        "counts": {
-            "records": len(records),
-            "sent_in_window": int(cols.sent.sum()),
-            "ok": int(cols.ok.sum()),
-            "failed": int((~cols.ok).sum()),
-        },
-        "tokens": token_checks(records),
-        "slos": slo_dump,
-        "overall": overall,
-        "by_class": by_class_summary,
-        "by_input_bucket": by_bucket_summary,
-        "timeslices": timeslices(
-            records, window.start, window.end, slice_duration, series, gaps=gaps
-        ),
-    }
+        by_class_summary = {k: group(v) for k, v in sorted(by_class.items())}
+        by_bucket_summary = {k: group(by_bucket[k]) for k in bucket_order if k in by_bucket}
+        overall["prefix_reuse_ideal"] = similarity["overall"] if similarity else None
+        for k, g in by_class_summary.items():
+            g["prefix_reuse_ideal"] = similarity["by_class"].get(k) if similarity else None
+        return {
+            "window": window.to_dict(),
+            "similarity": {k: v for k, v in similarity.items() if k != "by_class"}
+            if similarity
+            else None,
+            "counts": {
+                "records": len(records),
+                "sent_in_window": int(cols.sent.sum()),
+                "ok": int(cols.ok.sum()),
+                "failed": int((~cols.ok).sum()),
+            },
+            "tokens": token_checks(records),
+            "slos": slo_dump,
+            "overall": overall,
+            "by_class": by_class_summary,
+            "by_input_bucket": by_bucket_summary,
+            "timeslices": timeslices(
+                records, window.start, window.end, slice_duration, series, gaps=gaps
+            ),
+        }
 
 
 def run_summary(run: Run) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from servelab.analyze.stats import DEFAULT_N_BOOT
 from servelab.analyze.summary import summarize
 from servelab.bench.manifest import machine, versions
 from servelab.rundir import RunDir
-from servelab.sim.loop.simulation import SimResult
+from servelab.sim.loop.simulation import SimResult, cyclic_gc_paused
 from servelab.units import SLO
 
 
@@ -42,50 +42,48 @@ def write_run_dir(
     (bootstrap resamples for the confidence intervals) defaults to the summary's own
     default, cut to 100 for runs over 5,000 requests, whose pooled ITL runs to millions.
     """
-    out = RunDir(path)
-    try:
-        for r in result.records:
-            out.add_record(r)
-        for t in result.timelines:
-            out.add_timeline(t.to_dict())
-        if write_steps:
-            for step in result.steps:
-                out.add_step(step)
-    finally:
-        out.close()
-    if n_boot is None:
-        n_boot = DEFAULT_N_BOOT if len(result.records) <= 5000 else 100
-    metrics = summarize(result.records, slos=slos, n_boot=n_boot)
-    out.write_json("metrics.json", metrics)
-    manifest = {
-        "name": name or out.path.name,
-        "simulated": True,
-        "target_kind": "servelab",
-        "command": command if command is not None else sys.argv,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": versions(),
-        "machine": machine(),
-        "model": target.get("model"),
-        "server": {
-            "kind": "servelab-sim",
+    with cyclic_gc_paused():  # see there: a full collection here walked the whole run
+        out = RunDir(path)
+        try:
+            out.add_records(result.records)
+            out.add_timelines([t.to_dict() for t in result.timelines])
+            if write_steps:
+                out.add_steps(result.steps)
+        finally:
+            out.close()
+        if n_boot is None:
+            n_boot = DEFAULT_N_BOOT if len(result.records) <= 5000 else 100
+        metrics = summarize(result.records, slos=slos, n_boot=n_boot)
+        out.write_json("metrics.json", metrics)
+        manifest = {
+            "name": name or out.path.name,
+            "simulated": True,
+            "target_kind": "servelab",
+            "command": command if command is not None else sys.argv,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": versions(),
+            "machine": machine(),
             "model": target.get("model"),
-            "max_model_len": target.get("max_model_len"),
-            "engine_config": target.get("engine_config", {}),
-            "simulated": target,
-        },
-        "workload": workload,
-        "load": load,
-        "slos": {k: v.to_dict() for k, v in slos.items()}
-        if isinstance(slos, dict)
-        else (slos.to_dict() if slos else None),
-        "window": metrics["window"],
-        "sim": {
-            "topology": result.topology.describe(),
-            "num_steps": result.num_steps,
-            "sim_duration_s": result.sim_duration,
-            "replicas": result.replicas,
-            **(sim or {}),
-        },
-    }
-    out.write_manifest(manifest)
-    return out.path
+            "server": {
+                "kind": "servelab-sim",
+                "model": target.get("model"),
+                "max_model_len": target.get("max_model_len"),
+                "engine_config": target.get("engine_config", {}),
+                "simulated": target,
+            },
+            "workload": workload,
+            "load": load,
+            "slos": {k: v.to_dict() for k, v in slos.items()}
+            if isinstance(slos, dict)
+            else (slos.to_dict() if slos else None),
+            "window": metrics["window"],
+            "sim": {
+                "topology": result.topology.describe(),
+                "num_steps": result.num_steps,
+                "sim_duration_s": result.sim_duration,
+                "replicas": result.replicas,
+                **(sim or {}),
+            },
+        }
+        out.write_manifest(manifest)
+        return out.path

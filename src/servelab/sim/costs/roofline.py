@@ -185,7 +185,12 @@ class RooflineCostModel:
         head = self._head_flops_per_logit * logits
         attn = self._attn_flops_per_pair * attn_pairs
         kv = self._kv_per_token * (kv_read + tokens)
-        comm = 2 * self.model.layers * self.allreduce_time(tokens * self._act_bytes_per_token)
+        # allreduce_time is 0.0 without tensor parallelism: no call on each step then
+        comm = (
+            2 * self.model.layers * self.allreduce_time(tokens * self._act_bytes_per_token)
+            if self.tp > 1
+            else 0.0
+        )
         peak, bw = hw.peak_flops * e.mfu, hw.mem_bw * e.mbu
         return (
             layers + head + attn,
@@ -206,10 +211,28 @@ class RooflineCostModel:
         return _step_time(*terms[2:])
 
     def decode_time(self, num_seqs: int, context_tokens: int) -> float:
-        """``predict(decode_work(num_seqs, context_tokens))`` without building the work: the
-        simulator's decode bursts price every step with this."""
-        kv = context_tokens + num_seqs
-        return _step_time(*self._terms(num_seqs, num_seqs, float(kv), kv, num_seqs)[2:])
+        """``predict(decode_work(num_seqs, context_tokens))``: the same float operations, in
+        the same order, as ``_terms`` and ``_step_time`` for that work (tests hold the two
+        equal), without the work, the terms' tuple or the calls. The simulator's decode
+        bursts price every step with this: half a million steps in a long replay."""
+        e, hw, n = self.efficiency, self.hardware, num_seqs
+        kv_read = context_tokens + n
+        layers = self._lin_flops_per_token * n
+        head = self._head_flops_per_logit * n
+        attn = self._attn_flops_per_pair * float(kv_read)
+        kv = self._kv_per_token * (kv_read + n)
+        peak, bw = hw.peak_flops * e.mfu, hw.mem_bw * e.mbu
+        # max(a, b) spelled out (``b if b > a else a`` is what max returns): two calls a step
+        gemm_c, gemm_m = (layers * self._gemm_scale + head) / peak, self._streamed_weight_bytes / bw
+        attn_c, attn_m = attn / peak, kv / bw
+        t = (gemm_m if gemm_m > gemm_c else gemm_c) + (attn_m if attn_m > attn_c else attn_c)
+        if self.tp > 1:
+            t += 2 * self.model.layers * self.allreduce_time(n * self._act_bytes_per_token)
+        return t + (
+            e.step_overhead
+            + self.model.layers * (e.layer_overhead + n * e.seq_layer_overhead)
+            + n * e.seq_overhead
+        )
 
     def kv_capacity_tokens(
         self, gpu_memory_utilization: float = 0.9, activation_reserve_bytes: float = 1e9

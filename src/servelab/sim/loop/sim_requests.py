@@ -31,8 +31,9 @@ def _unique_head(key: int) -> list[int]:
 
 def synthetic_ids(key: int, n: int) -> list[int]:
     """``n`` ids whose first three encode ``key``: no other key shares its first block."""
-    head = _unique_head(key)[:n]
-    return head + [_FILLER] * (n - len(head))
+    ids = [_FILLER] * n  # one list, not the filler's and a concatenation: 22M ids a trace
+    ids[:3] = _unique_head(key)[:n]
+    return ids
 
 
 def _placeholder_outputs(n: int, placeholder_ids: list[int]) -> list[int]:
@@ -151,6 +152,7 @@ def requests_from_trace(
         target_rate=target_rate,
     )
     out = []
+    tags: dict[str | None, RequestTags] = {}  # one (frozen) per prefix group, not per row
     for i, row in enumerate(rows):
         if row.hash_ids:
             ids: list[int] = []
@@ -171,7 +173,8 @@ def requests_from_trace(
                 send_time=row.time,
                 prompt_token_ids=ids,
                 max_tokens=row.output_tokens,
-                tags=RequestTags(workload_class="trace", prefix_group=group),
+                tags=tags.get(group)
+                or tags.setdefault(group, RequestTags(workload_class="trace", prefix_group=group)),
             )
         )
     return out, {"trace": {"file": str(path), "format": fmt, **report}}
