@@ -156,12 +156,16 @@ def test_candidates_whose_target_the_run_cannot_check_are_judged_on_the_objectiv
     assert all(t.check.too_small(*target) is None for target in targets)
 
 
-def test_an_error_within_the_measured_ci_is_noise_not_a_stray():
+def test_an_error_within_the_measured_ci_is_unsettled_not_a_stray_nor_a_pass():
     replay = Prediction("part", [{"overall": {"ttft_p50": 1.3}}] * 3)  # 30% slow
     wide = (_figs(1.0, 40, (0.7, 1.4)), replay)
     narrow = (_figs(1.0, 40, (0.9, 1.1)), replay)
-    (row,) = self_check([wide], 0.15, ["ttft_p50"]).rows
-    assert row.verdict == "ok" and row.in_ci is True and row.error == pytest.approx(0.3)
+    noisy = self_check([wide], 0.15, ["ttft_p50"])
+    (row,) = noisy.rows
+    assert row.verdict == "unsettled" and row.in_ci is True and row.error == pytest.approx(0.3)
+    assert not noisy.strayed and not noisy.ok  # neither blamed nor passed
+    why = noisy.too_small("overall", "ttft_p50")
+    assert why is not None and why.startswith("the run is too noisy for this decision")
     check = self_check([narrow], 0.15, ["ttft_p50"])
     (row,) = check.strayed
     assert row.in_ci is False and not check.ok

@@ -23,7 +23,6 @@ from servelab.analyze.tuning.candidates import SEARCH_BUDGET, launch_action
 from servelab.analyze.tuning.decision import Decision, Judged, moved
 from servelab.analyze.tuning.prediction import (
     CHECKED,
-    CheckRow,
     Prediction,
     Spread,
     is_latency,
@@ -42,7 +41,13 @@ from servelab.report.html import CSS, esc, figure_div
 
 # Per class, the figures shown before -> after for a decision.
 SHOWN = ("ttft_p50", "ttft_p95", "itl_p99", "tpot_p50", "e2e_p95", "attainment")
-_VERDICT_STYLE = {"ok": "green", "too_small": "yellow", "strayed": "red", "unmeasured": "dim"}
+_VERDICT_STYLE = {
+    "ok": "green",
+    "too_small": "yellow",
+    "unsettled": "yellow",
+    "strayed": "red",
+    "unmeasured": "dim",
+}
 
 
 def spread_text(name: str, s: Spread | None) -> str:
@@ -85,13 +90,6 @@ def twin_text(twin: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _verdict(r: CheckRow, tolerance: float) -> str:
-    """The verdict, and why a figure off by more than the tolerance still passed."""
-    if r.verdict == "ok" and r.error is not None and abs(r.error) > tolerance:
-        return "ok, in CI"
-    return r.verdict
-
-
 def check_table(t: Tuning) -> Table | None:
     if t.check is None:
         return None
@@ -111,7 +109,7 @@ def check_table(t: Tuning) -> Table | None:
             value(r.name, r.measured),
             spread_text(r.name, r.replay),
             _pct(r.error),
-            f"[{style}]{_verdict(r, t.check.tolerance)}[/]",
+            f"[{style}]{r.verdict}[/]",
         )
     return tab
 
@@ -348,7 +346,7 @@ def check_html(t: Tuning) -> str:
             esc(spread_text(r.name, r.replay)),
             esc(_pct(r.error)),
             f'<span class="{ {"ok": "better", "strayed": "worse"}.get(r.verdict, "noise") }">'
-            f"{esc(_verdict(r, t.check.tolerance))}</span>",
+            f"{esc(r.verdict)}</span>",
         ]
         for r in t.check.rows
     ]
@@ -361,8 +359,9 @@ def check_html(t: Tuning) -> str:
         "time windows) replayed by a model fitted to the rest of it: median [range] over "
         f"{t.seeds} simulator seeds against the measured figure of the same requests, in the "
         f"part furthest off; tolerance {t.check.tolerance:.0%}, and a figure off by more "
-        "strays only outside the measured figure's confidence interval (<i>ok, in CI</i>: "
-        "within its own sampling noise). <i>too_small</i>: a part has "
+        "strays only outside the measured figure's confidence interval (<i>unsettled</i>: "
+        "off by more, but within the part's own sampling noise, so neither blamed nor "
+        "passed). <i>too_small</i>: a part has "
         "too few values to pin the figure down, so it is not checked.</p>"
         + _table_html(["scope", "figure", "measured", "replay", "error", "verdict"], rows)
         + "</section>"

@@ -43,6 +43,8 @@ SLO_FIGURES = ("goodput", "attainment")
 # 56 is one request, and the next one doubles it); a percentile needs ``TAIL_REQUESTS``
 # values beyond its quantile (the tune gates' rule).
 MIN_VALUES = 10
+# The verdicts of a figure the run cannot check: a decision resting on one is not made.
+UNCHECKED = ("too_small", "unsettled", "unmeasured")
 METRICS = ("ttft", "itl", "tpot", "e2e", "max_itl")
 STATS = ("p50", "p90", "p95", "p99", "mean", "max")
 RATES = {
@@ -266,10 +268,11 @@ def rel_error(predicted: float | None, measured: float | None) -> float | None:
 class CheckRow:
     """One figure of the self-check, over every held-out part of the run: the part where
     the replay is furthest off (or, for ``too_small``, the one with the fewest values).
-    ``verdict``: ``ok`` (within the tolerance or the measured figure's confidence interval
-    in every part), ``strayed`` (beyond both in a part that pins the figure down),
-    ``too_small`` (a part has fewer than ``needed`` values behind it: ``n``) or
-    ``unmeasured``. ``in_ci``: whether the replay's median lies in ``measured_ci`` (None:
+    ``verdict``: ``ok`` (within the tolerance in every part), ``strayed`` (beyond it and
+    outside the measured figure's confidence interval in a part that pins the figure
+    down), ``unsettled`` (beyond the tolerance only inside that interval: the part's own
+    noise is as large as the error), ``too_small`` (a part has fewer than ``needed``
+    values behind it: ``n``) or ``unmeasured``. ``in_ci``: whether the replay's median lies in ``measured_ci`` (None:
     no interval or no replay)."""
 
     scope: str
@@ -349,7 +352,13 @@ class SelfCheck:
     def too_small(self, scope: str, name: str) -> str | None:
         """Why the run is too small to decide ``name`` of ``scope`` (None: it is not)."""
         for r in self.rows:
-            if (r.scope, r.name) == (scope, name) and r.verdict in ("too_small", "unmeasured"):
+            if (r.scope, r.name) == (scope, name) and r.verdict in UNCHECKED:
+                if r.verdict == "unsettled":
+                    return (
+                        f"the run is too noisy for this decision: {label(name)} of {scope} "
+                        f"replayed {r.off_by}: no model error beyond the part's own noise "
+                        "is shown, nor ruled out"
+                    )
                 if r.verdict == "unmeasured":
                     return (
                         f"{label(name)} of {scope} cannot be checked: held-out part "
@@ -366,6 +375,7 @@ class SelfCheck:
             "ok": self.ok,
             "strayed": [f"{r.scope} {r.name}" for r in self.strayed],
             "too_small": [f"{r.scope} {r.name}" for r in self.rows if r.verdict == "too_small"],
+            "unsettled": [f"{r.scope} {r.name}" for r in self.rows if r.verdict == "unsettled"],
             "rows": [r.to_dict() for r in self.rows],
         }
 
@@ -393,8 +403,10 @@ def self_check(
     more than ``tolerance`` of the measured figure and outside the measured figure's
     confidence interval (``FigureSet.ci``; a figure without one strays on the tolerance
     alone) in a part with ``needed`` values behind it: a part's own sampling noise says
-    how far its figure is from the server's, and an error within it is not the model's. A
-    part with fewer values makes it ``too_small``, never passed: the run cannot check it."""
+    how far its figure is from the server's, and an error within it is not shown to be the
+    model's. Off by more than ``tolerance`` but inside the interval, it is ``unsettled``:
+    the run can neither blame nor clear the model, so it is not passed. A part with fewer
+    values makes it ``too_small``, never passed either: the run cannot check it."""
     if not 0 < tolerance < 1:
         raise ValueError(f"the self-check tolerance must be between 0 and 1, got {tolerance}")
     scopes: dict[str, None] = {}
@@ -413,15 +425,14 @@ def self_check(
                 ci = measured.ci.get(scope, {}).get(name)
                 each.append(CheckRow(scope, name, m, ci, rep, err, "", n, need, i))
             pinned = [r for r in each if r.n >= need]
-            off = [
-                r
-                for r in pinned
-                if r.error is not None and abs(r.error) > tolerance and r.in_ci is not True
-            ]
+            beyond = [r for r in pinned if r.error is not None and abs(r.error) > tolerance]
+            off = [r for r in beyond if r.in_ci is not True]
             if off:
                 worst, verdict = max(off, key=lambda r: abs(r.error or 0.0)), "strayed"
             elif len(pinned) < len(each):
                 worst, verdict = min(each, key=lambda r: r.n), "too_small"
+            elif beyond:
+                worst, verdict = max(beyond, key=lambda r: abs(r.error or 0.0)), "unsettled"
             elif any(r.error is None for r in each):
                 worst, verdict = next(r for r in each if r.error is None), "unmeasured"
             else:
