@@ -80,7 +80,9 @@ class TuneFlags:
         "another server's run: the launch command or flags it ran with, where the run did "
         "not record them (as `servelab bench --server-config`)",
     )
-    tolerance: float = flag(0.15, "self-check: how far (share) the replay may stray from the run")
+    tolerance: float = flag(
+        0.15, "self-check: how far (share) the replay may stray outside the measured CI"
+    )
     seeds: int = flag(5, "simulator seeds per candidate")
     jobs: int | None = flag(None, "simulation processes (default: one per CPU)")
     out: Path | None = flag(None, "--verify: output directory for its runs")

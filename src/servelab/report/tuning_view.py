@@ -28,6 +28,7 @@ from servelab.analyze.tuning.prediction import (
     is_latency,
     label,
 )
+from servelab.analyze.tuning.prediction import value_text as value
 from servelab.analyze.tuning.result import Tuning
 from servelab.analyze.tuning.verification import (
     AS_RUN,
@@ -40,18 +41,13 @@ from servelab.report.html import CSS, esc, figure_div
 
 # Per class, the figures shown before -> after for a decision.
 SHOWN = ("ttft_p50", "ttft_p95", "itl_p99", "tpot_p50", "e2e_p95", "attainment")
-_VERDICT_STYLE = {"ok": "green", "too_small": "yellow", "strayed": "red", "unmeasured": "dim"}
-
-
-def value(name: str, x: float | None) -> str:
-    """A figure in the unit people read: ms for latencies."""
-    if x is None:
-        return "-"
-    if is_latency(name):
-        return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.3g} s"
-    if name == "attainment":
-        return f"{x:.0%}"
-    return f"{x:.3g}"
+_VERDICT_STYLE = {
+    "ok": "green",
+    "too_small": "yellow",
+    "unsettled": "yellow",
+    "strayed": "red",
+    "unmeasured": "dim",
+}
 
 
 def spread_text(name: str, s: Spread | None) -> str:
@@ -100,7 +96,7 @@ def check_table(t: Tuning) -> Table | None:
     tab = Table(
         title=f"self-check: each of {t.check.parts} held-out parts of the run replayed by a "
         f"model fitted to the rest, {t.seeds} simulator seeds (tolerance "
-        f"{t.check.tolerance:.0%}; the part furthest off)",
+        f"{t.check.tolerance:.0%}, or the measured CI; the part furthest off)",
         title_justify="left",
     )
     for col in ("scope", "figure", "measured", "replay (range)", "error", "verdict"):
@@ -362,7 +358,10 @@ def check_html(t: Tuning) -> str:
         + f'<p class="note">Each of {t.check.parts} held-out parts of the run (alternating '
         "time windows) replayed by a model fitted to the rest of it: median [range] over "
         f"{t.seeds} simulator seeds against the measured figure of the same requests, in the "
-        f"part furthest off; tolerance {t.check.tolerance:.0%}. <i>too_small</i>: a part has "
+        f"part furthest off; tolerance {t.check.tolerance:.0%}, and a figure off by more "
+        "strays only outside the measured figure's confidence interval (<i>unsettled</i>: "
+        "off by more, but within the part's own sampling noise, so neither blamed nor "
+        "passed). <i>too_small</i>: a part has "
         "too few values to pin the figure down, so it is not checked.</p>"
         + _table_html(["scope", "figure", "measured", "replay", "error", "verdict"], rows)
         + "</section>"

@@ -12,7 +12,8 @@
    (``sim.fit.asrun.folds``, alternating time windows) a model fitted to the other parts
    replays the run, and on the held-out part's requests every checked figure, goodput and
    SLO attainment, the objective and each candidate's target must match the measured ones
-   within the tolerance (``analyze.tuning.prediction.self_check``), or nothing is predicted.
+   within the tolerance or within their confidence intervals
+   (``analyze.tuning.prediction.self_check``), or nothing is predicted.
    A figure the held-out parts have too few values to pin down is never passed: where the
    objective rests on it nothing is predicted, where a target does, its candidates are not
    (``ignore_gates``: predicted anyway, noted). The check costs ``FOLDS`` replays more.
@@ -126,6 +127,7 @@ VERIFY_SEED_OFFSET = 1000  # repeat r of --verify plans with the run's seed + th
 # its summary; and the servers' start (once, in parallel). Measured on this machine.
 BENCH_OVERHEAD_S = 5.0
 SERVER_START_S = 20.0
+# Bootstrap resamples behind the measured figures' intervals (the run's and each part's).
 MEASURED_N_BOOT = 400
 
 
@@ -376,7 +378,11 @@ def _with_probe(replica: Replica, probe: AcceptanceProbe | None) -> Replica:
 
 
 def _measured_parts(run: Run, parts: Sequence[Fold], slos: dict[str, SLO]) -> list[FigureSet]:
-    return [figures([r for r in run.records if r.request_id in f.held_out], slos) for f in parts]
+    """Each held-out part's figures with their confidence intervals (the check's yardstick)."""
+    return [
+        figures([r for r in run.records if r.request_id in f.held_out], slos, MEASURED_N_BOOT)
+        for f in parts
+    ]
 
 
 def _checked(objective: Objective, cands: Sequence[Candidate], has_slos: bool) -> list[str]:
@@ -392,13 +398,11 @@ def _refusal(check: SelfCheck, objective: Objective, spec: TuneSpec) -> tuple[st
     note. A figure that strays refuses whatever the flags; a run too small to check the
     objective (or anything) refuses unless ``ignore_gates``, which notes it instead."""
     if check.strayed:
-        strayed = ", ".join(
-            f"{r.scope} {r.name} ({r.error:+.0%}, held-out part {r.part + 1})"
-            for r in check.strayed
-        )
+        strayed = ", ".join(f"{r.scope} {r.name} ({r.off_by})" for r in check.strayed)
         return (
             f"the replay of the run's held-out parts, by a model fitted to the rest of it, "
-            f"strays from the measured figures by more than {spec.tolerance:.0%}: {strayed}. "
+            f"strays from the measured figures by more than {spec.tolerance:.0%} and beyond "
+            f"their confidence intervals: {strayed}. "
             "Predictions from a model that does not match the run would not be worth reading, "
             "so none are made"
         ), ""

@@ -12,7 +12,7 @@ A :class:`Prediction` holds the figures of one configuration simulated under sev
 simulator seeds (each seed draws its own step noise and speculative acceptance): its
 interval is the range over the seeds. :func:`self_check` compares, in each held-out part of
 a run, the replay of its requests by a model fitted to the rest of the run with their
-measured figures (module constant ``TOLERANCE``).
+measured figures (module constant ``TOLERANCE``) and their confidence intervals.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from statistics import NormalDist
 from typing import Any
 
-from servelab.analyze.stats import describe
+from servelab.analyze.stats import DEFAULT_CONFIDENCE, describe
 from servelab.analyze.summary import measured_window, metric_values, summarize_group
 from servelab.analyze.tuning.gates import TAIL_REQUESTS
 from servelab.units import SLO
@@ -42,6 +43,8 @@ SLO_FIGURES = ("goodput", "attainment")
 # 56 is one request, and the next one doubles it); a percentile needs ``TAIL_REQUESTS``
 # values beyond its quantile (the tune gates' rule).
 MIN_VALUES = 10
+# The verdicts of a figure the run cannot check: a decision resting on one is not made.
+UNCHECKED = ("too_small", "unsettled", "unmeasured")
 METRICS = ("ttft", "itl", "tpot", "e2e", "max_itl")
 STATS = ("p50", "p90", "p95", "p99", "mean", "max")
 RATES = {
@@ -91,6 +94,28 @@ def is_latency(name: str) -> bool:
     return name not in RATES
 
 
+def value_text(name: str, x: float | None) -> str:
+    """A figure in the unit people read: ms for latencies."""
+    if x is None:
+        return "-"
+    if is_latency(name):
+        return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.3g} s"
+    if name == "attainment":
+        return f"{x:.0%}"
+    return f"{x:.3g}"
+
+
+def interval_text(name: str, lo: float, hi: float) -> str:
+    """``lo-hi`` in one unit, the upper bound's: ``"410-520 ms"``, ``"0.41-1.2 s"``."""
+    if is_latency(name):
+        if hi < 1:
+            return f"{lo * 1e3:.0f}-{hi * 1e3:.0f} ms"
+        return f"{lo:.3g}-{hi:.3g} s"
+    if name == "attainment":
+        return f"{lo:.0%}-{hi:.0%}"
+    return f"{lo:.3g}-{hi:.3g}"
+
+
 @dataclass
 class FigureSet:
     """A run's figures, their confidence intervals (where bootstrapped), and how many
@@ -110,14 +135,30 @@ class FigureSet:
         return self.counts.get(scope, {}).get(key, 0)
 
 
+def wilson(k: int, n: int, confidence: float = DEFAULT_CONFIDENCE) -> tuple[float, float]:
+    """The Wilson score interval of a share of ``k`` in ``n`` (``n`` > 0): unlike the normal
+    one it stays within 0-1 and is not zero-wide at 0 or ``n``."""
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    p, zz = k / n, z * z / n
+    mid = (p + zz / 2) / (1 + zz)
+    half = z / (1 + zz) * math.sqrt(p * (1 - p) / n + zz / (4 * n))
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
 def figures(
     records: Sequence[ClientRecord],
     slos: dict[str, SLO] | SLO | None = None,
     n_boot: int = 0,
     seed: int = 0,
 ) -> FigureSet:
-    """Every figure per scope over ``records``; with ``n_boot`` > 0, bootstrap intervals of
-    the latency figures (requests resampled whole)."""
+    """Every figure per scope over ``records``; with ``n_boot`` > 0, their 95% confidence
+    intervals: a bootstrap of the latency figures (requests resampled whole, no interval
+    for a maximum), the Wilson interval of SLO attainment (the share of the requests sent
+    that met their SLOs), and goodput as completions/s times the Wilson interval of the
+    share of completions that met them (the requests sent, hence completions/s, are the
+    run's own load, which a replay sends alike; whether each met its SLOs is what varies).
+    Output tokens/s and completions/s carry none: they sum every token or completion of
+    the window, and their spread over requests is not a sampling error of the same kind."""
     window = measured_window(records)
     groups: dict[str, list[ClientRecord]] = {"overall": list(records)}
     for r in records:
@@ -140,12 +181,28 @@ def figures(
                     cis[f"{m}_{st}"] = (float(ci[0]), float(ci[1]))
         for name, (section, key) in RATES.items():
             vals[name] = s[section][key]
+        if n_boot > 0:
+            cis.update(_share_cis(s, window.duration))
         counts["requests"] = len(recs)
         share = vals["attainment"]
         counts["met"] = round(share * len(recs)) if share is not None else 0
         out.values[scope] = vals
         out.ci[scope] = cis
         out.counts[scope] = counts
+    return out
+
+
+def _share_cis(s: dict[str, Any], duration: float) -> dict[str, tuple[float, float]]:
+    """The Wilson intervals of attainment and goodput of one ``summarize_group`` result."""
+    out = {}
+    sent, met = s["requests"]["sent"], s["goodput"]["met"]
+    if sent:
+        out["attainment"] = wilson(met, sent)
+    rate, good = s["throughput"]["requests_per_s"], s["goodput"]["requests_per_s"]
+    if rate and good is not None and duration > 0:
+        done = round(rate * duration)
+        lo, hi = wilson(round(good * duration), done)
+        out["goodput"] = (rate * lo, rate * hi)
     return out
 
 
@@ -211,9 +268,12 @@ def rel_error(predicted: float | None, measured: float | None) -> float | None:
 class CheckRow:
     """One figure of the self-check, over every held-out part of the run: the part where
     the replay is furthest off (or, for ``too_small``, the one with the fewest values).
-    ``verdict``: ``ok`` (within the tolerance in every part), ``strayed`` (beyond it in a
-    part that pins the figure down), ``too_small`` (a part has fewer than ``needed``
-    values behind it: ``n``) or ``unmeasured``."""
+    ``verdict``: ``ok`` (within the tolerance in every part), ``strayed`` (beyond it and
+    outside the measured figure's confidence interval in a part that pins the figure
+    down), ``unsettled`` (beyond the tolerance only inside that interval: the part's own
+    noise is as large as the error), ``too_small`` (a part has fewer than ``needed``
+    values behind it: ``n``) or ``unmeasured``. ``in_ci``: whether the replay's median lies in ``measured_ci`` (None:
+    no interval or no replay)."""
 
     scope: str
     name: str
@@ -226,12 +286,34 @@ class CheckRow:
     needed: int = 0
     part: int = 0
 
+    @property
+    def in_ci(self) -> bool | None:
+        if self.measured_ci is None or self.replay is None:
+            return None
+        lo, hi = self.measured_ci
+        return lo <= self.replay.median <= hi
+
+    @property
+    def off_by(self) -> str:
+        """How far off the replay is and against what: ``"+36%, outside the measured 95%
+        CI 410-520 ms, held-out part 2"``."""
+        err = "-" if self.error is None else f"{self.error:+.0%}"
+        if self.measured_ci is None:
+            against = "no measured CI"
+        else:
+            where = "inside" if self.in_ci else "outside"
+            ci = interval_text(self.name, *self.measured_ci)
+            against = f"{where} the measured {DEFAULT_CONFIDENCE:.0%} CI {ci}"
+        return f"{err}, {against}, held-out part {self.part + 1}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "scope": self.scope,
             "figure": self.name,
             "measured": self.measured,
             "measured_ci": self.measured_ci,
+            "ci_confidence": DEFAULT_CONFIDENCE,
+            "in_ci": self.in_ci,
             "replay": self.replay.to_dict() if self.replay else None,
             "error": self.error,
             "verdict": self.verdict,
@@ -270,7 +352,13 @@ class SelfCheck:
     def too_small(self, scope: str, name: str) -> str | None:
         """Why the run is too small to decide ``name`` of ``scope`` (None: it is not)."""
         for r in self.rows:
-            if (r.scope, r.name) == (scope, name) and r.verdict in ("too_small", "unmeasured"):
+            if (r.scope, r.name) == (scope, name) and r.verdict in UNCHECKED:
+                if r.verdict == "unsettled":
+                    return (
+                        f"the run is too noisy for this decision: {label(name)} of {scope} "
+                        f"replayed {r.off_by}: no model error beyond the part's own noise "
+                        "is shown, nor ruled out"
+                    )
                 if r.verdict == "unmeasured":
                     return (
                         f"{label(name)} of {scope} cannot be checked: held-out part "
@@ -287,6 +375,7 @@ class SelfCheck:
             "ok": self.ok,
             "strayed": [f"{r.scope} {r.name}" for r in self.strayed],
             "too_small": [f"{r.scope} {r.name}" for r in self.rows if r.verdict == "too_small"],
+            "unsettled": [f"{r.scope} {r.name}" for r in self.rows if r.verdict == "unsettled"],
             "rows": [r.to_dict() for r in self.rows],
         }
 
@@ -311,8 +400,13 @@ def self_check(
     """Each of ``names`` of each scope, in each held-out part of the run (its measured
     figures, and the replay of the same requests by a model that did not see them): the
     replay's median over seeds against the measured figure. It strays when it is off by
-    more than ``tolerance`` of the measured figure in a part with ``needed`` values behind
-    it; a part with fewer makes it ``too_small``, never passed: the run cannot check it."""
+    more than ``tolerance`` of the measured figure and outside the measured figure's
+    confidence interval (``FigureSet.ci``; a figure without one strays on the tolerance
+    alone) in a part with ``needed`` values behind it: a part's own sampling noise says
+    how far its figure is from the server's, and an error within it is not shown to be the
+    model's. Off by more than ``tolerance`` but inside the interval, it is ``unsettled``:
+    the run can neither blame nor clear the model, so it is not passed. A part with fewer
+    values makes it ``too_small``, never passed either: the run cannot check it."""
     if not 0 < tolerance < 1:
         raise ValueError(f"the self-check tolerance must be between 0 and 1, got {tolerance}")
     scopes: dict[str, None] = {}
@@ -331,11 +425,14 @@ def self_check(
                 ci = measured.ci.get(scope, {}).get(name)
                 each.append(CheckRow(scope, name, m, ci, rep, err, "", n, need, i))
             pinned = [r for r in each if r.n >= need]
-            off = [r for r in pinned if r.error is not None and abs(r.error) > tolerance]
+            beyond = [r for r in pinned if r.error is not None and abs(r.error) > tolerance]
+            off = [r for r in beyond if r.in_ci is not True]
             if off:
                 worst, verdict = max(off, key=lambda r: abs(r.error or 0.0)), "strayed"
             elif len(pinned) < len(each):
                 worst, verdict = min(each, key=lambda r: r.n), "too_small"
+            elif beyond:
+                worst, verdict = max(beyond, key=lambda r: abs(r.error or 0.0)), "unsettled"
             elif any(r.error is None for r in each):
                 worst, verdict = next(r for r in each if r.error is None), "unmeasured"
             else:
