@@ -223,7 +223,7 @@ def tool_runs(
     train = next(r for r in runs if r.train)
     twin: dict = {"path": str(out / "twin.json")}
     if "error" in done[train.slug]:
-        twin = {"refused": "no training run"}
+        twin = {"refused": "the training run failed"}
     elif err := _servelab(
         ["calibrate", str(out / train.slug / "run"), "--hardware", "cpu", "--out", twin["path"]],
         logs / f"calibrate-{client.name}.log",
