@@ -1,9 +1,11 @@
 """Run benchmark clients as subprocesses and read back what each one reported per request.
 
 Each client (servelab's own ``servelab bench`` and the peers installed by ``install.sh``:
-``vllm bench serve``, GuideLLM, AIPerf) gets the same job: ``requests`` requests of about 200
-prompt tokens and exactly ``tokens`` output tokens on ``/v1/completions``, ``streams`` in flight,
-streamed. Its per-request output file (never its printed summary) gives, for every request, the
+``vllm bench serve``, GuideLLM, AIPerf) gets the same job: ``requests`` requests of about
+``prompt_tokens`` (200 by default) prompt tokens and exactly ``tokens`` output tokens on
+``/v1/completions``, ``streams`` in flight, streamed; the peers draw their synthetic prompts from
+the job's ``seed`` (servelab's own client takes its lengths from ``fixed.yaml``). Its
+per-request output file (never its printed summary) gives, for every request, the
 id the server knows it by, the TTFT it reported and, where it records per-chunk times, its
 inter-chunk gaps. The caller joins these with the server's own timelines.
 
@@ -39,6 +41,10 @@ WORKLOAD = Path(__file__).with_name("fixed.yaml")  # servelab's side of the same
 VLLM_LAUNCHER = Path(__file__).with_name("vllm_bench_serve.py")
 TOKENIZER_REPO = "local/smollm2-135m"
 _SNAPSHOT = "0" * 40  # a commit id is all the cache layout asks of a snapshot
+# Each peer's per-request output file in its output folder.
+VLLM_RESULT = "vllm.json"
+GUIDELLM_RESULT = "benchmarks.json"
+AIPERF_RESULT = "profile_export.jsonl"  # --export-level records
 
 
 @dataclass(kw_only=True)
@@ -48,6 +54,9 @@ class Job:
     requests: int
     tokens: int
     tag: str  # unique per job: request-id prefix and output folder
+    prompt_tokens: int = INPUT_TOKENS
+    model: str = "test-model"  # the name the server serves (vLLM refuses any other)
+    seed: int = 0  # the client's own, for its synthetic prompts
 
 
 @dataclass
@@ -70,6 +79,7 @@ class Client:
     command: Callable[[Job, Tokenizer, Path], list[str]]
     read: Callable[[Job, Path], list[Reported]]
     note: str = ""  # what a result from this client cannot show
+    result: str = ""  # its per-request output in its folder, as `servelab import` reads it
     ready: Path | None = None  # present once it is installed and runs (default: exe)
 
 
@@ -198,26 +208,26 @@ def _vllm_cmd(job: Job, tok: Tokenizer, out: Path) -> list[str]:
         "--backend", "openai",
         "--base-url", job.url,
         "--endpoint", "/v1/completions",
-        "--model", "test-model",
+        "--model", job.model,
         "--tokenizer", str(tok.path),
         "--dataset-name", "random",
-        "--random-input-len", str(INPUT_TOKENS),
+        "--random-input-len", str(job.prompt_tokens),
         "--random-output-len", str(job.tokens),
         "--ignore-eos",
         "--num-prompts", str(job.requests),
         "--max-concurrency", str(job.streams),
         "--request-rate", "inf",
         "--request-id-prefix", f"{job.tag}-",
-        "--seed", "0",
+        "--seed", str(job.seed),
         "--disable-tqdm",
         "--save-result", "--save-detailed",
         "--result-dir", str(out),
-        "--result-filename", "vllm.json",
+        "--result-filename", VLLM_RESULT,
     ]  # fmt: skip
 
 
 def _vllm_read(job: Job, out: Path) -> list[Reported]:
-    d = json.loads((out / "vllm.json").read_text())
+    d = json.loads((out / VLLM_RESULT).read_text())
     # outputs are in request order, and request i was sent with id prefix + i
     return [
         Reported(f"{job.tag}-{i}", ttft, itl)
@@ -233,18 +243,20 @@ def _guidellm_cmd(job: Job, tok: Tokenizer, out: Path) -> list[str]:
     return [
         "run",
         "--backend",
-        f"kind=openai_http,target={job.url},model=test-model,request_format=/v1/completions",
+        f"kind=openai_http,target={job.url},model={job.model},request_format=/v1/completions",
         "--profile", f"kind=concurrent,streams={job.streams}",
         "--constraint", f"kind=max_requests,count={job.requests}",
         "--tokenizer", f"kind=hf_auto,model={tok.path}",
-        "--data", f"kind=synthetic_text,prompt_tokens={INPUT_TOKENS},output_tokens={job.tokens}",
-        "--output", f"kind=json,path={out / 'benchmarks.json'}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={job.prompt_tokens},output_tokens={job.tokens}",
+        "--seed", f"kind=static,value={job.seed}",
+        "--output", f"kind=json,path={out / GUIDELLM_RESULT}",
         "--disable-console-interactive",
     ]  # fmt: skip
 
 
 def _guidellm_read(job: Job, out: Path) -> list[Reported]:
-    d = json.loads((out / "benchmarks.json").read_text())
+    d = json.loads((out / GUIDELLM_RESULT).read_text())
     return [
         Reported(r["response_id"], r["time_to_first_token_ms"] / 1e3, None)
         for r in d["benchmarks"][0]["requests"]["successful"]
@@ -258,18 +270,19 @@ def _guidellm_read(job: Job, out: Path) -> list[Reported]:
 def _aiperf_cmd(job: Job, tok: Tokenizer, out: Path) -> list[str]:
     return [
         "profile",
-        "--model", "test-model",
+        "--model", job.model,
         "--url", job.url,
         "--endpoint-type", "completions",
         "--streaming",
         "--tokenizer", TOKENIZER_REPO,
-        "--synthetic-input-tokens-mean", str(INPUT_TOKENS),
+        "--synthetic-input-tokens-mean", str(job.prompt_tokens),
         "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", str(job.tokens),
         "--output-tokens-stddev", "0",
         "--extra-inputs", "ignore_eos:true",
         "--concurrency", str(job.streams),
         "--request-count", str(job.requests),
+        "--random-seed", str(job.seed),
         "--artifact-dir", str(out),
         "--export-level", "records",
         "--ui", "none",
@@ -280,7 +293,7 @@ def _aiperf_cmd(job: Job, tok: Tokenizer, out: Path) -> list[str]:
 
 def _aiperf_read(job: Job, out: Path) -> list[Reported]:
     res = []
-    for line in (out / "profile_export.jsonl").read_text().splitlines():
+    for line in (out / AIPERF_RESULT).read_text().splitlines():
         d = json.loads(line)
         m = d["metrics"]
         if "time_to_first_token" not in m:  # a failed request
@@ -317,13 +330,14 @@ def clients(peers_dir: Path) -> list[Client]:
             command=_servelab_cmd,
             read=_servelab_read,
         ),
-        peer("vllm", "python", command=_vllm_cmd, read=_vllm_read),
+        peer("vllm", "python", command=_vllm_cmd, read=_vllm_read, result=VLLM_RESULT),
         peer(
             "guidellm",
             "guidellm",
             command=_guidellm_cmd,
             read=_guidellm_read,
             note="keeps only first and last token times: no ITL",
+            result=GUIDELLM_RESULT,
         ),
-        peer("aiperf", "aiperf", command=_aiperf_cmd, read=_aiperf_read),
+        peer("aiperf", "aiperf", command=_aiperf_cmd, read=_aiperf_read, result=AIPERF_RESULT),
     ]

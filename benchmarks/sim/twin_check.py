@@ -335,17 +335,17 @@ def _mean_abs(rows: list[dict], key: str, scale: float) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
-def score(results: list[dict]) -> dict[str, dict]:
+def score(results: list[dict], targets: dict[str, float] = TARGETS) -> dict[str, dict]:
     """Per ``PROTOCOL_FIGURES`` figure over the held-out cases of ``results`` (each with
     ``train`` and ``rows`` of ``row`` figures): the cases scored, the twin's and the naive
     baseline's MAPE (%), the mean change error (percentage points) and, where the figure
-    has one, its target and whether the twin's MAPE met it."""
+    has one in ``targets``, its target and whether the twin's MAPE met it."""
     out: dict[str, dict] = {}
     for name in PROTOCOL_FIGURES:
         rows = [r for c in results if not c["train"] for r in c["rows"] if r["figure"] == name]
         scored = [r for r in rows if r["error"] is not None and r["naive_error"] is not None]
         twin = _mean_abs(scored, "error", 100)
-        target = TARGETS.get(name)
+        target = targets.get(name)
         out[name] = {
             "cases": len(scored),
             "twin_mape": twin,
@@ -510,7 +510,7 @@ def render_score(figures: dict[str, dict], intervals: dict[str, dict]) -> str:
 # ---------------------------------------------------------------- the check
 
 
-def _serve(
+def serve(
     peer: Peer, case: Case, label: str, out: Path, logs: Path, timings: dict[str, float],
     health_timeout: float, job: Callable[[str], float],
 ) -> None:  # fmt: skip
@@ -563,7 +563,7 @@ def check(
 
     for label, case in [] if reuse else launches(train, held):
         real = out / f"real-{case.slug}"
-        _serve(peer, case, label, out, logs, timings, health_timeout,
+        serve(peer, case, label, out, logs, timings, health_timeout,
                lambda url, c=case, d=real: bench(peer, c, url, d, logs))  # fmt: skip
     trained = [out / f"real-{c.slug}" for c in train if (out / f"real-{c.slug}").is_dir()]
     if not trained:
@@ -580,7 +580,7 @@ def check(
                             stated, "--out", str(out / "plan")],
                            logs / "calibrate-plan.log")  # fmt: skip
 
-            _serve(peer, train[0], "plan", out, logs, timings, health_timeout, ladder)
+            serve(peer, train[0], "plan", out, logs, timings, health_timeout, ladder)
     else:
         cal_path = out / "twin.json"
         run([*SERVELAB, "calibrate", *map(str, trained), "--hardware", "cpu",
