@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+from collections import deque
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ import servelab.sim.run_writer as run_writer
 from servelab.analyze import summary
 from servelab.analyze.stats import describe
 from servelab.engine.engine import LLMEngine
+from servelab.engine.sampling_params import SamplingParams
 from servelab.rundir import RunDir
+from servelab.sim.costs.executor import VirtualClock
 from servelab.sim.costs.roofline import Efficiency, RooflineCostModel
 from servelab.sim.costs.work import decode_work
 from servelab.sim.loop.simulation import SimRequest, SimResult, Simulation, step_dict
@@ -77,13 +80,18 @@ def test_batched_writers_count_lines_and_make_no_file_for_nothing(tmp_path, monk
 
 def test_step_dicts_are_the_records_fields_in_order(monkeypatch):
     kept: list[StepRecord] = []
-    real = LLMEngine.record_step
+    real, real_bulk = LLMEngine.record_step, LLMEngine.record_decode_steps
 
     def record_step(self, *a, **k):
         kept.append(real(self, *a, **k))
         return kept[-1]
 
+    def record_decode_steps(self, *a, **k):
+        kept.extend(real_bulk(self, *a, **k))
+        return kept[-len(a[1]) :]
+
     monkeypatch.setattr(LLMEngine, "record_step", record_step)
+    monkeypatch.setattr(LLMEngine, "record_decode_steps", record_decode_steps)
     res, _ = _run()
     fields = list(StepRecord.__dataclass_fields__)
     assert len(kept) == len(res.steps) == res.num_steps
@@ -93,6 +101,27 @@ def test_step_dicts_are_the_records_fields_in_order(monkeypatch):
         assert d["decode"] is rec.decode  # shallow, as the comprehension is
     rec = dataclasses.replace(kept[0], step_id=99)
     assert step_dict(rec) == {k: getattr(rec, k) for k in fields}
+
+
+def test_a_bursts_records_are_record_step_of_each_of_its_steps():
+    engine, _ = roofline_target("h200", "llama-3.1-8b").factory(VirtualClock(), 0)
+    engine.step_records = deque(maxlen=10)  # kept, as a server's engine keeps them
+    engine.replica, engine.role = 3, "decode"
+    for i in range(2):  # waiting: their count is on every record
+        engine.add_request(f"w{i}", prompt_token_ids=[5] * 20, sampling_params=SamplingParams())
+    starts, ends, decode, used = [1.0, 2.0, 3.5], [2.0, 3.5, 4.25], ["a", "b"], [5, 6, 8]
+    bulk = engine.record_decode_steps(40, starts, ends, decode, used)
+    plain = [
+        engine.record_step(40 + i, s, e, {}, list(decode), u, [])
+        for i, (s, e, u) in enumerate(zip(starts, ends, used, strict=True))
+    ]
+    assert bulk == plain and list(engine.step_records) == bulk + plain
+    assert bulk[0].num_waiting == 2 and bulk[0].kv_blocks_total == engine.kv_cache.num_blocks
+    for b, p in zip(bulk, plain, strict=True):
+        assert b.__dict__ == p.__dict__ and list(b.__dict__) == list(p.__dict__)
+        assert [type(v) for v in b.__dict__.values()] == [type(v) for v in p.__dict__.values()]
+    lists = [r.decode for r in bulk] + [r.prefill for r in bulk] + [r.preempted for r in bulk]
+    assert len({id(x) for x in lists + [decode]}) == len(lists) + 1  # each record its own
 
 
 def test_a_step_sink_sees_every_kept_step_in_order():
