@@ -66,6 +66,16 @@ def test_a_simulated_run_dir_holds_the_bytes_of_a_write_per_line(tmp_path, monke
         )
 
 
+def test_writing_beside_the_summary_writes_what_writing_before_it_does(tmp_path):
+    res, _ = _run()
+    for overlap in (True, False):
+        write_run_dir(tmp_path / str(overlap) / "run", res, target={"model": "m"}, overlap=overlap)
+    for name in (*FILES, "metrics.json"):
+        assert (tmp_path / "True" / "run" / name).read_bytes() == (
+            tmp_path / "False" / "run" / name
+        ).read_bytes(), name
+
+
 def test_batched_writers_count_lines_and_make_no_file_for_nothing(tmp_path, monkeypatch):
     res, _ = _run(3)
     monkeypatch.setattr(rundir, "_BATCH", 2)
