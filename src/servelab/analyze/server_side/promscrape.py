@@ -10,7 +10,7 @@ per request. vLLM's metric names are used, as servelab's own /metrics does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +102,7 @@ class ServerEstimates:
         }
 
 
-def _families(text: str) -> Iterator[Any]:
+def _families(text: str) -> Iterable[Any]:
     """prometheus_client's metric families of an exposition. Imported here, not with the
     module: every summary imports this module, and only runs with scrapes parse any."""
     from prometheus_client.parser import text_string_to_metric_families
