@@ -9,8 +9,9 @@ written and closed (docs/design/sim.md, "Speed: the whole command").
 it runs, ``held()`` is a list a command puts such objects in. When the command line ends
 with status 0 and something is held, ``held_to_exit`` runs the atexit handlers, flushes
 stdout and stderr and ends the process (``os._exit``) instead of unwinding; any other
-ending unwinds as usual. Outside ``main`` (typer's CliRunner in tests, a library call)
-``held()`` is None and nothing changes.
+ending unwinds as usual. Threads are not waited for: a command that holds objects joins
+its own first. Outside ``main`` (typer's CliRunner in tests, a library call) ``held()`` is
+None and nothing changes.
 """
 
 from __future__ import annotations
