@@ -96,8 +96,8 @@ def run_decode_burst(
     ends: list[float] = []
     kv_used: list[int] = []  # blocks in use as each step started, for its record
     j = 0
+    start = clock()
     while j < steps:
-        start = clock()
         if start >= horizon or not run.allocate(j):
             break
         if keep_records:
@@ -109,6 +109,7 @@ def run_decode_burst(
         starts.append(start)
         ends.append(end)
         j += 1
+        start = end  # only execute moves the clock: the next step starts where this one ended
     if not ends:
         return None
     run.commit(ends, tokens)
