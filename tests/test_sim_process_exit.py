@@ -4,6 +4,7 @@ nothing is held and everything is freed as usual."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,10 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from servelab.cli import app, process_exit
+from servelab.cli.load_options import LoadFlags
 from servelab.cli.process_exit import held, held_to_exit
+from servelab.cli.sim import SimFlags, sim_spec
+from servelab.sim.loop.simulation import SimResult
+from servelab.sim.run import run_sim
+from servelab.sim.scenario import Scenario
 
 ARGS = ["sim", "--hardware", "h200", "--model", "llama-3.1-8b", "--requests", "30"]
 FILES = ("requests.jsonl", "server.jsonl", "steps.jsonl", "metrics.json")
@@ -65,3 +72,23 @@ def test_only_main_holds_and_only_a_clean_ending_skips_the_unwinding(monkeypatch
         held().append(object())  # type: ignore[union-attr]
         raise SystemExit(0)
     assert ended == [True]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "seeds", "results"), [(None, 1, 1), (["max_num_seqs=4,8"], 1, 0), (None, 2, 0)]
+)
+def test_one_run_holds_its_result_and_a_sweep_or_seeds_hold_none(tmp_path, sweep, seeds, results):
+    load = dataclasses.replace(LoadFlags(), requests=30)
+    flags = SimFlags(
+        hardware="h200",
+        model="llama-3.1-8b",
+        load=load,
+        out=str(tmp_path),
+        sweep=sweep,
+        seeds=seeds,
+    )
+    kept: list[object] = []
+    with open(os.devnull, "w") as quiet:
+        run_sim(sim_spec(flags), Console(file=quiet), keep=kept)
+    assert isinstance(kept[0], Scenario)  # a sweep or more seeds free each result as before
+    assert [type(x) for x in kept[1:]] == [SimResult] * results

@@ -1,7 +1,8 @@
 """The fast paths of `servelab sim`'s writing and summary, each against its plain version:
-batched JSONL writes against a write per line, step dicts against the field-by-field
-comprehension, the roofline's decode price against ``predict``, and the summary's
-shortcuts against their definitions."""
+batched JSONL writes against a write per line, writing beside the summary against before
+it, step dicts against the field-by-field comprehension, a burst's records against
+``record_step`` of each step, the roofline's decode price against ``predict``, and the
+summary's shortcuts against their definitions."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ def say(console: Console, text: str) -> None:
 def run_sim(spec: SimSpec, console: Console, keep: list[object] | None = None) -> None:
     """Simulate ``spec``: each sweep point into its run directory and one table of them, or
     the capacity search into ``capacity.json``. ``keep``, when given, receives the scenario
-    and each point's simulated result, which then outlive the call (the CLI ends its
-    process without freeing them: ``cli/process_exit.py``)."""
+    and, for one run (no sweep, one seed), the simulated result, which then outlive the
+    call (the CLI ends its process without freeing them: ``cli/process_exit.py``)."""
     from servelab.report.terminal import defaults_line, sim_table
     from servelab.sim.engine_args import parse_sweep
     from servelab.sim.loop.simulation import cyclic_gc_paused
@@ -53,7 +53,9 @@ def run_sim(spec: SimSpec, console: Console, keep: list[object] | None = None) -
         _capacity(spec, scenario, console)
         return
     in_sweep = len(points) > 1
-    rows = [_simulate_point(scenario, p, spec, in_sweep, console, keep) for p in points]
+    # a sweep or more seeds free each result before simulating again: held, they would add up
+    held = keep if not in_sweep and spec.search.seeds == 1 else None
+    rows = [_simulate_point(scenario, p, spec, in_sweep, console, held) for p in points]
     if spec.search.seeds > 1:
         first = spec.workload.sim_seed
         for p in points:
