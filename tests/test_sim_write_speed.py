@@ -1,13 +1,15 @@
 """The fast paths of `servelab sim`'s writing and summary, each against its plain version:
-batched JSONL writes against a write per line, step dicts against the field-by-field
-comprehension, the roofline's decode price against ``predict``, and the summary's
-shortcuts against their definitions."""
+batched JSONL writes against a write per line, writing beside the summary against before
+it, step dicts against the field-by-field comprehension, a burst's records against
+``record_step`` of each step, the roofline's decode price against ``predict``, and the
+summary's shortcuts against their definitions."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 import math
+from collections import deque
 
 import numpy as np
 import pytest
@@ -17,7 +19,9 @@ import servelab.sim.run_writer as run_writer
 from servelab.analyze import summary
 from servelab.analyze.stats import describe
 from servelab.engine.engine import LLMEngine
+from servelab.engine.sampling_params import SamplingParams
 from servelab.rundir import RunDir
+from servelab.sim.costs.executor import VirtualClock
 from servelab.sim.costs.roofline import Efficiency, RooflineCostModel
 from servelab.sim.costs.work import decode_work
 from servelab.sim.loop.simulation import SimRequest, SimResult, Simulation, step_dict
@@ -63,6 +67,16 @@ def test_a_simulated_run_dir_holds_the_bytes_of_a_write_per_line(tmp_path, monke
         )
 
 
+def test_writing_beside_the_summary_writes_what_writing_before_it_does(tmp_path):
+    res, _ = _run()
+    for overlap in (True, False):
+        write_run_dir(tmp_path / str(overlap) / "run", res, target={"model": "m"}, overlap=overlap)
+    for name in (*FILES, "metrics.json"):
+        assert (tmp_path / "True" / "run" / name).read_bytes() == (
+            tmp_path / "False" / "run" / name
+        ).read_bytes(), name
+
+
 def test_batched_writers_count_lines_and_make_no_file_for_nothing(tmp_path, monkeypatch):
     res, _ = _run(3)
     monkeypatch.setattr(rundir, "_BATCH", 2)
@@ -77,13 +91,18 @@ def test_batched_writers_count_lines_and_make_no_file_for_nothing(tmp_path, monk
 
 def test_step_dicts_are_the_records_fields_in_order(monkeypatch):
     kept: list[StepRecord] = []
-    real = LLMEngine.record_step
+    real, real_bulk = LLMEngine.record_step, LLMEngine.record_decode_steps
 
     def record_step(self, *a, **k):
         kept.append(real(self, *a, **k))
         return kept[-1]
 
+    def record_decode_steps(self, *a, **k):
+        kept.extend(real_bulk(self, *a, **k))
+        return kept[-len(a[1]) :]
+
     monkeypatch.setattr(LLMEngine, "record_step", record_step)
+    monkeypatch.setattr(LLMEngine, "record_decode_steps", record_decode_steps)
     res, _ = _run()
     fields = list(StepRecord.__dataclass_fields__)
     assert len(kept) == len(res.steps) == res.num_steps
@@ -93,6 +112,27 @@ def test_step_dicts_are_the_records_fields_in_order(monkeypatch):
         assert d["decode"] is rec.decode  # shallow, as the comprehension is
     rec = dataclasses.replace(kept[0], step_id=99)
     assert step_dict(rec) == {k: getattr(rec, k) for k in fields}
+
+
+def test_a_bursts_records_are_record_step_of_each_of_its_steps():
+    engine, _ = roofline_target("h200", "llama-3.1-8b").factory(VirtualClock(), 0)
+    engine.step_records = deque(maxlen=10)  # kept, as a server's engine keeps them
+    engine.replica, engine.role = 3, "decode"
+    for i in range(2):  # waiting: their count is on every record
+        engine.add_request(f"w{i}", prompt_token_ids=[5] * 20, sampling_params=SamplingParams())
+    starts, ends, decode, used = [1.0, 2.0, 3.5], [2.0, 3.5, 4.25], ["a", "b"], [5, 6, 8]
+    bulk = engine.record_decode_steps(40, starts, ends, decode, used)
+    plain = [
+        engine.record_step(40 + i, s, e, {}, list(decode), u, [])
+        for i, (s, e, u) in enumerate(zip(starts, ends, used, strict=True))
+    ]
+    assert bulk == plain and list(engine.step_records) == bulk + plain
+    assert bulk[0].num_waiting == 2 and bulk[0].kv_blocks_total == engine.kv_cache.num_blocks
+    for b, p in zip(bulk, plain, strict=True):
+        assert b.__dict__ == p.__dict__ and list(b.__dict__) == list(p.__dict__)
+        assert [type(v) for v in b.__dict__.values()] == [type(v) for v in p.__dict__.values()]
+    lists = [r.decode for r in bulk] + [r.prefill for r in bulk] + [r.preempted for r in bulk]
+    assert len({id(x) for x in lists + [decode]}) == len(lists) + 1  # each record its own
 
 
 def test_a_step_sink_sees_every_kept_step_in_order():

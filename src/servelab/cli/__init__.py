@@ -90,16 +90,19 @@ _register_all()
 
 
 def main() -> None:
-    try:
-        app()
-    except ModuleNotFoundError as e:  # a module an extra installs: one line, exit 2
-        from servelab.cli.errors import fail
-        from servelab.cli.extras import missing_extra_message
+    from servelab.cli.process_exit import held_to_exit
 
-        message = missing_extra_message(e)
-        if message is None:
-            raise
-        raise SystemExit(fail(message).exit_code) from None
+    with held_to_exit():  # a command's held objects are never freed (see there)
+        try:
+            app()
+        except ModuleNotFoundError as e:  # a module an extra installs: one line, exit 2
+            from servelab.cli.errors import fail
+            from servelab.cli.extras import missing_extra_message
+
+            message = missing_extra_message(e)
+            if message is None:
+                raise
+            raise SystemExit(fail(message).exit_code) from None
 
 
 if __name__ == "__main__":

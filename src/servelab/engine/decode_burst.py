@@ -9,7 +9,7 @@ times and counters of all the steps at once. The outcome is exactly that of call
 ``LLMEngine.step`` for each (tests/test_sim_identity.py runs both). The engine's reading path
 (engine, scheduler, request, plan, the plain KV cache) reaches this module only through the
 one-line ``LLMEngine.decode_burst``, and this module reaches them only through their public
-interfaces: the engine's ``record_step`` and ``finish_request``, the scheduler's
+interfaces: the engine's ``record_decode_steps`` and ``finish_request``, the scheduler's
 ``reserve_step_ids``, the KV cache's calls and the requests' fields. docs/design/scheduler.md
 ("Bulk decode") has the conditions and why they suffice.
 """
@@ -96,8 +96,8 @@ def run_decode_burst(
     ends: list[float] = []
     kv_used: list[int] = []  # blocks in use as each step started, for its record
     j = 0
+    start = clock()
     while j < steps:
-        start = clock()
         if start >= horizon or not run.allocate(j):
             break
         if keep_records:
@@ -109,6 +109,7 @@ def run_decode_burst(
         starts.append(start)
         ends.append(end)
         j += 1
+        start = end  # only execute moves the clock: the next step starts where this one ended
     if not ends:
         return None
     run.commit(ends, tokens)
@@ -116,8 +117,7 @@ def run_decode_burst(
     records: list[StepRecord] = []
     if keep_records:  # nothing the records read changed since their steps ran
         decode = [r.request_id for r in reqs]
-        for i, (start, end, used) in enumerate(zip(starts, ends, kv_used, strict=True)):
-            records.append(engine.record_step(first_id + i, start, end, {}, list(decode), used, []))
+        records = engine.record_decode_steps(first_id, starts, ends, decode, kv_used)
     finished: list[RequestOutput] = []
     if j == steps:  # the last step finished these, in plan order as step's outputs are
         end = ends[-1]

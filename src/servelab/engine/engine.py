@@ -277,6 +277,32 @@ class LLMEngine:
         self.step_records.append(record)
         return record
 
+    def record_decode_steps(
+        self,
+        first_id: int,
+        starts: list[float],
+        ends: list[float],
+        decode: list[str],
+        kv_used: list[int],
+    ) -> list[StepRecord]:
+        """``record_step`` of each of the pure-decode steps ``first_id``, ``first_id + 1``, ...
+        (a decode burst's), step ``i`` running from ``starts[i]`` to ``ends[i]`` with
+        ``kv_used[i]`` blocks in use, each decoding the requests ``decode``: the same records,
+        kept the same way, with what they share read once (call it when ``record_step`` of
+        each could be called)."""
+        total, waiting = self.kv_cache.num_blocks, self.num_waiting
+        replica, role, n = self.replica, self.role, len(decode)
+        # positional arguments, the cheaper call: the test against record_step would catch a
+        # change of StepRecord's field order
+        records = [
+            StepRecord(i, s, e, 0, n, {}, decode.copy(), 0, 0, u, total, waiting, [], replica, role)
+            for i, s, e, u in zip(
+                range(first_id, first_id + len(ends)), starts, ends, kv_used, strict=True
+            )
+        ]
+        self.step_records.extend(records)
+        return records
+
     def _emit(self, req: Request, tokens: list[int], now: float) -> RequestOutput:
         """Apply the stop rules to this step's new tokens and build the request's output."""
         sp = req.sampling_params

@@ -29,15 +29,19 @@ def say(console: Console, text: str) -> None:
     console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
-def run_sim(spec: SimSpec, console: Console) -> None:
+def run_sim(spec: SimSpec, console: Console, keep: list[object] | None = None) -> None:
     """Simulate ``spec``: each sweep point into its run directory and one table of them, or
-    the capacity search into ``capacity.json``."""
+    the capacity search into ``capacity.json``. ``keep``, when given, receives the scenario
+    and, for one run (no sweep, one seed), the simulated result, which then outlive the
+    call (the CLI ends its process without freeing them: ``cli/process_exit.py``)."""
     from servelab.report.terminal import defaults_line, sim_table
     from servelab.sim.engine_args import parse_sweep
     from servelab.sim.loop.simulation import cyclic_gc_paused
 
     with cyclic_gc_paused():  # a trace's requests: lists of ids the collector walked for nothing
         scenario = build_scenario(spec)
+    if keep is not None:
+        keep.append(scenario)
     points = parse_sweep(list(spec.search.sweep)) if spec.search.sweep else [{}]
     used = scenario.target.info.get("engine_defaults")
     if used is not None:
@@ -49,7 +53,9 @@ def run_sim(spec: SimSpec, console: Console) -> None:
         _capacity(spec, scenario, console)
         return
     in_sweep = len(points) > 1
-    rows = [_simulate_point(scenario, p, spec, in_sweep, console) for p in points]
+    # a sweep or more seeds free each result before simulating again: held, they would add up
+    held = keep if not in_sweep and spec.search.seeds == 1 else None
+    rows = [_simulate_point(scenario, p, spec, in_sweep, console, held) for p in points]
     if spec.search.seeds > 1:
         first = spec.workload.sim_seed
         for p in points:
@@ -235,10 +241,16 @@ def planning_tokenizer(target: SimTarget) -> tuple[Any, str | None]:
 
 
 def _simulate_point(
-    scenario: Scenario, point: dict[str, Any], spec: SimSpec, in_sweep: bool, console: Console
+    scenario: Scenario,
+    point: dict[str, Any],
+    spec: SimSpec,
+    in_sweep: bool,
+    console: Console,
+    keep: list[object] | None = None,
 ) -> dict[str, Any]:
     """Simulate ``scenario`` with the engine settings of one sweep point into the spec's run
-    directory (in a sweep: one under it named for the point); return its row of the table."""
+    directory (in a sweep: one under it named for the point); return its row of the table.
+    ``keep`` (``run_sim``'s) receives the simulated result."""
     from servelab.rundir import read_json
     from servelab.sim.fit.twin import outside_domain
     from servelab.sim.run_writer import write_run_dir
@@ -262,6 +274,8 @@ def _simulate_point(
     t0 = time.perf_counter()
     res = simulate(scenario, keep_steps=write_steps)
     wall = time.perf_counter() - t0
+    if keep is not None:
+        keep.append(res)
     info = scenario.info
     write_run_dir(
         run_dir,

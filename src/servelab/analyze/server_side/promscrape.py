@@ -10,10 +10,9 @@ per request. vLLM's metric names are used, as servelab's own /metrics does.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 # Each key's histogram, by the names it has had: vLLM 0.32 calls TPOT
 # ``vllm:request_time_per_output_token_seconds``; older builds and servelab's own server
@@ -103,10 +102,18 @@ class ServerEstimates:
         }
 
 
+def _families(text: str) -> Iterable[Any]:
+    """prometheus_client's metric families of an exposition. Imported here, not with the
+    module: every summary imports this module, and only runs with scrapes parse any."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return text_string_to_metric_families(text)
+
+
 def samples(text: str) -> dict[tuple[str, str | None], float]:
     """(sample name, le) -> value, summed over every other label (model, engine...)."""
     out: dict[tuple[str, str | None], float] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in _families(text):
         for s in fam.samples:
             key = (s.name, s.labels.get("le"))
             out[key] = out.get(key, 0.0) + float(s.value)
@@ -118,7 +125,7 @@ def info_metrics(text: str) -> dict[str, dict[str, str]]:
     a server describes its configuration on /metrics. Labels that differ between samples
     of one family (one per engine or model) are kept from the first."""
     out: dict[str, dict[str, str]] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in _families(text):
         if not fam.name.endswith("_info") or fam.name.startswith(("python_", "process_")):
             continue
         for s in fam.samples:
