@@ -1,6 +1,6 @@
 """GuideLLM's results JSON imported: every request's send, TTFT and end as GuideLLM timed them,
-vLLM's per-request metrics that GuideLLM passed through, no per-token times (so no ITL, and
-no twin), errors kept."""
+vLLM's per-request metrics that GuideLLM passed through, no per-token times (so no ITL, and a
+twin fitted to first and last token times), errors kept."""
 
 from __future__ import annotations
 
@@ -58,14 +58,28 @@ def test_an_errored_request_keeps_guidellm_s_error():
     assert "peer closed connection" in bad.error and bad.ttft is not None
 
 
-def test_calibrate_refuses_and_tune_predicts_nothing_naming_the_missing_token_times(tmp_path):
+def test_calibrate_fits_the_twin_from_first_and_last_token_times_and_says_so(tmp_path):
     run_dir = import_sample(tmp_path, "guidellm")
-    reason = "first and last token times but not every token's"
     r = CliRunner().invoke(app, ["calibrate", str(run_dir), "--out", str(tmp_path / "c.json")])
-    assert r.exit_code == 2, r.output
-    assert reason in " ".join(r.output.split())
-    assert not (tmp_path / "c.json").exists()
+    assert r.exit_code == 0, r.output
+    assert "first and last only" in " ".join(r.output.split())
+    twin = json.loads((tmp_path / "c.json").read_text())
+    assert twin["fit"]["token_times"] == "first_and_last" and twin["noise"] is None
+    assert twin["fit"]["inference"]["decode_windows"] == len(load_run(run_dir).records)
+    # tune's check fits the twin to part of the run: eight requests are too few for that
     r = CliRunner().invoke(app, ["tune", str(run_dir), "--ignore-gates"])
     assert r.exit_code == 0, r.output
     flat = " ".join(r.output.split())
-    assert "no prediction" in flat and reason in flat
+    assert "fitted to each request's first and last token times" in flat
+    assert "no prediction" in flat and "first and last token times; calibrate" in flat
+
+
+def test_calibrate_refuses_a_run_with_no_decode_to_time(tmp_path):
+    run_dir = import_sample(tmp_path, "guidellm")
+    lines = (run_dir / "requests.jsonl").read_text().splitlines()
+    rows = [json.loads(line) | {"output_tokens": 1} for line in lines]
+    (run_dir / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = CliRunner().invoke(app, ["calibrate", str(run_dir), "--out", str(tmp_path / "c.json")])
+    assert r.exit_code == 2, r.output
+    assert "decode windows and idle prefills could be timed" in " ".join(r.output.split())
+    assert not (tmp_path / "c.json").exists()

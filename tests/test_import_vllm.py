@@ -74,8 +74,10 @@ def test_vllm_s_spans_are_the_server_s_side_of_the_same_requests(tmp_path):
         figs = server.server_timeline
         assert figs["reported_by"] == "vllm otel span"
         assert figs["queue_time"] + figs["prefill_time"] <= server.ttft
+    # the spans keep each request's first and last token times: the twin is fitted to them
     r = CliRunner().invoke(app, ["calibrate", str(spans.path), "--out", str(tmp_path / "c")])
-    assert r.exit_code == 2 and "not every token's" in " ".join(r.output.split())
+    assert r.exit_code == 0 and "first and last only" in " ".join(r.output.split())
+    assert json.loads((tmp_path / "c").read_text())["fit"]["token_times"] == "first_and_last"
 
 
 def test_spans_without_a_request_span_are_refused(tmp_path):

@@ -76,9 +76,14 @@ def twin_text(twin: dict[str, Any]) -> str:
     """What a foreign run replays on: the twin's server, fit and each setting's source."""
     err = (twin.get("fit_error") or {}).get("median")
     spread = twin.get("speed_spread")
+    fitted = (
+        f"{twin['steps']} steps inferred from the streams"
+        if twin.get("steps") is not None
+        else "fitted to each request's first and last token times"
+    )
     lines = [
         f"replayed on the twin of this {twin['server']} server, calibrated on the run: "
-        f"{twin.get('steps')} steps inferred from the streams, step fit error median "
+        f"{fitted}, step fit error median "
         + (f"{err:.0%}" if err is not None else "-")
         + f", API {twin['api_overhead_s'] * 1e3:.0f} ms a request, speed spread "
         + (f"{spread:.2f}" if spread is not None else "-")

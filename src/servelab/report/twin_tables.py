@@ -56,12 +56,21 @@ def calibration_table(cal: dict[str, Any]) -> Table:
     )
     err = cal["fit"]["error_on_training_steps"]
     inf = cal["fit"]["inference"]
+    over = f"{err['steps']} steps" if "steps" in err else f"{err['windows']} request windows"
     table.add_row(
         "fit error (training run)"
         if cal["fit"].get("runs", 1) == 1
         else "fit error (training runs)",
-        f"median {err['median']:.1%}, p90 {err['p90']:.1%} over {err['steps']} steps",
+        f"median {err['median']:.1%}, p90 {err['p90']:.1%} over {over}",
     )
+    if "token_times" in cal["fit"]:  # fitted without every token's time
+        table.add_row(
+            "token times",
+            "first and last only: fitted to each request's mean decode step and idle TTFT "
+            f"({inf['decode_windows']} windows, {inf['idle_prefills']} idle prefills); no "
+            "step noise, so ITL percentiles assume each step of a shape takes its price",
+        )
+        return table
     table.add_row(
         "steps inferred",
         f"{inf['steps']} from {inf['requests']} streams (tolerance "

@@ -29,7 +29,7 @@ those whose start is uncertain are left out of fits (``usable``).
 
 It needs every token's arrival: records that hold the first token alone (a run that
 ``lacks`` ``rundir.LACKS_TOKEN_TIMES``, imported from GuideLLM or vLLM's spans) show when
-prompts finished but not who decoded in a step, and ``sim.fit.twin`` refuses such runs.
+prompts finished but not who decoded in a step; ``sim.fit.first_last`` fits their twin.
 
 Pure: a run in, steps and diagnostics out. ``sim.fit.twin`` fits the step cost to them.
 """

@@ -31,6 +31,10 @@ measured / priced ratio of each is one error. Simulation seed
 so repeating a prediction over seeds spreads it by the step noise, what one run could not
 pin down, the host's drift and the form's error away from the run's own load.
 
+A run that keeps each request's first and last token times alone (``rundir.LACKS_TOKEN_TIMES``)
+has no steps to infer: :mod:`servelab.sim.fit.first_last` fits the same prices to its requests'
+decode windows and idle prefills instead, and the file says so (``fit.token_times``).
+
 With several runs, ``held_out_intervals`` prices each run by the twin fitted to the others
 and turns those errors into 80% and 95% interval half-widths. The calibration file also
 records the tokenizer that counted the served model's tokens (``run_tokenizer``) and what
@@ -184,14 +188,10 @@ def fit_steps(infs: Sequence[StepInference], bootstrap: int = BOOTSTRAP, seed: i
         )
     a = np.array([t[2] for t in timed])
     y = np.array([t[3] for t in timed])
-    coef = _nnls(a, y)
-    log_ratio = np.log(y / np.maximum(a @ coef, 1e-9))
-    dev = np.abs(log_ratio - np.median(log_ratio))
-    keep = dev <= TRIM * (float(np.median(dev)) or 1e-9)
-    if keep.sum() >= MIN_ROWS and not keep.all():
+    coef, keep = trimmed_fit(a, y)
+    if not keep.all():
         a, y = a[keep], y[keep]
         timed = [t for t, k in zip(timed, keep) if k]
-        coef = _nnls(a, y)
     fitted = a @ coef
     # The noise and the error are over single steps with a known start, in step order.
     single: list[list[tuple[float, float]]] = [[] for _ in infs]
@@ -200,15 +200,10 @@ def fit_steps(infs: Sequence[StepInference], bootstrap: int = BOOTSTRAP, seed: i
             single[k].append((step.end, float(y[i] / fitted[i])))
     ratios = [[r for _, r in run] for run in single]
     err = [abs(r - 1.0) for run in ratios for r in run]
-    rng = np.random.default_rng(seed)
-    boots = []
-    for _ in range(bootstrap):
-        idx = rng.integers(0, len(y), len(y))
-        boots.append(_coef_dict(_nnls(a[idx], y[idx])))
     return TwinFit(
-        coef=_coef_dict(coef),
+        coef=coef_dict(coef),
         api=float(coef[len(TERMS)]),
-        bootstrap=boots,
+        bootstrap=bootstrap_refits(a, y, bootstrap, seed),
         noise=StepNoise.measure(ratios),
         error={
             "median": float(np.median(err)) if err else math.nan,
@@ -220,6 +215,33 @@ def fit_steps(infs: Sequence[StepInference], bootstrap: int = BOOTSTRAP, seed: i
         speed_spread=speed_spread(single),
         form_spread=form_spread(a, y),
     )
+
+
+def trimmed_fit(a: Any, y: Any) -> tuple[Any, Any]:
+    """The prices of rows ``a`` (the work of ``TERMS`` and the idle-start column) against
+    lengths ``y``: fitted, rows more than ``TRIM`` median absolute deviations off in log
+    ratio dropped once (when ``MIN_ROWS`` remain) and refitted. (coefficients, rows kept)."""
+    import numpy as np
+
+    coef = _nnls(a, y)
+    log_ratio = np.log(y / np.maximum(a @ coef, 1e-9))
+    dev = np.abs(log_ratio - np.median(log_ratio))
+    keep = dev <= TRIM * (float(np.median(dev)) or 1e-9)
+    if keep.sum() >= MIN_ROWS and not keep.all():
+        return _nnls(a[keep], y[keep]), keep
+    return coef, np.ones(len(y), dtype=bool)
+
+
+def bootstrap_refits(a: Any, y: Any, n: int, seed: int = 0) -> list[dict[str, float]]:
+    """``n`` refits of the prices on rows resampled with replacement."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n):
+        idx = rng.integers(0, len(y), len(y))
+        boots.append(coef_dict(_nnls(a[idx], y[idx])))
+    return boots
 
 
 LEVELS = (0.8, 0.95)  # the intervals a twin of several runs states
@@ -320,7 +342,7 @@ def form_spread(a: Any, y: Any) -> float | None:
     return float(np.sqrt(np.mean(np.square(errs)))) if errs else None
 
 
-def _coef_dict(coef: Any) -> dict[str, float]:
+def coef_dict(coef: Any) -> dict[str, float]:
     return {t: float(c) for t, c in zip(TERMS, coef)}
 
 
@@ -529,17 +551,16 @@ def _defaults(kind: str, hardware: str | None) -> tuple[dict[str, Any], str]:
 
 
 def engine_settings(
-    settings: ServerSettings, steps: list[InferredStep], hardware: str | None
+    settings: ServerSettings, peak: int, hardware: str | None
 ) -> tuple[dict[str, Any], dict[str, str], int]:
     """The twin's EngineConfig fields, their sources and the context length (module doc);
-    ``steps``: the inferred steps of the runs."""
+    ``peak``: the most streams one step of the runs served (a lower bound of the cap)."""
     values = dict(settings.values)
     sources = dict(settings.sources)
     defaults, source = _defaults(settings.kind, hardware)
     for k, v in defaults.items():
         if k not in values:
             values[k], sources[k] = v, source
-    peak = max((sum(1 for s in st.seqs if s.sampled) for st in steps), default=1)
     if "max_num_seqs" not in values:
         values["max_num_seqs"] = max(1, peak)
         sources["max_num_seqs"] = "the run: the most streams one step served (a lower bound)"
@@ -590,17 +611,10 @@ def calibrate_runs(
     run, since fewer streams seen make other batches and other steps; only the step cost,
     its noise and spreads are fitted to the steps that end at a kept time, and the API's
     reported time to the requests sent at one (an out-of-sample check's fitting part).
+    Where any run lacks every token's time (``LACKS_TOKEN_TIMES``), no step is inferred: the
+    prices are fitted to the requests' first and last token times (``sim.fit.first_last``).
     ValueError when the runs' settings differ."""
     first = runs[0]
-    for r in runs:
-        if LACKS_TOKEN_TIMES in r.lacks:
-            tool = (r.manifest.get("imported") or {}).get("tool", "its tool")
-            raise ValueError(
-                f"{r.path} was imported from {tool}, which keeps each request's first and last "
-                "token times but not every token's: the twin is fitted to engine steps "
-                "inferred from every token's arrival; calibrate on a run that has them "
-                "(servelab bench, vllm bench serve --save-detailed, AIPerf records)"
-            )
     settings = server_settings(first, stated)
     for other in runs[1:]:
         theirs = server_settings(other, stated)
@@ -616,19 +630,35 @@ def calibrate_runs(
     if budget is None:
         budget = _defaults(settings.kind, hardware)[0].get("max_num_batched_tokens")
     chunked = bool(settings.get("enable_chunked_prefill", True))
-    infs = [
-        infer_steps(r.records, budget, chunked=chunked, scrapes=r.scrapes, tolerance=tolerance)
-        for r in runs
-    ]
-    fitted = infs
-    if fits is not None:
-        fitted = [
-            dataclasses.replace(inf, steps=[s for s in inf.steps if fits(s.end)]) for inf in infs
+    how: dict[str, Any] = {}
+    if any(LACKS_TOKEN_TIMES in r.lacks for r in runs):
+        from servelab.sim.fit.first_last import FIRST_AND_LAST, fit_first_and_last
+
+        # No step can be inferred: no step ends to place the wait for the step in
+        # progress by (the API time holds it), no held-out step to price.
+        fit, inference = fit_first_and_last(runs, budget, chunked, fits)
+        peak, intervals = int(inference["max_batch"]), None
+        step_ends: list[list[float]] = [[] for _ in runs]
+        how = {"token_times": FIRST_AND_LAST}
+        ranges: dict[str, list[int]] = {}
+    else:
+        infs = [
+            infer_steps(r.records, budget, chunked=chunked, scrapes=r.scrapes, tolerance=tolerance)
+            for r in runs
         ]
-    fit = fit_steps(fitted)
-    config, sources, length = engine_settings(
-        settings, [s for inf in infs for s in inf.steps], hardware
-    )
+        fitted = infs
+        if fits is not None:
+            fitted = [
+                dataclasses.replace(inf, steps=[s for s in inf.steps if fits(s.end)])
+                for inf in infs
+            ]
+        fit = fit_steps(fitted)
+        steps = [s for inf in infs for s in inf.steps]
+        peak = max((sum(1 for s in st.seqs if s.sampled) for st in steps), default=1)
+        step_ends = [[s.end for s in inf.steps] for inf in infs]
+        inference = _merged([inf.diagnostics for inf in infs], [len(inf.steps) for inf in infs])
+        ranges, intervals = _step_ranges(steps), held_out_intervals(fitted)
+    config, sources, length = engine_settings(settings, peak, hardware)
     sent = runs
     if fits is not None:
         sent = [
@@ -637,7 +667,7 @@ def calibrate_runs(
             )
             for r in runs
         ]
-    reported = reported_api_overhead(sent, [[s.end for s in inf.steps] for inf in infs])
+    reported = reported_api_overhead(sent, step_ends)
     api = reported if reported is not None else fit.api
     name = model or first.model or "unknown"
     kv_bytes = 1.0
@@ -667,10 +697,9 @@ def calibrate_runs(
                 "fitted_s": fit.api,
                 "used": "reported" if reported is not None else "fitted",
             },
-            "inference": _merged(
-                [inf.diagnostics for inf in infs], [len(inf.steps) for inf in infs]
-            ),
+            "inference": inference,
             "runs": len(runs),
+            **how,
         },
         settings=settings.to_dict(),
         run=", ".join(str(r.path) for r in runs),
@@ -678,11 +707,8 @@ def calibrate_runs(
         speed_spread=fit.speed_spread,
         form_spread=fit.form_spread,
         tokenizer=run_tokenizer(first, name),
-        domain={
-            **domain_of([r for run in runs for r in run.records]),
-            **_step_ranges([s for inf in infs for s in inf.steps]),
-        },
-        intervals=held_out_intervals(fitted),
+        domain={**domain_of([r for run in runs for r in run.records]), **ranges},
+        intervals=intervals,
     )
 
 
@@ -693,11 +719,7 @@ def domain_of(records: Sequence[Any]) -> dict[str, list[int]]:
     done = [r for r in records if r.ok and r.done is not None]
     if not done:
         return {}
-    events = sorted([(r.actual_send, 1) for r in done] + [(r.done, -1) for r in done])
-    now = peak = 0
-    for _, step in events:  # a finish before a send at the same moment
-        now += step
-        peak = max(peak, now)
+    peak = most_at_once([(r.actual_send, r.done) for r in done])
     prompts = [r.input_tokens for r in done]
     outputs = [r.output_tokens for r in done]
     return {
@@ -705,6 +727,15 @@ def domain_of(records: Sequence[Any]) -> dict[str, list[int]]:
         "output_tokens": [min(outputs), max(outputs)],
         "in_flight": [1, peak],
     }
+
+
+def most_at_once(spans: Sequence[tuple[float, float]]) -> int:
+    """The most ``(start, end)`` spans open at once (one ending as another starts: not both)."""
+    now = peak = 0
+    for _, step in sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans]):
+        now += step
+        peak = max(peak, now)
+    return peak
 
 
 def _step_ranges(steps: Sequence[InferredStep]) -> dict[str, list[int]]:
