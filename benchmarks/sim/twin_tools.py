@@ -18,7 +18,7 @@ The runs of docs/design/twin.md, "Other tools' runs (pre-registered)":
 3. ``twin_check``'s scores per tool and pooled over the tools: the twin's MAPE per figure
    over the held-out runs beside the naive baseline's (the training run's figures) and the
    change error, with no target; the range over seeds' coverage. A figure a run lacks (no
-   ITL from GuideLLM, which cannot be calibrated either) is missing, not scored.
+   ITL from GuideLLM) is missing, not scored.
 
 Writes ``--out``/results.json and prints the answer first, then the tables (100 columns).
 Expected time on a quiet 2-core machine: 4-5 minutes a tool (three launches of ~40 s with
