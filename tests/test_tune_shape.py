@@ -187,3 +187,24 @@ def test_a_run_without_steps_shows_its_cap_by_what_its_client_had_in_flight():
     }
     cands, _ = generate([], facts, ("overall", "e2e_mean"))
     assert {c.engine["max_num_seqs"] for c in cands if c.knob == "max_num_seqs"} >= {16, 32}
+
+
+def test_a_per_token_objective_calls_for_fewer_sequences_and_speculation_without_a_finding():
+    probed = dataclasses.replace(QUIET, probed_acceptance=0.4)
+    assert generate([], probed, ("overall", "ttft_mean")) == ([], [])  # not per token
+    cands, _ = generate([], probed, ("overall", "tpot_mean"))
+    by_knob: dict[str, list] = {}
+    for c in cands:
+        by_knob.setdefault(c.knob, []).append(c)
+    assert set(by_knob) == {"max_num_seqs", "speculation"}
+    downs = {
+        c.engine["max_num_seqs"] for c in by_knob["max_num_seqs"] if c.lever == "max_num_seqs_down"
+    }
+    assert downs == {1, 2, 3}  # a quarter, half and three quarters of the 4 a step ran
+    ks = {c.engine["speculative_config"]["num_speculative_tokens"] for c in by_knob["speculation"]}
+    assert ks == {2, 4, 8}
+    assert all(c.target == ("overall", "tpot_mean") and c.findings == () for c in cands)
+    assert "per output token" in by_knob["speculation"][0].because
+    # one sequence a step and no acceptance known: nothing to try
+    alone = dataclasses.replace(QUIET, peak_seqs=1)
+    assert generate([], alone, ("overall", "itl_p50")) == ([], [])

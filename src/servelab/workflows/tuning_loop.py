@@ -87,7 +87,7 @@ from servelab.analyze.tuning.prediction import (
     self_check,
 )
 from servelab.analyze.tuning.result import Tuning
-from servelab.analyze.tuning.shape import run_shape
+from servelab.analyze.tuning.shape import PER_TOKEN, run_shape
 from servelab.analyze.tuning.verification import (
     AS_RUN,
     MIN_UPLIFT,
@@ -258,10 +258,14 @@ class _Simulator:
         _SHARED.clear()
 
 
-def _probe_speculation(run: Run, findings: Sequence[Any], asrun: AsRun) -> AcceptanceProbe | None:
-    """The acceptance of the run's own traffic, where a finding calls for speculation, the
-    run did not speculate, and it ran on the embedded engine (``workflows.spec_probe``)."""
-    if not any("speculative_decoding" in f.levers for f in findings):
+def _probe_speculation(
+    run: Run, findings: Sequence[Any], asrun: AsRun, objective: Objective
+) -> AcceptanceProbe | None:
+    """The acceptance of the run's own traffic, where a finding or a per-output-token
+    objective (``shape.PER_TOKEN``) calls for speculation, the run did not speculate, and
+    it ran on the embedded engine (``workflows.spec_probe``)."""
+    called = any("speculative_decoding" in f.levers for f in findings)
+    if not called and not objective.figure.startswith(PER_TOKEN):
         return None
     if run.simulated or is_foreign(run) or any(s.spec_proposed for s in run.steps):
         return None
@@ -468,7 +472,7 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
     timings["rebuild_s"] = time.perf_counter() - t0
     # Before the simulations fork: the candidates need the acceptance in their target.
     try:
-        probe = _probe_speculation(run, d.findings, asrun)
+        probe = _probe_speculation(run, d.findings, asrun, objective)
     except Exception as e:  # noqa: BLE001 -- the model may not load here: speculation goes unpriced
         probe = None
         tuning.notes.append(f"speculation probe failed, so speculation is not predicted: {e}")

@@ -32,7 +32,7 @@ import numpy as np
 from servelab.analyze.diagnosis.findings import Finding
 from servelab.analyze.lever_catalogue import COMPLEXITY, LAUNCH, LEVERS, cli_flag, lever_knob
 from servelab.analyze.server_side.serversettings import SERVELAB, render_flags
-from servelab.analyze.tuning.shape import MIN_BUDGET, RunFacts, shape_knobs
+from servelab.analyze.tuning.shape import MIN_BUDGET, RunFacts, objective_knobs, shape_knobs
 from servelab.vocab import DEFAULT_TOKEN_BUDGET
 
 # The figure each finding is about: a candidate answering it must improve this figure.
@@ -287,17 +287,18 @@ def _target(found: list[Finding], default: tuple[str, str]) -> tuple[str, str]:
 def generate(
     findings: Sequence[Finding], facts: RunFacts, objective: tuple[str, str]
 ) -> tuple[list[Candidate], list[Unpredicted]]:
-    """Candidates for every knob a finding or the run's shape (``shape.shape_knobs``) calls
-    for, at most ``SEARCH_BUDGET``, and the levers left unpredicted (with what the budget
-    skipped).
+    """Candidates for every knob a finding, the run's shape (``shape.shape_knobs``) or the
+    objective (``shape.objective_knobs``) calls for, at most ``SEARCH_BUDGET``, and the
+    levers left unpredicted (with what the budget skipped).
 
     ``objective`` (scope, figure) is the target of a candidate that no finding's direction
     calls for (the other side of a knob, or a knob only the shape calls for)."""
     levers = _by_lever(findings)
     knob_of = lever_knob()
     called = {knob_of[lever] for lever in levers if lever in knob_of}
+    asked = objective_knobs(objective[1], facts)
     shape = shape_knobs(facts)
-    knobs = called | set(shape)
+    knobs = called | set(shape) | set(asked)
     cfg = facts.config
     out: list[Candidate] = []
     skipped: list[Unpredicted] = []
@@ -308,6 +309,8 @@ def generate(
             return "the findings " + ", ".join(f.id for f in found)
         if knob in shape:
             return f"the run's shape: {shape[knob]}"
+        if knob in asked:
+            return asked[knob]
         return "the other side of a knob a finding calls for"
 
     def make(lever: str, **kw: Any) -> Candidate:

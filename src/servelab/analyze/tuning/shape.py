@@ -16,6 +16,14 @@ calls for it:
 
 Disaggregation is called for by the same shape as chunking; it is reported as not
 predicted, with the catalogue's reason.
+
+The operator's objective calls for knobs too (``objective_knobs``): a run can be healthy
+by every finding and still miss the figure its operator cares about. A per-token objective
+(TPOT or ITL) calls for the two knobs that shorten a decode step or make it yield more:
+
+- ``max_num_seqs``: more than one sequence ran in a step (fewer make each step shorter;
+  the others wait);
+- ``speculation``: the run speculated, or a probe of its traffic measured the acceptance.
 """
 
 from __future__ import annotations
@@ -130,3 +138,26 @@ def arrived_at_cap(records: Sequence[ClientRecord], cap: int) -> int:
         n += len(ends) >= cap
         heapq.heappush(ends, end)
     return n
+
+
+# Objectives paid per output token: a decode step's length or yield moves them directly.
+PER_TOKEN = ("tpot_", "itl_")
+
+
+def objective_knobs(figure: str, facts: RunFacts) -> dict[str, str]:
+    """Knob -> why the objective ``figure`` calls for it (module doc); {} for an objective
+    not paid per output token."""
+    if not figure.startswith(PER_TOKEN):
+        return {}
+    out: dict[str, str] = {}
+    if facts.peak_seqs > 1:
+        out["max_num_seqs"] = (
+            f"the objective is per output token and up to {facts.peak_seqs} sequences "
+            "shared a step: fewer make each step shorter"
+        )
+    if facts.speculated or facts.probed_acceptance is not None:
+        out["speculation"] = (
+            "the objective is per output token and the acceptance of n-gram drafts on this "
+            "traffic is known: accepted drafts make several tokens a step"
+        )
+    return out
