@@ -5,14 +5,17 @@ vLLM's spans): per-request decode windows and idle prefills priced in the twin's
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import rundirs
+from rich.console import Console
 from test_twin import PLAN, _cli, _planted_run
 
+from servelab.report.twin_tables import calibration_table
 from servelab.rundir import LACKS_TOKEN_TIMES, load_run
 from servelab.sim.fit.first_last import FIRST_AND_LAST
 from servelab.sim.fit.twin import TwinCalibration, calibrate_runs
@@ -59,6 +62,7 @@ def test_a_synthetic_run_without_token_times_gives_back_its_step_prices(tmp_path
     cal = calibrate_runs([load_run(first_and_last(run, tmp_path / "fl"))], "vllm serve m")
     assert cal.fit["token_times"] == FIRST_AND_LAST and cal.noise is None
     assert cal.intervals is None and "batch" not in cal.domain
+    assert not cal.fit["inference"]["narrow_batch"]  # Poisson arrivals vary the batch
     for decodes in (1, 3):
         priced = cal.cost["step"] + cal.cost["decode_seqs"] * decodes
         assert priced == pytest.approx(0.004 + 0.001 * decodes, rel=0.1)
@@ -76,7 +80,8 @@ def test_calibrate_fits_a_live_run_stripped_to_first_and_last_token_times(plante
     cal_path = tmp_path / "twin.json"
     res = _cli("calibrate", str(stripped), "--out", str(cal_path))
     assert res.returncode == 0, res.stderr
-    assert "first and last only" in " ".join(res.stdout.split())
+    printed = " ".join(res.stdout.split())
+    assert "first and last only" in printed and "every request decoded" not in printed
     cal = TwinCalibration.load(cal_path)
     assert cal.fit["token_times"] == FIRST_AND_LAST
     # a decode step of one stream and of the closed loop's four, against the planted prices
@@ -92,3 +97,40 @@ def test_calibrate_fits_a_live_run_stripped_to_first_and_last_token_times(plante
     predicted = json.loads((out / "metrics.json").read_text())["overall"]["latency"]
     assert predicted["tpot"]["p50"] == pytest.approx(measured["tpot"]["p50"], rel=0.15)
     assert predicted["e2e"]["mean"] == pytest.approx(measured["e2e"]["mean"], rel=0.2)
+
+
+def _waves(path: Path, streams: int) -> Path:
+    """A stripped run at one fixed concurrency: ten waves of ``streams`` requests of equal
+    lengths, each wave sent at once and done before the next."""
+    reqs = [
+        rundirs.Req(f"w{w}-{k}", "chat", 1.0 * w, 200, 30)
+        for w in range(10)
+        for k in range(streams)
+    ]
+    run = rundirs.as_other_target(rundirs.write_run(path, reqs), figures=True)
+    return first_and_last(run, path.with_name(path.name + "-fl"))
+
+
+def _printed(cal: TwinCalibration) -> str:
+    console = Console(file=io.StringIO(), width=400)  # wide: each row on one line
+    console.print(calibration_table(dataclasses.asdict(cal)))
+    return " ".join(console.file.getvalue().split())
+
+
+def test_a_run_at_one_concurrency_says_its_fit_cannot_split_step_from_sequence(tmp_path):
+    cal = calibrate_runs([load_run(_waves(tmp_path / "c4", 4))], "vllm serve m")
+    inf = cal.fit["inference"]
+    assert inf["narrow_batch"] and inf["batch_span"] == pytest.approx(1.0, abs=0.1)
+    printed = _printed(cal)
+    assert "every request decoded beside about 3 others" in printed
+    assert "calibrate on runs at two or more concurrencies" in printed
+
+
+def test_runs_at_two_concurrencies_calibrated_together_are_not_warned(tmp_path):
+    runs = [load_run(_waves(tmp_path / f"c{n}", n)) for n in (2, 6)]
+    alone = [calibrate_runs([run], "vllm serve m").fit["inference"] for run in runs]
+    assert all(inf["narrow_batch"] for inf in alone)
+    cal = calibrate_runs(runs, "vllm serve m")
+    assert not cal.fit["inference"]["narrow_batch"]
+    assert cal.fit["inference"]["batch_span"] > 2.0
+    assert "every request decoded" not in _printed(cal)

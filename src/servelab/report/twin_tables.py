@@ -70,6 +70,16 @@ def calibration_table(cal: dict[str, Any]) -> Table:
             f"({inf['decode_windows']} windows, {inf['idle_prefills']} idle prefills); no "
             "step noise, so ITL percentiles assume each step of a shape takes its price",
         )
+        if inf.get("narrow_batch"):
+            others = round(inf["batch_median"]) - 1
+            beside = f"beside about {others} other{'s' * (others > 1)}" if others else "alone"
+            table.add_row(
+                "batch",
+                f"[yellow]every request decoded {beside}[/yellow] (mean batch spans "
+                f"{inf['batch_span']:.2f}x): the fit cannot tell a step's fixed cost from its "
+                "cost per sequence; predictions at other concurrencies extrapolate (calibrate "
+                "on runs at two or more concurrencies)",
+            )
         return table
     table.add_row(
         "steps inferred",

@@ -18,6 +18,12 @@ windows do not line up into shared steps). Each request gives rows of the twin's
 The speed spread is taken over the windows' ratios to the fit by their end (5 s windows, as
 the twin's), the form spread over the rows. There is no step noise: a window's mean hides
 how one step strays, so the twin prices every step of one shape alike.
+
+Where every fitted window's mean batch was about the same (``NARROW_BATCH_SPAN``: a run at
+one fixed concurrency, equal lengths), a step's fixed price and its price per decode are
+collinear: the fit cannot tell them apart, and predictions at another batch extrapolate
+(GuideLLM's run at four streams gave a twin whose TPOT p50 at eight was 91% high). The fit
+is kept and says so.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ FIRST_AND_LAST = "first_and_last"  # ``fit.token_times`` of a twin fitted this w
 # First tokens this close came from one step: on live vLLM-CPU one step's chunks reached the
 # client within 0.1-0.5 ms (p99 1.8 ms at four streams), the next step's 17 ms or more later.
 SAME_STEP_S = 0.002
+# Decode windows whose mean batch spans less than this (90th over 10th percentile) saw one
+# batch size: percentiles, so a closed loop's ramp-up and drain windows do not count as a
+# second one.
+NARROW_BATCH_SPAN = 1.5
 
 
 def run_rows(
@@ -171,4 +181,23 @@ def fit_first_and_last(
     return fit, {
         key: (max if key == "max_batch" else sum)(d[key] for d in diags)
         for key in ("requests", "decode_windows", "idle_prefills", "max_batch")
-    } | {"mean_batch": float(np.mean([d["mean_batch"] for d in diags]))}
+    } | {"mean_batch": float(np.mean([d["mean_batch"] for d in diags]))} | batch_span(a)
+
+
+def batch_span(a: Any) -> dict[str, Any]:
+    """How far the mean batch of the fitted decode windows (rows of ``a`` without the
+    idle-start column) varied: ``batch_span``, their 90th over their 10th percentile,
+    ``batch_median`` and ``narrow_batch`` (below ``NARROW_BATCH_SPAN``). None and False
+    without a decode window."""
+    import numpy as np
+
+    batch = a[a[:, -1] == 0.0, 1]
+    if not len(batch):
+        return {"batch_span": None, "batch_median": None, "narrow_batch": False}
+    lo, hi = np.percentile(batch, [10, 90])
+    span = float(hi / lo)  # a window's mean batch counts its own request: never below 1
+    return {
+        "batch_span": span,
+        "batch_median": float(np.median(batch)),
+        "narrow_batch": span < NARROW_BATCH_SPAN,
+    }
