@@ -1,4 +1,4 @@
-"""`servelab sim` as a process ends without freeing its run (``cli/process_exit.py``): the
+"""`servelab sim` as a process ends without freeing its run (``cli.held_to_exit``): the
 run directory and the printed table are those of the same command run in-process, where
 nothing is held and everything is freed as usual."""
 
@@ -15,9 +15,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from servelab.cli import app, process_exit
+import servelab.cli as cli
+from servelab.cli import app, held, held_to_exit
 from servelab.cli.load_options import LoadFlags
-from servelab.cli.process_exit import held, held_to_exit
 from servelab.cli.sim import SimFlags, sim_spec
 from servelab.sim.loop.simulation import SimResult
 from servelab.sim.run import run_sim
@@ -60,7 +60,7 @@ def test_the_process_writes_what_the_in_process_command_writes(tmp_path):
 def test_only_main_holds_and_only_a_clean_ending_skips_the_unwinding(monkeypatch):
     assert held() is None  # a library call or CliRunner: nothing outlives the command
     ended: list[bool] = []
-    monkeypatch.setattr(process_exit, "_end_process", lambda: ended.append(True))
+    monkeypatch.setattr(cli, "_end_process", lambda: ended.append(True))
     with held_to_exit():
         assert held() == []
     assert held() is None and ended == []  # nothing held: the usual ending

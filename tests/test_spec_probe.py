@@ -110,5 +110,8 @@ def test_a_probed_acceptance_gives_speculation_candidates_but_no_off_switch():
     facts = RunFacts(config={"max_num_seqs": 64}, prompt_tokens=[100], priorities={"c": 0},
                      peak_seqs=4, probed_acceptance=0.3)  # fmt: skip
     cands, skipped = generate([finding], facts, ("overall", "tpot_p50"))
-    assert [c.id for c in cands] == ["ngram-2", "ngram-4", "ngram-8"]
+    spec = [c.id for c in cands if c.knob == "speculation"]
+    assert spec == ["ngram-2", "ngram-4", "ngram-8"]
+    # the per-token objective also asks for fewer sequences; nothing else is tried
+    assert {c.knob for c in cands} == {"speculation", "max_num_seqs"}
     assert not skipped

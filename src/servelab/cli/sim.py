@@ -139,7 +139,7 @@ def sim(flags: SimFlags) -> None:
     """Simulate a deployment on the engine's own scheduler with a cost model (what-ifs at GPU scale)."""
     from rich.console import Console
 
-    from servelab.cli.process_exit import held
+    from servelab.cli import held
     from servelab.sim.run import run_sim
 
     note_old_spelling(flags.engine_args)

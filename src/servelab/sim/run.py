@@ -33,7 +33,7 @@ def run_sim(spec: SimSpec, console: Console, keep: list[object] | None = None) -
     """Simulate ``spec``: each sweep point into its run directory and one table of them, or
     the capacity search into ``capacity.json``. ``keep``, when given, receives the scenario
     and, for one run (no sweep, one seed), the simulated result, which then outlive the
-    call (the CLI ends its process without freeing them: ``cli/process_exit.py``)."""
+    call (the CLI ends its process without freeing them: ``cli.held_to_exit``)."""
     from servelab.report.terminal import defaults_line, sim_table
     from servelab.sim.engine_args import parse_sweep
     from servelab.sim.loop.simulation import cyclic_gc_paused
