@@ -6,7 +6,8 @@ command module lists its commands in ``COMMANDS`` (name -> command) and they are
 registered here. Command modules import nothing
 heavy at module level (no torch), so that `servelab bench` never loads the engine.
 
-Ending the process without freeing what a command built (``held_to_exit``): A whole-trace `servelab sim` ends holding tens of millions of objects (the run's records,
+Ending the process without freeing what a command built (``held_to_exit``): a
+whole-trace `servelab sim` ends holding tens of millions of objects (the run's records,
 timelines and steps, the trace's prompts). Freeing them one at a time as the command's
 frames unwind, then the interpreter's own teardown, is pure cost once every file is
 written and closed (docs/design/sim.md, "Speed: the whole command").
