@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 from benchmarks.sim.twin_check import run as run_logged
-from benchmarks.sim.twin_vllm import SERVED, VLLM_PYTHON, vllm_peer
+from benchmarks.sim.twin_vllm import VLLM_PYTHON, exported_weights, vllm_peer
 from servelab.bench.servers.template import TemplateServer
 from servelab.workflows.matrix import record_server
 
@@ -220,10 +220,7 @@ def bench_embedded(case: Case, out: Path, run_dir: Path, seed: int, logs: Path) 
 
 
 def vllm_weights(out: Path, logs: Path) -> Path:
-    weights = out / "weights"
-    if not (weights / "config.json").exists():
-        run_logged([*SERVELAB, "export-hf", "--model", SERVED, str(weights)], logs / "export.log")
-    return weights
+    return exported_weights(out / "weights", logs / "export.log", {})
 
 
 def bench_vllm(case: Case, out: Path, run_dir: Path, seed: int, logs: Path) -> str:

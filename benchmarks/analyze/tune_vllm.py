@@ -36,8 +36,8 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from benchmarks.sim.twin_check import SERVELAB, Case, bench, run
-from benchmarks.sim.twin_vllm import SERVED, VLLM_PYTHON, vllm_peer
+from benchmarks.sim.twin_check import Case, bench
+from benchmarks.sim.twin_vllm import VLLM_PYTHON, exported_weights, vllm_peer
 from servelab.bench.servers.template import TemplateServer
 from servelab.report.tuning_view import render_tuning, write_tuning_report
 from servelab.workflows.demo import mixed_workload
@@ -69,11 +69,9 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
-    weights = Path(args.weights) if args.weights else out / "weights"
-    if not (weights / "config.json").exists():
-        timings["export_s"] = run(
-            [*SERVELAB, "export-hf", "--model", SERVED, str(weights)], logs / "export.log"
-        )
+    weights = exported_weights(
+        Path(args.weights) if args.weights else out / "weights", logs / "export.log", timings
+    )
     # The template's dev mode serves POST /reset_prefix_cache, which the bench calls before
     # each run: the verification's later repeats must not find the earlier ones' prompts.
     peer = vllm_peer(args.vllm_python, weights)

@@ -67,7 +67,7 @@ from benchmarks.sim.twin_check import (
     score,
     serve,
 )
-from benchmarks.sim.twin_vllm import SERVED, VLLM_PYTHON, vllm_peer
+from benchmarks.sim.twin_vllm import SERVED, VLLM_PYTHON, exported_weights, vllm_peer
 
 TOOLS = ("guidellm", "vllm", "aiperf")  # clients.py's names for the peers
 CLIENT_CPU = 0
@@ -401,10 +401,8 @@ def main(argv: list[str] | None = None) -> None:
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
     weights = Path(args.weights) if args.weights else out / "weights"
-    if not args.reuse and not args.url and not (weights / "config.json").exists():
-        timings["export_s"] = run(
-            [*SERVELAB, "export-hf", "--model", SERVED, str(weights)], logs / "export.log"
-        )
+    if not args.reuse and not args.url:
+        exported_weights(weights, logs / "export.log", timings)
     peer = vllm_peer(args.vllm_python, weights)
     stated = f"{peer.stated} --enforce-eager"
     tok = None if args.reuse else local_tokenizer(out / "hf-cache")

@@ -86,6 +86,14 @@ def reset_prefix_cache(url: str) -> None:
             raise RuntimeError(f"POST {url}/reset_prefix_cache answered {resp.status}")
 
 
+def exported_weights(weights: Path, log: Path, timings: dict[str, float]) -> Path:
+    """``weights``, written there first by ``servelab export-hf`` where it holds no model
+    (the time it took in ``timings["export_s"]``)."""
+    if not (weights / "config.json").exists():
+        timings["export_s"] = run([*SERVELAB, "export-hf", "--model", SERVED, str(weights)], log)
+    return weights
+
+
 def vllm_peer(python: str, weights: Path) -> Peer:
     def warm_up(url: str, case: Case, run_dir: Path, logs: Path) -> float:
         # A fresh vLLM's first batches are several times slower: not the server predicted.
@@ -115,11 +123,11 @@ def main() -> None:
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    weights = Path(args.weights) if args.weights else out / "weights"
-    if not (weights / "config.json").exists():
-        timings["export_s"] = run(
-            [*SERVELAB, "export-hf", "--model", SERVED, str(weights)], out / "logs" / "export.log"
-        )
+    weights = exported_weights(
+        Path(args.weights) if args.weights else out / "weights",
+        out / "logs" / "export.log",
+        timings,
+    )
     held = select(HELD_OUT, args.cases, {"smoke": SMOKE})
     train = training(TRAIN, args.train_runs)
     peer = vllm_peer(args.vllm_python, weights)
