@@ -101,7 +101,8 @@ def check_table(t: Tuning) -> Table | None:
     tab = Table(
         title=f"self-check: each of {t.check.parts} held-out parts of the run replayed by a "
         f"model fitted to the rest, {t.seeds} simulator seeds (tolerance "
-        f"{t.check.tolerance:.0%}, or the measured CI; the part furthest off)",
+        f"{t.check.tolerance:.0%}; beyond it but inside the measured CI: unsettled; the part "
+        "furthest off)",
         title_justify="left",
     )
     for col in ("scope", "figure", "measured", "replay (range)", "error", "verdict"):
