@@ -87,6 +87,9 @@ def test_the_sample_is_the_first_requests_with_their_own_sampling():
     assert [p.prompt_token_ids[0] for p in picked] == [4, 3]
     assert [p.max_tokens for p in picked] == [PROBE_MAX_TOKENS] * 2
     assert [p.temperature for p in picked] == [1.0, 0.7]  # the server's default where none
+    # a run sent with --temperature 0: the requests whose class named none were greedy
+    greedy = sample(reqs, output_tokens=4 * PROBE_MAX_TOKENS, run_temperature=0.0)
+    assert [p.temperature for p in greedy] == [0.0, 0.7, 0.0, 0.0]
 
 
 def test_a_probe_counts_what_the_engine_drafted_and_accepted(tiny_llama_dir):
@@ -115,3 +118,31 @@ def test_a_probed_acceptance_gives_speculation_candidates_but_no_off_switch():
     # the per-token objective also asks for fewer sequences; nothing else is tried
     assert {c.knob for c in cands} == {"speculation", "max_num_seqs"}
     assert not skipped
+
+
+def test_tune_probes_a_greedy_run_greedily(monkeypatch):
+    # a run sent with --temperature 0 (no class temperature) was greedy: probing it at the
+    # server's default 1.0 measured 19% of drafts accepted on code edits the engine accepts
+    # 81% of greedily (docs/design/spec_decode.md)
+    from types import SimpleNamespace
+
+    from servelab.analyze.tuning.decision import Objective
+    from servelab.workflows import tuning_loop
+
+    seen: list[list[ProbeRequest]] = []
+    monkeypatch.setattr(tuning_loop, "probe_acceptance", lambda *a: seen.append(a[3]))
+    monkeypatch.setattr(tuning_loop, "engine_config_of", lambda run: EngineConfig())
+    reqs = [
+        SimRequest(f"r{i}", float(i), [7] * 8, 64, tags=RequestTags(workload_class="c"))
+        for i in range(3)
+    ]
+    for sampling, want in (({"temperature": 0.0}, 0.0), ({}, 1.0)):
+        run = SimpleNamespace(
+            simulated=False, steps=[SimpleNamespace(spec_proposed=0)], model="smollm2-135m",
+            manifest={"target_kind": "servelab", "config": {"sampling": sampling},
+                      "server": {"kind": "servelab"}},
+        )  # fmt: skip
+        tuning_loop._probe_speculation(
+            run, [], SimpleNamespace(requests=reqs), Objective("tpot_mean")
+        )
+        assert {p.temperature for p in seen[-1]} == {want}

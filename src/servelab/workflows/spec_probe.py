@@ -5,9 +5,9 @@ the output repeats its prompt or itself) and of the sampling (a sampled token ma
 draft less often than a greedy one). So for a run of the embedded engine ``servelab tune``
 generates a sample of the run's own requests, in send order until ``output_tokens`` output
 tokens are planned, on the run's model, weights and engine config with n-gram speculation at
-``k`` drafts: each request with its own prompt ids and temperature (the server's default,
-1.0, where the request named none) and its planned output length up to
-``PROBE_MAX_TOKENS``. The engine counts drafts proposed and accepted; the simulator's
+``k`` drafts: each request with its own prompt ids and the temperature it was sent with (its
+class's, else the run's ``--temperature``, else the server's default, 1.0) and its planned
+output length up to ``PROBE_MAX_TOKENS``. The engine counts drafts proposed and accepted; the simulator's
 per-draft acceptance (``sim.fit.asrun.acceptance_from_ratio``) is fitted to the accepted drafts
 per drafted step, its proposal rate is the share of sequence-steps the n-gram lookup drafted
 for (``sim.loop.sampled_proposals``), and the speculation candidates are priced with both.
@@ -98,9 +98,15 @@ class AcceptanceProbe:
         }
 
 
-def sample(requests: list[Any], output_tokens: int = PROBE_OUTPUT_TOKENS) -> list[ProbeRequest]:
+def sample(
+    requests: list[Any],
+    output_tokens: int = PROBE_OUTPUT_TOKENS,
+    run_temperature: float | None = None,
+) -> list[ProbeRequest]:
     """The first requests in send order (``sim.loop.simulation.SimRequest``s) until their planned
-    outputs reach ``output_tokens``."""
+    outputs reach ``output_tokens``, each at the temperature the client sent: its class's,
+    else ``run_temperature`` (the run's ``--temperature``), else the server's default."""
+    fallback = DEFAULT_TEMPERATURE if run_temperature is None else float(run_temperature)
     out: list[ProbeRequest] = []
     planned = 0
     for r in sorted(requests, key=lambda r: r.send_time):
@@ -108,11 +114,7 @@ def sample(requests: list[Any], output_tokens: int = PROBE_OUTPUT_TOKENS) -> lis
             break
         t = r.tags.temperature
         n = min(int(r.max_tokens), PROBE_MAX_TOKENS)
-        out.append(
-            ProbeRequest(
-                list(r.prompt_token_ids), n, DEFAULT_TEMPERATURE if t is None else float(t)
-            )
-        )
+        out.append(ProbeRequest(list(r.prompt_token_ids), n, fallback if t is None else float(t)))
         planned += n
     return out
 

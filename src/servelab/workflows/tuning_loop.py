@@ -271,9 +271,10 @@ def _probe_speculation(
         return None
     version = (run.manifest.get("server") or {}).get("version") or {}
     quantization = (version.get("engine") or {}).get("quantization") or "none"
-    return probe_acceptance(
-        run.model or DEFAULT_MODEL, quantization, engine_config_of(run), sample(asrun.requests)
-    )
+    # the client's --temperature went in every body its class did not override
+    sampling = (run.manifest.get("config") or {}).get("sampling") or {}
+    reqs = sample(asrun.requests, run_temperature=sampling.get("temperature"))
+    return probe_acceptance(run.model or DEFAULT_MODEL, quantization, engine_config_of(run), reqs)
 
 
 def _facts(
