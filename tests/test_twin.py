@@ -18,6 +18,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import rundirs
 
@@ -426,8 +427,11 @@ def test_the_step_inference_figures_of_several_runs_add_up():
 
 
 def _slowed(path: Path, out: Path, factor: float) -> Path:
-    """A copy of a run whose client saw everything ``factor`` times slower."""
+    """A copy of a run whose client saw everything ``factor`` times slower (its
+    ``metrics.json`` summarised again from the slowed records)."""
     import shutil
+
+    from servelab.analyze.summary import summarize
 
     shutil.copytree(path, out)
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
@@ -440,27 +444,62 @@ def _slowed(path: Path, out: Path, factor: float) -> Path:
                 r[k] = t0 + factor * (r[k] - t0)
         r["chunk_times"] = [t0 + factor * (t - t0) for t in r["chunk_times"]]
     (out / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics = summarize(load_run(out).records, n_boot=0)
+    (out / "metrics.json").write_text(json.dumps(metrics))
     return out
 
 
-def test_intervals_come_from_the_error_on_runs_the_twin_was_not_fitted_on(unchunked, tmp_path):
+def test_intervals_come_from_replaying_runs_the_twin_was_not_fitted_on(unchunked, tmp_path):
     import shutil
 
+    from servelab.sim.fit.held_out import MIN_FIGURE_ERRORS, calibrate_twin, fold_errors
     from servelab.sim.fit.twin import calibrate_runs
 
     path, _ = unchunked
     run = load_run(path)
-    assert calibrate_runs([run]).intervals is None  # one run: nothing held out
-    same = calibrate_runs([run, load_run(shutil.copytree(path, tmp_path / "same"))]).intervals
-    assert same is not None and same["80"] < 0.05 and same["runs"] == 2
-    # A run 30% slower than the other: each, priced by the twin of the other, is off by
-    # about log(1.3) either way, and the half-widths say so.
+    assert calibrate_twin([run]).intervals is None  # one run: nothing held out
+    # A run 30% slower than the other: each, replayed on the twin of the other, decodes
+    # about 1.3 times off, the fast one high and the slow one low. (The fast run's sends on
+    # the slow twin overlap more, so its batches grow and its error is a little larger.)
     slow = load_run(_slowed(path, tmp_path / "slow", 1.3))
-    cal = calibrate_runs([run, slow])
+    errors = fold_errors([run, slow], lambda others: calibrate_runs(others))
+    decode = {(r, f): e for r, f, e in errors if f in ("itl_p50", "tpot_p50")}
+    assert len(decode) == 4
+    for (name, _), e in decode.items():
+        assert (e > 0) == (name == str(run.path))
+        assert math.log(1.15) < abs(e) < math.log(1.6), (name, e)
+    cal = calibrate_twin([run, slow])
     got = cal.intervals
-    assert 0.15 < got["80"] < 0.4 and got["95"] >= got["80"]
-    assert "leave-one-run-out" in got["derived"] and len(got["errors"]) >= 3
+    assert got is not None and got["runs"] == 2
+    # queueing amplifies the step's 30% in the TTFT tail: the pooled width is at least it
+    assert math.log(1.25) < got["80"] < math.log(3) and got["95"] >= got["80"]
+    assert "leave-one-run-out" in got["derived"] and len(got["errors"]) == len(errors)
+    # two errors a figure, fewer than MIN_FIGURE_ERRORS: every figure takes the pooled width
+    assert MIN_FIGURE_ERRORS > 2 and got["figures"] == {}
     assert cal.target(0).info["intervals"] == got
+    # identical runs: the replays' own error, far inside the slowed pair's
+    same = calibrate_twin([run, load_run(shutil.copytree(path, tmp_path / "same"))]).intervals
+    assert same is not None and same["80"] < got["80"] / 2
+
+
+def test_a_figure_has_its_own_width_with_enough_errors_else_the_pooled_one():
+    from servelab.sim.fit.held_out import MIN_FIGURE_ERRORS, half_widths
+
+    n = MIN_FIGURE_ERRORS
+    slow = math.log(1.3)
+    errors = [(f"run{k}", "itl_p50", slow * (-1) ** k) for k in range(n)]
+    errors += [(f"run{k}", "ttft_p90", 0.05 * k) for k in range(n - 1)]
+    got = half_widths(errors, n)
+    assert got is not None and set(got["figures"]) == {"itl_p50"}
+    own = got["figures"]["itl_p50"]
+    assert own["80"] == pytest.approx(slow) and own["95"] == pytest.approx(slow)
+    assert own["n"] == n
+    # ttft_p90 has n - 1 errors: it falls back to the pooled quantiles over all 2n - 1
+    sizes = sorted([slow] * n + [0.05 * k for k in range(n - 1)])
+    assert got["80"] == pytest.approx(float(np.quantile(sizes, 0.8)))
+    assert got["95"] == pytest.approx(float(np.quantile(sizes, 0.95)))
+    assert got["errors"][0] == {"run": "run0", "figure": "itl_p50", "error": round(slow, 5)}
+    assert half_widths(errors[:2], 2) is None  # too few errors to state anything
 
 
 def test_a_held_out_parts_twin_infers_steps_from_every_stream_and_fits_its_own_windows(unchunked):

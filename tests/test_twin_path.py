@@ -272,6 +272,32 @@ def test_a_prediction_states_the_twins_out_of_sample_intervals(tmp_path):
     assert doc["half_widths"] == {"80": 0.1, "95": 0.3}
     line = next(x for x in out.splitlines() if x.startswith("80% and 95%"))
     assert "a factor 1.11 and 1.35 either side of the median" in line and len(line) <= 100
+    assert itl["intervals_from"] == "pooled" and "figure_half_widths" not in doc
+
+
+def test_a_prediction_uses_a_figures_own_width_where_the_twin_has_one(tmp_path):
+    import math
+
+    own = {"itl_p50": {"80": 0.2, "95": 0.4, "n": 9}}
+    stated = {"80": 0.1, "95": 0.3, "figures": own, "errors": [], "runs": 9, "derived": "x"}
+    load = ("--workload", "chat", "--concurrency", "2", "--requests", "4", "--seeds", "2")
+    code, out, err = _sim(tmp_path, _twin(intervals=stated), *load)
+    assert code == 0, err
+    doc = json.loads((tmp_path / "sim" / "prediction.json").read_text())
+    itl, ttft = doc["figures"]["itl_p50"], doc["figures"]["ttft_p50"]
+    assert itl["intervals"]["95"][1] == pytest.approx(itl["median"] * math.exp(0.4))
+    assert itl["intervals"]["80"][0] == pytest.approx(itl["median"] * math.exp(-0.2))
+    assert ttft["intervals"]["95"][1] == pytest.approx(ttft["median"] * math.exp(0.3))
+    assert (itl["intervals_from"], ttft["intervals_from"]) == ("figure", "pooled")
+    assert doc["figure_half_widths"] == {"itl_p50": {"80": 0.2, "95": 0.4}}
+    assert doc["half_widths"] == {"80": 0.1, "95": 0.3}
+    lines = out.splitlines()
+    line = next(x for x in lines if x.startswith("80% and 95%"))
+    assert "(leave-one-run-out): 1 of 10 figures' own, else pooled x1.11 / x1.35" in line
+    row = next(x for x in lines if "itl_p50" in x)
+    assert "x1.22 / x1.49" in row and "its own" in row
+    assert "x1.11 / x1.35" in next(x for x in lines if "ttft_p50" in x)
+    assert all(len(x) <= 100 for x in lines)
 
 
 def test_twin_check_reports_coverage_and_width_from_run_directories(tmp_path):

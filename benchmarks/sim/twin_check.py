@@ -10,7 +10,8 @@ the protocol of docs/design/twin.md, "The held-out protocol (pre-registered)":
   server, the twin calibrated on both (so that its 80%/95% intervals come from
   leave-one-run-out error); with ``--train-plan`` the twin is instead
   ``servelab calibrate --plan`` against a launch of its own, and the training runs stay the
-  reference of the naive baseline and the change error;
+  reference of the naive baseline and the change error; with ``--train-plan-and-runs`` it is
+  one ``servelab calibrate`` of the ladder's rungs and the training runs together;
 - **held out**: every case has a seed no training run used and a freshly launched server of
   its own (``launches``), never one shared with training or another case; the case list
   must meet the protocol's minimums (``protocol_problems``: ``MIN_CASES`` cases, three
@@ -44,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from servelab.bench.servers.template import TemplateServer
-from servelab.sim.intervals import FIGURES
+from servelab.sim.intervals import FIGURES, measured_figures
 
 SERVELAB = [sys.executable, "-m", "servelab.cli"]
 LENGTH_SCALE = "0.5"
@@ -163,6 +164,13 @@ def protocol_problems(
     return problems
 
 
+def plan_rungs(plan_dir: Path) -> list[Path]:
+    """The run directories of a ``calibrate --plan`` ladder's fitted rungs (its warm-up left
+    out, as the plan's own twin leaves it), in the ladder's order."""
+    rungs = json.loads((plan_dir / "plan.json").read_text())["rungs"]
+    return [plan_dir / r["name"] for r in rungs if r["kind"] != "warmup"]
+
+
 def launches(train: Sequence[Case], held: Sequence[Case]) -> list[tuple[str, Case]]:
     """Every measured run with the label of the server launched for it alone, training
     first: no held-out case shares a process with training or with another case (a server
@@ -207,6 +215,12 @@ def add_check_arguments(ap: argparse.ArgumentParser, health_timeout: float) -> N
         help="fit the twin to `servelab calibrate --plan` (a launch of its own) instead of "
         "the training runs, which stay the naive baseline's reference",
     )
+    ap.add_argument(
+        "--train-plan-and-runs",
+        action="store_true",
+        help="fit the twin to the ladder's rungs and the training runs together (one "
+        "`servelab calibrate` of them all; the ladder runs first unless --reuse finds it)",
+    )
     ap.add_argument("--health-timeout", type=float, default=health_timeout)
     ap.add_argument(
         "--reuse", action="store_true", help="calibrate and predict again on --out's real runs"
@@ -248,14 +262,7 @@ def predict(case: Case, cal_path: Path, seeds: int, out: Path, logs: Path) -> fl
 
 def measured(run_dir: Path) -> dict[str, float | None]:
     """Every ``FIGURES`` figure of a run's ``metrics.json`` (None where it has none)."""
-    o = json.loads((run_dir / "metrics.json").read_text())["overall"]
-    out: dict[str, float | None] = {}
-    for name, metric, stat in FIGURES:
-        if metric is None:
-            out[name] = o.get("throughput", {}).get("output_tokens_per_s")
-        else:
-            out[name] = o.get("latency", {}).get(metric, {}).get(stat)
-    return out
+    return measured_figures(json.loads((run_dir / "metrics.json").read_text()))
 
 
 def compare(pred_dir: Path, run_dir: Path) -> list[dict]:
@@ -541,18 +548,23 @@ def check(
     reuse: bool = False,
     timings: dict[str, float] | None = None,
     train_plan: bool = False,
+    train_plan_and_runs: bool = False,
 ) -> dict:
     """Run the protocol (the module doc) and return what ``results.json`` holds. ``train``:
     the training runs, each on a server launched for it; ``held``: the held-out cases (a
     list short of the protocol's minimums runs, said and recorded as ``complete: false``;
     a seed training used is refused); ``train_plan``: fit the twin to ``calibrate --plan``;
+    ``train_plan_and_runs``: fit it to the ladder's rungs and the training runs together;
     ``reuse``: calibrate and predict again on the real runs already in ``out``."""
-    used = plan_seeds() if train_plan else set()
+    if train_plan and train_plan_and_runs:
+        raise SystemExit("--train-plan or --train-plan-and-runs, not both")
+    ladder_used = train_plan or train_plan_and_runs
+    used = plan_seeds() if ladder_used else set()
     problems = protocol_problems(train, held, used)
     clashes = [p for p in problems if "seed" in p]
     if clashes:
         raise SystemExit("; ".join(clashes))
-    if len(train) < 2 and not train_plan:
+    if len(train) < 2 and not ladder_used:
         problems.append("one training run: the twin states no leave-one-run-out intervals")
     if problems:
         print("not the full protocol: " + "; ".join(problems))
@@ -570,9 +582,9 @@ def check(
         raise SystemExit(f"no training run in {out}")
     t1 = time.perf_counter()
     stated = f"{peer.stated} {train[0].flags}".strip()
-    if train_plan:
-        cal_path = out / "plan" / "twin.json"
-        if not (reuse and cal_path.is_file()):
+    if ladder_used:
+        plan_twin = out / "plan" / "twin.json"
+        if not (reuse and plan_twin.is_file()):
 
             def ladder(url: str) -> float:
                 return run([*SERVELAB, "calibrate", "--plan", "--url", url, "--max-prompt",
@@ -581,9 +593,12 @@ def check(
                            logs / "calibrate-plan.log")  # fmt: skip
 
             serve(peer, train[0], "plan", out, logs, timings, health_timeout, ladder)
+    if train_plan:
+        cal_path = plan_twin
     else:
-        cal_path = out / "twin.json"
-        run([*SERVELAB, "calibrate", *map(str, trained), "--hardware", "cpu",
+        fitted = [*plan_rungs(out / "plan"), *trained] if train_plan_and_runs else trained
+        cal_path = out / ("twin-plan-and-runs.json" if train_plan_and_runs else "twin.json")
+        run([*SERVELAB, "calibrate", *map(str, fitted), "--hardware", "cpu",
              "--server-config", stated, "--out", str(cal_path)], logs / "calibrate.log")  # fmt: skip
     timings["calibrate"] = time.perf_counter() - t1
 
@@ -598,7 +613,13 @@ def check(
     protocol = {
         "complete": not problems,
         "problems": problems,
-        "training": "calibrate --plan" if train_plan else f"{len(trained)} training runs",
+        "training": (
+            "calibrate --plan"
+            if train_plan
+            else f"the ladder's rungs and {len(trained)} training runs"
+            if train_plan_and_runs
+            else f"{len(trained)} training runs"
+        ),
         "train_seeds": sorted({c.seed for c in train} | used),
         "held_out": [asdict(c) for c in held],
         "length_scale": float(LENGTH_SCALE),

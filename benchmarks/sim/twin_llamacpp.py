@@ -117,7 +117,7 @@ def main() -> None:
     held = select(HELD_OUT, args.cases, {})
     train = training(TRAIN, args.train_runs)
     check(peer, train, held, Path(args.out), args.seeds, args.health_timeout, args.reuse,
-          train_plan=args.train_plan)  # fmt: skip
+          train_plan=args.train_plan, train_plan_and_runs=args.train_plan_and_runs)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def main() -> None:
     train = training(TRAIN, args.train_runs)
     peer = vllm_peer(args.vllm_python, weights)
     check(peer, train, held, out, args.seeds, args.health_timeout, args.reuse, timings,
-          args.train_plan)  # fmt: skip
+          args.train_plan, args.train_plan_and_runs)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich.table import Table
@@ -16,15 +17,25 @@ def _figure(name: str, v: float | None) -> str:
 
 
 def prediction_table(pred: Any, title: str) -> Table:
-    """``sim.intervals.FigureRanges`` (or its ``to_dict()``): each figure's median and range."""
+    """``sim.intervals.FigureRanges`` (or its ``to_dict()``): each figure's median and range,
+    and where the twin states figures' own interval widths, each figure's 80% and 95%
+    factors either side of the median and whether they are its own or the pooled ones."""
     doc = pred if isinstance(pred, dict) else pred.to_dict()
     table = Table(title=title)
-    for col in ("figure", "median", "range"):
-        table.add_column(col, justify="left" if col == "figure" else "right")
+    own = doc.get("figure_half_widths") or {}
+    pooled = doc.get("half_widths") or {}
+    cols = ("figure", "median", "range", *(("80% / 95%", "width") if own else ()))
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("figure", "width") else "right")
     for name, f in doc["figures"].items():
         lo_hi = f.get("interval")
         rng = f"{_figure(name, lo_hi[0])} .. {_figure(name, lo_hi[1])}" if lo_hi else "-"
-        table.add_row(name, _figure(name, f.get("median")), rng)
+        row = [name, _figure(name, f.get("median")), rng]
+        if own:
+            h = own.get(name) or pooled
+            row += [f"x{math.exp(h['80']):.2f} / x{math.exp(h['95']):.2f}",
+                    "its own" if name in own else "pooled"]  # fmt: skip
+        table.add_row(*row)
     return table
 
 

@@ -72,11 +72,11 @@ def run_calibrate(spec: CalibrateSpec, console: Console) -> None:
 def _calibrate_twin(runs: list[Run], spec: CalibrateSpec, console: Console) -> None:
     from servelab.bench.manifest import redact
     from servelab.report.twin_tables import calibration_table
-    from servelab.sim.fit.twin import calibrate_runs
+    from servelab.sim.fit.held_out import calibrate_twin
 
     stated = spec.server_config
     stated = shlex.join(redact(shlex.split(stated))) if stated else None
-    cal = calibrate_runs(runs, stated, spec.hardware, spec.model)
+    cal = calibrate_twin(runs, stated, spec.hardware, spec.model)
     cal.save(spec.out)
     console.print(calibration_table(dataclasses.asdict(cal)))
     say(

@@ -7,8 +7,10 @@ prediction is the median over seeds and the interval the range (lowest to highes
 ``n`` seeds a further draw falls inside it with probability ``(n - 1) / (n + 1)``.
 
 That range is the simulator's own spread. A twin fitted to several runs also states how far
-it missed runs it was not fitted on (``sim.fit.twin.held_out_intervals``): ``half_widths``
-(level -> h, in log space) put each figure's 80% and 95% intervals at ``median * exp(+-h)``.
+its replays missed the figures of runs it was not fitted on (``sim.fit.held_out``): the
+half-widths (level -> h, in log space) put a figure's 80% and 95% intervals at
+``median * exp(+-h)``, each figure's own where the twin has one (``figure_widths``), else
+the pooled ``half_widths``.
 """
 
 from __future__ import annotations
@@ -53,15 +55,30 @@ def figures_of(records: Sequence[ClientRecord]) -> dict[str, float | None]:
     return out
 
 
+def measured_figures(metrics: dict[str, Any]) -> dict[str, float | None]:
+    """The ``FIGURES`` of a run's ``metrics.json`` (its ``overall``; None where it has none):
+    what a prediction of that run is judged against."""
+    o = metrics.get("overall") or {}
+    out: dict[str, float | None] = {}
+    for name, metric, stat in FIGURES:
+        if metric is None:
+            out[name] = o.get("throughput", {}).get("output_tokens_per_s")
+        else:
+            out[name] = o.get("latency", {}).get(metric, {}).get(stat)
+    return out
+
+
 @dataclass
 class FigureRanges:
     """Per-seed figures and, per figure, the median and the range over seeds, and where
-    ``half_widths`` are given (level, e.g. ``"80"``, -> log half-width) the intervals
-    at each level around the median."""
+    half-widths are given (level, e.g. ``"80"``, -> log half-width) the intervals at each
+    level around the median: ``figure_widths[name]`` where the figure has its own, else
+    the pooled ``half_widths``."""
 
     seeds: list[int]
     per_seed: list[dict[str, float | None]] = field(default_factory=list)
     half_widths: dict[str, float] = field(default_factory=dict)
+    figure_widths: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def _values(self, name: str) -> list[float]:
         return [v for f in self.per_seed if (v := f.get(name)) is not None]
@@ -74,24 +91,33 @@ class FigureRanges:
         vals = self._values(name)
         return (min(vals), max(vals)) if vals else None
 
+    def widths(self, name: str) -> dict[str, float]:
+        """Level -> the half-width ``name``'s intervals use: its own, else the pooled."""
+        return self.figure_widths.get(name) or self.half_widths
+
     def levels(self, name: str) -> dict[str, tuple[float, float]]:
         """Level -> (low, high): the median times ``exp(-h)`` and ``exp(h)``."""
         m = self.median(name)
         if m is None:
             return {}
-        return {lvl: (m * math.exp(-h), m * math.exp(h)) for lvl, h in self.half_widths.items()}
+        return {lvl: (m * math.exp(-h), m * math.exp(h)) for lvl, h in self.widths(name).items()}
 
     def to_dict(self) -> dict[str, Any]:
         figures: dict[str, Any] = {}
         for name, _, _ in FIGURES:
             figures[name] = {"median": self.median(name), "interval": self.interval(name)}
-            if self.half_widths:
+            if self.widths(name):
                 figures[name]["intervals"] = self.levels(name)
+                # readers judge the levels alone; which width they came from sits beside them
+                figures[name]["intervals_from"] = (
+                    "figure" if name in self.figure_widths else "pooled"
+                )
         return {
             "seeds": self.seeds,
             "figures": figures,
             "per_seed": self.per_seed,
             **({"half_widths": self.half_widths} if self.half_widths else {}),
+            **({"figure_half_widths": self.figure_widths} if self.figure_widths else {}),
         }
 
 
@@ -100,11 +126,14 @@ def predict(
     seeds: Sequence[int],
     first: Any = None,
     half_widths: dict[str, float] | None = None,
+    figure_widths: dict[str, dict[str, float]] | None = None,
 ) -> FigureRanges:
     """Simulate ``scenario_for(seed)`` for every seed. ``first``: the records of a run
     already simulated for ``seeds[0]`` (the one written to disk), reused as is;
-    ``half_widths``: the target's stated intervals (``FigureRanges``)."""
-    pred = FigureRanges(list(seeds), half_widths=dict(half_widths or {}))
+    ``half_widths``, ``figure_widths``: the target's stated intervals (``FigureRanges``)."""
+    pred = FigureRanges(
+        list(seeds), half_widths=dict(half_widths or {}), figure_widths=dict(figure_widths or {})
+    )
     for k, seed in enumerate(seeds):
         if k == 0 and first is not None:
             recs = first

@@ -156,12 +156,14 @@ def _topology(spec: TopologySpec) -> Topology:
     return topo
 
 
-def build_scenario(spec: SimSpec) -> Scenario:
-    """The target, topology and requests ``spec`` asks for (ValueError if they cannot be)."""
+def build_scenario(spec: SimSpec, target: SimTarget | None = None) -> Scenario:
+    """The target, topology and requests ``spec`` asks for (ValueError if they cannot be).
+    ``target``: one already built in place of ``spec.target``'s (a twin held in memory, as
+    a leave-one-run-out fold's), so that it is simulated exactly as `servelab sim` would."""
     from servelab.sim.scenario import Scenario, is_run_dir, load_requests, requests_from_run
     from servelab.units import SLO
 
-    target = sim_target(spec.target)
+    target = target or sim_target(spec.target)
     target.engine_config.validate()  # a bad --engine-args value is the user's to fix
     topology = _topology(spec.topology)
     wl = spec.workload
@@ -322,7 +324,7 @@ def _intervals(
     """Repeat one simulated run (a sweep point) over more seeds; print and write each
     figure's range beside the run written for the first seed."""
     from servelab.report.twin_tables import prediction_table
-    from servelab.sim.intervals import predict
+    from servelab.sim.intervals import FIGURES, predict
 
     changes = point_changes(spec.target, point)
 
@@ -332,17 +334,29 @@ def _intervals(
 
     label, run_dir = _point_dir(scenario, point, spec.output.out, in_sweep)
     stated = scenario.target.info.get("intervals") or {}
-    widths = {lvl: float(stated[lvl]) for lvl in ("80", "95") if lvl in stated}
-    pred = predict(scenario_for, list(seeds), half_widths=widths)
+    levels = ("80", "95")
+    widths = {lvl: float(stated[lvl]) for lvl in levels if lvl in stated}
+    # a figure's own widths where the twin has them (a twin from before them has none)
+    own = {
+        name: {lvl: float(f[lvl]) for lvl in levels}
+        for name, f in (stated.get("figures") or {}).items()
+    }
+    pred = predict(scenario_for, list(seeds), half_widths=widths, figure_widths=own)
     (run_dir / "prediction.json").write_text(json.dumps(pred.to_dict(), indent=1))
     title = f"{label}: median and range over {len(pred.seeds)} seeds"
     console.print(prediction_table(pred, title))
     if widths:
-        say(
-            console,
-            f"80% and 95% intervals: a factor {math.exp(widths['80']):.2f} and "
-            f"{math.exp(widths['95']):.2f} either side of the median (leave-one-run-out)",
+        lo, hi = math.exp(widths["80"]), math.exp(widths["95"])
+        line = (
+            f"80% and 95% intervals: a factor {lo:.2f} and {hi:.2f} either side of the median "
+            "(leave-one-run-out)"
         )
+        if own:  # the table gives each figure's factors and where they came from
+            line = (
+                f"80% and 95% intervals (leave-one-run-out): {len(own)} of {len(FIGURES)} "
+                f"figures' own, else pooled x{lo:.2f} / x{hi:.2f}"
+            )
+        say(console, line)
 
 
 def _summary_row(label: str, res: Any, metrics: dict[str, Any], wall: float) -> dict[str, Any]:

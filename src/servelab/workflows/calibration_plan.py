@@ -20,7 +20,7 @@ Each rung is one `servelab bench` run (``bench.run.run_bench``: its own run dire
 server's prefix cache flushed before it where the server allows it). A warm-up run at the
 longest prompt goes first (a server's first long prompt is often slow, and it checks that the
 server takes it); its times give the plan's expected duration and it is not fitted. The twin
-is then fitted to the rungs' runs together (``calibrate_runs``, the path of
+is then fitted to the rungs' runs together (``sim.fit.held_out.calibrate_twin``, the path of
 `servelab calibrate RUN RUN...`), so its recorded domain spans the ladder.
 """
 
@@ -255,7 +255,7 @@ def run_calibration_plan(spec: CalibrationPlanSpec, console: Console) -> TwinCal
     from servelab.report.ladder_tables import ladder_table, prefill_check_table
     from servelab.report.twin_tables import calibration_table
     from servelab.rundir import load_run
-    from servelab.sim.fit.twin import calibrate_runs
+    from servelab.sim.fit.held_out import calibrate_twin
     from servelab.sim.run import say
 
     spec.validate()
@@ -303,7 +303,7 @@ def run_calibration_plan(spec: CalibrationPlanSpec, console: Console) -> TwinCal
     say(console, f"ladder done in {time.monotonic() - began:.0f} s (expected {expected:.0f} s)")
 
     stated = shlex.join(redact(shlex.split(spec.server_config))) if spec.server_config else None
-    cal = calibrate_runs([run for _, run in runs], stated, spec.hardware, spec.model)
+    cal = calibrate_twin([run for _, run in runs], stated, spec.hardware, spec.model)
     twin = out / TWIN_FILE
     cal.save(twin)
     console.print(calibration_table(asdict(cal)))

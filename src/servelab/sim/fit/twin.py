@@ -35,8 +35,9 @@ A run that keeps each request's first and last token times alone (``rundir.LACKS
 has no steps to infer: :mod:`servelab.sim.fit.first_last` fits the same prices to its requests'
 decode windows and idle prefills instead, and the file says so (``fit.token_times``).
 
-With several runs, ``held_out_intervals`` prices each run by the twin fitted to the others
-and turns those errors into 80% and 95% interval half-widths. The calibration file also
+With several runs, :mod:`servelab.sim.fit.held_out` replays each run on the twin fitted to
+the others and turns the figures' errors into 80% and 95% interval half-widths
+(``intervals``; ``calibrate_runs`` leaves them None). The calibration file also
 records the tokenizer that counted the served model's tokens (``run_tokenizer``) and what
 the runs spanned (``domain_of``), which ``servelab sim`` checks a scenario against
 (``outside_domain``).
@@ -244,58 +245,6 @@ def bootstrap_refits(a: Any, y: Any, n: int, seed: int = 0) -> list[dict[str, fl
     return boots
 
 
-LEVELS = (0.8, 0.95)  # the intervals a twin of several runs states
-
-
-def held_out_intervals(infs: Sequence[StepInference]) -> dict[str, Any] | None:
-    """Interval half-widths from out-of-sample error: each run's steps priced by the twin
-    fitted to the other runs alone, the log of the median measured / priced ratio in each
-    ``DRIFT_WINDOW_S`` window of at least ``DRIFT_MIN_STEPS`` single steps (the run's
-    whole median where it has no such window) is one error, and the ``LEVELS`` quantiles
-    of their sizes are the half-widths in log space: a figure predicted at ``m`` lies in
-    ``m * exp(+-h)``. Nothing about the cases predicted later goes in. None with fewer
-    than two runs, or fewer than three errors (no run's fold could be fitted and priced)."""
-    import numpy as np
-
-    if len(infs) < 2:
-        return None
-    errors: list[float] = []
-    for k, held in enumerate(infs):
-        try:
-            fit = fit_steps([inf for j, inf in enumerate(infs) if j != k], bootstrap=0)
-        except ValueError:
-            continue  # the other runs alone cannot be fitted: this fold prices nothing
-        price = [*(fit.coef[t] for t in TERMS), fit.api]
-        points = []
-        for step in held.steps:
-            if not step.usable or step.start is None or step.hidden:
-                continue
-            x, y, _ = _row(step)
-            priced = float(np.dot(x, price))
-            if y > 0 and priced > 0:
-                points.append((step.end, math.log(y / priced)))
-        windows: dict[int, list[float]] = {}
-        for t, e in points:
-            windows.setdefault(int((t - points[0][0]) // DRIFT_WINDOW_S), []).append(e)
-        full = [float(np.median(v)) for v in windows.values() if len(v) >= DRIFT_MIN_STEPS]
-        if full:
-            errors += full
-        elif len(points) >= MIN_ROWS:
-            errors.append(float(np.median([e for _, e in points])))
-    if len(errors) < 3:
-        return None
-    sizes = np.abs(errors)
-    return {
-        **{f"{round(q * 100)}": float(np.quantile(sizes, q)) for q in LEVELS},
-        "errors": [round(e, 5) for e in errors],
-        "runs": len(infs),
-        "derived": (
-            "leave-one-run-out: each run's steps priced by the twin fitted to the others; "
-            f"log median measured/priced per {DRIFT_WINDOW_S:g} s window; quantiles of |error|"
-        ),
-    }
-
-
 def speed_spread(runs: Sequence[list[tuple[float, float]]]) -> float | None:
     """How far the server's speed wandered: the standard deviation of the log of the median
     measured / fitted ratio in each ``DRIFT_WINDOW_S`` window (of at least
@@ -410,7 +359,7 @@ class TwinCalibration:
     form_spread: float | None = None  # the form's log error off the run's own load (form_spread)
     tokenizer: str | None = None  # what counts the served model's tokens (run_tokenizer)
     domain: dict[str, list[int]] | None = None  # what the calibration runs spanned (domain_of)
-    intervals: dict[str, Any] | None = None  # out-of-sample half-widths (held_out_intervals)
+    intervals: dict[str, Any] | None = None  # out-of-sample half-widths (sim.fit.held_out)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -635,17 +584,14 @@ def calibrate_runs(
         from servelab.sim.fit.first_last import FIRST_AND_LAST, fit_first_and_last
 
         # No step can be inferred: no step ends to place the wait for the step in
-        # progress by (the API time holds it), no held-out step to price.
+        # progress by (the API time holds it).
         fit, inference = fit_first_and_last(runs, budget, chunked, fits)
-        peak, intervals = int(inference["max_batch"]), None
+        peak = int(inference["max_batch"])
         step_ends: list[list[float]] = [[] for _ in runs]
         how = {"token_times": FIRST_AND_LAST}
         ranges: dict[str, list[int]] = {}
     else:
-        infs = [
-            infer_steps(r.records, budget, chunked=chunked, scrapes=r.scrapes, tolerance=tolerance)
-            for r in runs
-        ]
+        infs = [_inferred(r, budget, chunked, tolerance) for r in runs]
         fitted = infs
         if fits is not None:
             fitted = [
@@ -657,7 +603,7 @@ def calibrate_runs(
         peak = max((sum(1 for s in st.seqs if s.sampled) for st in steps), default=1)
         step_ends = [[s.end for s in inf.steps] for inf in infs]
         inference = _merged([inf.diagnostics for inf in infs], [len(inf.steps) for inf in infs])
-        ranges, intervals = _step_ranges(steps), held_out_intervals(fitted)
+        ranges = _step_ranges(steps)
     config, sources, length = engine_settings(settings, peak, hardware)
     sent = runs
     if fits is not None:
@@ -708,8 +654,20 @@ def calibrate_runs(
         form_spread=fit.form_spread,
         tokenizer=run_tokenizer(first, name),
         domain={**domain_of([r for run in runs for r in run.records]), **ranges},
-        intervals=intervals,
     )
+
+
+def _inferred(run: Run, budget: Any, chunked: bool, tolerance: float | None) -> StepInference:
+    """``infer_steps`` of a run, kept in ``run.derived``: leave-one-run-out calibration
+    (``sim.fit.held_out``) fits each run in every fold but one, and inferring its steps
+    (parsing its /metrics scrapes) again each time cost seconds a run."""
+    key = f"twin_steps:{budget}:{chunked}:{tolerance}"
+    if key not in run.derived:
+        run.derived[key] = infer_steps(
+            run.records, budget, chunked=chunked, scrapes=run.scrapes, tolerance=tolerance
+        )
+    inference: StepInference = run.derived[key]
+    return inference
 
 
 def domain_of(records: Sequence[Any]) -> dict[str, list[int]]:
