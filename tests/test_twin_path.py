@@ -188,6 +188,26 @@ def test_an_imported_run_replays_its_sends_lengths_and_cache_hits(tmp_path):
     assert first[:256] == second[:256] and first[:259] != second[:259]
     others = [g[0] for g in by_group.values()]
     assert others[0][:3] != others[1][:3]  # no two groups share a block
+    assert got.max_concurrency is None  # the run's load is open: nothing holds a send back
+
+
+@pytest.mark.parametrize(("load", "held"), [({"concurrency": 2}, 2), ({"rate": 4.0}, None)])
+def test_a_closed_loop_replayed_from_records_stays_closed(tmp_path, load, held):
+    # a ladder rung planned with the server's /tokenize replays from its records: on a twin
+    # slower than the server, a closed loop of one must not send its next request before
+    # the last one ends (that stall was one rung's whole ITL p99)
+    import rundirs
+
+    from servelab.bench.workloads.request_plan import LoadSpec
+    from servelab.sim.scenario import requests_from_run
+
+    path = rundirs.as_other_target(rundirs.shared_prefix(tmp_path / "r"), figures=True)
+    man = json.loads((path / "manifest.json").read_text())
+    man.setdefault("config", {})["load"] = {"concurrency": None, "rate": None, **load}
+    (path / "manifest.json").write_text(json.dumps(man))
+    got = requests_from_run(str(path), _twin().target(), LoadSpec(trace=str(path)))
+    assert got.info["trace"]["replayed"].startswith("from its records")
+    assert got.max_concurrency == held
 
 
 def _cli_sim(out, *args):

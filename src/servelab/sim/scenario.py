@@ -164,7 +164,8 @@ def requests_from_run(
     A run whose manifest rebuilds its plan is replayed as :func:`sim.fit.asrun.requests_as_run`
     rebuilds it (the same prompts, sessions and shared prefixes, the measured sends and think
     times, a closed loop kept closed). Any other (imported, or planned with a tokenizer not
-    on this machine) replays its records: each sent at its measured send, of its recorded
+    on this machine) replays its records: each sent at its measured send (a closed loop's
+    kept closed at its concurrency), of its recorded
     prompt and output lengths, its first tokens its prefix group's (or session's), as many
     as the most the server reported serving from its prefix cache to one of the group
     (none where it reported nothing); whether they hit is the simulated cache's to say. ``tokenizer``: the one to plan with
@@ -190,7 +191,7 @@ def requests_from_run(
         notes = []
     except (NotReplayable, ValueError) as e:
         reqs, how = _recorded_requests(run), f"from its records ({str(e).rstrip('.')})"
-        slos, concurrency = recorded_slos(run) or None, None
+        slos, concurrency = recorded_slos(run) or None, _closed_loop(run)
         notes = [
             f"note: {run.name} replays from its records: sends, lengths, and shared "
             "prefixes as far as the server reported cache hits"
@@ -201,6 +202,15 @@ def requests_from_run(
         reqs = reqs[: load.requests]
     info = {"trace": {"run": str(path), "replayed": how, "requests": len(reqs)}, "notes": notes}
     return RunRequests(reqs, info, slos, concurrency)
+
+
+def _closed_loop(run: Any) -> int | None:
+    """The concurrency a run's client held (``--concurrency`` without a rate), so that a
+    replay from records keeps the loop closed: a request sent at its measured send or, when
+    a twin runs slower than the server did, once a slot frees, as the client would have."""
+    load = (run.manifest.get("config") or {}).get("load") or {}
+    concurrency = load.get("concurrency")
+    return int(concurrency) if concurrency and load.get("rate") is None else None
 
 
 def _recorded_requests(run: Any) -> list[SimRequest]:
