@@ -150,3 +150,11 @@ def test_a_small_ladder_against_a_live_server_writes_a_twin_spanning_it(tmp_path
     assert cal.domain["prompt_tokens"][1] >= 32  # the ladder's longest prompt is inside
     assert cal.domain["in_flight"] == [1, 2]
     assert cal.fit["error_on_training_steps"]["median"] < 0.1
+    # the plan's directory given to calibrate counts as its six rungs (a run from another
+    # launch would go beside it)
+    again = tmp_path / "again.json"
+    r = CliRunner().invoke(
+        app, ["calibrate", str(out), "--model", "test-model", "--out", str(again)]
+    )
+    assert r.exit_code == 0, r.output
+    assert TwinCalibration.load(again).fit["runs"] == 6

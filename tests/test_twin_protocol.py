@@ -214,13 +214,15 @@ def test_vllm_and_llama_server_run_the_same_cases_where_the_flags_translate():
 def test_the_ladder_and_the_training_runs_are_fitted_together_without_the_warm_up(tmp_path):
     from dataclasses import asdict
 
+    from servelab.sim.calibration_run import expand_plans
     from servelab.workflows.calibration_plan import ladder
 
     plan = tmp_path / "plan"
     plan.mkdir()
     rungs = ladder(tc.PLAN_MAX_PROMPT, (1, 2, 4, 8))
     (plan / "plan.json").write_text(json.dumps({"rungs": [asdict(r) for r in rungs]}))
-    got = tc.plan_rungs(plan)
-    assert got == [plan / r.name for r in rungs[1:]] and rungs[0].kind == "warmup"
+    got = expand_plans([str(plan), str(tmp_path / "run")])
+    assert got == [str(plan / r.name) for r in rungs[1:]] + [str(tmp_path / "run")]
+    assert rungs[0].kind == "warmup"
     with pytest.raises(SystemExit, match="not both"):
         tc.check(None, [TRAIN], [], tmp_path, train_plan=True, train_plan_and_runs=True)  # type: ignore[arg-type]

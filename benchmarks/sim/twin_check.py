@@ -164,13 +164,6 @@ def protocol_problems(
     return problems
 
 
-def plan_rungs(plan_dir: Path) -> list[Path]:
-    """The run directories of a ``calibrate --plan`` ladder's fitted rungs (its warm-up left
-    out, as the plan's own twin leaves it), in the ladder's order."""
-    rungs = json.loads((plan_dir / "plan.json").read_text())["rungs"]
-    return [plan_dir / r["name"] for r in rungs if r["kind"] != "warmup"]
-
-
 def launches(train: Sequence[Case], held: Sequence[Case]) -> list[tuple[str, Case]]:
     """Every measured run with the label of the server launched for it alone, training
     first: no held-out case shares a process with training or with another case (a server
@@ -596,7 +589,8 @@ def check(
     if train_plan:
         cal_path = plan_twin
     else:
-        fitted = [*plan_rungs(out / "plan"), *trained] if train_plan_and_runs else trained
+        # a plan's directory counts as its rungs, as a user would give it to calibrate
+        fitted = [out / "plan", *trained] if train_plan_and_runs else trained
         cal_path = out / ("twin-plan-and-runs.json" if train_plan_and_runs else "twin.json")
         run([*SERVELAB, "calibrate", *map(str, fitted), "--hardware", "cpu",
              "--server-config", stated, "--out", str(cal_path)], logs / "calibrate.log")  # fmt: skip

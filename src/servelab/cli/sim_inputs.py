@@ -20,7 +20,8 @@ class CalibrateFlags:
         "A run directory: of a servelab server on the target hardware, or of another "
         "server (vLLM, SGLang, llama.cpp), whose twin is fitted from its client timestamps; "
         "several runs of that server in one configuration (e.g. before and after a restart) "
-        "make the twin's ranges carry how far its speed moves between runs.",
+        "make the twin's ranges carry how far its speed moves between runs. A `calibrate "
+        "--plan` directory counts as its rungs: give it beside a run from another launch.",
         argument=True,
         show_default=False,
     )

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from servelab.sim.run import say
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CalibrateSpec:
-    """The ``run_dirs`` to fit (one servelab run, or one or more runs of another server),
+    """The ``run_dirs`` to fit (one servelab run, or one or more runs of another server, a
+    ``calibrate --plan`` directory counting as its rungs),
     the ``hardware`` and ``model`` they ran (another server's: its own model by default),
     its ``tp`` degree, another server's stated ``server_config``, and the file to write."""
 
@@ -37,6 +40,24 @@ class CalibrateSpec:
     out: str = "calibration.json"
 
 
+def plan_rungs(plan_dir: Path) -> list[Path]:
+    """The run directories of a ``calibrate --plan`` ladder's fitted rungs (its warm-up left
+    out, as the plan's own twin leaves it), in the ladder's order."""
+    rungs = json.loads((plan_dir / "plan.json").read_text())["rungs"]
+    return [plan_dir / r["name"] for r in rungs if r["kind"] != "warmup"]
+
+
+def expand_plans(run_dirs: Sequence[str]) -> list[str]:
+    """``run_dirs`` with each ``calibrate --plan`` directory (it holds ``plan.json``) given as
+    its rungs: a ladder and runs from other launches fit one twin, whose level then sits
+    between the launches' speeds (docs/design/twin.md)."""
+    out: list[str] = []
+    for d in run_dirs:
+        is_plan = (Path(d) / "plan.json").is_file()
+        out += [str(p) for p in plan_rungs(Path(d))] if is_plan else [d]
+    return out
+
+
 def run_calibrate(spec: CalibrateSpec, console: Console) -> None:
     """Fit what ``spec`` asks for, write it to ``spec.out`` and say how to use it."""
     from servelab.rundir import load_run
@@ -45,7 +66,7 @@ def run_calibrate(spec: CalibrateSpec, console: Console) -> None:
     from servelab.sim.fit.calibrate import fit_efficiency
     from servelab.sim.fit.recorded_steps import measured_steps
 
-    runs = [load_run(d) for d in spec.run_dirs]
+    runs = [load_run(d) for d in expand_plans(spec.run_dirs)]
     run = runs[0]
     if not run.steps and not run.simulated:
         _calibrate_twin(runs, spec, console)
