@@ -373,6 +373,13 @@ class Run:
         return self.manifest.get("workload")
 
     @property
+    def load(self) -> dict[str, Any]:
+        """The load the client ran (the manifest's ``config.load``, a simulated run's
+        ``load``); empty where neither is recorded."""
+        load = (self.manifest.get("config") or {}).get("load") or self.manifest.get("load")
+        return load if isinstance(load, dict) else {}
+
+    @property
     def window(self) -> tuple[float, float]:
         """The measured window (monotonic seconds); derived from the records if absent."""
         w = self.manifest.get("window") or {}

@@ -208,7 +208,7 @@ def _closed_loop(run: Any) -> int | None:
     """The concurrency a run's client held (``--concurrency`` without a rate), so that a
     replay from records keeps the loop closed: a request sent at its measured send or, when
     a twin runs slower than the server did, once a slot frees, as the client would have."""
-    load = (run.manifest.get("config") or {}).get("load") or {}
+    load = run.load
     concurrency = load.get("concurrency")
     return int(concurrency) if concurrency and load.get("rate") is None else None
 

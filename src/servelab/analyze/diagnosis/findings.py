@@ -296,7 +296,7 @@ def over_saturated(c: Context) -> Finding | None:
     """The run never reached a steady state (``analyze.timeslices``), judged over its
     open-loop sending window (``_open_loop_slices``): per stage for a sweep."""
     m = c.run.manifest
-    load = (m.get("config") or {}).get("load") or m.get("load") or {}
+    load = c.run.load
     stage_loads = {s.get("label"): s.get("load") or load for s in m.get("stages") or []}
     per_stage = {
         k: _open_loop_slices(

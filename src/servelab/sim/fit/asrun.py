@@ -89,12 +89,12 @@ def plan_inputs(run: Run) -> dict[str, Any]:
     m = run.manifest
     config = m.get("config") or {}
     sim = m.get("sim") or {}
-    load = config.get("load") or m.get("load")
+    load = run.load
     workload = run.workload
     planned = isinstance(workload, dict) and (
-        "classes" in workload or (isinstance(load, dict) and load.get("trace") is not None)
+        "classes" in workload or load.get("trace") is not None
     )
-    if not isinstance(load, dict) or not planned:
+    if not load or not planned:
         raise NotReplayable(
             f"{run.name}: the manifest does not record the workload spec and load the run "
             "was planned from, so its requests cannot be rebuilt"
