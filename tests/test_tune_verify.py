@@ -98,6 +98,25 @@ def test_the_paired_test_finds_planted_gains_and_the_mape_is_of_the_changes():
     assert doc["top1_measured_best"] is True and doc["arms"][0]["objective"]["p_value"] < 0.05
 
 
+def test_changes_are_judged_against_the_prediction_on_the_requests_measured():
+    # The run's prediction says -25%; on each repeat's own (heavier) requests the model says
+    # -40% and -20%: the error is of their mean, -30%, which the measurement matches.
+    runs = _runs({AS_RUN: [1.0, 2.0], TUNED: [0.7, 1.4]})
+    fresh = [{AS_RUN: _pred(2.0), TUNED: _pred(1.2)}, {AS_RUN: _pred(1.0), TUNED: _pred(0.8)}]
+    v = verify(_arms(1.0, 0.75), runs, OBJ, {}, n_perm=100, fresh=fresh)  # type: ignore[arg-type]
+    tuned = v.arms[0].objective
+    assert tuned.predicted == pytest.approx(-0.3) and tuned.on_run == pytest.approx(-0.25)
+    assert tuned.error == pytest.approx(0.0) and v.mape == pytest.approx(0.0)
+    assert "predicted -30.0% on these requests, -25.0% on the run's" in v.sentence
+    # the level rows carry the fresh prediction too: the mean of the repeats' medians
+    row = next(r for r in v.rows if r.config == AS_RUN and r.name == "e2e_p95")
+    assert row.predicted is not None and row.predicted.median == pytest.approx(1.5)
+    assert (row.predicted.lo, row.predicted.hi, row.predicted.n) == (1.0, 2.0, 6)
+    # without them, the run's prediction is the one judged
+    plain = verify(_arms(1.0, 0.75), runs, OBJ, {}, n_perm=100)  # type: ignore[arg-type]
+    assert plain.arms[0].objective.predicted == pytest.approx(-0.25)
+
+
 def test_below_the_uplift_or_not_significant_the_answer_is_keep():
     runs = _runs({AS_RUN: [1.0, 1.5], TUNED: [0.97, 1.455]})  # 3% faster in both repeats
     v = verify(_arms(1.0, 0.8), runs, OBJ, {}, n_perm=100)  # type: ignore[arg-type]

@@ -32,7 +32,8 @@
    alternate, each repeat rotating their order). Every repeat plans fresh requests of the
    run's workload with a seed of its own (the run's seed + ``VERIFY_SEED_OFFSET`` + the
    repeat), the same for every arm of that repeat, so the arms are paired within a repeat
-   and repeats are blocks; measured changes are compared with predicted ones, tested
+   and repeats are blocks; measured changes are compared with the changes predicted on
+   those same requests (each repeat's as-run run replayed with every arm's setting), tested
    paired and blocked, and the top-1 is applied only above ``min_uplift``
    (``analyze.tuning.verification``).
 
@@ -482,6 +483,7 @@ def predict(run: Run, spec: TuneSpec) -> Tuning:
         tuning.probe = probe.to_dict()
         tuning.notes.append(probe.describe())
         replica = _with_probe(replica, probe)
+    tuning.replica = replica
     tuning.measured = figures(run.records, asrun.slos, n_boot=MEASURED_N_BOOT)
     t1 = time.perf_counter()
     try:
@@ -831,6 +833,18 @@ def verify_choice(
     tuning.notes += _unflushed(runs)
     obj = tuning.decision.objective if tuning.decision else None
     assert obj is not None
+    fresh: list[dict[str, Prediction]] = []
+    if tuning.replica is not None:
+        t1 = time.perf_counter()
+        try:
+            with console.status("predicting every config on the requests the verification sent"):
+                fresh = fresh_predictions(tuning.replica, arms, runs[AS_RUN], spec)
+        except NotReplayable as e:
+            tuning.notes.append(
+                f"--verify: the requests it sent cannot be replayed ({e}), so its changes are "
+                "compared with those predicted on the run's own requests"
+            )
+        tuning.timings["verify_predict_s"] = time.perf_counter() - t1
     return verify(
         [a for a, _ in arms],
         runs,
@@ -838,4 +852,27 @@ def verify_choice(
         run_slos(run),
         min_uplift=spec.min_uplift,
         plan_seeds=[seeds[r] for r in kept],
+        fresh=fresh,
     )
+
+
+def fresh_predictions(
+    replica: Replica,
+    arms: Sequence[tuple[Arm, Candidate | None]],
+    as_run_runs: Sequence[Run],
+    spec: TuneSpec,
+) -> list[dict[str, Prediction]]:
+    """Per verify repeat, every arm's prediction on that repeat's own requests: the
+    as-run arm's run rebuilt as it ran (``requests_as_run``) and replayed on ``replica``
+    with each arm's setting, under the run's simulator seeds. Every arm of a repeat sent
+    the same requests, so these are the predictions of exactly what was measured."""
+    out = []
+    for run in as_run_runs:
+        asrun = requests_as_run(run, replica=replica)
+        sim = _Simulator(replica, asrun, spec.seeds, spec.jobs or os.cpu_count() or 1)
+        try:
+            preds = sim.predict([(a.name, c) for a, c in arms])
+        finally:
+            sim.close()
+        out.append({a.name: p for (a, _), p in zip(arms, preds)})
+    return out

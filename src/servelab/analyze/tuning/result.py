@@ -38,6 +38,9 @@ class Tuning:
     twin: dict[str, Any] | None = None  # another server's run: the twin it replays on
     probe: dict[str, Any] | None = None  # the speculation probe of the run's traffic, if run
     gated: bool = False  # refused by the gates before the run was diagnosed: no findings read
+    # The simulator's replica the predictions ran on (``workflows.tuning_loop``), kept for
+    # the verification to predict its own requests on; not serialised.
+    replica: Any = field(default=None, repr=False, compare=False)
 
     @property
     def predicted(self) -> bool:

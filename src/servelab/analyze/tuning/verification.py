@@ -8,7 +8,13 @@ paired with the as-run arm within a repeat and repeats are blocks.
 Per arm and figure (the objective, and the arm's own target figure, its *key* figure):
 
 - the **predicted change**: the median over simulator seeds of the paired relative change
-  against the replay of the run as it ran (``decision.paired_gains``);
+  against the as-run config (``decision.paired_gains``), predicted on each repeat's own
+  requests (``fresh``: the repeat's as-run run replayed with every arm's config) and
+  averaged over repeats. The decision's prediction, on the run's requests, is kept beside it
+  (``on_run``): the fresh requests are another draw of the run's load (an open loop's
+  arrivals, another set of lengths), and a change near saturation grows with the load, so
+  judging the model by its prediction for other requests than those measured would score the
+  draw, not the model. Without ``fresh`` the run's prediction is the predicted change;
 - the **measured change**: per repeat, the arm's figure against the as-run arm's on the same
   requests, relative; their mean over repeats;
 - a two-sided **paired test** that never pools repeats of identical requests as independent
@@ -118,6 +124,7 @@ class Change:
     per_repeat: list[float]
     p_value: float | None
     test: str
+    on_run: float | None = None  # the decision's predicted change, on the run's requests
 
     @property
     def gain(self) -> float | None:
@@ -139,6 +146,7 @@ class Change:
             "scope": self.scope,
             "figure": self.name,
             "predicted_change": self.predicted,
+            "predicted_change_on_run": self.on_run,
             "measured_change": self.measured,
             "measured_per_repeat": self.per_repeat,
             "p_value": self.p_value,
@@ -314,8 +322,36 @@ def _predicted_change(base: Prediction, arm: Prediction, scope: str, name: str) 
     return med if name in HIGHER_IS_BETTER else -med
 
 
+def _fresh_change(
+    fresh: Sequence[dict[str, Prediction]], arm: str, scope: str, name: str
+) -> float | None:
+    """The mean over repeats of the arm's predicted change on each repeat's requests."""
+    per = [c for f in fresh if (c := _predicted_change(f[AS_RUN], f[arm], scope, name)) is not None]
+    return statistics.fmean(per) if per else None
+
+
+def _fresh_spread(
+    fresh: Sequence[dict[str, Prediction]], arm: str, scope: str, name: str
+) -> Spread | None:
+    """The arm's predicted figure on the repeats' requests: the mean of the repeats' medians
+    (as the measured figure is the repeats' mean), the range over every repeat and seed."""
+    spreads = [s for f in fresh if (s := f[arm].spread(scope, name)) is not None]
+    if not spreads:
+        return None
+    return Spread(
+        statistics.fmean(s.median for s in spreads),
+        min(s.lo for s in spreads),
+        max(s.hi for s in spreads),
+        sum(s.n for s in spreads),
+    )
+
+
 def _rows(
-    arms: Sequence[Arm], runs: dict[str, list[Run]], slos: dict[str, SLO], names: Sequence[str]
+    arms: Sequence[Arm],
+    runs: dict[str, list[Run]],
+    slos: dict[str, SLO],
+    names: Sequence[str],
+    fresh: Sequence[dict[str, Prediction]],
 ) -> list[VerifyRow]:
     rows = []
     for arm in arms:
@@ -326,7 +362,10 @@ def _rows(
                 vals = [v for f in per_run if (v := f.get(scope, {}).get(name)) is not None]
                 m = statistics.fmean(vals) if vals else None
                 rng = (min(vals), max(vals)) if vals else None
-                p = arm.prediction.spread(scope, name)
+                if fresh:
+                    p = _fresh_spread(fresh, arm.name, scope, name)
+                else:
+                    p = arm.prediction.spread(scope, name)
                 err = rel_error(p.median if p else None, m)
                 rows.append(VerifyRow(arm.name, scope, name, p, m, rng, err))
     return rows
@@ -342,9 +381,11 @@ def verify(
     n_perm: int = N_PERM,
     plan_seeds: Sequence[int] = (),
     names: Sequence[str] = (*CHECKED, "attainment", "goodput"),
+    fresh: Sequence[dict[str, Prediction]] = (),
 ) -> Verification:
     """``arms[0]`` is ``AS_RUN``, the rest the candidates, top-1 first; ``runs[arm][r]`` the
-    arm's run of repeat ``r`` (the same requests for every arm of a repeat)."""
+    arm's run of repeat ``r`` (the same requests for every arm of a repeat); ``fresh[r][arm]``
+    the arm's prediction on repeat ``r``'s requests (module doc; empty: the run's)."""
     base = arms[0]
     repeats = min(len(runs[a.name]) for a in arms)
     figs_all = (objective, *(a.target for a in arms[1:]))
@@ -359,24 +400,18 @@ def verify(
             ps = [sign_flip_p(c) if len(c) == repeats else None for c in per]
         else:
             ps = stratified_p(pairs, slos, figs, n_perm, seed=k)
-        changes = [
-            Change(
-                scope,
-                name,
-                _predicted_change(base.prediction, arm.prediction, scope, name),
-                statistics.fmean(c) if c else None,
-                c,
-                p,
-                test,
-            )
-            for (scope, name), c, p in zip(figs, per, ps)
-        ]
+        changes = []
+        for (scope, name), c, p in zip(figs, per, ps):
+            on_run = _predicted_change(base.prediction, arm.prediction, scope, name)
+            predicted = _fresh_change(fresh, arm.name, scope, name) if fresh else on_run
+            mean = statistics.fmean(c) if c else None
+            changes.append(Change(scope, name, predicted, mean, c, p, test, on_run))
         results.append(ArmResult(arm.name, arm.title, changes[0], changes[-1]))
     return _conclude(
         repeats,
         objective,
         results,
-        _rows(arms, runs, slos, names),
+        _rows(arms, runs, slos, names, fresh),
         alpha,
         min_uplift,
         list(plan_seeds),
@@ -419,9 +454,14 @@ def _conclude(
     else:
         answer, why = "apply", f"it gains at least {min_uplift:.0%}, significantly"
     p_txt = "untested" if p is None else f"p = {p:.3g}"
+    on_run = (
+        f" on these requests, {_signed(top.on_run)} on the run's"
+        if top.on_run is not None and top.on_run != top.predicted
+        else ""
+    )
     sentence = (
         f"{what}: {arms[0].title} measured {_signed(top.measured)} "
-        f"(predicted {_signed(top.predicted)}, {p_txt}, {top.test}); "
+        f"(predicted {_signed(top.predicted)}{on_run}, {p_txt}, {top.test}); "
         f"{'apply it' if answer == 'apply' else 'keep the config as run'}: {why}. "
         + (
             "The top-1 was measured best."
