@@ -10,7 +10,7 @@ import pytest
 from servelab.sim.costs.dtypes import Precision
 from servelab.sim.costs.hardware import HARDWARE, get_hardware
 from servelab.sim.costs.model_shapes import PRESETS, load_model_spec
-from servelab.sim.costs.profiled import ProfiledCostModel, ProfileSample, ProfileTable
+from servelab.sim.costs.profiled import ProfiledCostModel, ProfileSample, ProfileTable, tail_slope
 from servelab.sim.costs.roofline import Efficiency, RooflineCostModel
 from servelab.sim.costs.work import StepWork, decode_work
 
@@ -258,6 +258,19 @@ def test_profiled_model_is_unbiased_under_noise_and_extrapolates_upwards():
     bigger = StepWork()
     bigger.add(4096, 0, 1)
     assert pm.predict(bigger) > pm.predict(big) > 0
+
+
+def test_past_the_last_knot_a_token_costs_the_upper_half_slope_not_the_last_segments():
+    # One run's prefills: 2 ms a token up to 811 tokens, then 118 ms more over three tokens
+    # (noise). The last segment alone would price a token beyond at 39 ms.
+    knots = [1.0, 370.0, 658.0, 811.0, 814.0]
+    g = [0.04, 0.7, 1.28, 1.54, 1.656]
+    slope = tail_slope(knots, g)
+    assert slope == pytest.approx((1.656 - 0.7) / (814 - 370))  # from the last knot <= 407
+    assert 0.0019 < slope < 0.0025
+    # flat or falling ends keep at least the average slope over every knot
+    assert tail_slope([1.0, 500.0, 1000.0], [0.1, 1.0, 0.9]) == pytest.approx(0.8 / 999)
+    assert tail_slope([10.0], [0.5]) == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize(
