@@ -27,12 +27,18 @@ def test_the_plan_is_a_ladder_of_prompts_streams_and_a_shared_prefix():
         "warmup",
         *(f"prefill-{n}" for n in (64, 128, 256, 512, 1024, 2048)),
         *(f"decode-c{c}" for c in (1, 2, 4, 8)),
+        "decode-long-c4",
         "prefix",
     ]
     prefill = [r for r in rungs if r.kind == "prefill"]
     assert {(r.concurrency, r.output) for r in prefill} == {(1, 8)}  # alone, short answers
     decode = {r.concurrency: r for r in rungs if r.kind == "decode"}
     assert decode[8].requests == 16 and decode[8].output > decode[8].prompt - 1
+    # several long contexts decoding at once, each stream one request: the price of reading
+    # a context a prediction of long prompts at load will ask for
+    long = rungs[-2]
+    assert (long.prompt, long.concurrency, long.requests) == (1024, 4, 4)
+    assert long.output == decode[8].output
     prefix = rungs[-1]
     assert prefix.shared == 1024 and prefix.requests > 1 and prefix.prompt <= 2048
     assert rungs[0].prompt == 2048  # the warm-up checks the longest prompt first
@@ -41,7 +47,9 @@ def test_the_plan_is_a_ladder_of_prompts_streams_and_a_shared_prefix():
     assert [r.name for r in ladder(64, (2, 1, 2)) if r.kind == "decode"] == [
         "decode-c1",
         "decode-c2",
+        "decode-long-c2",
     ]
+    assert ladder(64, (8, 16))[-2].name == "decode-long-c8"  # none up to 4: the fewest
     # the server's context caps the top, and says so
     assert top_prompt(None, None) == (2048, None)
     assert top_prompt(4096, 8192) == (4096, None)
@@ -139,22 +147,23 @@ def test_a_small_ladder_against_a_live_server_writes_a_twin_spanning_it(tmp_path
              "--concurrency", "1,2", "--out", str(out)],
         )  # fmt: skip
     assert r.exit_code == 0, r.output
-    assert "the ladder should take about" in r.output and "[6/6] prefix" in r.output
+    assert "the ladder should take about" in r.output and "[7/7] prefix" in r.output
     plan = json.loads((out / "plan.json").read_text())
     assert [g["name"] for g in plan["rungs"]] == [
-        "warmup", "prefill-8", "prefill-16", "prefill-32", "decode-c1", "decode-c2", "prefix"
+        "warmup", "prefill-8", "prefill-16", "prefill-32", "decode-c1", "decode-c2",
+        "decode-long-c2", "prefix",
     ]  # fmt: skip
     cal = TwinCalibration.load(out / "twin.json")
-    assert cal.fit["runs"] == 6 and "warmup" not in cal.run  # the warm-up is not fitted
+    assert cal.fit["runs"] == 7 and "warmup" not in cal.run  # the warm-up is not fitted
     assert cal.domain is not None
     assert cal.domain["prompt_tokens"][1] >= 32  # the ladder's longest prompt is inside
     assert cal.domain["in_flight"] == [1, 2]
     assert cal.fit["error_on_training_steps"]["median"] < 0.1
-    # the plan's directory given to calibrate counts as its six rungs (a run from another
+    # the plan's directory given to calibrate counts as its seven rungs (a run from another
     # launch would go beside it)
     again = tmp_path / "again.json"
     r = CliRunner().invoke(
         app, ["calibrate", str(out), "--model", "test-model", "--out", str(again)]
     )
     assert r.exit_code == 0, r.output
-    assert TwinCalibration.load(again).fit["runs"] == 6
+    assert TwinCalibration.load(again).fit["runs"] == 7

@@ -449,6 +449,17 @@ def _slowed(path: Path, out: Path, factor: float) -> Path:
     return out
 
 
+def test_a_launchs_step_speed_is_its_steps_against_the_twin(unchunked, tmp_path):
+    from benchmarks.sim.twin_check import step_speed
+    from servelab.sim.fit.twin import calibrate_runs
+
+    path, _ = unchunked
+    twin = calibrate_runs([load_run(path)]).save(tmp_path / "twin.json")
+    assert step_speed(twin, path) == pytest.approx(1.0, abs=0.05)
+    slow = _slowed(path, tmp_path / "slow", 1.25)  # the same run on a launch 25% slower
+    assert step_speed(twin, slow) == pytest.approx(1.25, abs=0.07)
+
+
 def test_intervals_come_from_replaying_runs_the_twin_was_not_fitted_on(unchunked, tmp_path):
     import shutil
 

@@ -133,6 +133,9 @@ def test_the_tables_fit_100_columns_and_say_each_target(tmp_path):
     summary = tc.summarize(tmp_path, results, held)
     long = [{**results[2], "case": max((c.name for c in twin_vllm.HELD_OUT), key=len)}]
     cases = tc.render_cases([*results, *long])
+    speeds = tc.render_speeds([*results, *long])
+    assert "| A | - | - |" in speeds and "train" not in speeds  # no twin, no E2E here
+    assert all(len(line) <= 100 for line in speeds.splitlines())
     table = tc.render_score(summary["figures"], summary["intervals"])
     assert all(len(line) <= 100 for line in [*cases.splitlines(), *table.splitlines()])
     assert "| ttft_p50 | 2 | 37.5% | 25.0% | 10.0 pp | <= 15% missed |" in table

@@ -23,6 +23,11 @@ the protocol of docs/design/twin.md, "The held-out protocol (pre-registered)":
   change error (``row``), beside the targets (``TARGETS``); each stated interval's coverage
   and median width (``coverage``) beside ``COVERAGE_TARGETS``.
 
+Beside the scores, each case's **step speed** (``step_speed``): the median of its inferred
+steps' measured time over the twin's price of each, how fast that launch ran against the
+fit whatever the workload. A case whose figures miss by what its steps ran off is the host's
+speed at that launch, not the form of the twin (docs/design/twin.md).
+
 It prints the per-case and summary tables (within 100 columns) and writes ``results.json``.
 The server runs on CPU 1, the client on CPU 0. ``python benchmarks/sim/twin_check.py
 coverage PRED_DIR:RUN_DIR ...`` reports the coverage for any predictions and the runs they
@@ -393,12 +398,44 @@ def coverage_met(report: dict[str, dict]) -> dict[str, bool | None]:
     return out
 
 
-def evaluate(out: Path, train: Sequence[Case], held: Sequence[Case], in_sample: bool) -> list[dict]:
+def step_speed(cal_path: Path, run_dir: Path) -> float | None:
+    """The median over ``run_dir``'s usable single inferred steps of measured time over the
+    twin's price (module doc); None where no step could be timed."""
+    import statistics
+
+    from servelab.analyze.server_side.stepinfer import infer_steps
+    from servelab.rundir import load_run
+    from servelab.sim.fit.twin import TwinCalibration, TwinCostModel, step_work
+
+    cal = TwinCalibration.load(cal_path)
+    price = TwinCostModel(cal.cost).predict
+    run = load_run(run_dir)
+    inf = infer_steps(
+        run.records,
+        cal.engine_config.get("max_num_batched_tokens"),
+        chunked=bool(cal.engine_config.get("enable_chunked_prefill", True)),
+        scrapes=run.scrapes,
+    )
+    ratios = [
+        (s.end - s.start) / price(step_work(s.seqs))
+        for s in inf.steps
+        if s.usable and s.start is not None and not s.hidden
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
+def evaluate(
+    out: Path,
+    train: Sequence[Case],
+    held: Sequence[Case],
+    in_sample: bool,
+    cal_path: Path | None = None,
+) -> list[dict]:
     """Every measured case in ``out`` scored (``row``): a case's run is ``real-SLUG``, its
     prediction ``sim-SLUG`` (a training run's: the first training case's); the reference,
-    the training runs' mean, and the twin's prediction of the training case. ``in_sample``:
-    the twin was fitted to the training runs (their rows say so). Cases not run are left
-    out."""
+    the training runs' mean, and the twin's prediction of the training case; its step speed
+    against the twin at ``cal_path`` (None: not measured). ``in_sample``: the twin was fitted to the training
+    runs (their rows say so). Cases not run are left out."""
     trained = [out / f"real-{c.slug}" for c in train if (out / f"real-{c.slug}").is_dir()]
     ref = reference(trained)
     ref_pred = predictions(out / f"sim-{train[0].slug}")
@@ -419,6 +456,7 @@ def evaluate(out: Path, train: Sequence[Case], held: Sequence[Case], in_sample: 
                 "load": case.load,
                 "flags": case.flags,
                 "rows": rows,
+                "step_speed": step_speed(cal_path, real) if cal_path else None,
             }
         )
     return results
@@ -471,6 +509,19 @@ def render_cases(results: list[dict]) -> str:
             )
     if any(c["case"].endswith(IN_SAMPLE) for c in results):
         lines.append("training runs: in-sample (the twin was fitted to them), not scored")
+    return "\n".join(lines)
+
+
+def render_speeds(results: list[dict]) -> str:
+    """Each held-out case's step speed beside its E2E mean error: a miss the size of the
+    speed's is the launch's speed, not the twin's form."""
+    lines = ["| case | step speed (measured / twin) | E2E mean error |", "|---|---|---|"]
+    for c in results:
+        if c["train"]:
+            continue
+        e2e = next(r["error"] for r in c["rows"] if r["figure"] == "e2e_mean")
+        speed = "-" if c.get("step_speed") is None else f"{c['step_speed']:.2f}"
+        lines.append(f"| {c['case'][:40]} | {speed} | {_pct(e2e)} |")
     return "\n".join(lines)
 
 
@@ -600,7 +651,7 @@ def check(
         pred = out / f"sim-{case.slug}"
         shutil.rmtree(pred, ignore_errors=True)  # reuse predicts again
         timings[f"predict {case.name}"] = predict(case, cal_path, seeds, pred, logs)
-    results = evaluate(out, train, held, in_sample=not train_plan)
+    results = evaluate(out, train, held, in_sample=not train_plan, cal_path=cal_path)
     timings["total_s"] = time.perf_counter() - t_start
     summary = summarize(out, results, held)
     intervals = summary["intervals"]
@@ -622,6 +673,8 @@ def check(
     doc = {"protocol": protocol, "results": results, "score": summary, "timings": timings}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     print(render_cases(results))
+    print()
+    print(render_speeds(results))
     print()
     print(render_score(summary["figures"], intervals))
     print("timings (s):", json.dumps({k: round(v, 1) for k, v in timings.items()}))

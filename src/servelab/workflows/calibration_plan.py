@@ -12,6 +12,9 @@ cost on its own:
   beside it, so the fit's attention-pair price sees the growth with context;
 - **decode**: closed loops at each of ``concurrency`` streams, two requests per stream of
   short prompts and ``DECODE_OUTPUT``-token answers: a decode's price per sequence;
+- **long decode**: up to ``LONG_DECODE_STREAMS`` streams decoding at once after prompts of
+  half ``max_prompt``: the price of reading a long context, which a decode pays per cached
+  token (the short decodes cannot show it, and the prefill rungs' few decodes run alone);
 - **prefix**: ``PREFIX_REQUESTS`` requests one at a time sharing a prefix of half
   ``max_prompt``: the first computes it, the others find it in the prefix cache (where the
   server has one), so cached and computed prompt tokens are told apart.
@@ -50,6 +53,7 @@ PREFILL_REPEATS = 2
 DECODE_PROMPT = 64
 DECODE_OUTPUT = 64
 DECODE_REQUESTS_PER_STREAM = 2
+LONG_DECODE_STREAMS = 4  # enough streams for the read to grow with the batch, few enough for slots
 PREFIX_REQUESTS = 4
 WARMUP_REQUESTS = 2
 WARMUP_OUTPUT = 16
@@ -155,7 +159,10 @@ def ladder(max_prompt: int, concurrency: tuple[int, ...]) -> list[Rung]:
         Rung(f"decode-c{c}", "decode", short, DECODE_OUTPUT, c, DECODE_REQUESTS_PER_STREAM * c)
         for c in sorted(set(concurrency))
     ]
-    shared = max_prompt // 2
+    half = max_prompt // 2
+    c = max((c for c in concurrency if c <= LONG_DECODE_STREAMS), default=min(concurrency))
+    rungs.append(Rung(f"decode-long-c{c}", "decode", half, DECODE_OUTPUT, c, c))
+    shared = half
     rungs.append(
         Rung("prefix", "prefix", shared + start, PREFILL_OUTPUT, 1, PREFIX_REQUESTS, shared)
     )
