@@ -11,6 +11,7 @@ from hypothesis import given, settings
 
 from servelab.engine.kv import block_chain as kv_block_chain
 from servelab.engine.kv import kv_cache
+from servelab.engine.kv.finished_scope import FinishedScopeKVCache, PlainFinishedScopeKVCache
 from servelab.engine.kv.kv_cache import KVCacheManager
 from servelab.engine.kv.kv_cache_plain import PlainKVCache
 
@@ -235,17 +236,23 @@ def test_random_operations_keep_invariants(operations: list[tuple[str, int, int,
     assert m.num_used_blocks == 0 and m.num_free_blocks == m.num_blocks
 
 
+@pytest.mark.parametrize("scope", ["shared", "finished"])
 @pytest.mark.parametrize("seed", range(60))
-def test_the_manager_behaves_like_the_plain_policy(seed: int) -> None:
+def test_the_manager_behaves_like_the_plain_policy(seed: int, scope: str) -> None:
     """Block for block, hit for hit: unique prompts (registered without hashing), shared
     prefixes, the same content computed twice, re-admissions, partial registration,
-    roll-backs of draft blocks, evictions and resets."""
+    roll-backs of draft blocks, evictions and resets; with a cache every request feeds and
+    with one only finished requests feed (llama-server's)."""
     rng = random.Random(seed)
     bs, num_blocks = rng.choice([1, 2, 4]), rng.randint(3, 30)
     vocab = rng.choice([3, 50, 1000])  # 3: everything shares; 1000: almost nothing does
     prefixes = [[rng.randint(0, vocab) for _ in range(12)] for _ in range(4)] + [[]]
-    m, ref = KVCacheManager(num_blocks, bs), PlainKVCache(num_blocks, bs)
     rids = [f"r{i}" for i in range(8)]
+    if scope == "finished":
+        m: KVCacheManager = FinishedScopeKVCache(num_blocks, bs)
+        ref: PlainKVCache = PlainFinishedScopeKVCache(num_blocks, bs)
+    else:
+        m, ref = KVCacheManager(num_blocks, bs), PlainKVCache(num_blocks, bs)
     seqs: dict[str, list[int]] = {}
     gone: dict[str, list[int]] = {}
     for _ in range(150):

@@ -28,6 +28,7 @@ from servelab.engine.detokenizer import Detokenizer
 from servelab.engine.engine_config import EngineConfig
 from servelab.engine.engine_stats import EngineStats
 from servelab.engine.executor import Executor
+from servelab.engine.kv.finished_scope import FinishedScopeKVCache, PlainFinishedScopeKVCache
 from servelab.engine.kv.kv_cache import KVCacheManager
 from servelab.engine.kv.kv_cache_plain import KVCache, PlainKVCache
 from servelab.engine.request import Request, RequestOutput
@@ -48,6 +49,16 @@ log = logging.getLogger(__name__)
 class EngineStepResult:
     outputs: list[RequestOutput]
     record: StepRecord | None  # None when nothing ran
+
+
+def _kv_cache(config: EngineConfig, num_blocks: int) -> KVCache:
+    """The cache ``config`` names: fast or plain, fed by every request or finished ones."""
+    plain = config.kv_cache == "plain"
+    if config.prefix_cache_scope == "finished":
+        cls: type[KVCache] = PlainFinishedScopeKVCache if plain else FinishedScopeKVCache
+    else:
+        cls = PlainKVCache if plain else KVCacheManager
+    return cls(num_blocks, config.block_size, config.enable_prefix_caching)
 
 
 class LLMEngine:
@@ -86,10 +97,7 @@ class LLMEngine:
                 "a proposer needs speculative_config (at least num_speculative_tokens), e.g. "
                 '{"method": "ngram", "num_speculative_tokens": 4}'
             )
-        kv_cls = PlainKVCache if self.config.kv_cache == "plain" else KVCacheManager
-        self.kv_cache: KVCache = kv_cls(
-            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
+        self.kv_cache: KVCache = _kv_cache(self.config, self.num_kv_blocks)
         self.scheduler = Scheduler(self.config, self.kv_cache)
         executor.allocate_kv(self.num_kv_blocks, self.config.block_size)
         self._requests: dict[str, Request] = {}

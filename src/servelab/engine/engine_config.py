@@ -37,6 +37,10 @@ class EngineConfig:
     # Which KV cache runs the policy: "fast" (``kv_cache.KVCacheManager``) or "plain"
     # (``kv_cache_plain.PlainKVCache``, the readable statement it must equal; O(blocks) a call).
     kv_cache: Literal["fast", "plain"] = "fast"
+    # Whose computed prefixes a prompt may reuse: "shared", any request's, running or not
+    # (vLLM, SGLang); "finished", only finished requests' (llama-server's slots and RAM
+    # prompt cache: ``kv.finished_scope``).
+    prefix_cache_scope: Literal["shared", "finished"] = "shared"
 
     def speculative(self) -> SpeculativeConfig | None:
         """The validated speculative config, or None (ValueError if it is malformed)."""
@@ -57,6 +61,11 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.kv_cache not in ("fast", "plain"):
             raise ValueError(f'kv_cache must be "fast" or "plain", got {self.kv_cache!r}')
+        if self.prefix_cache_scope not in ("shared", "finished"):
+            raise ValueError(
+                'prefix_cache_scope must be "shared" or "finished", got '
+                f"{self.prefix_cache_scope!r}"
+            )
         self.speculative()
 
     def resolve(self, executor: Executor) -> tuple[EngineConfig, int, int]:

@@ -113,9 +113,15 @@ DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {
         "page_size 1)",
     ),
     LLAMACPP: (
-        {"enable_chunked_prefill": True, "enable_prefix_caching": True, "block_size": 1},
+        {
+            "enable_chunked_prefill": True,
+            "enable_prefix_caching": True,
+            "block_size": 1,
+            "prefix_cache_scope": "finished",
+        },
         "llama.cpp llama-server defaults (prompts always cut into --batch-size pieces; a "
-        "slot reuses its cached prompt prefix)",
+        "prompt reuses what finished requests left in idle slots and the RAM prompt cache, "
+        "never a running request's: tools/server/server.cpp)",
     ),
 }
 

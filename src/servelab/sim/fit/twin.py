@@ -92,6 +92,7 @@ _CONFIG_KEYS = (
     "block_size",
     "max_model_len",
     "num_kv_blocks",
+    "prefix_cache_scope",
 )
 
 
