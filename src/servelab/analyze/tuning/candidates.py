@@ -128,9 +128,11 @@ def serve_flags(engine: dict[str, Any]) -> str:
             parts.append(cli_flag("num_gpu_blocks_override", v))
         elif k == "speculative_config":
             parts.append(f"--speculative-config {shlex.quote(json.dumps(v))}")
-        elif k in ("kv_cache_memory_gb", "kv_cache"):
+        elif k in ("kv_cache_memory_gb", "kv_cache", "prefix_cache_scope"):
             # The block count says the pool exactly; the KV cache's implementation (the fast
-            # one or its plain reference, which computes the same) is no launch setting.
+            # one or its plain reference, which computes the same) is no launch setting, nor
+            # is the scope of its prefix cache (servelab's is shared; "finished" is how a
+            # twin copies llama-server's).
             continue
         else:
             parts.append(cli_flag(k, v))
