@@ -433,9 +433,9 @@ def evaluate(
 ) -> list[dict]:
     """Every measured case in ``out`` scored (``row``): a case's run is ``real-SLUG``, its
     prediction ``sim-SLUG`` (a training run's: the first training case's); the reference,
-    the training runs' mean, and the twin's prediction of the training case; its step speed
-    against the twin at ``cal_path`` (None: not measured). ``in_sample``: the twin was fitted to the training
-    runs (their rows say so). Cases not run are left out."""
+    the training runs' mean, and the twin's prediction of the training case; its step
+    speed against the twin at ``cal_path`` (None: not measured). ``in_sample``: the twin
+    was fitted to the training runs (their rows say so). Cases not run are left out."""
     trained = [out / f"real-{c.slug}" for c in train if (out / f"real-{c.slug}").is_dir()]
     ref = reference(trained)
     ref_pred = predictions(out / f"sim-{train[0].slug}")
