@@ -159,10 +159,9 @@ def ladder(max_prompt: int, concurrency: tuple[int, ...]) -> list[Rung]:
         Rung(f"decode-c{c}", "decode", short, DECODE_OUTPUT, c, DECODE_REQUESTS_PER_STREAM * c)
         for c in sorted(set(concurrency))
     ]
-    half = max_prompt // 2
-    c = max((c for c in concurrency if c <= LONG_DECODE_STREAMS), default=min(concurrency))
-    rungs.append(Rung(f"decode-long-c{c}", "decode", half, DECODE_OUTPUT, c, c))
-    shared = half
+    shared = max_prompt // 2  # the long decodes' prompts and the prefix rung's shared part
+    streams = max((c for c in concurrency if c <= LONG_DECODE_STREAMS), default=min(concurrency))
+    rungs.append(Rung(f"decode-long-c{streams}", "decode", shared, DECODE_OUTPUT, streams, streams))
     rungs.append(
         Rung("prefix", "prefix", shared + start, PREFILL_OUTPUT, 1, PREFIX_REQUESTS, shared)
     )

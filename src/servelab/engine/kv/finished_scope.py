@@ -100,7 +100,6 @@ class FinishedScope:
         super().__init__(num_blocks, block_size, enable_prefix_caching)  # type: ignore[call-arg]
         self.finished = FinishedPrefixes(num_blocks * block_size)
         self._tokens: dict[str, list[int]] = {}  # each live request's token list (it grows)
-        self._running: set[str] = set()  # requests holding blocks (one took its entry)
 
     def lookup(self, request_id: str, token_ids: list[int]) -> PrefixHit:
         hit: PrefixHit = super().lookup(request_id, token_ids)  # type: ignore[misc]
@@ -111,16 +110,14 @@ class FinishedScope:
         return PrefixHit(hit.blocks[:keep], keep * self.block_size, hit.num_queried_tokens)
 
     def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        admitted = not self.block_table(request_id)  # type: ignore[attr-defined]
         ok: bool = super().allocate(request_id, num_tokens, hit)  # type: ignore[misc]
-        if ok and request_id not in self._running:
-            self._running.add(request_id)
-            if hit is not None and hit.num_tokens:
-                self.finished.continue_best(self._tokens.get(request_id, []))
+        if ok and admitted and hit is not None and hit.num_tokens:
+            self.finished.continue_best(self._tokens.get(request_id, []))
         return ok
 
     def free(self, request_id: str) -> None:
         super().free(request_id)  # type: ignore[misc]
-        self._running.discard(request_id)
         tokens = self._tokens.pop(request_id, None)
         if tokens:
             self.finished.add(tokens)
