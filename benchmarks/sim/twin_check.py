@@ -28,10 +28,16 @@ steps' measured time over the twin's price of each, how fast that launch ran aga
 fit whatever the workload. A case whose figures miss by what its steps ran off is the host's
 speed at that launch, not the form of the twin (docs/design/twin.md).
 
+Before each launch, the **host's speed** (``host_probe``): a fixed probe on the server's
+CPU that reads nothing the server does, each launch's factor against the launches the twin
+was fitted to, and a host-adjusted score beside the protocol's (the same twin, its step
+prices scaled by each case's factor, simulated again). The protocol's score stays the
+plain twin's.
+
 It prints the per-case and summary tables (within 100 columns) and writes ``results.json``.
-The server runs on CPU 1, the client on CPU 0. ``python benchmarks/sim/twin_check.py
-coverage PRED_DIR:RUN_DIR ...`` reports the coverage for any predictions and the runs they
-predicted.
+The server runs on CPU 1 (``SERVER_CPU``), the client on CPU 0. ``python
+benchmarks/sim/twin_check.py coverage PRED_DIR:RUN_DIR ...`` reports the coverage for any
+predictions and the runs they predicted.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import shlex
 import shutil
 import statistics
@@ -49,6 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.sim import host_probe
 from servelab.bench.servers.template import TemplateServer
 from servelab.sim.intervals import FIGURES, measured_figures
 
@@ -71,6 +79,8 @@ MIN_NEW_SHAPES = 3
 MIN_NEW_FLAGS = 2
 MIN_NEW_LOADS = 2
 PLAN_MAX_PROMPT = 2048  # calibrate --plan: past the longest context a case sends (agent, 1.1k)
+SERVER_CPU = 1  # the client takes CPU 0
+HOST = "host"  # out/HOST: the host-adjusted twins and predictions
 
 
 @dataclass(frozen=True)
@@ -430,21 +440,25 @@ def evaluate(
     held: Sequence[Case],
     in_sample: bool,
     cal_path: Path | None = None,
+    preds: Path | None = None,
 ) -> list[dict]:
     """Every measured case in ``out`` scored (``row``): a case's run is ``real-SLUG``, its
-    prediction ``sim-SLUG`` (a training run's: the first training case's); the reference,
-    the training runs' mean, and the twin's prediction of the training case; its step
-    speed against the twin at ``cal_path`` (None: not measured). ``in_sample``: the twin
-    was fitted to the training runs (their rows say so). Cases not run are left out."""
+    prediction ``sim-SLUG`` in ``preds`` (default ``out``; a training run's: the first
+    training case's, always in ``out``); the reference, the training runs' mean, and the
+    twin's prediction of the training case; its step speed against the twin at
+    ``cal_path`` (None: not measured). ``in_sample``: the twin was fitted to the training
+    runs (their rows say so). Cases not run, or not predicted in ``preds``, are left out."""
+    preds = out if preds is None else preds
     trained = [out / f"real-{c.slug}" for c in train if (out / f"real-{c.slug}").is_dir()]
     ref = reference(trained)
     ref_pred = predictions(out / f"sim-{train[0].slug}")
     results: list[dict] = []
     for case in [*train, *held]:
         real = out / f"real-{case.slug}"
-        if not real.is_dir():
+        pred = out / f"sim-{train[0].slug}" if case.train else preds / f"sim-{case.slug}"
+        if not real.is_dir() or not pred.is_dir():
             continue
-        rows = compare(out / f"sim-{(train[0] if case.train else case).slug}", real)
+        rows = compare(pred, real)
         for r in rows:
             r.update(row(r["predicted"], r["measured"], ref[r["figure"]], ref_pred[r["figure"]]))
         results.append(
@@ -462,11 +476,15 @@ def evaluate(
     return results
 
 
-def summarize(out: Path, results: list[dict], held: Sequence[Case]) -> dict:
+def summarize(
+    out: Path, results: list[dict], held: Sequence[Case], preds: Path | None = None
+) -> dict:
     """``results.json``'s ``score``: ``score``'s figures, the stated intervals' coverage on
-    the held-out runs in ``out`` and whether each met its band."""
-    pairs = [(out / f"sim-{c.slug}", out / f"real-{c.slug}") for c in held]
-    intervals = coverage([(p, r) for p, r in pairs if r.is_dir()])
+    the held-out runs in ``out`` (predicted in ``preds``, default ``out``) and whether
+    each met its band."""
+    preds = out if preds is None else preds
+    pairs = [(preds / f"sim-{c.slug}", out / f"real-{c.slug}") for c in held]
+    intervals = coverage([(p, r) for p, r in pairs if r.is_dir() and p.is_dir()])
     return {
         "figures": score(results),
         "intervals": intervals,
@@ -513,15 +531,20 @@ def render_cases(results: list[dict]) -> str:
 
 
 def render_speeds(results: list[dict]) -> str:
-    """Each held-out case's step speed beside its E2E mean error: a miss the size of the
-    speed's is the launch's speed, not the twin's form."""
-    lines = ["| case | step speed (measured / twin) | E2E mean error |", "|---|---|---|"]
+    """Each held-out case's step speed and host factor beside its E2E mean error: a miss
+    the size of the speed's is the launch's speed, not the twin's form, and where the host
+    factor follows it, the host's."""
+    lines = [
+        "| case | step speed (measured / twin) | host factor | E2E mean error |",
+        "|---|---|---|---|",
+    ]
     for c in results:
         if c["train"]:
             continue
         e2e = next(r["error"] for r in c["rows"] if r["figure"] == "e2e_mean")
         speed = "-" if c.get("step_speed") is None else f"{c['step_speed']:.2f}"
-        lines.append(f"| {c['case'][:40]} | {speed} | {_pct(e2e)} |")
+        host = "-" if c.get("host_factor") is None else f"{c['host_factor']:.2f}"
+        lines.append(f"| {c['case'][:40]} | {speed} | {host} | {_pct(e2e)} |")
     return "\n".join(lines)
 
 
@@ -558,15 +581,80 @@ def render_score(figures: dict[str, dict], intervals: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- the host's speed
+
+
+def earlier_probes(out: Path) -> dict[str, dict[str, float]]:
+    """The host probes a previous check of ``out`` recorded (none: an empty dict)."""
+    path = out / "results.json"
+    if not path.is_file():
+        return {}
+    return dict((json.loads(path.read_text()).get("host") or {}).get("probes") or {})
+
+
+def host_adjusted(
+    out: Path, train: Sequence[Case], held: Sequence[Case],
+    probes: dict[str, dict[str, float]], fitted: Sequence[str], cal_path: Path, seeds: int,
+    logs: Path, results: list[dict],
+) -> dict:  # fmt: skip
+    """``results.json``'s ``host``: the probes, each launch's factor against the ``fitted``
+    launches (``host_probe.factors``, also set as each result's ``host_factor``), how well
+    the factors follow the held-out cases' step speeds, and the score of the twin at
+    ``cal_path`` scaled by each held-out case's factor (predicted in ``out/HOST``). Without
+    probes of the fitted launches: the probes only."""
+    host: dict = {"probes": probes, "fitted": list(fitted)}
+    fac = host_probe.factors(probes, fitted)
+    if fac is None:
+        return host
+    host["factors"] = fac
+    slugs = {c.name: c.slug for c in [*train, *held]}
+    for r in results:
+        r["host_factor"] = fac.get(slugs[r["case"].removesuffix(IN_SAMPLE)])
+    pairs = [
+        (r["host_factor"], r["step_speed"])
+        for r in results
+        if not r["train"] and r.get("host_factor") and r.get("step_speed")
+    ]
+    host["speed_correlation"] = log_correlation(pairs)
+    root = out / HOST
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    scored = [c for c in held if c.slug in fac and (out / f"real-{c.slug}").is_dir()]
+    for case in scored:
+        twin = host_probe.write_scaled_twin(
+            cal_path, fac[case.slug], root / f"twin-{case.slug}.json"
+        )
+        predict(case, twin, seeds, root / f"sim-{case.slug}", logs)
+    if scored:
+        adjusted = evaluate(out, train, scored, in_sample=True, preds=root)
+        host["score"] = summarize(out, adjusted, scored, preds=root)
+    return host
+
+
+def log_correlation(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """Pearson's correlation of the logs of ``pairs`` (None under three pairs or with no
+    spread)."""
+    if len(pairs) < 3:
+        return None
+    xs = [math.log(a) for a, _ in pairs]
+    ys = [math.log(b) for _, b in pairs]
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:
+        return None
+
+
 # ---------------------------------------------------------------- the check
 
 
 def serve(
     peer: Peer, case: Case, label: str, out: Path, logs: Path, timings: dict[str, float],
-    health_timeout: float, job: Callable[[str], float],
+    health_timeout: float, job: Callable[[str], float], probes: dict[str, dict[str, float]],
 ) -> None:  # fmt: skip
-    """Launch a server with ``case``'s flags, warm it up, empty its prefix cache (the
-    warm-up's prompts are not the case's) and run ``job(url)`` on it; stop it."""
+    """Probe the host's speed on the server's CPU into ``probes[label]``, launch a server
+    with ``case``'s flags, warm it up, empty its prefix cache (the warm-up's prompts are
+    not the case's) and run ``job(url)`` on it; stop it."""
+    probes[label] = host_probe.measure(SERVER_CPU)
     t0 = time.perf_counter()
     server = TemplateServer(
         peer.template, logs / f"{peer.name}-{label}.log", peer.model, case.flags
@@ -616,11 +704,12 @@ def check(
     logs.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     timings = {} if timings is None else timings
+    probes = earlier_probes(out) if reuse else {}
 
     for label, case in [] if reuse else launches(train, held):
         real = out / f"real-{case.slug}"
         serve(peer, case, label, out, logs, timings, health_timeout,
-               lambda url, c=case, d=real: bench(peer, c, url, d, logs))  # fmt: skip
+               lambda url, c=case, d=real: bench(peer, c, url, d, logs), probes)  # fmt: skip
     trained = [out / f"real-{c.slug}" for c in train if (out / f"real-{c.slug}").is_dir()]
     if not trained:
         raise SystemExit(f"no training run in {out}")
@@ -636,7 +725,7 @@ def check(
                             stated, "--out", str(out / "plan")],
                            logs / "calibrate-plan.log")  # fmt: skip
 
-            serve(peer, train[0], "plan", out, logs, timings, health_timeout, ladder)
+            serve(peer, train[0], "plan", out, logs, timings, health_timeout, ladder, probes)
     if train_plan:
         cal_path = plan_twin
     else:
@@ -652,6 +741,8 @@ def check(
         shutil.rmtree(pred, ignore_errors=True)  # reuse predicts again
         timings[f"predict {case.name}"] = predict(case, cal_path, seeds, pred, logs)
     results = evaluate(out, train, held, in_sample=not train_plan, cal_path=cal_path)
+    fitted = (["plan"] if ladder_used else []) + ([] if train_plan else [c.slug for c in train])
+    host = host_adjusted(out, train, held, probes, fitted, cal_path, seeds, logs, results)
     timings["total_s"] = time.perf_counter() - t_start
     summary = summarize(out, results, held)
     intervals = summary["intervals"]
@@ -670,13 +761,19 @@ def check(
         "length_scale": float(LENGTH_SCALE),
         "sim_seeds": seeds,
     }
-    doc = {"protocol": protocol, "results": results, "score": summary, "timings": timings}
+    doc = {
+        "protocol": protocol, "results": results, "score": summary, "host": host,
+        "timings": timings,
+    }  # fmt: skip
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     print(render_cases(results))
     print()
     print(render_speeds(results))
     print()
     print(render_score(summary["figures"], intervals))
+    if host.get("score"):
+        print("\nhost-adjusted (each case's twin scaled by its host factor; not the score):")
+        print(render_score(host["score"]["figures"], host["score"]["intervals"]))
     print("timings (s):", json.dumps({k: round(v, 1) for k, v in timings.items()}))
     return doc
 

@@ -36,12 +36,20 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.common import ROOT
-from benchmarks.sim.twin_check import Case, Peer, add_check_arguments, check, select, training
+from benchmarks.sim.twin_check import (
+    SERVER_CPU,
+    Case,
+    Peer,
+    add_check_arguments,
+    check,
+    select,
+    training,
+)
 
 LLAMA_SERVER = str(ROOT / ".venv-peers" / "llama.cpp" / "build" / "bin" / "llama-server")
 SERVED = "smollm2-135m"
 TEMPLATE = (
-    "taskset -c 1 {server} -m {{model}} --alias {served} --host {{host}} --port {{port}} "
+    "taskset -c {cpu} {server} -m {{model}} --alias {served} --host {{host}} --port {{port}} "
     "--threads 1 --metrics {{flags}}"
 )
 
@@ -107,7 +115,7 @@ def main() -> None:
     gguf = args.gguf or default_gguf()
     peer = Peer(
         name="llama-server",
-        template=TEMPLATE.format(server=args.server, served=SERVED),
+        template=TEMPLATE.format(cpu=SERVER_CPU, server=args.server, served=SERVED),
         stated=f"llama-server -m {gguf} --alias {SERVED}",
         model=gguf,
         tokenizer=gguf,

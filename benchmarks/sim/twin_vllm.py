@@ -34,6 +34,7 @@ from pathlib import Path
 from benchmarks.common import ROOT
 from benchmarks.sim.twin_check import (
     SERVELAB,
+    SERVER_CPU,
     Case,
     Peer,
     add_check_arguments,
@@ -102,7 +103,7 @@ def vllm_peer(python: str, weights: Path) -> Peer:
 
     peer = Peer(
         name="vllm",
-        template=TEMPLATE.format(cpu=1, python=python, served=SERVED),
+        template=TEMPLATE.format(cpu=SERVER_CPU, python=python, served=SERVED),
         stated=f"vllm serve {weights}",
         model=str(weights),
         tokenizer=str(weights),
