@@ -345,7 +345,7 @@ def test_twin_check_reports_coverage_and_width_from_run_directories(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     res = subprocess.run(
-        [sys.executable, str(repo / "benchmarks/sim/twin_check.py"), "coverage",
+        [sys.executable, "-m", "benchmarks.sim.twin_check", "coverage",
          pair(0, 1.0), pair(1, 1.2), pair(2, 1.5)],
         capture_output=True, text=True, cwd=repo,
     )  # fmt: skip
@@ -361,7 +361,7 @@ def test_twin_check_reports_coverage_and_width_from_run_directories(tmp_path):
     assert got["95"]["coverage"] == pytest.approx(2 / 3)
     assert got["95"]["median_width"] == pytest.approx(0.45)
     bad = subprocess.run(
-        [sys.executable, str(repo / "benchmarks/sim/twin_check.py"), "coverage", "nope"],
+        [sys.executable, "-m", "benchmarks.sim.twin_check", "coverage", "nope"],
         capture_output=True, text=True, cwd=repo,
     )  # fmt: skip
     assert bad.returncode != 0 and "PRED_DIR:RUN_DIR" in bad.stderr

@@ -35,8 +35,8 @@ prices scaled by each case's factor, simulated again). The protocol's score stay
 plain twin's.
 
 It prints the per-case and summary tables (within 100 columns) and writes ``results.json``.
-The server runs on CPU 1 (``SERVER_CPU``), the client on CPU 0. ``python
-benchmarks/sim/twin_check.py coverage PRED_DIR:RUN_DIR ...`` reports the coverage for any
+The server runs on CPU 1 (``SERVER_CPU``), the client on CPU 0. ``python -m
+benchmarks.sim.twin_check coverage PRED_DIR:RUN_DIR ...`` reports the coverage for any
 predictions and the runs they predicted.
 """
 
@@ -779,7 +779,8 @@ def check(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``twin_check.py coverage PRED_DIR:RUN_DIR ...``: the coverage and width report."""
+    """``python -m benchmarks.sim.twin_check coverage PRED_DIR:RUN_DIR ...``: the coverage
+    and width report."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     cov = sub.add_parser("coverage", help="intervals' coverage on held-out runs")
