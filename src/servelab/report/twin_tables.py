@@ -41,7 +41,8 @@ def prediction_table(pred: Any, title: str) -> Table:
 
 def calibration_table(cal: dict[str, Any]) -> Table:
     """A twin calibration (``TwinCalibration`` as a dict): settings with their sources, the
-    fitted step cost, the API's time and the fit's error on the run it came from."""
+    fitted step cost, the API's time, the first step's share of a burst and the fit's error
+    on the run it came from."""
     table = Table(title=f"twin of {cal['server']} serving {cal['model']}", show_header=False)
     table.add_column("what")
     table.add_column("value", overflow="fold")
@@ -65,6 +66,13 @@ def calibration_table(cal: dict[str, Any]) -> Table:
             else ")"
         ),
     )
+    share = cal.get("burst_share")
+    if share is not None:
+        table.add_row(
+            "first step of a burst",
+            f"{share:.0%} of the requests sent at once to the idle server (the rest: the "
+            "next step)",
+        )
     err = cal["fit"]["error_on_training_steps"]
     inf = cal["fit"]["inference"]
     over = f"{err['steps']} steps" if "steps" in err else f"{err['windows']} request windows"

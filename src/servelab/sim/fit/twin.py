@@ -40,7 +40,8 @@ the others and turns the figures' errors into 80% and 95% interval half-widths
 (``intervals``; ``calibrate_runs`` leaves them None). The calibration file also
 records the tokenizer that counted the served model's tokens (``run_tokenizer``) and what
 the runs spanned (``domain_of``), which ``servelab sim`` checks a scenario against
-(``outside_domain``).
+(``outside_domain``), and how much of a burst an idle server's first step took
+(``burst_share``, :mod:`servelab.sim.fit.first_step`), which the twin's serving path replays.
 
 The scheduler settings are the server's (:mod:`servelab.analyze.server_side.serversettings`: what it
 reports, the launch command, what the user stated, published defaults), then the defaults of
@@ -73,7 +74,9 @@ from servelab.analyze.server_side.stepinfer import InferredStep, SeqWork, StepIn
 from servelab.engine.engine_config import EngineConfig
 from servelab.rundir import LACKS_TOKEN_TIMES, Run
 from servelab.sim.costs.noise import StepNoise
+from servelab.sim.costs.serving_path import ServingPath
 from servelab.sim.costs.work import StepWork, decode_work
+from servelab.sim.fit.first_step import burst_share
 from servelab.sim.sim_target import SimTarget
 
 FORMAT = "servelab-twin/1"
@@ -361,6 +364,7 @@ class TwinCalibration:
     tokenizer: str | None = None  # what counts the served model's tokens (run_tokenizer)
     domain: dict[str, list[int]] | None = None  # what the calibration runs spanned (domain_of)
     intervals: dict[str, Any] | None = None  # out-of-sample half-widths (sim.fit.held_out)
+    burst_share: float | None = None  # of a burst, what the first step took (sim.fit.first_step)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -388,6 +392,9 @@ class TwinCalibration:
             speed = math.exp(random.Random(f"twin-speed:{draw}").gauss(0.0, spread))
             coef = {k: v * speed for k, v in coef.items()}
         cfg = EngineConfig(**self.engine_config)
+        path = None
+        if self.burst_share is not None and self.burst_share < 1:
+            path = ServingPath(burst_share=self.burst_share, source="the twin's runs")
         return SimTarget(
             cost_model=TwinCostModel(coef, f"twin:{self.server}:{self.model}"),
             engine_config=cfg,
@@ -395,6 +402,7 @@ class TwinCalibration:
             kv_bytes_per_token=self.kv_bytes_per_token,
             label=f"twin:{self.server}:{self.model}",
             step_noise=StepNoise.from_dict(self.noise) if self.noise else None,
+            serving_path=path,
             info={
                 "twin_of": self.run,
                 "server": self.server,
@@ -655,6 +663,7 @@ def calibrate_runs(
         form_spread=fit.form_spread,
         tokenizer=run_tokenizer(first, name),
         domain={**domain_of([r for run in runs for r in run.records]), **ranges},
+        burst_share=burst_share([run.records for run in runs], budget),
     )
 
 

@@ -21,7 +21,9 @@ Invariants:
   by ``output_steps`` of the replica's step before the one that made it (the engine's
   pace: a step's output is processed while the next step runs, and a prefill step is
   followed by decode steps like the one before it), never before the request's previous
-  chunk; without one, chunks reach the client when their step ends.
+  chunk; without one, chunks reach the client when their step ends. Of the requests that
+  reach an idle deployment at one instant, ``ServingPath.first_step`` (drawn by the seed) go
+  to the engine then and the rest an instant later, after its first step has started.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import gc
 import heapq
 import itertools
 import math
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass, field, replace
@@ -201,6 +204,8 @@ class Simulation:
         # Off: every step through ``engine.step``, the reference the bursts are tested against.
         self.decode_bursts = decode_bursts
         self.num_burst_steps = 0
+        # Which requests of a burst the server hands over first is a race: each seed draws it.
+        self._hand_over = random.Random(f"hand-over:{sim_seed}")
         topo = self.topology
         # Replica i draws from seed sim_seed * 100_000 + i (step noise, speculative acceptance).
         seeds = itertools.count(sim_seed * 100_000)
@@ -290,6 +295,29 @@ class Simulation:
         idx = router.route(c.req.prompt_token_ids, [r.outstanding for r in pool])
         max_tokens = 1 if self.back else c.req.max_tokens
         self._add(pool[idx], c, t, c.req.prompt_token_ids, max_tokens)
+
+    def _arrive_burst(self, t: float, rid: str) -> None:
+        """``rid``'s arrival at ``t``; where the deployment is idle and its serving path hands
+        a burst over in part, with every other arrival at ``t``, in an order the seed draws:
+        the first of them arrive, the rest an instant later (after the first step started)."""
+        path, events = self.path, self._events
+        if (
+            path is None
+            or path.burst_share >= 1
+            or any(r.engine.has_unfinished() for r in self.replicas)
+        ):
+            self._arrive(t, rid)
+            return
+        burst = [rid]
+        while events and events[0][0] == t and events[0][2] == _ARRIVE:
+            burst.append(heapq.heappop(events)[3])
+        self._hand_over.shuffle(burst)
+        keep = path.first_step(len(burst))
+        for r in burst[:keep]:
+            self._arrive(t, r)
+        later = math.nextafter(t, math.inf)
+        for r in burst[keep:]:
+            self._push(later, _ARRIVE, r)
 
     def _transfer_done(self, t: float, rid: str) -> None:
         c = self._clients[rid]
@@ -497,7 +525,7 @@ class Simulation:
                 if kind == _SEND:
                     self._send(t, *payload)
                 elif kind == _ARRIVE:
-                    self._arrive(t, payload)
+                    self._arrive_burst(t, payload)
                 elif kind == _TRANSFER:
                     self._transfer_done(t, payload)
                 else:

