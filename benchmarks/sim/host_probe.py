@@ -1,7 +1,7 @@
 """The host's own speed beside each launch: a probe that reads nothing the server does.
 
 This machine's speed wanders over minutes (docs/design/sim.md, twin.md): one decode took
-23 ms on one launch and 35 ms on another an hour later, and within one held-out run the
+23 ms on one launch and 35 ms on another ten minutes later, and within one held-out run the
 cases' step speeds rose from 0.93 to 1.18 of the fit. No twin fitted before a launch can
 know that; what can be known is the host's speed at the launch, measured the way this
 project measures a machine's limits, in the same run.
@@ -15,7 +15,10 @@ price (the fit and each bootstrap draw) is multiplied by a factor: the same twin
 that much slower, simulated again rather than its figures scaled, so queueing follows.
 
 The protocol's score stays the plain twin's; the host-adjusted score is reported beside
-it, as a measure of how much of a miss was the host's (docs/design/twin.md).
+it, as a measure of how much of a miss was the host's (docs/design/twin.md). On the four
+runs it has been beside so far the host did not drift and the factors did not follow the
+step speeds (a few percent of the probe's own noise): it is a record beside each launch,
+not a correction, until a run the host drifts through shows what it sees.
 """
 
 from __future__ import annotations
