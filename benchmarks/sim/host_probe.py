@@ -23,8 +23,8 @@ not a correction, until a run the host drifts through shows what it sees.
 
 from __future__ import annotations
 
+import copy
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -62,7 +62,7 @@ def measure(cpu: int) -> dict[str, float]:
 
 def speed(probe: Mapping[str, float]) -> float:
     """One number per probe: the geometric mean of its parts' times."""
-    return math.exp(statistics.fmean(math.log(probe[p]) for p in PARTS))
+    return statistics.geometric_mean(probe[p] for p in PARTS)
 
 
 def factors(
@@ -82,7 +82,7 @@ def scaled_twin(twin: Mapping[str, Any], factor: float) -> dict[str, Any]:
     """``twin`` (a twin file's JSON) with its step prices and every bootstrap draw's
     multiplied by ``factor``; everything else (relative spreads, the API's own time, the
     settings) as it was."""
-    doc = json.loads(json.dumps(twin))
+    doc = copy.deepcopy(dict(twin))
     doc["cost"] = {k: v * factor for k, v in doc["cost"].items()}
     doc["bootstrap"] = [{k: v * factor for k, v in b.items()} for b in doc.get("bootstrap", [])]
     return doc
