@@ -214,6 +214,17 @@ def test_vllm_and_llama_server_run_the_same_cases_where_the_flags_translate():
     ]
 
 
+def test_held_out_cases_can_be_planned_from_new_seeds_and_still_clear_training():
+    fresh = tc.select(twin_llamacpp.HELD_OUT, "all", {}, seed_from=201)
+    assert [c.seed for c in fresh] == list(range(201, 201 + len(twin_llamacpp.HELD_OUT)))
+    assert [c.name for c in fresh] == [c.name for c in twin_llamacpp.HELD_OUT]
+    # a subset keeps each case's place in the list, so its seed does not depend on --cases
+    assert [c.seed for c in tc.select(twin_llamacpp.HELD_OUT, "chat c8", {}, 201)] == [206]
+    assert not tc.protocol_problems([TRAIN], fresh, tc.plan_seeds())
+    clash = tc.select(twin_llamacpp.HELD_OUT, "all", {}, seed_from=1)
+    assert any("seed 1 was used in training" in p for p in tc.protocol_problems([TRAIN], clash))
+
+
 def test_the_ladder_and_the_training_runs_are_fitted_together_without_the_warm_up(tmp_path):
     from dataclasses import asdict
 

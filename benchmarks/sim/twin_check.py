@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import shlex
@@ -186,16 +187,26 @@ def launches(train: Sequence[Case], held: Sequence[Case]) -> list[tuple[str, Cas
     return [(c.slug, c) for c in [*train, *held]]
 
 
-def select(held: Sequence[Case], text: str, named: dict[str, tuple[str, ...]]) -> list[Case]:
+def select(
+    held: Sequence[Case],
+    text: str,
+    named: dict[str, tuple[str, ...]],
+    seed_from: int | None = None,
+) -> list[Case]:
     """The held-out cases ``--cases`` asks for: ``all``, a name of ``named`` (a subset) or
-    case names joined by commas. SystemExit naming an unknown case."""
+    case names joined by commas; with ``seed_from`` (``--held-seeds``), the k-th case of
+    ``held`` planned from seed ``seed_from + k`` instead of its own (new requests for every
+    case). SystemExit naming an unknown case."""
     wanted = named.get(text) or (
         tuple(c.name for c in held) if text == "all" else tuple(text.split(","))
     )
     unknown = sorted(set(wanted) - {c.name for c in held})
     if unknown:
         raise SystemExit(f"--cases: no case named {', '.join(unknown)}")
-    return [c for c in held if c.name in wanted]
+    chosen = [(k, c) for k, c in enumerate(held) if c.name in wanted]
+    if seed_from is None:
+        return [c for _, c in chosen]
+    return [dataclasses.replace(c, seed=seed_from + k) for k, c in chosen]
 
 
 def training(case: Case, runs: int) -> list[Case]:
@@ -228,6 +239,13 @@ def add_check_arguments(ap: argparse.ArgumentParser, health_timeout: float) -> N
         action="store_true",
         help="fit the twin to the ladder's rungs and the training runs together (one "
         "`servelab calibrate` of them all; the ladder runs first unless --reuse finds it)",
+    )
+    ap.add_argument(
+        "--held-seeds",
+        type=int,
+        default=None,
+        metavar="FROM",
+        help="plan the held-out cases from seeds FROM, FROM+1, ... instead of their own",
     )
     ap.add_argument("--health-timeout", type=float, default=health_timeout)
     ap.add_argument(

@@ -122,7 +122,7 @@ def main() -> None:
         reset=None,
         warm_up=warm_up,
     )
-    held = select(HELD_OUT, args.cases, {})
+    held = select(HELD_OUT, args.cases, {}, args.held_seeds)
     train = training(TRAIN, args.train_runs)
     check(peer, train, held, Path(args.out), args.seeds, args.health_timeout, args.reuse,
           train_plan=args.train_plan, train_plan_and_runs=args.train_plan_and_runs)  # fmt: skip

@@ -129,7 +129,7 @@ def main() -> None:
         out / "logs" / "export.log",
         timings,
     )
-    held = select(HELD_OUT, args.cases, {"smoke": SMOKE})
+    held = select(HELD_OUT, args.cases, {"smoke": SMOKE}, args.held_seeds)
     train = training(TRAIN, args.train_runs)
     peer = vllm_peer(args.vllm_python, weights)
     check(peer, train, held, out, args.seeds, args.health_timeout, args.reuse, timings,

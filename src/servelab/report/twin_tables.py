@@ -66,12 +66,13 @@ def calibration_table(cal: dict[str, Any]) -> Table:
             else ")"
         ),
     )
-    share = cal.get("burst_share")
-    if share is not None:
+    steps = cal.get("first_steps")
+    if steps:
+        shares = ", ".join(f"{share:.0%} at {tokens:.0f}" for tokens, share in steps)
         table.add_row(
             "first step of a burst",
-            f"{share:.0%} of the requests sent at once to the idle server (the rest: the "
-            "next step)",
+            f"{shares} prompt tokens (of the requests sent at once to the idle server; the "
+            "rest: the next step)",
         )
     err = cal["fit"]["error_on_training_steps"]
     inf = cal["fit"]["inference"]

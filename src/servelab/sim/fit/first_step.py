@@ -9,17 +9,24 @@ one request of four in six of nine runs, llama-server's two of four in six of ni
 it in one step: every first token comes together, late for the first requests and early
 for the rest.
 
-``first_step_share`` reads one run's share: where its first requests were sent within
-``BURST_WINDOW_S`` of each other (two or more, all completed, their prompts together within
-the server's token budget, so that the scheduler itself could have taken them all), the
-share whose first token came with the earliest (within ``SAME_STEP_REL`` of its latency, or
-``SAME_STEP_S``). ``burst_share`` is the median over runs that have such a burst; a twin
-states it in its serving path (``sim.costs.serving_path.ServingPath.burst_share``).
+How much the front end hands over depends on the requests: llama-server's first step took
+every one of four 64-token prompts in every run, and two or three of four chat, agent or
+RAG prompts (100-800 tokens). So each burst's share is kept with its prompts' mean length,
+and a prediction uses the shares of the bursts nearest in length
+(``sim.costs.serving_path.ServingPath.share_for``).
+
+``first_step`` reads one run's opening burst: where its first requests were sent within
+``BURST_WINDOW_S`` of each other (two or more, all completed), the share of them whose
+first token came with the earliest (within ``SAME_STEP_REL`` of its latency, or
+``SAME_STEP_S``), out of as many as the server's sequence cap lets one step hold. A burst
+whose first step was full says nothing of the hand-over: where the step left some out and
+the smallest of them would not have fitted the token budget beside those it took, the run
+has no share. ``first_steps`` gathers them over runs; a twin states them
+(``TwinCalibration.first_steps``) and its serving path replays them.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,10 +35,11 @@ SAME_STEP_REL = 0.05  # first tokens this close (relative to the earliest's late
 SAME_STEP_S = 0.002  # ... or this close came out of one step
 
 
-def first_step_share(records: Sequence[Any], budget: int | None) -> float | None:
-    """The share of a run's opening burst that its first step took (module doc); None
-    where the run opens with no burst of two or more complete requests within ``budget``
-    prompt tokens (None: no budget known)."""
+def first_step(records: Sequence[Any], budget: int | None, slots: int | None) -> list[float] | None:
+    """``[mean prompt tokens, share]`` of a run's opening burst (module doc): the share its
+    first step took of the burst, or of ``slots`` where the burst is larger. None where the
+    run opens with no burst of two or more complete requests, or its first step was full
+    (the rest would not have fitted ``budget`` prompt tokens; None: no budget known)."""
     sent = sorted((r for r in records if r.actual_send is not None), key=lambda r: r.actual_send)
     if len(sent) < 2:
         return None
@@ -39,17 +47,22 @@ def first_step_share(records: Sequence[Any], budget: int | None) -> float | None
     burst = [r for r in sent if r.actual_send - start <= BURST_WINDOW_S]
     if len(burst) < 2 or not all(r.ok and r.ttft is not None for r in burst):
         return None
-    if budget is not None and sum(r.input_tokens for r in burst) > budget:
+    earliest = min(r.actual_send + r.ttft for r in burst)
+    same = max(SAME_STEP_S, SAME_STEP_REL * (earliest - start))
+    firsts = [r.actual_send + r.ttft - earliest <= same for r in burst]
+    took = [r.input_tokens for r, first in zip(burst, firsts, strict=True) if first]
+    left = [r.input_tokens for r, first in zip(burst, firsts, strict=True) if not first]
+    room = min(len(burst), slots) if slots else len(burst)
+    if left and len(took) < room and (budget is None or sum(took) + min(left) > budget):
         return None
-    firsts = [r.actual_send + r.ttft for r in burst]
-    earliest = min(firsts)
-    latency = earliest - start
-    same = max(SAME_STEP_S, SAME_STEP_REL * latency)
-    return sum(1 for f in firsts if f - earliest <= same) / len(burst)
+    mean_prompt = sum(r.input_tokens for r in burst) / len(burst)
+    return [mean_prompt, min(1.0, len(took) / room)]
 
 
-def burst_share(runs: Sequence[Sequence[Any]], budget: int | None) -> float | None:
-    """The median ``first_step_share`` over the runs (each a sequence of client records)
-    that open with a burst; None where none does."""
-    shares = [s for records in runs if (s := first_step_share(records, budget)) is not None]
-    return statistics.median(shares) if shares else None
+def first_steps(
+    runs: Sequence[Sequence[Any]], budget: int | None, slots: int | None
+) -> list[list[float]] | None:
+    """Every run's ``first_step`` (each a sequence of client records) that has one, by
+    prompt length; None where none has."""
+    found = [s for records in runs if (s := first_step(records, budget, slots)) is not None]
+    return sorted(found) or None

@@ -41,7 +41,8 @@ the others and turns the figures' errors into 80% and 95% interval half-widths
 records the tokenizer that counted the served model's tokens (``run_tokenizer``) and what
 the runs spanned (``domain_of``), which ``servelab sim`` checks a scenario against
 (``outside_domain``), and how much of a burst an idle server's first step took
-(``burst_share``, :mod:`servelab.sim.fit.first_step`), which the twin's serving path replays.
+by the length of its prompts (``first_steps``, :mod:`servelab.sim.fit.first_step`), which the
+twin's serving path replays.
 
 The scheduler settings are the server's (:mod:`servelab.analyze.server_side.serversettings`: what it
 reports, the launch command, what the user stated, published defaults), then the defaults of
@@ -76,7 +77,7 @@ from servelab.rundir import LACKS_TOKEN_TIMES, Run
 from servelab.sim.costs.noise import StepNoise
 from servelab.sim.costs.serving_path import ServingPath
 from servelab.sim.costs.work import StepWork, decode_work
-from servelab.sim.fit.first_step import burst_share
+from servelab.sim.fit.first_step import first_steps
 from servelab.sim.sim_target import SimTarget
 
 FORMAT = "servelab-twin/1"
@@ -364,7 +365,8 @@ class TwinCalibration:
     tokenizer: str | None = None  # what counts the served model's tokens (run_tokenizer)
     domain: dict[str, list[int]] | None = None  # what the calibration runs spanned (domain_of)
     intervals: dict[str, Any] | None = None  # out-of-sample half-widths (sim.fit.held_out)
-    burst_share: float | None = None  # of a burst, what the first step took (sim.fit.first_step)
+    # [mean prompt tokens, share] of each burst's first step (sim.fit.first_step)
+    first_steps: list[list[float]] | None = None
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -378,6 +380,9 @@ class TwinCalibration:
         doc = json.loads(p.read_text())
         if doc.pop("format", None) != FORMAT:
             raise ValueError(f"{p} is not a servelab twin calibration ({FORMAT})")
+        if "burst_share" in doc:  # written before shares were kept by prompt length
+            share = doc.pop("burst_share")
+            doc.setdefault("first_steps", None if share is None else [[1.0, share]])
         return cls(**doc)
 
     def target(self, draw: int = 0) -> SimTarget:
@@ -393,8 +398,9 @@ class TwinCalibration:
             coef = {k: v * speed for k, v in coef.items()}
         cfg = EngineConfig(**self.engine_config)
         path = None
-        if self.burst_share is not None and self.burst_share < 1:
-            path = ServingPath(burst_share=self.burst_share, source="the twin's runs")
+        if self.first_steps and any(share < 1 for _, share in self.first_steps):
+            steps = tuple((tokens, share) for tokens, share in self.first_steps)
+            path = ServingPath(first_steps=steps, source="the twin's runs")
         return SimTarget(
             cost_model=TwinCostModel(coef, f"twin:{self.server}:{self.model}"),
             engine_config=cfg,
@@ -663,7 +669,7 @@ def calibrate_runs(
         form_spread=fit.form_spread,
         tokenizer=run_tokenizer(first, name),
         domain={**domain_of([r for run in runs for r in run.records]), **ranges},
-        burst_share=burst_share([run.records for run in runs], budget),
+        first_steps=first_steps([r.records for r in runs], budget, config.get("max_num_seqs")),
     )
 
 

@@ -22,8 +22,9 @@ Invariants:
   pace: a step's output is processed while the next step runs, and a prefill step is
   followed by decode steps like the one before it), never before the request's previous
   chunk; without one, chunks reach the client when their step ends. Of the requests that
-  reach an idle deployment at one instant, ``ServingPath.first_step`` (drawn by the seed) go
-  to the engine then and the rest an instant later, after its first step has started.
+  reach an idle deployment at one instant, ``ServingPath.first_step`` of them (for their
+  prompts' mean length and the deployment's sequence cap; which ones, the seed draws) go to
+  the engine then and the rest an instant later, after its first step has started.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import heapq
 import itertools
 import math
 import random
+import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass, field, replace
@@ -233,6 +235,7 @@ class Simulation:
         self.replicas = self.front + self.back
         # Every replica of a deployment is one target's, so one server path for all.
         self.path = self.front[0].executor.serving_path
+        self.slots = sum(r.engine.config.max_num_seqs for r in self.front)
         self.lag = self.path.output_steps if self.path is not None else 0.0
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -303,7 +306,7 @@ class Simulation:
         path, events = self.path, self._events
         if (
             path is None
-            or path.burst_share >= 1
+            or not path.first_steps
             or any(r.engine.has_unfinished() for r in self.replicas)
         ):
             self._arrive(t, rid)
@@ -312,7 +315,8 @@ class Simulation:
         while events and events[0][0] == t and events[0][2] == _ARRIVE:
             burst.append(heapq.heappop(events)[3])
         self._hand_over.shuffle(burst)
-        keep = path.first_step(len(burst))
+        prompt = statistics.fmean(len(self._clients[r].req.prompt_token_ids) for r in burst)
+        keep = path.first_step(len(burst), prompt, self.slots)
         for r in burst[:keep]:
             self._arrive(t, r)
         later = math.nextafter(t, math.inf)
