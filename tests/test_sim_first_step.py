@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import rundirs
+from rich.console import Console
 
 from servelab.engine.engine_config import EngineConfig
+from servelab.report.twin_tables import calibration_table
 from servelab.rundir import load_run
 from servelab.sim.costs.serving_path import ServingPath
 from servelab.sim.fit.first_step import first_step, first_steps
@@ -132,3 +135,12 @@ def test_a_twin_file_with_one_share_for_every_burst_loads_as_one_length(tmp_path
     assert old.first_steps == [[1.0, 0.25]]
     path = old.target().serving_path
     assert path is not None and path.first_step(4, 800) == 1
+
+
+def test_the_calibration_table_states_each_lengths_first_steps_once():
+    doc = json.loads(GOLDEN.read_text())
+    doc["first_steps"] = [[64.0, 1.0], [64.0, 1.0], [178.75, 0.25], [178.75, 0.5]]
+    console = Console(file=io.StringIO(), width=400)
+    console.print(calibration_table(doc))
+    printed = " ".join(console.file.getvalue().split())
+    assert "100%/100% at 64; 25%/50% at 179 prompt tokens" in printed

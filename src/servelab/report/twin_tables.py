@@ -68,7 +68,13 @@ def calibration_table(cal: dict[str, Any]) -> Table:
     )
     steps = cal.get("first_steps")
     if steps:
-        shares = ", ".join(f"{share:.0%} at {tokens:.0f}" for tokens, share in steps)
+        by_length: dict[float, list[float]] = {}
+        for tokens, share in steps:
+            by_length.setdefault(round(tokens), []).append(share)
+        shares = "; ".join(
+            f"{'/'.join(f'{s:.0%}' for s in found)} at {tokens:.0f}"
+            for tokens, found in sorted(by_length.items())
+        )
         table.add_row(
             "first step of a burst",
             f"{shares} prompt tokens (of the requests sent at once to the idle server; the "
