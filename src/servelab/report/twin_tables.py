@@ -68,7 +68,7 @@ def calibration_table(cal: dict[str, Any]) -> Table:
     )
     steps = cal.get("first_steps")
     if steps:
-        by_length: dict[float, list[float]] = {}
+        by_length: dict[int, list[float]] = {}
         for tokens, share in steps:
             by_length.setdefault(round(tokens), []).append(share)
         shares = "; ".join(
